@@ -1,0 +1,265 @@
+"""Pipeline-aware activation-memory budget assignment (Algorithm 1 of BaGuaLu-2, §V-A).
+
+One :class:`BudgetAssigner` lives on one pipeline stage for one training iteration. It hands out the activation
+budget (in bytes) of the next forward micro-batch and is told, after each forward, how many bytes that micro-batch
+*actually* keeps in flight, and, after each backward, which micro-batch released its activations. Pure stdlib: no
+torch, no numpy, no I/O.
+
+Notation (paper -> code): ``M_max`` -> ``m_max_bytes`` (bytes available for activations on this stage), ``M_0`` ->
+``m0_bytes`` (floor of one micro-batch: full recompute keeps only the block input), ``B`` -> ``num_microbatches``,
+``B_w`` -> ``num_warmup`` (forwards that stack before the first backward frees memory, i.e. the in-flight count of a
+1F1B schedule).
+
+Budgets
+-------
+Let ``in_flight`` be the *measured* bytes of the micro-batches whose forward was recorded and whose backward was not
+(re-basing on actual bytes, paper lines 7 and 14), and ``launched`` the number of recorded forwards.
+
+* Warmup (``launched < B_w``), with ``k = B_w - launched`` warmup batches not yet launched (this one included)::
+
+      budget = (M_max - in_flight) // k  ==  M_0 + (M_max - in_flight - k * M_0) // k
+
+  i.e. the remaining capacity split evenly over the not-yet-launched warmup batches, reserving ``M_0`` for each.
+* Steady (``B_w <= launched < B``): each forward follows a backward, and all bytes not in flight go to it::
+
+      budget = M_max - in_flight
+
+A budget is clamped at 0 when recorded overruns left ``in_flight`` above ``M_max``.
+
+Guarantees (proof)
+------------------
+(1) *If every recorded forward fits the budget in force when it was recorded, in-flight bytes never exceed M_max.*
+Both formulas give ``budget <= M_max - in_flight`` (warmup divides a non-negative number by ``k >= 1``), so a forward
+that fits leaves ``in_flight + actual <= M_max``; backwards only lower ``in_flight``.
+
+(2) *Warmup budgets are >= M_0.* Claim: before the warmup forward with ``k`` batches left,
+``M_max - in_flight >= k * M_0``. For the first forward ``k = B_w``, ``in_flight = 0`` and construction requires
+``M_max >= B_w * M_0``. Step: with ``R = M_max - in_flight >= k * M_0`` the budget is ``R // k >= M_0``, and a fitting
+actual ``a <= R // k <= R / k`` leaves ``R - a >= R * (k - 1) / k >= (k - 1) * M_0`` for the next one; a backward in
+between only increases ``R``.
+
+(3) *Steady budgets are >= M_0* when each steady forward is preceded by a backward of a micro-batch whose actual
+bytes were >= M_0 (true on hardware: M_0 is the full-recompute floor). By (1), ``in_flight <= M_max`` after the
+previous forward; the backward frees ``a_y >= M_0`` bytes, so ``budget = M_max - in_flight >= a_y >= M_0``.
+
+Deferred planning (§V-A): the MoE imbalance is only known after the gate; :func:`downgrade_needed` tells the caller
+to switch that micro-batch's MoE module to full recompute before the experts run, and an overrun that still happens
+is recorded as measured, so later budgets shrink ("deferring provisioning to the next micro-batch").
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["BudgetAssigner", "BudgetPhase", "downgrade_needed"]
+
+
+class BudgetPhase(enum.Enum):
+    """Pipeline phase of the *next* forward: warmup, steady (1F1B), or done (all forwards launched; cooldown)."""
+
+    WARMUP = "warmup"
+    STEADY = "steady"
+    DONE = "done"
+
+
+def _require_int(name: str, value: object, allowed: str) -> int:
+    """Return ``value`` if it is a plain ``int`` (``bool`` rejected); otherwise raise a one-line ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int {allowed}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _require_int_at_least(name: str, value: object, low: int) -> int:
+    value = _require_int(name, value, f">= {low}")
+    if value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value}")
+    return value
+
+
+def downgrade_needed(routed_bytes: int, budget: int) -> bool:
+    """Deferred planning: should this micro-batch's MoE module downgrade to full recompute?
+
+    Called after the MoE gate, when the routed token counts are known. ``routed_bytes`` is what the micro-batch's
+    current plan would keep given those tokens; ``budget`` is the bytes it was granted (both ints >= 0). Returns True
+    when ``routed_bytes > budget``.
+    """
+    routed_bytes = _require_int_at_least("routed_bytes", routed_bytes, 0)
+    budget = _require_int_at_least("budget", budget, 0)
+    return routed_bytes > budget
+
+
+class BudgetAssigner:
+    """Algorithm 1 as a small state machine for one pipeline stage and one iteration (see the module docstring).
+
+    Protocol per iteration: for each forward, ``next_forward_budget()`` (a read-only peek, any number of times),
+    run the forward under that budget, then ``record_forward(mb, actual_bytes)``; after each backward,
+    ``record_backward(mb)``. ``reset()`` starts the next iteration with the same configuration. Misuse (recording a
+    micro-batch twice, out of range, backward of a micro-batch not in flight, asking for a budget after all forwards
+    were launched) raises ValueError.
+    """
+
+    def __init__(self, *, m_max_bytes: int, m0_bytes: int, num_microbatches: int, num_warmup: int) -> None:
+        """Validate the configuration.
+
+        Args:
+            m_max_bytes: activation capacity of the stage in bytes, int >= num_warmup * m0_bytes.
+            m0_bytes: floor of one micro-batch in bytes (full recompute keeps only the block input), int >= 0.
+            num_microbatches: forwards in this iteration (paper ``B``), int >= 1.
+            num_warmup: forwards that stack before the first backward (paper ``B_w``), int in [1, num_microbatches].
+        """
+        m_max_bytes = _require_int("m_max_bytes", m_max_bytes, ">= num_warmup * m0_bytes")
+        m0_bytes = _require_int("m0_bytes", m0_bytes, ">= 0")
+        num_microbatches = _require_int("num_microbatches", num_microbatches, ">= 1")
+        num_warmup = _require_int("num_warmup", num_warmup, "in [1, num_microbatches]")
+        if m0_bytes < 0:
+            raise ValueError(f"m0_bytes must be an int >= 0, got {m0_bytes}")
+        if m_max_bytes < 0:
+            raise ValueError(f"m_max_bytes must be an int >= 0, got {m_max_bytes}")
+        if num_microbatches < 1:
+            raise ValueError(f"num_microbatches must be an int >= 1, got {num_microbatches}")
+        if not 1 <= num_warmup <= num_microbatches:
+            raise ValueError(
+                f"num_warmup must be an int in [1, num_microbatches={num_microbatches}], got {num_warmup}"
+            )
+        floor_bytes = num_warmup * m0_bytes
+        if m_max_bytes < floor_bytes:
+            raise ValueError(
+                f"m_max_bytes={m_max_bytes} is below num_warmup * m0_bytes = {num_warmup} * {m0_bytes} = "
+                f"{floor_bytes}; allowed: m_max_bytes >= {floor_bytes}"
+            )
+        self._m_max_bytes = m_max_bytes
+        self._m0_bytes = m0_bytes
+        self._num_microbatches = num_microbatches
+        self._num_warmup = num_warmup
+        self.reset()
+
+    # ------------------------------------------------------------------ state
+    def reset(self) -> None:
+        """Forget everything recorded: start a new iteration with the same configuration."""
+        self._in_flight: dict[int, int] = {}  # micro-batch -> measured bytes, forward recorded, backward not yet
+        self._actual_bytes: dict[int, int] = {}  # micro-batch -> measured bytes of every forward recorded
+        self._granted_bytes: dict[int, int] = {}  # micro-batch -> budget in force when its forward was recorded
+        self._in_flight_bytes = 0
+
+    # ------------------------------------------------------------ properties
+    @property
+    def m_max_bytes(self) -> int:
+        """Activation capacity of the stage in bytes."""
+        return self._m_max_bytes
+
+    @property
+    def m0_bytes(self) -> int:
+        """Floor of one micro-batch in bytes."""
+        return self._m0_bytes
+
+    @property
+    def num_microbatches(self) -> int:
+        """Forwards in one iteration (paper ``B``)."""
+        return self._num_microbatches
+
+    @property
+    def num_warmup(self) -> int:
+        """Forwards that stack before the first backward (paper ``B_w``)."""
+        return self._num_warmup
+
+    @property
+    def in_flight_bytes(self) -> int:
+        """Measured activation bytes of micro-batches forwarded but not yet backwarded."""
+        return self._in_flight_bytes
+
+    @property
+    def num_launched(self) -> int:
+        """Number of forwards recorded so far in this iteration."""
+        return len(self._actual_bytes)
+
+    @property
+    def phase(self) -> BudgetPhase:
+        """Phase of the next forward: WARMUP, STEADY, or DONE once all forwards were launched."""
+        launched = len(self._actual_bytes)
+        if launched < self._num_warmup:
+            return BudgetPhase.WARMUP
+        if launched < self._num_microbatches:
+            return BudgetPhase.STEADY
+        return BudgetPhase.DONE
+
+    @property
+    def in_flight_microbatches(self) -> tuple[int, ...]:
+        """Micro-batches forwarded but not yet backwarded, in forward order."""
+        return tuple(self._in_flight)
+
+    @property
+    def overrun_microbatches(self) -> tuple[int, ...]:
+        """Micro-batches (this iteration) whose measured bytes exceeded the budget in force at their forward."""
+        return tuple(mb for mb, granted in self._granted_bytes.items() if self._actual_bytes[mb] > granted)
+
+    # ---------------------------------------------------------------- protocol
+    def next_forward_budget(self) -> int:
+        """Budget in bytes for the next forward micro-batch (read-only peek; idempotent).
+
+        The value depends only on recorded state, so it changes only after ``record_forward`` or
+        ``record_backward``. Raises ValueError once all ``num_microbatches`` forwards were launched.
+        """
+        launched = len(self._actual_bytes)
+        if launched >= self._num_microbatches:
+            raise ValueError(
+                f"next_forward_budget: all num_microbatches={self._num_microbatches} forwards were already "
+                f"launched; call reset() to start a new iteration"
+            )
+        remaining_bytes = self._m_max_bytes - self._in_flight_bytes
+        if launched < self._num_warmup:
+            remaining_bytes //= self._num_warmup - launched
+        return max(0, remaining_bytes)
+
+    def record_forward(self, microbatch: int, actual_bytes: int) -> None:
+        """Record that ``microbatch``'s forward finished keeping ``actual_bytes`` of activations in flight.
+
+        The in-flight total is re-based on ``actual_bytes`` (not on the budget). An actual above the budget is
+        accepted (the caller may have overrun): it is noted in ``overrun_microbatches`` and later budgets shrink.
+        Raises ValueError if ``microbatch`` is not an int in [0, num_microbatches), was already recorded this
+        iteration, if ``actual_bytes`` is not an int >= 0, or if all forwards were already launched.
+        """
+        microbatch = self._check_microbatch("record_forward", microbatch)
+        actual_bytes = _require_int_at_least("actual_bytes", actual_bytes, 0)
+        if microbatch in self._actual_bytes:
+            raise ValueError(
+                f"record_forward: microbatch={microbatch} was already recorded in this iteration; "
+                f"allowed: a microbatch in [0, {self._num_microbatches}) not yet recorded"
+            )
+        granted = self.next_forward_budget()
+        self._granted_bytes[microbatch] = granted
+        self._actual_bytes[microbatch] = actual_bytes
+        self._in_flight[microbatch] = actual_bytes
+        self._in_flight_bytes += actual_bytes
+
+    def record_backward(self, microbatch: int) -> None:
+        """Record that ``microbatch``'s backward finished, freeing its measured bytes.
+
+        Raises ValueError if ``microbatch`` is not an int in [0, num_microbatches) or is not in flight.
+        """
+        microbatch = self._check_microbatch("record_backward", microbatch)
+        if microbatch not in self._in_flight:
+            raise ValueError(
+                f"record_backward: microbatch={microbatch} is not in flight; allowed: one of "
+                f"{sorted(self._in_flight)}"
+            )
+        self._in_flight_bytes -= self._in_flight.pop(microbatch)
+        assert self._in_flight_bytes >= 0
+
+    # ----------------------------------------------------------------- helpers
+    def _check_microbatch(self, where: str, microbatch: object) -> int:
+        if isinstance(microbatch, bool) or not isinstance(microbatch, int):
+            raise ValueError(
+                f"{where}: microbatch must be an int in [0, {self._num_microbatches}), got {microbatch!r}"
+            )
+        if not 0 <= microbatch < self._num_microbatches:
+            raise ValueError(
+                f"{where}: microbatch must be an int in [0, {self._num_microbatches}), got {microbatch}"
+            )
+        return microbatch
+
+    def __repr__(self) -> str:
+        return (
+            f"BudgetAssigner(m_max_bytes={self._m_max_bytes}, m0_bytes={self._m0_bytes}, "
+            f"num_microbatches={self._num_microbatches}, num_warmup={self._num_warmup}, "
+            f"phase={self.phase.value}, num_launched={self.num_launched}, in_flight_bytes={self._in_flight_bytes})"
+        )

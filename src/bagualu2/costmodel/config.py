@@ -1,0 +1,269 @@
+"""Configuration dataclasses of the cost model: model shape, parallel layout, hardware.
+
+All three are keyword-only, frozen and validated in ``__post_init__``; every invalid value raises
+``ValueError`` naming the field and what is allowed. Bytes are integers, times are seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+ACTIVATIONS = ("swiglu", "gelu")
+NORMALIZATIONS = ("rmsnorm", "layernorm")
+
+
+def _check_int(obj: Any, name: str, *, minimum: int = 1) -> None:
+    value = getattr(obj, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_positive_float(obj: Any, name: str, *, allow_zero: bool = False) -> None:
+    value = getattr(obj, name)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    if not ok or value < 0 or (value == 0 and not allow_zero) or value == float("inf"):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
+
+
+def _check_choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(obj, name)
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Shape of a GLM/Llama-style decoder. A dense model has ``num_experts=0`` and the MoE fields 0.
+
+    Fields (legend letter in brackets, see docs/costmodel.md):
+      num_layers [L]            transformer layers of the whole model.
+      hidden_size [h]           residual-stream width.
+      num_attention_heads [a]   query heads.
+      num_query_groups [g]      key/value heads (GQA); equal to ``a`` for multi-head attention.
+      head_dim [d]              width of one head (``a*d`` need not equal ``h``).
+      ffn_hidden_size [f]       dense-MLP width (dense layers and dense models).
+      moe_ffn_hidden_size [fe]  width of one routed (and shared) expert.
+      num_experts [E]           routed experts per MoE layer (0 = dense model).
+      top_k [K]                 experts each token is routed to.
+      num_shared_experts [S]    always-active shared experts per MoE layer.
+      num_dense_layers          leading layers that use the dense MLP instead of MoE.
+      vocab_size [V]            vocabulary size (embedding and output layer).
+      seq_length [s]            tokens per sequence.
+      micro_batch_size [b]      sequences per micro-batch.
+      dtype                     activation / weight precision: bf16, fp16 or fp32.
+      flash_attention           fused attention keeps q, k, v, output and the log-sum-exp only.
+      activation                MLP activation: swiglu (gate and up projections) or gelu.
+      normalization             rmsnorm or layernorm.
+      hidden_dropout            dropout after attention / MLP (a 1-byte mask per element if > 0).
+      attention_dropout         dropout on attention probabilities (non-flash path keeps a mask).
+      tie_embeddings            output layer shares the input embedding's weights.
+    """
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    ffn_hidden_size: int
+    moe_ffn_hidden_size: int = 0
+    num_experts: int = 0
+    top_k: int = 0
+    num_shared_experts: int = 0
+    num_dense_layers: int = 0
+    vocab_size: int
+    seq_length: int
+    micro_batch_size: int = 1
+    dtype: str = "bf16"
+    flash_attention: bool = True
+    activation: str = "swiglu"
+    normalization: str = "rmsnorm"
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                     "head_dim", "ffn_hidden_size", "vocab_size", "seq_length", "micro_batch_size"):
+            _check_int(self, name)
+        for name in ("moe_ffn_hidden_size", "num_experts", "top_k", "num_shared_experts",
+                     "num_dense_layers"):
+            _check_int(self, name, minimum=0)
+        _check_choice(self, "dtype", ("bf16", "fp16", "fp32"))
+        _check_choice(self, "activation", ACTIVATIONS)
+        _check_choice(self, "normalization", NORMALIZATIONS)
+        for name in ("hidden_dropout", "attention_dropout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+                raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
+        for name in ("flash_attention", "tie_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_query_groups={self.num_query_groups}")
+        if self.num_experts == 0:
+            if self.top_k or self.moe_ffn_hidden_size or self.num_shared_experts or self.num_dense_layers:
+                raise ValueError("a dense model (num_experts=0) must have top_k, moe_ffn_hidden_size, "
+                                 "num_shared_experts and num_dense_layers equal to 0")
+            return
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}")
+        if self.moe_ffn_hidden_size < 1:
+            raise ValueError(f"moe_ffn_hidden_size must be >= 1 for an MoE model, got {self.moe_ffn_hidden_size}")
+        if self.num_dense_layers > self.num_layers:
+            raise ValueError(f"num_dense_layers must be in [0, num_layers={self.num_layers}], "
+                             f"got {self.num_dense_layers}")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.is_moe and layer >= self.num_dense_layers
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """Parallel layout of one training job (Megatron conventions).
+
+      dp, tp, pp, cp          data, tensor, pipeline and context parallel degrees (world = dp*tp*pp*cp).
+      ep                      expert parallel degree; experts are folded over the dp*tp*cp ranks of a stage
+                              (expert tensor parallelism 1), so ``dp*tp*cp`` must be a multiple of ``ep``.
+      vp                      virtual pipeline chunks per stage (interleaved 1F1B when > 1).
+      sequence_parallel       shard norm/dropout activations over tp (requires tp > 1 to matter).
+      num_microbatches        micro-batches per iteration per data-parallel replica.
+      distributed_optimizer   shard fp32 master weights and Adam states over data parallel ranks.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    ep: int = 1
+    pp: int = 1
+    vp: int = 1
+    cp: int = 1
+    sequence_parallel: bool = False
+    num_microbatches: int = 1
+    distributed_optimizer: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "ep", "pp", "vp", "cp", "num_microbatches"):
+            _check_int(self, name)
+        for name in ("sequence_parallel", "distributed_optimizer"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if (self.dp * self.tp * self.cp) % self.ep:
+            raise ValueError(f"ep={self.ep} must divide dp*tp*cp={self.dp * self.tp * self.cp} "
+                             "(experts are folded over the data/tensor/context ranks of a stage)")
+        if self.vp > 1 and self.pp < 2:
+            raise ValueError(f"vp must be 1 when pp=1 (interleaving needs pp >= 2), got vp={self.vp}")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def expert_data_parallel(self) -> int:
+        """Replicas of one expert: ranks of a stage divided by the expert parallel degree."""
+        return self.dp * self.tp * self.cp // self.ep
+
+    def replace(self, **changes: Any) -> "ParallelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def check_compatible(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """Raise ``ValueError`` when ``model`` cannot be laid out with ``parallel``."""
+    chunks = parallel.pp * parallel.vp
+    if model.num_layers % chunks:
+        raise ValueError(f"num_layers={model.num_layers} must be divisible by pp*vp={chunks}")
+    for name in ("num_attention_heads", "num_query_groups"):
+        if getattr(model, name) % parallel.tp:
+            raise ValueError(f"{name}={getattr(model, name)} must be divisible by tp={parallel.tp}")
+    if model.is_moe and model.num_experts % parallel.ep:
+        raise ValueError(f"num_experts={model.num_experts} must be divisible by ep={parallel.ep}")
+    if not model.is_moe and parallel.ep != 1:
+        raise ValueError(f"ep must be 1 for a dense model (num_experts=0), got ep={parallel.ep}")
+    if model.seq_length % (parallel.cp * (parallel.tp if parallel.sequence_parallel else 1)):
+        raise ValueError(f"seq_length={model.seq_length} must be divisible by cp*tp (sequence parallel)")
+    if parallel.vp > 1 and parallel.num_microbatches % parallel.pp:
+        raise ValueError(f"num_microbatches={parallel.num_microbatches} must be a multiple of "
+                         f"pp={parallel.pp} for interleaved 1F1B (vp > 1)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    """One accelerator and its links. Calibrate your own and load it with ``Hardware.from_json``.
+
+      name                      label used in reports.
+      peak_flops                dense bf16 FLOP/s of one device.
+      hbm_bytes                 device memory capacity.
+      hbm_bytes_per_s           device memory bandwidth.
+      h2d_bytes_per_s           host -> device copy bandwidth (pinned memory).
+      d2h_bytes_per_s           device -> host copy bandwidth (pinned memory).
+      intra_node_bytes_per_s    per-device bandwidth to peers in the same node.
+      inter_node_bytes_per_s    per-device bandwidth to other nodes.
+      devices_per_node          devices sharing the intra-node fabric.
+      kernel_launch_s           fixed cost of one kernel or copy launch.
+      matmul_efficiency         achievable fraction of ``peak_flops`` for GEMMs (roofline ceiling).
+    """
+
+    name: str = "custom"
+    peak_flops: float
+    hbm_bytes: int
+    hbm_bytes_per_s: float
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+    intra_node_bytes_per_s: float
+    inter_node_bytes_per_s: float
+    devices_per_node: int = 8
+    kernel_launch_s: float = 5e-6
+    matmul_efficiency: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"name must be a non-empty string, got {self.name!r}")
+        _check_int(self, "hbm_bytes")
+        _check_int(self, "devices_per_node")
+        for name in ("peak_flops", "hbm_bytes_per_s", "h2d_bytes_per_s", "d2h_bytes_per_s",
+                     "intra_node_bytes_per_s", "inter_node_bytes_per_s"):
+            _check_positive_float(self, name)
+        _check_positive_float(self, "kernel_launch_s", allow_zero=True)
+        _check_positive_float(self, "matmul_efficiency")
+        if self.matmul_efficiency > 1:
+            raise ValueError(f"matmul_efficiency must be in (0, 1], got {self.matmul_efficiency}")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Hardware":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"hardware JSON is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError("hardware JSON must be an object of Hardware fields")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - fields)
+        if unknown:
+            raise ValueError(f"unknown hardware field(s) {', '.join(unknown)}; allowed: {', '.join(sorted(fields))}")
+        missing = sorted(f.name for f in dataclasses.fields(cls)
+                         if f.name not in data and f.default is dataclasses.MISSING)
+        if missing:
+            raise ValueError(f"missing hardware field(s): {', '.join(missing)}")
+        return cls(**data)
+
+    def replace(self, **changes: Any) -> "Hardware":
+        return dataclasses.replace(self, **changes)

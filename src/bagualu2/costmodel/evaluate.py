@@ -1,0 +1,202 @@
+"""The one evaluator: memory and time of a plan on an op graph. Every solver's cost comes from here.
+
+Semantics (see docs/costmodel.md):
+
+* Each saving resolves to a strategy (explicit entry > kind policy > KEEP; pinned savings are always KEEP).
+* Device bytes are counted per distinct stored copy of a tensor: all ``KEEP`` savings of one tensor in one
+  precision share one copy; ``QUANTIZE`` savings share one FP8 copy; ``OFFLOAD`` savings share one host copy per
+  precision. So a tensor offloaded at one consumer but kept at another still occupies the device
+  (multi-device conflict) and a tensor quantised at one consumer but kept at another holds two copies
+  (multi-precision conflict): the evaluator charges what really happens, the conflict checker flags it.
+* A tensor that is ``RECOMPUTE`` at some consumer and has no stored copy is regenerated in backward by re-running
+  its producer; the producer's inputs that are not stored themselves are regenerated too (least closure). Each op
+  is re-run at most once. A graph input that would need regenerating cannot be, and is reported in
+  ``PlanCost.unavailable``.
+* Times are integer nanoseconds internally (``*_ns``) so that exact solvers reproduce them; ``*_s`` are floats.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping
+
+from .graph import FLOAT_DTYPES, ITEM_BYTES, OpGraph, Resource
+from .plan import Plan
+from .strategy import Strategy, offload_ns, quantize_ns
+
+
+@dataclass(frozen=True)
+class PlanCost:
+    """Cost of one plan for one micro-batch of one chunk. Bytes are ints; ``*_s`` are seconds."""
+
+    activation_bytes: int
+    host_bytes: int
+    forward_ns: int
+    backward_ns: int
+    recompute_ns: int
+    offload_ns: int
+    quantize_ns: int
+    resource_ns: Mapping[str, int]
+    num_recomputed_ops: int
+    unavailable: tuple[str, ...] = ()
+
+    @property
+    def overhead_ns(self) -> int:
+        """Added time over the unmitigated micro-batch if nothing overlapped: recompute + copies + casts."""
+        return self.recompute_ns + self.offload_ns + self.quantize_ns
+
+    @property
+    def overhead_s(self) -> float:
+        return self.overhead_ns * 1e-9
+
+    @property
+    def forward_s(self) -> float:
+        return self.forward_ns * 1e-9
+
+    @property
+    def backward_s(self) -> float:
+        return self.backward_ns * 1e-9
+
+    @property
+    def recompute_s(self) -> float:
+        return self.recompute_ns * 1e-9
+
+    @property
+    def offload_s(self) -> float:
+        return self.offload_ns * 1e-9
+
+    @property
+    def quantize_s(self) -> float:
+        return self.quantize_ns * 1e-9
+
+    @property
+    def resource_s(self) -> dict[str, float]:
+        return {name: ns * 1e-9 for name, ns in self.resource_ns.items()}
+
+
+def resolve(graph: OpGraph, plan: Plan | None) -> dict[tuple[str, str], Strategy]:
+    """The strategy of every saving of ``graph`` under ``plan``; raises ``ValueError`` on an invalid entry."""
+    resolved = {(op.name, s.tensor): Strategy.KEEP for op, s in graph.savings}
+    if plan is None or not plan.entries:
+        return resolved
+    kinds = plan.kind_policies()
+    if kinds:
+        for op, saving in graph.savings:
+            strategy = kinds.get(op.kind)
+            if strategy is None or (op.name, saving.tensor) in graph.pinned:
+                continue
+            if strategy is Strategy.QUANTIZE and saving.dtype not in FLOAT_DTYPES:
+                continue
+            resolved[(op.name, saving.tensor)] = strategy
+    for (op_name, tensor), strategy in plan.explicit().items():
+        key = (op_name, tensor)
+        if key not in resolved:
+            raise ValueError(f"plan entry {op_name}/{tensor}: op {op_name!r} does not save tensor {tensor!r} "
+                             "in this graph")
+        if key in graph.pinned and strategy is not Strategy.KEEP:
+            raise ValueError(f"plan entry {op_name}/{tensor}: the block input is pinned to KEEP "
+                             "(full recomputation restarts from it)")
+        if strategy is Strategy.QUANTIZE and _saving_dtype(graph, op_name, tensor) not in FLOAT_DTYPES:
+            raise ValueError(f"plan entry {op_name}/{tensor}: QUANTIZE needs a floating tensor "
+                             f"({', '.join(sorted(FLOAT_DTYPES))}), not {_saving_dtype(graph, op_name, tensor)}")
+        resolved[key] = strategy
+    return resolved
+
+
+def _saving_dtype(graph: OpGraph, op_name: str, tensor: str) -> str:
+    return next(s.dtype for s in graph.op(op_name).saves if s.tensor == tensor)
+
+
+def evaluate(graph: OpGraph, plan: Plan | None = None) -> PlanCost:
+    """Activation bytes, forward/backward/overhead time and per-resource time of ``plan`` on ``graph``."""
+    return evaluate_resolved(graph, resolve(graph, plan))
+
+
+def evaluate_resolved(graph: OpGraph, strategies: Mapping[tuple[str, str], Strategy]) -> PlanCost:
+    """:func:`evaluate` on an already resolved ``{(op, tensor): Strategy}`` map (missing savings are KEEP)."""
+    hardware = graph.hardware
+    tensors = graph.tensors
+    device: dict[str, set[str]] = {}
+    host: dict[str, set[str]] = {}
+    quantized: set[str] = set()
+    recomputed: set[str] = set()
+    for op, saving in graph.savings:
+        strategy = strategies.get((op.name, saving.tensor), Strategy.KEEP)
+        if strategy is Strategy.KEEP:
+            device.setdefault(saving.tensor, set()).add(saving.dtype)
+        elif strategy is Strategy.RECOMPUTE:
+            recomputed.add(saving.tensor)
+        elif strategy is Strategy.OFFLOAD:
+            host.setdefault(saving.tensor, set()).add(saving.dtype)
+        else:
+            quantized.add(saving.tensor)
+
+    activation_bytes = sum(tensors[t].numel * ITEM_BYTES[d] for t, dtypes in device.items() for d in dtypes)
+    activation_bytes += sum(tensors[t].numel for t in quantized)  # one FP8 byte per element
+    host_bytes = 0
+    d2h_ns = h2d_ns = 0
+    for name, dtypes in host.items():
+        for dtype in dtypes:
+            nbytes = tensors[name].numel * ITEM_BYTES[dtype]
+            host_bytes += nbytes
+            down, up = offload_ns(nbytes, hardware)
+            d2h_ns += down
+            h2d_ns += up
+    quant_fwd_ns = quant_bwd_ns = 0
+    for name in quantized:
+        spec = tensors[name]
+        fwd, bwd = quantize_ns(spec.numel, spec.dtype if spec.dtype in FLOAT_DTYPES else "bf16", hardware)
+        quant_fwd_ns += fwd
+        quant_bwd_ns += bwd
+
+    stored = device.keys() | host.keys() | quantized
+    rerun, unavailable = _recompute_closure(graph, recomputed - stored, stored)
+    recompute_by_resource = {Resource.COMPUTE: 0, Resource.COMM: 0}
+    for op_name in rerun:
+        op = graph.op(op_name)
+        recompute_by_resource[op.resource] += op.forward_ns
+    recompute_total = sum(recompute_by_resource.values())
+
+    base = graph.base_resource_ns
+    resource_ns = {
+        Resource.COMPUTE.value: base[Resource.COMPUTE] + recompute_by_resource[Resource.COMPUTE]
+        + quant_fwd_ns + quant_bwd_ns,
+        Resource.COMM.value: base[Resource.COMM] + recompute_by_resource[Resource.COMM],
+        Resource.D2H.value: d2h_ns,
+        Resource.H2D.value: h2d_ns,
+    }
+    return PlanCost(
+        activation_bytes=activation_bytes,
+        host_bytes=host_bytes,
+        forward_ns=graph.forward_ns + quant_fwd_ns + d2h_ns,
+        backward_ns=graph.backward_ns + recompute_total + quant_bwd_ns + h2d_ns,
+        recompute_ns=recompute_total,
+        offload_ns=d2h_ns + h2d_ns,
+        quantize_ns=quant_fwd_ns + quant_bwd_ns,
+        resource_ns=MappingProxyType(resource_ns),
+        num_recomputed_ops=len(rerun),
+        unavailable=tuple(sorted(unavailable)),
+    )
+
+
+def _recompute_closure(graph: OpGraph, missing: set[str], stored: set[str]) -> tuple[set[str], set[str]]:
+    """Least set of ops to re-run so every tensor in ``missing`` is regenerated from stored tensors."""
+    rerun: set[str] = set()
+    unavailable: set[str] = set()
+    needed = set(missing)
+    work = list(missing)
+    while work:
+        name = work.pop()
+        producer = graph.tensors[name].producer
+        if producer is None:
+            unavailable.add(name)
+            continue
+        if producer in rerun:
+            continue
+        rerun.add(producer)
+        for source in graph.op(producer).inputs:
+            if source not in stored and source not in needed:
+                needed.add(source)
+                work.append(source)
+    return rerun, unavailable

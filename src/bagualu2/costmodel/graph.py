@@ -1,0 +1,201 @@
+"""Operator-graph types: tensors, ops and the graph of one pipeline-stage chunk.
+
+An :class:`OpGraph` is the forward op chain of the layers of one chunk. Every op lists the tensors it saves for
+backward (``saves``) together with the precision it stores them in: one logical tensor may be saved by several
+consumers, possibly in different precisions (the MoE router keeps an FP32 copy of the tensor the shared expert
+keeps in BF16). A mitigation decision is made per *saving*, i.e. per ``(op name, tensor name)`` pair.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from functools import cached_property
+from types import MappingProxyType
+from typing import Mapping, NamedTuple
+
+from .config import Hardware
+
+ITEM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "bool": 1, "int32": 4, "int64": 8}
+FLOAT_DTYPES = frozenset({"fp32", "bf16", "fp16"})  # may be quantised to FP8
+
+OP_KINDS = (
+    "norm", "qkv", "rope", "core_attn", "attn_out", "residual", "router", "permute", "dispatch",
+    "expert_fc1", "expert_act", "expert_fc2", "combine", "unpermute", "shared_fc1", "shared_act",
+    "shared_fc2", "mlp_fc1", "mlp_act", "mlp_fc2", "tp_gather", "tp_reduce",
+)
+COMM_KINDS = frozenset({"dispatch", "combine", "tp_gather", "tp_reduce"})
+MOE_KINDS = frozenset({"router", "permute", "dispatch", "expert_fc1", "expert_act", "expert_fc2",
+                       "combine", "unpermute", "shared_fc1", "shared_act", "shared_fc2"})
+
+
+class Resource(str, enum.Enum):
+    """Hardware resource an op occupies: the compute stream, the communication stream, the two copy engines."""
+
+    COMPUTE = "compute"
+    COMM = "comm"
+    D2H = "d2h"
+    H2D = "h2d"
+
+
+class TensorSpec(NamedTuple):
+    """A logical activation tensor: ``numel`` elements of ``dtype`` produced by ``producer`` (None: graph input).
+
+    ``routed`` marks tensors whose size scales with the MoE imbalance rate (tokens received by local experts).
+    """
+
+    name: str
+    numel: int
+    dtype: str
+    producer: str | None
+    routed: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * ITEM_BYTES[self.dtype]
+
+
+class Saving(NamedTuple):
+    """One op keeps ``tensor`` for its backward, stored in precision ``dtype``."""
+
+    tensor: str
+    dtype: str
+
+
+class Op(NamedTuple):
+    """One forward operator (one kernel or one collective) with its roofline times.
+
+    ``forward_ns`` / ``backward_ns`` are integer nanoseconds so that solvers can reproduce the evaluator exactly.
+    """
+
+    name: str
+    kind: str
+    layer: int
+    resource: Resource
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    saves: tuple[Saving, ...]
+    flops: int
+    moved_bytes: int
+    forward_ns: int
+    backward_ns: int
+
+
+@dataclass(frozen=True, eq=False)
+class OpGraph:
+    """The forward ops of one pipeline-stage chunk, in program order, with everything needed to cost a plan.
+
+    ``pinned`` holds the savings that must stay ``KEEP``: the block input of every layer, the checkpoint that
+    full recomputation restarts from. ``floor_bytes`` (M0) is what those keep; ``unmitigated_bytes`` what the
+    graph keeps with no mitigation at all.
+    """
+
+    ops: tuple[Op, ...]
+    tensors: Mapping[str, TensorSpec]
+    hardware: Hardware
+    pinned: frozenset[tuple[str, str]] = frozenset()
+    imbalance: float = 1.0
+    label: str = ""
+    _index: Mapping[str, int] = field(init=False, repr=False)
+    _consumers: Mapping[str, tuple[tuple[str, str], ...]] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.ops:
+            raise ValueError("ops must not be empty")
+        index: dict[str, int] = {}
+        consumers: dict[str, list[tuple[str, str]]] = {}
+        for position, op in enumerate(self.ops):
+            if op.name in index:
+                raise ValueError(f"duplicate op name {op.name!r}")
+            if op.kind not in OP_KINDS:
+                raise ValueError(f"op {op.name!r} has unknown kind {op.kind!r}; allowed: {', '.join(OP_KINDS)}")
+            if op.forward_ns < 0 or op.backward_ns < 0:
+                raise ValueError(f"op {op.name!r} has a negative duration")
+            index[op.name] = position
+            for name in op.inputs + op.outputs:
+                if name not in self.tensors:
+                    raise ValueError(f"op {op.name!r} uses unknown tensor {name!r}")
+            for saving in op.saves:
+                if saving.tensor not in self.tensors:
+                    raise ValueError(f"op {op.name!r} saves unknown tensor {saving.tensor!r}")
+                if saving.dtype not in ITEM_BYTES:
+                    raise ValueError(f"op {op.name!r} saves {saving.tensor!r} as unknown dtype {saving.dtype!r}")
+                consumers.setdefault(saving.tensor, []).append((op.name, saving.dtype))
+        for name, spec in self.tensors.items():
+            if spec.producer is not None and spec.producer not in index:
+                raise ValueError(f"tensor {name!r} has unknown producer {spec.producer!r}")
+        if self.pinned:
+            savings = {(op.name, s.tensor) for op in self.ops for s in op.saves}
+            for key in self.pinned:
+                if key not in savings:
+                    raise ValueError(f"pinned saving {key!r} is not a saving of the graph")
+        object.__setattr__(self, "tensors", MappingProxyType(dict(self.tensors)))
+        object.__setattr__(self, "_index", MappingProxyType(index))
+        object.__setattr__(self, "_consumers",
+                           MappingProxyType({k: tuple(v) for k, v in consumers.items()}))
+
+    def op(self, name: str) -> Op:
+        try:
+            return self.ops[self._index[name]]
+        except KeyError:
+            raise ValueError(f"unknown op {name!r}") from None
+
+    def has_op(self, name: str) -> bool:
+        return name in self._index
+
+    def consumers(self, tensor: str) -> tuple[tuple[str, str], ...]:
+        """The ``(op name, stored dtype)`` pairs that save ``tensor``."""
+        return self._consumers.get(tensor, ())
+
+    @cached_property
+    def savings(self) -> tuple[tuple[Op, Saving], ...]:
+        """Every (op, saving) pair in program order."""
+        return tuple((op, s) for op in self.ops for s in op.saves)
+
+    @cached_property
+    def decisions(self) -> tuple[tuple[str, str], ...]:
+        """The ``(op, tensor)`` pairs a plan may mitigate (every saving except the pinned ones)."""
+        return tuple((op.name, s.tensor) for op, s in self.savings if (op.name, s.tensor) not in self.pinned)
+
+    @cached_property
+    def unmitigated_bytes(self) -> int:
+        """Activation bytes kept with every saving ``KEEP``."""
+        from .evaluate import evaluate
+
+        return evaluate(self, None).activation_bytes
+
+    @cached_property
+    def floor_bytes(self) -> int:
+        """M0: bytes kept when everything but the pinned block inputs is mitigated (full recompute)."""
+        copies = {(s.tensor, s.dtype) for op, s in self.savings if (op.name, s.tensor) in self.pinned}
+        return sum(self.tensors[t].numel * ITEM_BYTES[d] for t, d in copies)
+
+    @cached_property
+    def routed_bytes(self) -> int:
+        """Bytes of routed-expert tensors kept with no mitigation (the part that scales with imbalance)."""
+        seen = {(s.tensor, s.dtype) for _, s in self.savings if self.tensors[s.tensor].routed}
+        return sum(self.tensors[t].numel * ITEM_BYTES[d] for t, d in seen)
+
+    @cached_property
+    def forward_ns(self) -> int:
+        return sum(op.forward_ns for op in self.ops)
+
+    @cached_property
+    def backward_ns(self) -> int:
+        return sum(op.backward_ns for op in self.ops)
+
+    @cached_property
+    def base_resource_ns(self) -> Mapping[Resource, int]:
+        """Forward + backward nanoseconds of the unmitigated ops on each resource."""
+        totals = {Resource.COMPUTE: 0, Resource.COMM: 0}
+        for op in self.ops:
+            totals[op.resource] += op.forward_ns + op.backward_ns
+        return MappingProxyType(totals)
+
+    @cached_property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(sorted({op.layer for op in self.ops}))
+
+    @cached_property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(op.kind for op in self.ops))

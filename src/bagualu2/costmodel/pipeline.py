@@ -1,0 +1,127 @@
+"""Pipeline-iteration model (paper §IV-A, Fig. 5c): 1F1B and interleaved 1F1B schedules and memory curves.
+
+A schedule is the per-stage sequence of ``Action(kind, microbatch, chunk)``: warmup forwards, steady
+forward/backward pairs, cooldown backwards (Megatron's order; with ``vp > 1`` the interleaved one). The memory
+curve adds a chunk's activation bytes at each forward and frees them at its backward, so spikes are fed in by
+giving a micro-batch more bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+from .config import ParallelConfig
+
+ChunkBytes = Union[int, Sequence[int]]
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    kind: str  # "F" or "B"
+    microbatch: int
+    chunk: int
+
+
+def _check_stage(parallel: ParallelConfig, stage: int) -> None:
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < parallel.pp:
+        raise ValueError(f"stage must be an integer in [0, pp={parallel.pp}), got {stage!r}")
+
+
+def num_warmup(parallel: ParallelConfig, stage: int = 0) -> int:
+    """Forwards of ``stage`` before its first steady 1F1B pair (Megatron's warmup count)."""
+    _check_stage(parallel, stage)
+    pp, vp, m = parallel.pp, parallel.vp, parallel.num_microbatches
+    if vp == 1:
+        return min(pp - stage - 1, m)
+    total = m * vp
+    if m == pp:
+        return total
+    return min((pp - stage - 1) * 2 + (vp - 1) * pp, total)
+
+
+def schedule(parallel: ParallelConfig, stage: int = 0) -> tuple[Action, ...]:
+    """Order of forward and backward chunk executions on ``stage`` for one iteration."""
+    pp, vp, m = parallel.pp, parallel.vp, parallel.num_microbatches
+    total = m * vp
+
+    def step(k: int, forward: bool) -> Action:
+        group = k % (pp * vp)
+        chunk = group // pp if forward else vp - 1 - group // pp
+        microbatch = (k // (pp * vp)) * pp + k % pp if vp > 1 else k
+        return Action("F" if forward else "B", microbatch, chunk)
+
+    warmup = num_warmup(parallel, stage)
+    actions = [step(k, True) for k in range(warmup)]
+    steady = total - warmup
+    for i in range(steady):
+        actions.append(step(warmup + i, True))
+        actions.append(step(i, False))
+    actions.extend(step(k, False) for k in range(steady, total))
+    return tuple(actions)
+
+
+def inflight_chunks(parallel: ParallelConfig, stage: int = 0) -> int:
+    """Most chunk activations ``stage`` holds at once (warmup + 1 for a full steady phase)."""
+    held = peak = 0
+    for action in schedule(parallel, stage):
+        held += 1 if action.kind == "F" else -1
+        peak = max(peak, held)
+    return peak
+
+
+def inflight_microbatches(parallel: ParallelConfig, stage: int = 0) -> float:
+    """In-flight activations in units of one micro-batch's whole-stage activation (``vp`` chunks).
+
+    1F1B: ``min(pp - stage, m)``; interleaved first stage: ``pp * (1 + (pp - 1) / (pp * vp))``.
+    """
+    return inflight_chunks(parallel, stage) / parallel.vp
+
+
+def _chunk_bytes(per_microbatch: Sequence[ChunkBytes], microbatch: int, chunk: int, vp: int) -> int:
+    entry = per_microbatch[microbatch]
+    if isinstance(entry, int) and not isinstance(entry, bool):
+        return entry
+    if len(entry) != vp:
+        raise ValueError(f"bytes of micro-batch {microbatch} must be an int or {vp} per-chunk ints")
+    return int(entry[chunk])
+
+
+def memory_curve(parallel: ParallelConfig, per_microbatch_bytes: Sequence[ChunkBytes], *, stage: int = 0,
+                 base_bytes: int = 0) -> tuple[int, ...]:
+    """Activation bytes held by ``stage`` after each action of :func:`schedule` (``base_bytes`` first).
+
+    ``per_microbatch_bytes[i]`` is the bytes one chunk-forward of micro-batch ``i`` keeps: an int (same for
+    every chunk) or ``vp`` ints. A spike is a larger entry.
+    """
+    if len(per_microbatch_bytes) != parallel.num_microbatches:
+        raise ValueError(f"per_microbatch_bytes must have num_microbatches={parallel.num_microbatches} entries, "
+                         f"got {len(per_microbatch_bytes)}")
+    held = base_bytes
+    curve = [held]
+    for action in schedule(parallel, stage):
+        nbytes = _chunk_bytes(per_microbatch_bytes, action.microbatch, action.chunk, parallel.vp)
+        if nbytes < 0:
+            raise ValueError(f"bytes of micro-batch {action.microbatch} must be >= 0, got {nbytes}")
+        held += nbytes if action.kind == "F" else -nbytes
+        curve.append(held)
+    return tuple(curve)
+
+
+def peak_bytes(parallel: ParallelConfig, per_microbatch_bytes: Sequence[ChunkBytes], *, stage: int = 0) -> int:
+    return max(memory_curve(parallel, per_microbatch_bytes, stage=stage))
+
+
+def timed_curve(parallel: ParallelConfig, per_microbatch_bytes: Sequence[ChunkBytes], *, forward_s: float,
+                backward_s: float, stage: int = 0) -> tuple[tuple[float, int], ...]:
+    """The curve as ``(time_s, bytes)`` corners: forward triangles rise over ``forward_s``, backward ones fall
+    over ``backward_s`` (micro-batch level of Fig. 5b; pipeline bubbles are not drawn)."""
+    if forward_s <= 0 or backward_s <= 0:
+        raise ValueError("forward_s and backward_s must be > 0")
+    curve = memory_curve(parallel, per_microbatch_bytes, stage=stage)
+    points = [(0.0, curve[0])]
+    now = 0.0
+    for action, held in zip(schedule(parallel, stage), curve[1:]):
+        now += forward_s if action.kind == "F" else backward_s
+        points.append((now, held))
+    return tuple(points)

@@ -1,0 +1,112 @@
+"""The plan type: a mitigation strategy per (op, saved tensor), plus whole-kind policies.
+
+A plan is printable data. Its text form is a comma-separated list of ``KEY=STRATEGY`` entries where ``KEY`` is
+either an op kind (``expert_act=RECOMPUTE``: every saving of every op of that kind) or ``OP/TENSOR``
+(``L0.qkv/L0.norm1_out=OFFLOAD``: one saving). The empty plan prints as ``none``. A saving's strategy is its
+explicit entry if any, else its op kind's policy, else ``KEEP``. Kind policies skip savings where the strategy
+does not apply (pinned block inputs, QUANTIZE of masks and indices); an explicit entry that does not apply is an
+error of the plan, reported by :func:`~bagualu2.costmodel.evaluate.evaluate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+from .graph import OP_KINDS
+from .strategy import Strategy
+
+NONE_TEXT = "none"
+
+
+def _check_key(key: str) -> str:
+    if not isinstance(key, str) or not key or any(c in key for c in ",= \n\t"):
+        raise ValueError(f"plan key must be an op kind or OP/TENSOR without ',', '=' or spaces, got {key!r}")
+    if "/" in key:
+        op, _, tensor = key.partition("/")
+        if not op or not tensor or "/" in tensor:
+            raise ValueError(f"plan key {key!r} must be OP/TENSOR with both parts non-empty")
+    elif key not in OP_KINDS:
+        raise ValueError(f"plan key {key!r} is neither OP/TENSOR nor an op kind; kinds: {', '.join(OP_KINDS)}")
+    return key
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Immutable mapping ``key -> Strategy``; ``key`` is an op kind or ``"op/tensor"``. Sorted, KEEP entries kept."""
+
+    entries: tuple[tuple[str, Strategy], ...] = ()
+
+    def __post_init__(self) -> None:
+        seen: dict[str, Strategy] = {}
+        for item in self.entries:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], Strategy)):
+                raise ValueError(f"plan entries must be (key, Strategy) pairs, got {item!r}")
+            key = _check_key(item[0])
+            if key in seen and seen[key] is not item[1]:
+                raise ValueError(f"plan key {key!r} has two strategies: {seen[key].value} and {item[1].value}")
+            seen[key] = item[1]
+        object.__setattr__(self, "entries", tuple(sorted(seen.items())))
+
+    # ---- construction -------------------------------------------------------------------------------------
+    @classmethod
+    def uniform(cls, policy: Mapping[str, Strategy | str]) -> "Plan":
+        """Whole-kind policies, e.g. ``Plan.uniform({"core_attn": Strategy.RECOMPUTE})``."""
+        for kind in policy:
+            if "/" in kind:
+                raise ValueError(f"Plan.uniform takes op kinds, got {kind!r}; use Plan.of for single savings")
+        return cls.of(policy)
+
+    @classmethod
+    def of(cls, decisions: Mapping[str, Strategy | str] | Iterable[tuple[str, Strategy | str]]) -> "Plan":
+        items = decisions.items() if isinstance(decisions, Mapping) else decisions
+        return cls(tuple((key, s if isinstance(s, Strategy) else Strategy.parse(s)) for key, s in items))
+
+    @classmethod
+    def from_decisions(cls, decisions: Mapping[tuple[str, str], Strategy]) -> "Plan":
+        """Plan from ``{(op, tensor): Strategy}``; KEEP decisions are dropped."""
+        return cls(tuple((f"{op}/{tensor}", s) for (op, tensor), s in decisions.items() if s is not Strategy.KEEP))
+
+    @classmethod
+    def from_str(cls, text: str) -> "Plan":
+        """Parse the text form (see module docstring); strategies may be full names or first letters."""
+        if not isinstance(text, str):
+            raise ValueError(f"plan text must be a string, got {type(text).__name__}")
+        body = text.strip()
+        if body.startswith("Plan(") and body.endswith(")"):
+            body = body[5:-1].strip().strip("'\"")
+        if body.lower() in ("", NONE_TEXT):
+            return cls()
+        items = []
+        for part in body.split(","):
+            key, sep, value = part.strip().partition("=")
+            if not sep:
+                raise ValueError(f"plan entry {part.strip()!r} must be KEY=STRATEGY")
+            items.append((key.strip(), Strategy.parse(value)))
+        return cls.of(items)
+
+    # ---- queries ------------------------------------------------------------------------------------------
+    def as_dict(self) -> dict[str, Strategy]:
+        return dict(self.entries)
+
+    def explicit(self) -> dict[tuple[str, str], Strategy]:
+        return {tuple(k.split("/", 1)): s for k, s in self.entries if "/" in k}  # type: ignore[misc]
+
+    def kind_policies(self) -> dict[str, Strategy]:
+        return {k: s for k, s in self.entries if "/" not in k}
+
+    def with_decision(self, op: str, tensor: str, strategy: Strategy) -> "Plan":
+        entries = dict(self.entries)
+        entries[f"{op}/{tensor}"] = strategy
+        return Plan(tuple(entries.items()))
+
+    def __str__(self) -> str:
+        if not self.entries:
+            return NONE_TEXT
+        return ",".join(f"{k}={s.value}" for k, s in self.entries)
+
+    def __repr__(self) -> str:
+        return f"Plan('{self}')"
+
+    def __len__(self) -> int:
+        return len(self.entries)

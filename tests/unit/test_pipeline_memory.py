@@ -1,0 +1,92 @@
+"""Pipeline schedules, in-flight counts, memory curves with spikes, and static memory."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from bagualu2.costmodel import (ParallelConfig, Plan, inflight_chunks, inflight_microbatches, memory_curve,
+                                presets, schedule, stage_memory, static_bytes)
+from bagualu2.costmodel.pipeline import num_warmup, peak_bytes
+
+
+@given(pp=st.integers(1, 16), m=st.integers(1, 64), data=st.data())
+def test_1f1b_inflight(pp, m, data):
+    parallel = ParallelConfig(pp=pp, num_microbatches=m)
+    stage = data.draw(st.integers(0, pp - 1))
+    assert inflight_chunks(parallel, 0) == min(pp, m)
+    assert inflight_chunks(parallel, stage) == min(pp - stage, m)
+    actions = schedule(parallel, stage)
+    assert sorted((a.microbatch, a.kind) for a in actions) == sorted(
+        [(i, "F") for i in range(m)] + [(i, "B") for i in range(m)])
+
+
+@given(pp=st.integers(2, 12), vp=st.integers(2, 4), k=st.integers(2, 4))
+def test_interleaved_first_stage_factor(pp, vp, k):
+    parallel = ParallelConfig(pp=pp, vp=vp, num_microbatches=k * pp)
+    assert inflight_microbatches(parallel, 0) == pytest.approx(pp * (1 + (pp - 1) / (pp * vp)))
+    # every chunk's backward follows its forward
+    done = set()
+    for action in schedule(parallel, 0):
+        key = (action.microbatch, action.chunk)
+        if action.kind == "F":
+            done.add(key)
+        else:
+            assert key in done
+
+
+@given(pp=st.integers(2, 8), vp=st.integers(1, 3), k=st.integers(2, 4), base=st.integers(1, 10**9),
+       spike=st.integers(0, 10**9), data=st.data())
+def test_spike_in_warmup_raises_peak_by_its_bytes(pp, vp, k, base, spike, data):
+    parallel = ParallelConfig(pp=pp, vp=vp, num_microbatches=k * pp)
+    flat = [base] * parallel.num_microbatches
+    spiked = list(flat)
+    victim = data.draw(st.integers(0, min(pp, parallel.num_microbatches) - 1))  # launched during warmup
+    spiked[victim] = base + spike
+    per_chunk = [base] * vp
+    per_chunk[-1] = base + spike
+    spiked_one_chunk = list(flat)
+    spiked_one_chunk[victim] = per_chunk
+    assert peak_bytes(parallel, spiked) == peak_bytes(parallel, flat) + vp * spike
+    assert peak_bytes(parallel, spiked_one_chunk) == peak_bytes(parallel, flat) + spike
+    curve = memory_curve(parallel, flat)
+    assert curve[0] == 0 and curve[-1] == 0
+
+
+def test_warmup_counts():
+    assert num_warmup(ParallelConfig(pp=4, num_microbatches=8), 0) == 3
+    assert num_warmup(ParallelConfig(pp=4, vp=2, num_microbatches=8), 0) == 2 * 3 + 4
+    assert num_warmup(ParallelConfig(pp=4, vp=2, num_microbatches=4), 0) == 8  # m == pp: all warmup
+
+
+def test_static_memory_glm_423b_stage0():
+    """Hand derivation, glm-423b-a30b (h=8192, a=64, g=8, d=128, fe=4096, E=128, S=1, V=151552), stage 0.
+
+    pp=8, vp=2: stage 0 holds chunks 0 and 1 = layers 0-1 and 16-17, all MoE; tp=2, ep=64, dp=32, edp=1.
+    attention = h*(a+2g)*d + a*d*h = 8192*80*128 + 64*128*8192 = 150,994,944; /tp = 75,497,472
+    norms 2h = 16,384; router h*E = 1,048,576; shared expert 3*h*fe/tp = 50,331,648
+    dense per layer = 126,894,080; x4 layers = 507,576,320; + embedding V*h/tp = 620,756,992
+    -> P_d = 1,128,333,312
+    experts per layer E/ep = 2 x 3*h*fe = 201,326,592; x4 -> P_e = 805,306,368
+    static = (2 + 4)*(P_d + P_e) + 12*P_d/32 + 12*P_e/1
+           = 11,601,838,080 + 423,124,992 + 9,663,676,416 = 21,688,639,488 bytes
+    """
+    model, parallel = presets.model("glm-423b-a30b")
+    assert static_bytes(model, parallel, stage=0) == 21_688_639_488
+
+
+def test_stage_memory_peak_and_budget_inputs():
+    model, parallel = presets.model("glm-423b-a30b")
+    hw = presets.hardware("paper-gpu")
+    mem = stage_memory(model, parallel, hw, stage=0)
+    assert mem.peak_bytes == mem.static_bytes + mem.activation_peak_bytes
+    assert mem.activation_peak_bytes == max(memory_curve(parallel, [mem.chunk_bytes] * parallel.num_microbatches))
+    assert mem.inflight_microbatches == pytest.approx(8 * (1 + 7 / 16))
+    assert mem.m_max_bytes == hw.hbm_bytes - mem.static_bytes
+    spike = stage_memory(model, parallel, hw, stage=0, imbalance=2.6)
+    assert spike.activation_peak_bytes > mem.activation_peak_bytes
+    mitigated = stage_memory(model, parallel, hw, stage=0, plan=Plan.uniform({"expert_fc1": "RECOMPUTE"}))
+    assert mitigated.activation_peak_bytes < mem.activation_peak_bytes
+    last = stage_memory(model, parallel, hw, stage=parallel.pp - 1)
+    assert last.m_max_bytes < hw.hbm_bytes - last.static_bytes  # logits reserved on the last stage
+    with pytest.raises(ValueError, match="does not have"):
+        stage_memory(model, parallel, hw, plan=Plan.of({"L31.qkv/L31.norm1_out": "R"}), stage=0)
