@@ -257,4 +257,5 @@ def build_graph(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware
                                  last.moved_bytes, last.forward_ns, last.backward_ns)
     return OpGraph(ops=tuple(builder.ops), tensors=builder.tensors, hardware=hardware,
                    pinned=frozenset(builder.pinned), imbalance=imbalance,
-                   label=f"stage {stage} chunk {chunk} layers {layers[0]}-{layers[-1]}")
+                   label=f"stage {stage} chunk {chunk} layers {layers[0]}-{layers[-1]}",
+                   activation_dtype=model.dtype)

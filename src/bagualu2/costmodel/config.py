@@ -263,6 +263,10 @@ class Hardware:
                          if f.name not in data and f.default is dataclasses.MISSING)
         if missing:
             raise ValueError(f"missing hardware field(s): {', '.join(missing)}")
+        for name in ("hbm_bytes", "devices_per_node"):  # JSON writes 64e9 as a float
+            value = data.get(name)
+            if isinstance(value, float) and value.is_integer():
+                data[name] = int(value)
         return cls(**data)
 
     def replace(self, **changes: Any) -> "Hardware":

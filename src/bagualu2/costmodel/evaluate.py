@@ -2,7 +2,8 @@
 
 Semantics (see docs/costmodel.md):
 
-* Each saving resolves to a strategy (explicit entry > kind policy > KEEP; pinned savings are always KEEP).
+* Each saving resolves to a strategy (explicit entry > kind policy > KEEP; pinned savings are always KEEP;
+  kind policies skip savings a strategy does not apply to: QUANTIZE of masks, indices and FP32 copies).
 * Device bytes are counted per distinct stored copy of a tensor: all ``KEEP`` savings of one tensor in one
   precision share one copy; ``QUANTIZE`` savings share one FP8 copy; ``OFFLOAD`` savings share one host copy per
   precision. So a tensor offloaded at one consumer but kept at another still occupies the device
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
 
-from .graph import FLOAT_DTYPES, ITEM_BYTES, OpGraph, Resource
+from .graph import FLOAT_DTYPES, ITEM_BYTES, OpGraph, Resource, Saving
 from .plan import Plan
 from .strategy import Strategy, offload_ns, quantize_ns
 
@@ -86,7 +87,7 @@ def resolve(graph: OpGraph, plan: Plan | None) -> dict[tuple[str, str], Strategy
             strategy = kinds.get(op.kind)
             if strategy is None or (op.name, saving.tensor) in graph.pinned:
                 continue
-            if strategy is Strategy.QUANTIZE and saving.dtype not in FLOAT_DTYPES:
+            if strategy is Strategy.QUANTIZE and not graph.quantizable(saving):
                 continue
             resolved[(op.name, saving.tensor)] = strategy
     for (op_name, tensor), strategy in plan.explicit().items():
@@ -97,15 +98,16 @@ def resolve(graph: OpGraph, plan: Plan | None) -> dict[tuple[str, str], Strategy
         if key in graph.pinned and strategy is not Strategy.KEEP:
             raise ValueError(f"plan entry {op_name}/{tensor}: the block input is pinned to KEEP "
                              "(full recomputation restarts from it)")
-        if strategy is Strategy.QUANTIZE and _saving_dtype(graph, op_name, tensor) not in FLOAT_DTYPES:
-            raise ValueError(f"plan entry {op_name}/{tensor}: QUANTIZE needs a floating tensor "
-                             f"({', '.join(sorted(FLOAT_DTYPES))}), not {_saving_dtype(graph, op_name, tensor)}")
+        if strategy is Strategy.QUANTIZE and not graph.quantizable(_saving(graph, op_name, tensor)):
+            raise ValueError(f"plan entry {op_name}/{tensor}: QUANTIZE needs a floating saving no wider than "
+                             f"the activation dtype {graph.activation_dtype}, not "
+                             f"{_saving(graph, op_name, tensor).dtype}")
         resolved[key] = strategy
     return resolved
 
 
-def _saving_dtype(graph: OpGraph, op_name: str, tensor: str) -> str:
-    return next(s.dtype for s in graph.op(op_name).saves if s.tensor == tensor)
+def _saving(graph: OpGraph, op_name: str, tensor: str) -> Saving:
+    return next(s for s in graph.op(op_name).saves if s.tensor == tensor)
 
 
 def evaluate(graph: OpGraph, plan: Plan | None = None) -> PlanCost:

@@ -85,6 +85,9 @@ class Op(NamedTuple):
 class OpGraph:
     """The forward ops of one pipeline-stage chunk, in program order, with everything needed to cost a plan.
 
+    ``activation_dtype`` is the model's activation precision: a saving stored wider than it (the router's FP32
+    copy, FP32 statistics) is precision-critical and may not be quantised.
+
     ``pinned`` holds the savings that must stay ``KEEP``: the block input of every layer, the checkpoint that
     full recomputation restarts from. ``floor_bytes`` (M0) is what those keep; ``unmitigated_bytes`` what the
     graph keeps with no mitigation at all.
@@ -96,12 +99,16 @@ class OpGraph:
     pinned: frozenset[tuple[str, str]] = frozenset()
     imbalance: float = 1.0
     label: str = ""
+    activation_dtype: str = "bf16"
     _index: Mapping[str, int] = field(init=False, repr=False)
     _consumers: Mapping[str, tuple[tuple[str, str], ...]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.ops:
             raise ValueError("ops must not be empty")
+        if self.activation_dtype not in FLOAT_DTYPES:
+            raise ValueError(f"activation_dtype must be one of {', '.join(sorted(FLOAT_DTYPES))}, "
+                             f"got {self.activation_dtype!r}")
         index: dict[str, int] = {}
         consumers: dict[str, list[tuple[str, str]]] = {}
         for position, op in enumerate(self.ops):
@@ -139,6 +146,10 @@ class OpGraph:
             return self.ops[self._index[name]]
         except KeyError:
             raise ValueError(f"unknown op {name!r}") from None
+
+    def quantizable(self, saving: Saving) -> bool:
+        """May this saving be stored in FP8? Floating and not wider than the activation precision."""
+        return saving.dtype in FLOAT_DTYPES and ITEM_BYTES[saving.dtype] <= ITEM_BYTES[self.activation_dtype]
 
     def has_op(self, name: str) -> bool:
         return name in self._index

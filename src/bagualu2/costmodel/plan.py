@@ -10,6 +10,9 @@ error of the plan, reported by :func:`~bagualu2.costmodel.evaluate.evaluate`.
 
 from __future__ import annotations
 
+import csv
+import io
+import json
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
@@ -83,6 +86,38 @@ class Plan:
             if not sep:
                 raise ValueError(f"plan entry {part.strip()!r} must be KEY=STRATEGY")
             items.append((key.strip(), Strategy.parse(value)))
+        return cls.of(items)
+
+    def to_json(self) -> str:
+        """``{"plan": [{"key": ..., "strategy": ...}, ...]}``."""
+        return json.dumps({"plan": [{"key": k, "strategy": s.value} for k, s in self.entries]}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        try:
+            data = json.loads(text)
+            rows = data["plan"]
+            return cls.of([(row["key"], row["strategy"]) for row in rows])
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(f"plan JSON must be {{\"plan\": [{{\"key\": ..., \"strategy\": ...}}]}}: {exc}") \
+                from None
+
+    def to_csv(self) -> str:
+        """Two columns with a header: ``key,strategy``."""
+        return "key,strategy\n" + "".join(f"{k},{s.value}\n" for k, s in self.entries)
+
+    @classmethod
+    def from_csv(cls, text: str) -> "Plan":
+        rows = list(csv.reader(io.StringIO(text)))
+        if not rows or [c.strip() for c in rows[0]] != ["key", "strategy"]:
+            raise ValueError("plan CSV must start with the header 'key,strategy'")
+        items = []
+        for number, row in enumerate(rows[1:], start=2):
+            if not row:
+                continue
+            if len(row) != 2:
+                raise ValueError(f"plan CSV line {number} must have 2 columns (key,strategy), got {len(row)}")
+            items.append((row[0].strip(), row[1].strip()))
         return cls.of(items)
 
     # ---- queries ------------------------------------------------------------------------------------------

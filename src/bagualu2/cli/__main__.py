@@ -1,0 +1,5 @@
+"""``python -m bagualu2.cli``."""
+
+from .app import main
+
+main()

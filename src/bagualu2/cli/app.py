@@ -1,0 +1,42 @@
+"""The ``bagualu2`` typer app. Register each command here, one line each, from its own ``*_cmd`` module."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from bagualu2 import __version__
+
+from . import memory_cmd, presets_cmd
+
+app = typer.Typer(
+    name="bagualu2",
+    help="BaGuaLu-2: inspect activation-memory plans, budgets, memory curves and schedules of MoE training.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+# ---- commands (one line each; later: plan, schedule, simulate, demo) ----------------------------------------
+app.command("presets")(presets_cmd.presets)
+app.command("memory")(memory_cmd.memory)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"bagualu2 {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True,
+                                                    help="Print the version and exit.")] = None,
+) -> None:
+    """BaGuaLu-2: inspect activation-memory plans, budgets, memory curves and schedules of MoE training."""
+
+
+def main() -> None:
+    """Console-script entry point (``bagualu2``)."""
+    app()

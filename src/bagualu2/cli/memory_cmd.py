@@ -1,0 +1,83 @@
+"""``bagualu2 memory``: static, activation and peak memory of every pipeline stage vs the device capacity."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.table import Table
+
+from bagualu2.costmodel import Hardware, ModelConfig, ParallelConfig, Plan, StageMemory, stage_memory
+
+from .common import (GIB, HARDWARE_HELP, IMBALANCE_HELP, JSON_HELP, MIB, MODEL_HELP, PLAN_HELP, CliError, blame,
+                     console, echo_json, handle_errors, load_hardware, load_model, parse_imbalance, parse_plan)
+
+DEFAULT_MODEL = "glm-423b-a30b"
+DEFAULT_HARDWARE = "paper-gpu"
+
+
+def stage_rows(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, *, plan: Plan,
+               imbalance: float, stages: list[int]) -> list[tuple[int, StageMemory]]:
+    """``(stage, StageMemory)`` for each of ``stages``; plan errors are blamed on ``--plan``."""
+    with blame("--plan"):
+        return [(s, stage_memory(model, parallel, hardware, plan=plan, stage=s, imbalance=imbalance))
+                for s in stages]
+
+
+def stage_json(stage: int, mem: StageMemory) -> dict[str, Any]:
+    """JSON-ready dict of one stage: integer ``*_bytes`` fields, in-flight counts, ``fits``."""
+    return {"stage": stage, "static_bytes": mem.static_bytes, "activation_peak_bytes": mem.activation_peak_bytes,
+            "peak_bytes": mem.peak_bytes, "capacity_bytes": mem.capacity_bytes,
+            "headroom_bytes": mem.headroom_bytes, "m_max_bytes": mem.m_max_bytes, "m0_bytes": mem.m0_bytes,
+            "chunk_bytes": list(mem.chunk_bytes), "inflight_chunks": mem.inflight_chunks,
+            "inflight_microbatches": mem.inflight_microbatches, "fits": mem.fits}
+
+
+def _table(title: str, rows: list[tuple[int, StageMemory]]) -> Table:
+    """GiB columns; MiB when every peak is under 1 GiB (tiny test models)."""
+    unit, scale = ("GiB", GIB) if max(mem.peak_bytes for _, mem in rows) >= GIB else ("MiB", MIB)
+    table = Table(title=title, caption="static = weights + fp32 grads + optimizer states; "
+                                       "M0 = full-recompute floor of one chunk")
+    for header in ("stage", f"static {unit}", f"act peak {unit}", f"peak {unit}", f"capacity {unit}",
+                   f"headroom {unit}", "in-flight µb", "M0 MiB/chunk", "status"):
+        table.add_column(header, justify="right")
+    for stage, mem in rows:
+        status = "[green]OK[/green]" if mem.fits else "[bold red]OOM[/bold red]"
+        sizes = (mem.static_bytes, mem.activation_peak_bytes, mem.peak_bytes, mem.capacity_bytes,
+                 mem.headroom_bytes)
+        table.add_row(str(stage), *(f"{size / scale:.2f}" for size in sizes), f"{mem.inflight_microbatches:g}",
+                      f"{mem.m0_bytes / MIB:.2f}", status)
+    return table
+
+
+@handle_errors
+def memory(
+    model: Annotated[str, typer.Option("--model", "-m", help=MODEL_HELP)] = DEFAULT_MODEL,
+    hardware: Annotated[str, typer.Option("--hardware", "-H", help=HARDWARE_HELP)] = DEFAULT_HARDWARE,
+    imbalance: Annotated[str, typer.Option("--imbalance", "-r", metavar="R", help=IMBALANCE_HELP)] = "1.0",
+    plan: Annotated[str, typer.Option("--plan", "-p", metavar="SPEC", help=PLAN_HELP)] = "none",
+    stage: Annotated[Optional[int], typer.Option("--stage", "-s", help="Only this pipeline stage "
+                                                 "(0-based); default: every stage.")] = None,
+    json_output: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
+) -> None:
+    """Per-stage memory: static, activation peak and total peak vs HBM capacity (OK / OOM).
+
+    Every micro-batch runs --plan; routed-expert activations scale with --imbalance.
+    """
+    name, model_config, parallel = load_model(model)
+    hw = load_hardware(hardware)
+    rate = parse_imbalance(imbalance)
+    mitigation = parse_plan(plan)
+    if stage is not None and not 0 <= stage < parallel.pp:
+        raise CliError(f"must be in [0, {parallel.pp}) for {name} (pp={parallel.pp}), got {stage}", "--stage")
+    stages = list(range(parallel.pp)) if stage is None else [stage]
+    rows = stage_rows(model_config, parallel, hw, plan=mitigation, imbalance=rate, stages=stages)
+    if json_output:
+        echo_json({"model": name, "hardware": hw.name, "imbalance": rate, "plan": str(mitigation),
+                   "pp": parallel.pp, "vp": parallel.vp, "num_microbatches": parallel.num_microbatches,
+                   "stages": [stage_json(s, mem) for s, mem in rows]})
+        return
+    oom = sum(not mem.fits for _, mem in rows)
+    title = (f"memory per stage: {name} on {hw.name}, imbalance {rate:g}, plan {mitigation} "
+             f"({'all fit' if not oom else f'{oom} OOM'})")
+    console().print(_table(title, rows))
