@@ -1,0 +1,278 @@
+"""Roofline-guided iterative mitigation (paper §V-A, Algorithm 2) and an improved variant.
+
+Both start from "keep everything" and move one tensor at a time (all its consumers together, so the
+multi-device and multi-precision rules hold by construction) until the micro-batch fits ``budget_bytes``.
+Each candidate is conflict-checked before it is applied: a recompute whose regeneration would need an input
+nobody stores is rejected. Reductions and recompute costs are re-evaluated as moves are applied (recomputing
+one op makes regenerating its other outputs free; dropping a tensor makes regenerating its consumers dearer).
+
+``variant="paper"``    every tensor has one candidate, the strategy with the highest mitigation bandwidth
+                       (bytes saved per second of overhead) for its size — the roofline choice of §IV-B — and
+                       each iteration applies the candidate with the largest memory reduction.
+``variant="improved"`` (default) every applicable strategy is a candidate (a quantised tensor may later be
+                       offloaded or recomputed); each iteration applies the best bytes-per-second candidate
+                       (lazy re-evaluation with a heap), remembers the cheapest single move that would finish
+                       the job from there, keeps the cheapest ending, then drops moves the budget does not need.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass
+
+from ..costmodel import OpGraph, Strategy
+from .solution import Solution, SolveStatus, check_budget, infeasible, make_solution
+from .space import Space, TensorChoice, decision_space
+
+VARIANTS = ("improved", "paper")
+KEEP, RECOMPUTE, OFFLOAD, QUANTIZE = Strategy.KEEP, Strategy.RECOMPUTE, Strategy.OFFLOAD, Strategy.QUANTIZE
+FINAL = (RECOMPUTE, OFFLOAD)  # strategies that free everything: no further move from them
+
+Delta = tuple[int, int, frozenset]  # (bytes freed, ns added, ops newly re-run in backward)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GreedyConfig:
+    """variant: ``improved`` or ``paper`` (see module docstring); prune: drop unneeded moves at the end."""
+
+    variant: str = "improved"
+    prune: bool = True
+
+    def __post_init__(self) -> None:
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {self.variant!r}")
+        if not isinstance(self.prune, bool):
+            raise ValueError(f"prune must be true or false, got {self.prune!r}")
+
+
+def _bytes(choice: TensorChoice, strategy: Strategy) -> int:
+    if strategy is KEEP:
+        return choice.keep_bytes
+    return choice.quantized_bytes if strategy is QUANTIZE else 0
+
+
+def _standalone_ns(choice: TensorChoice, strategy: Strategy) -> int:
+    if strategy is OFFLOAD:
+        return choice.offload_ns
+    return choice.quantize_ns if strategy is QUANTIZE else 0
+
+
+class _State:
+    """Tensor-level assignment with its freed bytes, overhead and the ops re-run in backward."""
+
+    def __init__(self, space: Space):
+        self.space = space
+        self.chosen: dict[str, Strategy] = {}
+        self.rerun: set[str] = set()
+        self.freed = 0
+        self.overhead_ns = 0
+
+    def stored(self, tensor: str) -> bool:
+        space = self.space
+        return tensor in space.pinned or (tensor in space.saved and self.chosen.get(tensor) is not RECOMPUTE)
+
+    def recompute_ops(self, start: str) -> frozenset | None:
+        """Ops to add to the re-run set if ``start`` is recomputed; None if it cannot be regenerated."""
+        producer_of, inputs_of, rerun = self.space.producer, self.space.inputs, self.rerun
+        new: set[str] = set()
+        stack = [start]
+        while stack:
+            producer = producer_of[stack.pop()]
+            if producer is None:
+                return None
+            if producer in rerun or producer in new:
+                continue
+            new.add(producer)
+            for source in inputs_of[producer]:
+                if source == start or not self.stored(source):
+                    stack.append(source)
+        return frozenset(new)
+
+    def move(self, choice: TensorChoice, strategy: Strategy) -> Delta | None:
+        """Delta of moving ``choice`` from its current strategy to ``strategy``; None when it conflicts."""
+        current = self.chosen.get(choice.tensor, KEEP)
+        freed = _bytes(choice, current) - _bytes(choice, strategy)
+        added = _standalone_ns(choice, strategy) - _standalone_ns(choice, current)
+        if strategy is not RECOMPUTE:
+            return freed, added, frozenset()
+        ops = self.recompute_ops(choice.tensor)
+        if ops is None:
+            return None
+        forward_ns = self.space.forward_ns
+        return freed, added + sum(forward_ns[o] for o in ops), ops
+
+    def closure(self) -> set[str]:
+        """Least set of ops backward re-runs to regenerate every recomputed tensor (as the evaluator does)."""
+        producer_of, inputs_of = self.space.producer, self.space.inputs
+        rerun: set[str] = set()
+        stack = [t for t, s in self.chosen.items() if s is RECOMPUTE]
+        while stack:
+            producer = producer_of[stack.pop()]
+            if producer is None or producer in rerun:
+                continue
+            rerun.add(producer)
+            stack.extend(source for source in inputs_of[producer] if not self.stored(source))
+        return rerun
+
+    def apply(self, choice: TensorChoice, strategy: Strategy, delta: Delta) -> None:
+        self.chosen[choice.tensor] = strategy
+        self.freed += delta[0]
+        self.overhead_ns += delta[1]
+        self.rerun |= delta[2]
+
+
+def solve(graph: OpGraph, budget_bytes: int, *, config: GreedyConfig | None = None) -> Solution:
+    """Plan that keeps at most ``budget_bytes`` of activations for ``graph``, by greedy selection."""
+    started = time.perf_counter()
+    budget_bytes = check_budget(budget_bytes)
+    config = config or GreedyConfig()
+    name = f"greedy-{config.variant}"
+    if budget_bytes < graph.floor_bytes:
+        return infeasible(graph, budget_bytes, name, started, time.perf_counter())
+    space = decision_space(graph)
+    need = graph.unmitigated_bytes - budget_bytes
+    state = _State(space)
+    if need > 0:
+        state = _paper(state, space, need) if config.variant == "paper" else _improved(state, space, need)
+        if config.prune and state.freed >= need:
+            _prune(state, space, need)
+    stats = {"moves": len(state.chosen), "estimated_overhead_ns": state.overhead_ns}
+    if state.freed < need:  # only on graphs whose inputs are not pinned: some tensors cannot be regenerated
+        return make_solution(graph, space.plan(state.chosen), SolveStatus.INFEASIBLE, name, started,
+                             time.perf_counter(), stats, reason="no conflict-free candidate is left and the "
+                             f"plan still keeps {graph.unmitigated_bytes - state.freed} > {budget_bytes} bytes")
+    status = SolveStatus.OPTIMAL if need <= 0 else SolveStatus.FEASIBLE
+    return make_solution(graph, space.plan(state.chosen), status, name, started, time.perf_counter(), stats)
+
+
+def _improved(state: _State, space: Space, need: int) -> _State:
+    heap: list = []
+    version = {c.tensor: 0 for c in space.choices}
+    epoch = 0  # bumps on every recompute move: cached recompute deltas go stale
+    by_name = {c.tensor: c for c in space.choices}
+    largest_first = sorted(space.choices, key=lambda c: -c.keep_bytes)
+    counter = 0
+
+    def push(choice: TensorChoice, strategy: Strategy) -> None:
+        nonlocal counter
+        delta = state.move(choice, strategy)
+        if delta is None or delta[0] <= 0:
+            return
+        counter += 1
+        heapq.heappush(heap, (-delta[0] / max(delta[1], 1), -delta[0], counter, choice.tensor, strategy,
+                              version[choice.tensor], epoch, delta))
+
+    for choice in space.choices:
+        for strategy in choice.strategies:
+            push(choice, strategy)
+    history: list[tuple[TensorChoice, Strategy, Delta]] = []
+    best_end: tuple[int, int, tuple] | None = None  # (overhead, moves kept, finishing move)
+    while state.freed < need and heap:
+        entry = heapq.heappop(heap)
+        tensor, strategy, seen_version, seen_epoch, delta = entry[3:]
+        choice = by_name[tensor]
+        if seen_version != version[tensor]:
+            continue  # the tensor moved since
+        if strategy is RECOMPUTE and seen_epoch != epoch:
+            push(choice, strategy)  # re-evaluate lazily
+            continue
+        finish = _cheapest_finish(state, largest_first, need - state.freed)
+        if finish is not None and (finish[0] is not choice or finish[1] is not strategy):
+            total = state.overhead_ns + finish[2][1]
+            if best_end is None or total < best_end[0]:
+                best_end = (total, len(history), finish)
+        state.apply(choice, strategy, delta)
+        history.append((choice, strategy, delta))
+        version[tensor] += 1
+        if strategy is QUANTIZE:  # a quantised tensor may still be offloaded or recomputed
+            push(choice, OFFLOAD)
+            if RECOMPUTE in choice.strategies:
+                push(choice, RECOMPUTE)
+        if strategy is RECOMPUTE:
+            epoch += 1
+            for op in delta[2]:  # tensors these re-run ops produce now regenerate for free
+                for produced in space.produces.get(op, ()):
+                    if state.chosen.get(produced) not in FINAL:
+                        push(by_name[produced], RECOMPUTE)
+    if best_end is not None and (state.freed < need or best_end[0] < state.overhead_ns):
+        state = _State(space)
+        for move in history[:best_end[1]]:
+            state.apply(*move)
+        state.apply(*best_end[2])
+    return state
+
+
+def _cheapest_finish(state: _State, largest_first: list[TensorChoice], remaining: int):
+    """The cheapest single move freeing at least ``remaining`` bytes, as (choice, strategy, delta)."""
+    best = None
+    for choice in largest_first:
+        if choice.keep_bytes < remaining:
+            break
+        current = state.chosen.get(choice.tensor, KEEP)
+        if current in FINAL:
+            continue
+        for strategy in choice.strategies:
+            if strategy is current or _bytes(choice, current) - _bytes(choice, strategy) < remaining:
+                continue
+            if best is not None and strategy is not RECOMPUTE and \
+                    _standalone_ns(choice, strategy) - _standalone_ns(choice, current) >= best[2][1]:
+                continue
+            delta = state.move(choice, strategy)
+            if delta is not None and (best is None or delta[1] < best[2][1]):
+                best = (choice, strategy, delta)
+    return best
+
+
+def _paper(state: _State, space: Space, need: int) -> _State:
+    roofline = {}
+    for choice in space.choices:  # the time-minimising strategy for this tensor's size
+        options = [(delta[1] / delta[0], strategy) for strategy in choice.strategies
+                   if (delta := state.move(choice, strategy)) is not None and delta[0] > 0]
+        if options:
+            roofline[choice.tensor] = min(options, key=lambda o: o[0])[1]
+    while state.freed < need:
+        best = None
+        for choice in space.choices:
+            strategy = roofline.get(choice.tensor)
+            if strategy is None or choice.tensor in state.chosen:
+                continue
+            delta = state.move(choice, strategy)  # conflict check: None when it cannot be regenerated
+            if delta is not None and delta[0] > 0 and (best is None or delta[0] > best[2][0]):
+                best = (choice, strategy, delta)
+        if best is None:  # roofline candidates exhausted: recompute what is still kept
+            for choice in space.choices:
+                if state.chosen.get(choice.tensor) not in FINAL \
+                        and (delta := state.move(choice, RECOMPUTE)) is not None and delta[0] > 0:
+                    state.apply(choice, RECOMPUTE, delta)
+                    if state.freed >= need:
+                        break
+            break
+        state.apply(*best)
+    return state
+
+
+def _prune(state: _State, space: Space, need: int) -> None:
+    """Revert moves (most expensive first) while the budget still holds and the overhead drops."""
+    by_name = {c.tensor: c for c in space.choices}
+    order = sorted(state.chosen, key=lambda t: -_standalone_ns(by_name[t], state.chosen[t]))
+    for tensor in order:
+        choice, strategy = by_name[tensor], state.chosen[tensor]
+        freed = choice.keep_bytes - _bytes(choice, strategy)
+        if state.freed - freed < need:
+            continue
+        if strategy is not RECOMPUTE:  # stored either way: the re-run set does not change
+            state.freed -= freed
+            state.overhead_ns -= _standalone_ns(choice, strategy)
+            del state.chosen[tensor]
+            continue
+        del state.chosen[tensor]
+        rerun = state.closure()
+        before = sum(space.forward_ns[o] for o in state.rerun)
+        after = sum(space.forward_ns[o] for o in rerun)
+        if after < before:
+            state.freed -= freed
+            state.overhead_ns += after - before
+            state.rerun = rerun
+        else:
+            state.chosen[tensor] = strategy

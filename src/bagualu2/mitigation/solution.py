@@ -1,0 +1,61 @@
+"""The one result type of every mitigation solver."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from ..costmodel import OpGraph, Plan, PlanCost, evaluate
+
+
+class SolveStatus(enum.Enum):
+    OPTIMAL = "OPTIMAL"        # proven optimal (or nothing to mitigate)
+    FEASIBLE = "FEASIBLE"      # fits the budget, optimality not proven
+    INFEASIBLE = "INFEASIBLE"  # even the floor (M0) exceeds the budget
+    TIMEOUT = "TIMEOUT"        # the time limit ran out before any plan was found
+
+
+@dataclass(frozen=True)
+class Solution:
+    """Decisions of a solver plus their cost, always computed by ``costmodel.evaluate``.
+
+    For INFEASIBLE and TIMEOUT, ``plan`` is the floor plan (full recompute) and ``reason`` says why.
+    """
+
+    status: SolveStatus
+    plan: Plan
+    cost: PlanCost
+    solver: str
+    solve_time_s: float
+    stats: Mapping[str, Any] = field(default_factory=dict)
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE)
+
+
+def check_budget(budget_bytes: Any) -> int:
+    """Budgets are non-negative integers of bytes; anything else is a ``ValueError``."""
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+        raise ValueError(f"budget_bytes must be a non-negative integer number of bytes, got {budget_bytes!r}")
+    return budget_bytes
+
+
+def floor_plan(graph: OpGraph) -> Plan:
+    """Full recompute: every mitigable saving RECOMPUTE (keeps only the pinned block inputs)."""
+    return Plan.uniform({kind: "RECOMPUTE" for kind in graph.kinds})
+
+
+def make_solution(graph: OpGraph, plan: Plan, status: SolveStatus, solver: str, started_s: float, now_s: float,
+                  stats: Mapping[str, Any] | None = None, reason: str = "") -> Solution:
+    return Solution(status=status, plan=plan, cost=evaluate(graph, plan), solver=solver,
+                    solve_time_s=now_s - started_s, stats=MappingProxyType(dict(stats or {})), reason=reason)
+
+
+def infeasible(graph: OpGraph, budget_bytes: int, solver: str, started_s: float, now_s: float) -> Solution:
+    return make_solution(graph, floor_plan(graph), SolveStatus.INFEASIBLE, solver, started_s, now_s,
+                         reason=f"budget {budget_bytes} bytes is below the floor M0 = {graph.floor_bytes} bytes "
+                                "(full recompute keeps only block inputs)")

@@ -1,0 +1,94 @@
+"""The conflict-free decision space: one strategy per tensor, shared by all of its consumers.
+
+The conflict rules (see :mod:`.conflicts`) require every consumer of a tensor to agree on placement and
+precision, so a conflict-free plan is a choice per tensor. Tensors kept by a pinned saving (block inputs) are
+fixed to KEEP. QUANTIZE is offered only where every consumer's saving may be quantised.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+from ..costmodel import OpGraph, Plan, Strategy
+from ..costmodel.graph import FLOAT_DTYPES, ITEM_BYTES
+from ..costmodel.strategy import offload_ns, quantize_ns
+
+
+@dataclass(frozen=True, slots=True)
+class TensorChoice:
+    """One decision: ``tensor`` with its consumer savings, bytes kept by each strategy and the fixed costs."""
+
+    tensor: str
+    savings: tuple[tuple[str, str], ...]
+    strategies: tuple[Strategy, ...]     # applicable mitigations
+    keep_bytes: int                      # device bytes under KEEP (one copy per stored precision)
+    quantized_bytes: int                 # device bytes under QUANTIZE (one FP8 copy)
+    offload_ns: int                      # d2h + h2d of every host copy
+    quantize_ns: int                     # cast + dequantise
+
+
+@dataclass(frozen=True)
+class Space:
+    """Decisions plus flat look-up tables of the graph for fast solvers."""
+
+    choices: tuple[TensorChoice, ...]
+    fixed_bytes: int                       # bytes of tensors with a pinned consumer (always kept)
+    producer: dict[str, str | None]        # tensor -> producing op (None: graph input)
+    inputs: dict[str, tuple[str, ...]]     # op -> input tensors
+    forward_ns: dict[str, int]             # op -> forward nanoseconds (the cost of re-running it)
+    produces: dict[str, tuple[str, ...]]   # op -> mitigable tensors it produces
+    saved: frozenset[str]                  # tensors some op saves
+    pinned: frozenset[str]                 # tensors with a pinned (always kept) saving
+
+    def plan(self, chosen: dict[str, Strategy]) -> Plan:
+        """Plan assigning ``chosen[tensor]`` to every consumer saving of each tensor (KEEP omitted)."""
+        by_name = {c.tensor: c for c in self.choices}
+        return Plan.from_decisions({key: strategy for tensor, strategy in chosen.items()
+                                    if strategy is not Strategy.KEEP for key in by_name[tensor].savings})
+
+
+_CACHE: "weakref.WeakKeyDictionary[OpGraph, Space]" = weakref.WeakKeyDictionary()
+
+
+def decision_space(graph: OpGraph) -> Space:
+    """The tensor-level decisions of ``graph`` (cached per graph object)."""
+    space = _CACHE.get(graph)
+    if space is None:
+        space = _CACHE[graph] = _build(graph)
+    return space
+
+
+def _build(graph: OpGraph) -> Space:
+    consumers: dict[str, list] = {}
+    pinned_tensors = {tensor for _, tensor in graph.pinned}
+    for op, saving in graph.savings:
+        consumers.setdefault(saving.tensor, []).append((op, saving))
+    hw = graph.hardware
+    choices = []
+    fixed = 0
+    for tensor, users in consumers.items():
+        spec = graph.tensors[tensor]
+        dtypes = sorted({s.dtype for _, s in users})
+        keep = sum(spec.numel * ITEM_BYTES[d] for d in dtypes)
+        if tensor in pinned_tensors:
+            fixed += keep
+            continue
+        strategies = [Strategy.RECOMPUTE, Strategy.OFFLOAD]
+        if all(graph.quantizable(s) for _, s in users):
+            strategies.append(Strategy.QUANTIZE)
+        off = sum(sum(offload_ns(spec.numel * ITEM_BYTES[d], hw)) for d in dtypes)
+        quant = sum(quantize_ns(spec.numel, spec.dtype if spec.dtype in FLOAT_DTYPES else "bf16", hw))
+        choices.append(TensorChoice(tensor, tuple((op.name, tensor) for op, _ in users), tuple(strategies),
+                                    keep, spec.numel, off, quant))
+    produces: dict[str, list[str]] = {}
+    for c in choices:
+        producer = graph.tensors[c.tensor].producer
+        if producer is not None:
+            produces.setdefault(producer, []).append(c.tensor)
+    return Space(choices=tuple(choices), fixed_bytes=fixed,
+                 producer={name: spec.producer for name, spec in graph.tensors.items()},
+                 inputs={op.name: op.inputs for op in graph.ops},
+                 forward_ns={op.name: op.forward_ns for op in graph.ops},
+                 produces={op: tuple(ts) for op, ts in produces.items()},
+                 saved=frozenset(consumers), pinned=frozenset(pinned_tensors))
