@@ -88,16 +88,70 @@ def build_model(graph: OpGraph, budget_bytes: int) -> ExactModel:
     return ExactModel(model, space, choice, rerun)
 
 
-def _add_hint(exact: ExactModel, graph: OpGraph, budget_bytes: int) -> None:
+def _add_hint(exact: ExactModel, graph: OpGraph, budget_bytes: int, groups: list[list[int]]) -> None:
+    """Seed CP-SAT with the greedy plan (layers of each identical group reordered to satisfy the symmetry
+    breaking): every choice and re-run variable gets its greedy value."""
     seed = greedy.solve(graph, budget_bytes)
     if not seed.ok:
         return
     explicit = seed.plan.explicit()
-    chosen = {}
+    chosen = {c.tensor: explicit.get(c.savings[0], KEEP) for c in exact.space.choices}
+    kept: dict[int, int] = {}
     for c in exact.space.choices:
-        chosen[c.tensor] = explicit.get(c.savings[0], KEEP)
+        layer = _layer(c.tensor)
+        kept[layer] = kept.get(layer, 0) + (c.keep_bytes if chosen[c.tensor] is KEEP else
+                                            c.quantized_bytes if chosen[c.tensor] is QUANTIZE else 0)
+    rename: dict[int, int] = {}
+    for layers in groups:
+        for target, source in zip(layers, sorted(layers, key=lambda layer: -kept.get(layer, 0))):
+            rename[source] = target
+    chosen = {_relayer(t, rename): s for t, s in chosen.items()}
     for (tensor, strategy), var in exact.choice.items():
         exact.model.add_hint(var, int(chosen[tensor] is strategy))
+    rerun = greedy.rerun_ops(exact.space, chosen)
+    for op, var in exact.rerun.items():
+        exact.model.add_hint(var, int(op in rerun))
+
+
+def _layer(name: str) -> int:
+    return int(name.split(".", 1)[0][1:]) if name.startswith("L") and "." in name else -1
+
+
+def _relayer(name: str, rename: dict[int, int]) -> str:
+    layer = _layer(name)
+    if layer not in rename:
+        return name
+    return f"L{rename[layer]}.{name.split('.', 1)[1]}"
+
+
+def _identical_layers(graph: OpGraph, exact: ExactModel) -> list[list[int]]:
+    """Groups of layers whose ops, sizes and times are identical (interchangeable in any solution)."""
+    signature: dict[int, list] = {}
+    for op in graph.ops:
+        if _layer(op.name) != op.layer:
+            return []  # not a builder graph: no layer naming to rely on
+        signature.setdefault(op.layer, []).append(
+            (op.name.split(".", 1)[1], op.forward_ns, tuple((s.tensor.split(".", 1)[-1], s.dtype,
+                                                               graph.tensors[s.tensor].numel) for s in op.saves)))
+    groups: dict[tuple, list[int]] = {}
+    for layer in sorted(signature):
+        groups.setdefault(tuple(signature[layer]), []).append(layer)
+    return [layers for layers in groups.values() if len(layers) > 1]
+
+
+def _break_layer_symmetry(exact: ExactModel, groups: list[list[int]]) -> int:
+    """Order the kept bytes of identical layers (non-increasing); returns the number of constraints."""
+    layer_bytes: dict[int, list] = {}
+    for c in exact.space.choices:
+        layer_bytes.setdefault(_layer(c.tensor), []).append(
+            c.keep_bytes * exact.choice[(c.tensor, KEEP)]
+            + (c.quantized_bytes * exact.choice[(c.tensor, QUANTIZE)] if QUANTIZE in c.strategies else 0))
+    added = 0
+    for layers in groups:
+        for first, second in zip(layers, layers[1:]):
+            exact.model.add(sum(layer_bytes.get(first, [])) >= sum(layer_bytes.get(second, [])))
+            added += 1
+    return added
 
 
 def solve(graph: OpGraph, budget_bytes: int, *, time_limit_s: float = 10.0, num_workers: int = 1,
@@ -114,15 +168,18 @@ def solve(graph: OpGraph, budget_bytes: int, *, time_limit_s: float = 10.0, num_
     if budget_bytes < graph.floor_bytes:
         return infeasible(graph, budget_bytes, "exact", started, time.perf_counter())
     exact = build_model(graph, budget_bytes)
+    groups = _identical_layers(graph, exact)
+    symmetry = _break_layer_symmetry(exact, groups)
     if hint:
-        _add_hint(exact, graph, budget_bytes)
+        _add_hint(exact, graph, budget_bytes, groups)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = float(time_limit_s)
     solver.parameters.num_workers = num_workers
     solver.parameters.random_seed = seed
+    solver.parameters.linearization_level = 2  # LP relaxation of the implications: proves optimality fast
     code = solver.solve(exact.model)
     stats = {"cp_status": solver.status_name(code), "wall_time_s": solver.wall_time,
-             "num_branches": solver.num_branches}
+             "num_branches": solver.num_branches, "symmetry_constraints": symmetry}
     if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         status = SolveStatus.INFEASIBLE if code == cp_model.INFEASIBLE else SolveStatus.TIMEOUT
         return make_solution(graph, floor_plan(graph), status, "exact", started, time.perf_counter(), stats,

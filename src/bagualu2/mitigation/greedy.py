@@ -10,9 +10,11 @@ one op makes regenerating its other outputs free; dropping a tensor makes regene
                        (bytes saved per second of overhead) for its size — the roofline choice of §IV-B — and
                        each iteration applies the candidate with the largest memory reduction.
 ``variant="improved"`` (default) every applicable strategy is a candidate (a quantised tensor may later be
-                       offloaded or recomputed); each iteration applies the best bytes-per-second candidate
-                       (lazy re-evaluation with a heap), remembers the cheapest single move that would finish
-                       the job from there, keeps the cheapest ending, then drops moves the budget does not need.
+                       offloaded or recomputed), and so is recomputing everything one op produces; each
+                       iteration takes the best bytes-per-second candidate (lazy re-evaluation with a heap).
+                       A candidate freeing more than is still needed is not applied but remembered as a way to
+                       finish (min-knapsack style); the cheapest ending wins, then moves the budget does not
+                       need are dropped.
 """
 
 from __future__ import annotations
@@ -72,11 +74,11 @@ class _State:
         space = self.space
         return tensor in space.pinned or (tensor in space.saved and self.chosen.get(tensor) is not RECOMPUTE)
 
-    def recompute_ops(self, start: str) -> frozenset | None:
-        """Ops to add to the re-run set if ``start`` is recomputed; None if it cannot be regenerated."""
+    def recompute_ops(self, starts: frozenset) -> frozenset | None:
+        """Ops to add to the re-run set if ``starts`` are recomputed; None if one cannot be regenerated."""
         producer_of, inputs_of, rerun = self.space.producer, self.space.inputs, self.rerun
         new: set[str] = set()
-        stack = [start]
+        stack = list(starts)
         while stack:
             producer = producer_of[stack.pop()]
             if producer is None:
@@ -85,18 +87,21 @@ class _State:
                 continue
             new.add(producer)
             for source in inputs_of[producer]:
-                if source == start or not self.stored(source):
+                if source in starts or not self.stored(source):
                     stack.append(source)
         return frozenset(new)
 
-    def move(self, choice: TensorChoice, strategy: Strategy) -> Delta | None:
-        """Delta of moving ``choice`` from its current strategy to ``strategy``; None when it conflicts."""
-        current = self.chosen.get(choice.tensor, KEEP)
-        freed = _bytes(choice, current) - _bytes(choice, strategy)
-        added = _standalone_ns(choice, strategy) - _standalone_ns(choice, current)
+    def move(self, group: tuple[TensorChoice, ...], strategy: Strategy) -> Delta | None:
+        """Delta of moving every tensor of ``group`` from its current strategy to ``strategy``; None when the
+        candidate conflicts (a recompute that cannot be regenerated)."""
+        freed = added = 0
+        for choice in group:
+            current = self.chosen.get(choice.tensor, KEEP)
+            freed += _bytes(choice, current) - _bytes(choice, strategy)
+            added += _standalone_ns(choice, strategy) - _standalone_ns(choice, current)
         if strategy is not RECOMPUTE:
             return freed, added, frozenset()
-        ops = self.recompute_ops(choice.tensor)
+        ops = self.recompute_ops(frozenset(c.tensor for c in group))
         if ops is None:
             return None
         forward_ns = self.space.forward_ns
@@ -115,11 +120,19 @@ class _State:
             stack.extend(source for source in inputs_of[producer] if not self.stored(source))
         return rerun
 
-    def apply(self, choice: TensorChoice, strategy: Strategy, delta: Delta) -> None:
-        self.chosen[choice.tensor] = strategy
+    def apply(self, group: tuple[TensorChoice, ...], strategy: Strategy, delta: Delta) -> None:
+        for choice in group:
+            self.chosen[choice.tensor] = strategy
         self.freed += delta[0]
         self.overhead_ns += delta[1]
         self.rerun |= delta[2]
+
+
+def rerun_ops(space: Space, chosen: dict[str, Strategy]) -> set[str]:
+    """Ops backward re-runs for a tensor-level assignment (the evaluator's least closure)."""
+    state = _State(space)
+    state.chosen = dict(chosen)
+    return state.closure()
 
 
 def solve(graph: OpGraph, budget_bytes: int, *, config: GreedyConfig | None = None) -> Solution:
@@ -151,50 +164,56 @@ def _improved(state: _State, space: Space, need: int) -> _State:
     version = {c.tensor: 0 for c in space.choices}
     epoch = 0  # bumps on every recompute move: cached recompute deltas go stale
     by_name = {c.tensor: c for c in space.choices}
-    largest_first = sorted(space.choices, key=lambda c: -c.keep_bytes)
     counter = 0
 
-    def push(choice: TensorChoice, strategy: Strategy) -> None:
+    def push(group: tuple[TensorChoice, ...], strategy: Strategy) -> None:
         nonlocal counter
-        delta = state.move(choice, strategy)
+        group = tuple(c for c in group if state.chosen.get(c.tensor) not in FINAL)
+        if not group:
+            return
+        delta = state.move(group, strategy)
         if delta is None or delta[0] <= 0:
             return
         counter += 1
-        heapq.heappush(heap, (-delta[0] / max(delta[1], 1), -delta[0], counter, choice.tensor, strategy,
-                              version[choice.tensor], epoch, delta))
+        heapq.heappush(heap, (-delta[0] / max(delta[1], 1), -delta[0], counter, group, strategy,
+                              tuple(version[c.tensor] for c in group), epoch, delta))
 
     for choice in space.choices:
         for strategy in choice.strategies:
-            push(choice, strategy)
-    history: list[tuple[TensorChoice, Strategy, Delta]] = []
+            push((choice,), strategy)
+    for tensors in space.produces.values():  # recompute everything one op produces: it re-runs once
+        if len(tensors) > 1:
+            push(tuple(by_name[t] for t in tensors), RECOMPUTE)
+    history: list[tuple[tuple[TensorChoice, ...], Strategy, Delta]] = []
     best_end: tuple[int, int, tuple] | None = None  # (overhead, moves kept, finishing move)
     while state.freed < need and heap:
         entry = heapq.heappop(heap)
-        tensor, strategy, seen_version, seen_epoch, delta = entry[3:]
-        choice = by_name[tensor]
-        if seen_version != version[tensor]:
-            continue  # the tensor moved since
-        if strategy is RECOMPUTE and seen_epoch != epoch:
-            push(choice, strategy)  # re-evaluate lazily
+        group, strategy, seen_versions, seen_epoch, delta = entry[3:]
+        if seen_versions != tuple(version[c.tensor] for c in group):
+            if len(group) > 1:
+                push(group, strategy)  # some members moved: re-offer the rest
             continue
-        finish = _cheapest_finish(state, largest_first, need - state.freed)
-        if finish is not None and (finish[0] is not choice or finish[1] is not strategy):
-            total = state.overhead_ns + finish[2][1]
+        if strategy is RECOMPUTE and seen_epoch != epoch:
+            push(group, strategy)  # re-evaluate lazily
+            continue
+        if delta[0] > need - state.freed:  # overshoots: only ever a way to finish from here
+            total = state.overhead_ns + delta[1]
             if best_end is None or total < best_end[0]:
-                best_end = (total, len(history), finish)
-        state.apply(choice, strategy, delta)
-        history.append((choice, strategy, delta))
-        version[tensor] += 1
+                best_end = (total, len(history), (group, strategy, delta))
+            continue
+        state.apply(group, strategy, delta)
+        history.append((group, strategy, delta))
+        for choice in group:
+            version[choice.tensor] += 1
         if strategy is QUANTIZE:  # a quantised tensor may still be offloaded or recomputed
-            push(choice, OFFLOAD)
-            if RECOMPUTE in choice.strategies:
-                push(choice, RECOMPUTE)
+            push(group, OFFLOAD)
+            if RECOMPUTE in group[0].strategies:
+                push(group, RECOMPUTE)
         if strategy is RECOMPUTE:
             epoch += 1
             for op in delta[2]:  # tensors these re-run ops produce now regenerate for free
                 for produced in space.produces.get(op, ()):
-                    if state.chosen.get(produced) not in FINAL:
-                        push(by_name[produced], RECOMPUTE)
+                    push((by_name[produced],), RECOMPUTE)
     if best_end is not None and (state.freed < need or best_end[0] < state.overhead_ns):
         state = _State(space)
         for move in history[:best_end[1]]:
@@ -203,32 +222,11 @@ def _improved(state: _State, space: Space, need: int) -> _State:
     return state
 
 
-def _cheapest_finish(state: _State, largest_first: list[TensorChoice], remaining: int):
-    """The cheapest single move freeing at least ``remaining`` bytes, as (choice, strategy, delta)."""
-    best = None
-    for choice in largest_first:
-        if choice.keep_bytes < remaining:
-            break
-        current = state.chosen.get(choice.tensor, KEEP)
-        if current in FINAL:
-            continue
-        for strategy in choice.strategies:
-            if strategy is current or _bytes(choice, current) - _bytes(choice, strategy) < remaining:
-                continue
-            if best is not None and strategy is not RECOMPUTE and \
-                    _standalone_ns(choice, strategy) - _standalone_ns(choice, current) >= best[2][1]:
-                continue
-            delta = state.move(choice, strategy)
-            if delta is not None and (best is None or delta[1] < best[2][1]):
-                best = (choice, strategy, delta)
-    return best
-
-
 def _paper(state: _State, space: Space, need: int) -> _State:
     roofline = {}
     for choice in space.choices:  # the time-minimising strategy for this tensor's size
         options = [(delta[1] / delta[0], strategy) for strategy in choice.strategies
-                   if (delta := state.move(choice, strategy)) is not None and delta[0] > 0]
+                   if (delta := state.move((choice,), strategy)) is not None and delta[0] > 0]
         if options:
             roofline[choice.tensor] = min(options, key=lambda o: o[0])[1]
     while state.freed < need:
@@ -237,14 +235,14 @@ def _paper(state: _State, space: Space, need: int) -> _State:
             strategy = roofline.get(choice.tensor)
             if strategy is None or choice.tensor in state.chosen:
                 continue
-            delta = state.move(choice, strategy)  # conflict check: None when it cannot be regenerated
+            delta = state.move((choice,), strategy)  # conflict check: None when it cannot be regenerated
             if delta is not None and delta[0] > 0 and (best is None or delta[0] > best[2][0]):
-                best = (choice, strategy, delta)
+                best = ((choice,), strategy, delta)
         if best is None:  # roofline candidates exhausted: recompute what is still kept
             for choice in space.choices:
                 if state.chosen.get(choice.tensor) not in FINAL \
-                        and (delta := state.move(choice, RECOMPUTE)) is not None and delta[0] > 0:
-                    state.apply(choice, RECOMPUTE, delta)
+                        and (delta := state.move((choice,), RECOMPUTE)) is not None and delta[0] > 0:
+                    state.apply((choice,), RECOMPUTE, delta)
                     if state.freed >= need:
                         break
             break
