@@ -10,8 +10,8 @@ one op makes regenerating its other outputs free; dropping a tensor makes regene
                        (bytes saved per second of overhead) for its size — the roofline choice of §IV-B — and
                        each iteration applies the candidate with the largest memory reduction.
 ``variant="improved"`` (default) every applicable strategy is a candidate (a quantised tensor may later be
-                       offloaded or recomputed), and so is recomputing everything one op produces; each
-                       iteration takes the best bytes-per-second candidate (lazy re-evaluation with a heap).
+                       offloaded or recomputed); each iteration takes the best bytes-per-second candidate
+                       (lazy re-evaluation with a heap).
                        A candidate freeing more than is still needed is not applied but remembered as a way to
                        finish (min-knapsack style); the cheapest ending wins, then moves the budget does not
                        need are dropped.
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 import time
+import weakref
 from dataclasses import dataclass
 
 from ..costmodel import OpGraph, Strategy
@@ -29,7 +30,8 @@ from .space import Space, TensorChoice, decision_space
 
 VARIANTS = ("improved", "paper")
 KEEP, RECOMPUTE, OFFLOAD, QUANTIZE = Strategy.KEEP, Strategy.RECOMPUTE, Strategy.OFFLOAD, Strategy.QUANTIZE
-FINAL = (RECOMPUTE, OFFLOAD)  # strategies that free everything: no further move from them
+FINAL = (RECOMPUTE, OFFLOAD)
+MAX_PRUNE_CLOSURES = 6  # recompute reverts re-derive the re-run set: bound that work  # strategies that free everything: no further move from them
 
 Delta = tuple[int, int, frozenset]  # (bytes freed, ns added, ops newly re-run in backward)
 
@@ -109,15 +111,24 @@ class _State:
 
     def closure(self) -> set[str]:
         """Least set of ops backward re-runs to regenerate every recomputed tensor (as the evaluator does)."""
-        producer_of, inputs_of = self.space.producer, self.space.inputs
+        space, chosen = self.space, self.chosen
+        producer_of, inputs_of, pinned, saved = space.producer, space.inputs, space.pinned, space.saved
         rerun: set[str] = set()
-        stack = [t for t, s in self.chosen.items() if s is RECOMPUTE]
+        seen: set[str] = set()
+        stack = [t for t, s in chosen.items() if s is RECOMPUTE]
         while stack:
-            producer = producer_of[stack.pop()]
+            tensor = stack.pop()
+            if tensor in seen:
+                continue
+            seen.add(tensor)
+            producer = producer_of[tensor]
             if producer is None or producer in rerun:
                 continue
             rerun.add(producer)
-            stack.extend(source for source in inputs_of[producer] if not self.stored(source))
+            for source in inputs_of[producer]:
+                if source not in seen and source not in pinned and \
+                        (source not in saved or chosen.get(source) is RECOMPUTE):
+                    stack.append(source)
         return rerun
 
     def apply(self, group: tuple[TensorChoice, ...], strategy: Strategy, delta: Delta) -> None:
@@ -159,10 +170,13 @@ def solve(graph: OpGraph, budget_bytes: int, *, config: GreedyConfig | None = No
     return make_solution(graph, space.plan(state.chosen), status, name, started, time.perf_counter(), stats)
 
 
+_INITIAL: "weakref.WeakKeyDictionary[Space, list]" = weakref.WeakKeyDictionary()
+
+
 def _improved(state: _State, space: Space, need: int) -> _State:
-    heap: list = []
     version = {c.tensor: 0 for c in space.choices}
-    epoch = 0  # bumps on every recompute move: cached recompute deltas go stale
+    epoch = 0  # bumps on every recompute move
+    dirty: list[frozenset] = []  # dirty[e]: ops whose re-run cost the move ending epoch e may have changed
     by_name = {c.tensor: c for c in space.choices}
     counter = 0
 
@@ -178,12 +192,15 @@ def _improved(state: _State, space: Space, need: int) -> _State:
         heapq.heappush(heap, (-delta[0] / max(delta[1], 1), -delta[0], counter, group, strategy,
                               tuple(version[c.tensor] for c in group), epoch, delta))
 
-    for choice in space.choices:
-        for strategy in choice.strategies:
-            push((choice,), strategy)
-    for tensors in space.produces.values():  # recompute everything one op produces: it re-runs once
-        if len(tensors) > 1:
-            push(tuple(by_name[t] for t in tensors), RECOMPUTE)
+    initial = _INITIAL.get(space)
+    if initial is None:  # the all-KEEP start is the same for every budget: build its candidates once
+        heap: list = []
+        for choice in space.choices:
+            for strategy in choice.strategies:
+                push((choice,), strategy)
+        _INITIAL[space] = initial = list(heap)
+    heap = list(initial)
+    counter = len(heap)
     history: list[tuple[tuple[TensorChoice, ...], Strategy, Delta]] = []
     best_end: tuple[int, int, tuple] | None = None  # (overhead, moves kept, finishing move)
     while state.freed < need and heap:
@@ -193,8 +210,9 @@ def _improved(state: _State, space: Space, need: int) -> _State:
             if len(group) > 1:
                 push(group, strategy)  # some members moved: re-offer the rest
             continue
-        if strategy is RECOMPUTE and seen_epoch != epoch:
-            push(group, strategy)  # re-evaluate lazily
+        if strategy is RECOMPUTE and seen_epoch != epoch and \
+                any(delta[2] & changed for changed in dirty[seen_epoch:]):
+            push(group, strategy)  # its regeneration cost changed: re-evaluate lazily
             continue
         if delta[0] > need - state.freed:  # overshoots: only ever a way to finish from here
             total = state.overhead_ns + delta[1]
@@ -211,6 +229,8 @@ def _improved(state: _State, space: Space, need: int) -> _State:
                 push(group, RECOMPUTE)
         if strategy is RECOMPUTE:
             epoch += 1
+            dropped = (reader for c in group for reader in space.readers.get(c.tensor, ()))
+            dirty.append(delta[2] | frozenset(dropped))
             for op in delta[2]:  # tensors these re-run ops produce now regenerate for free
                 for produced in space.produces.get(op, ()):
                     push((by_name[produced],), RECOMPUTE)
@@ -254,6 +274,7 @@ def _prune(state: _State, space: Space, need: int) -> None:
     """Revert moves (most expensive first) while the budget still holds and the overhead drops."""
     by_name = {c.tensor: c for c in space.choices}
     order = sorted(state.chosen, key=lambda t: -_standalone_ns(by_name[t], state.chosen[t]))
+    closures_left = MAX_PRUNE_CLOSURES
     for tensor in order:
         choice, strategy = by_name[tensor], state.chosen[tensor]
         freed = choice.keep_bytes - _bytes(choice, strategy)
@@ -264,6 +285,11 @@ def _prune(state: _State, space: Space, need: int) -> None:
             state.overhead_ns -= _standalone_ns(choice, strategy)
             del state.chosen[tensor]
             continue
+        producer = space.producer[tensor]
+        if closures_left == 0 or any(state.chosen.get(t) is RECOMPUTE for t in space.produces.get(producer, ())
+                                     if t != tensor):
+            continue  # a sibling keeps its producer re-running: reverting saves nothing
+        closures_left -= 1
         del state.chosen[tensor]
         rerun = state.closure()
         before = sum(space.forward_ns[o] for o in state.rerun)

@@ -28,7 +28,7 @@ class TensorChoice:
     quantize_ns: int                     # cast + dequantise
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Space:
     """Decisions plus flat look-up tables of the graph for fast solvers."""
 
@@ -38,6 +38,7 @@ class Space:
     inputs: dict[str, tuple[str, ...]]     # op -> input tensors
     forward_ns: dict[str, int]             # op -> forward nanoseconds (the cost of re-running it)
     produces: dict[str, tuple[str, ...]]   # op -> mitigable tensors it produces
+    readers: dict[str, tuple[str, ...]]    # tensor -> ops that take it as an input
     saved: frozenset[str]                  # tensors some op saves
     pinned: frozenset[str]                 # tensors with a pinned (always kept) saving
 
@@ -86,7 +87,12 @@ def _build(graph: OpGraph) -> Space:
         producer = graph.tensors[c.tensor].producer
         if producer is not None:
             produces.setdefault(producer, []).append(c.tensor)
+    readers: dict[str, list[str]] = {}
+    for op in graph.ops:
+        for source in op.inputs:
+            readers.setdefault(source, []).append(op.name)
     return Space(choices=tuple(choices), fixed_bytes=fixed,
+                 readers={t: tuple(ops) for t, ops in readers.items()},
                  producer={name: spec.producer for name, spec in graph.tensors.items()},
                  inputs={op.name: op.inputs for op in graph.ops},
                  forward_ns={op.name: op.forward_ns for op in graph.ops},
