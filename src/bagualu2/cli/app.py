@@ -8,7 +8,7 @@ import typer
 
 from bagualu2 import __version__
 
-from . import memory_cmd, presets_cmd
+from . import memory_cmd, plan_cmd, presets_cmd
 
 app = typer.Typer(
     name="bagualu2",
@@ -21,6 +21,7 @@ app = typer.Typer(
 # ---- commands (one line each; later: plan, schedule, simulate, demo) ----------------------------------------
 app.command("presets")(presets_cmd.presets)
 app.command("memory")(memory_cmd.memory)
+app.command("plan")(plan_cmd.plan)
 
 
 def _version(value: bool) -> None:

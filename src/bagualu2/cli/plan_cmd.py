@@ -1,0 +1,179 @@
+"""``bagualu2 plan``: solve the mitigation problem of one chunk for a byte budget and show the plan per tensor."""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from bagualu2.costmodel import OpGraph, Strategy, build_graph, resolve
+from bagualu2.costmodel.graph import FLOAT_DTYPES, ITEM_BYTES
+from bagualu2.costmodel.strategy import offload_ns, quantize_ns
+from bagualu2.mitigation import Solution, check_conflicts, exact, greedy
+
+from .common import (GIB, HARDWARE_HELP, IMBALANCE_HELP, JSON_HELP, MIB, MODEL_HELP, CliError, console,
+                     echo_json, handle_errors, load_hardware, load_model, parse_imbalance)
+
+DEFAULT_MODEL = "glm-423b-a30b"
+DEFAULT_HARDWARE = "paper-gpu"
+SOLVERS = ("greedy", "greedy-paper", "exact")
+EXIT_NO_PLAN = 1  # INFEASIBLE / TIMEOUT: a normal outcome, but scripts must be able to tell
+
+
+def parse_number(text: str, option: str, *, minimum: float, strict: bool = False, what: str = "") -> float:
+    """A finite number ``>= minimum`` (``> minimum`` if ``strict``) from ``option``'s text. Belongs in common.py."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < minimum or (strict and value == minimum):
+        bound = f"{'>' if strict else '>='} {minimum:g}"
+        raise CliError(f"must be a finite number {bound}{what}, got {text!r}", option)
+    return value
+
+
+def plan_rows(graph: OpGraph, solution: Solution) -> list[dict[str, Any]]:
+    """One row per (mitigated tensor, strategy): its consumers, bytes freed and the copy/cast time it adds.
+
+    ``added_s`` is None for RECOMPUTE: re-run time is a closure over the whole plan, only its total is exact.
+    """
+    strategies = resolve(graph, solution.plan)
+    groups: dict[tuple[str, Strategy], list[tuple[str, str]]] = {}
+    kept: dict[str, set[str]] = {}
+    for op, saving in graph.savings:
+        strategy = strategies[(op.name, saving.tensor)]
+        if strategy is Strategy.KEEP:
+            kept.setdefault(saving.tensor, set()).add(saving.dtype)
+        else:
+            groups.setdefault((saving.tensor, strategy), []).append((op.name, saving.dtype))
+    rows, hw = [], graph.hardware
+    for (tensor, strategy), users in groups.items():
+        spec = graph.tensors[tensor]
+        dtypes = sorted({dtype for _, dtype in users} - kept.get(tensor, set()))  # a kept copy frees nothing
+        saved = sum(spec.numel * ITEM_BYTES[d] for d in dtypes)
+        added_ns: int | None = None
+        if strategy is Strategy.OFFLOAD:
+            added_ns = sum(sum(offload_ns(spec.numel * ITEM_BYTES[d], hw)) for d in dtypes)
+        elif strategy is Strategy.QUANTIZE:
+            saved -= spec.numel  # one FP8 byte per element stays on the device
+            added_ns = sum(quantize_ns(spec.numel, spec.dtype if spec.dtype in FLOAT_DTYPES else "bf16", hw))
+        rows.append({"tensor": tensor, "consumers": [op for op, _ in users], "strategy": strategy.value,
+                     "saved_bytes": saved, "added_s": None if added_ns is None else added_ns * 1e-9})
+    return rows
+
+
+def _solve(graph: OpGraph, budget_bytes: int, solver: str, time_limit_s: float) -> Solution:
+    if solver == "exact":
+        return exact.solve(graph, budget_bytes, time_limit_s=time_limit_s)
+    variant = "paper" if solver == "greedy-paper" else "improved"
+    return greedy.solve(graph, budget_bytes, config=greedy.GreedyConfig(variant=variant))
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f}"
+
+
+def _print(graph: OpGraph, solution: Solution, rows: list[dict[str, Any]], violations: list, budget: int,
+           header: str) -> None:
+    out, cost = console(), solution.cost
+    out.print(escape(header))
+    if solution.ok:
+        table = Table(title="mitigated tensors (recompute time: see the total below)")
+        for name, justify in (("tensor", "left"), ("consumers", "left"), ("strategy", "left"),
+                              ("saved MiB", "right"), ("added ms", "right")):
+            table.add_column(name, justify=justify)  # type: ignore[arg-type]
+        for row in rows:
+            added = "-" if row["added_s"] is None else _ms(row["added_s"])
+            table.add_row(row["tensor"], ", ".join(row["consumers"]), row["strategy"],
+                          f"{row['saved_bytes'] / MIB:.2f}", added)
+        if rows:
+            out.print(table)
+        else:
+            out.print("nothing to mitigate: every activation is kept")
+    if violations:
+        bad = Table(title="[bold red]conflicts[/bold red]")
+        for name in ("rule", "op/tensor", "message"):
+            bad.add_column(name)
+        for v in violations:
+            bad.add_row(v.rule, escape(f"{v.op}/{v.tensor}"), escape(v.message), style="red")
+        out.print(bad)
+    colour = "green" if solution.ok else "bold red"
+    status = (f"status [{colour}]{solution.status.name}[/{colour}], solver {solution.solver}, "
+              f"solve time {solution.solve_time_s * 1e3:.1f} ms")
+    overhead = (f"overhead {_ms(cost.overhead_s)} ms = recompute {_ms(cost.recompute_s)} ms "
+                f"({cost.num_recomputed_ops} ops re-run) + offload {_ms(cost.offload_s)} ms "
+                f"+ quantize {_ms(cost.quantize_s)} ms")
+    if not solution.ok:
+        out.print(status)
+        out.print(f"[red]{escape(solution.reason)}[/red]")
+        out.print(f"no plan: the floor plan (full recompute) keeps {cost.activation_bytes / GIB:.3f} GiB, {overhead}")
+        return
+    kept = cost.activation_bytes
+    out.print(f"activation kept {kept / GIB:.3f} GiB of budget {budget / GIB:.3f} GiB "
+              f"(saved {(graph.unmitigated_bytes - kept) / GIB:.3f} GiB, host {cost.host_bytes / GIB:.3f} GiB)")
+    out.print(overhead)
+    out.print(status)
+
+
+@handle_errors
+def plan(
+    budget_gib: Annotated[Optional[str], typer.Option("--budget-gib", "-b", metavar="X", help="Activation budget "
+                          "of one micro-batch of the chunk, in GiB (2**30 bytes); a finite number >= 0.")] = None,
+    model: Annotated[str, typer.Option("--model", "-m", help=MODEL_HELP)] = DEFAULT_MODEL,
+    hardware: Annotated[str, typer.Option("--hardware", "-H", help=HARDWARE_HELP)] = DEFAULT_HARDWARE,
+    imbalance: Annotated[str, typer.Option("--imbalance", "-r", metavar="R", help=IMBALANCE_HELP)] = "1.0",
+    solver: Annotated[str, typer.Option("--solver", metavar="NAME", help="greedy (improved Algorithm 2), "
+                      "greedy-paper (Algorithm 2 as in the paper) or exact (CP-SAT).")] = "greedy",
+    stage: Annotated[int, typer.Option("--stage", "-s", help="Pipeline stage (0-based).")] = 0,
+    chunk: Annotated[int, typer.Option("--chunk", "-c", help="Virtual chunk of the stage (0-based).")] = 0,
+    time_limit: Annotated[str, typer.Option("--time-limit", metavar="S", help="Seconds for --solver exact "
+                          "(> 0); ignored by the greedy solvers.")] = "10",
+    json_output: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
+) -> None:
+    """Mitigation plan of one micro-batch on one chunk (stage, chunk) for an activation budget.
+
+    One row per mitigated tensor (all its consumers together): strategy, bytes saved and the copy/cast time
+    it adds; recompute time is shown as a total. Conflicts of the plan, if any, are listed in red.
+
+    Exit codes: 0 a plan fits (OPTIMAL / FEASIBLE); 1 no plan (INFEASIBLE: budget below the floor M0, or TIMEOUT
+    of --solver exact), the reason is printed; 2 bad input.
+    """
+    if budget_gib is None:
+        raise CliError("is required: the activation budget in GiB, a finite number >= 0", "--budget-gib")
+    name, model_config, parallel = load_model(model)
+    hw = load_hardware(hardware)
+    rate = parse_imbalance(imbalance)
+    budget = int(parse_number(budget_gib, "--budget-gib", minimum=0.0, what=" (GiB)") * GIB)
+    if solver.lower() not in SOLVERS:
+        raise CliError(f"must be one of {', '.join(SOLVERS)}, got {solver!r}", "--solver")
+    limit = parse_number(time_limit, "--time-limit", minimum=0.0, strict=True, what=" (seconds)")
+    if not 0 <= stage < parallel.pp:
+        raise CliError(f"must be in [0, {parallel.pp}) for {name} (pp={parallel.pp}), got {stage}", "--stage")
+    if not 0 <= chunk < parallel.vp:
+        raise CliError(f"must be in [0, {parallel.vp}) for {name} (vp={parallel.vp}), got {chunk}", "--chunk")
+    graph = build_graph(model_config, parallel, hw, imbalance=rate, stage=stage, chunk=chunk)
+    solution = _solve(graph, budget, solver.lower(), limit)
+    rows = plan_rows(graph, solution) if solution.ok else []
+    violations = check_conflicts(graph, solution.plan)
+    if json_output:
+        cost = solution.cost
+        echo_json({"inputs": {"model": name, "hardware": hw.name, "stage": stage, "chunk": chunk,
+                              "layers": graph.label, "imbalance": rate, "budget_gib": float(budget_gib),
+                              "solver": solver.lower(), "time_limit_s": limit},
+                   "status": solution.status.name, "solver": solution.solver, "solve_time_s": solution.solve_time_s,
+                   "plan": str(solution.plan), "activation_bytes": cost.activation_bytes, "budget_bytes": budget,
+                   "unmitigated_bytes": graph.unmitigated_bytes, "floor_bytes": graph.floor_bytes,
+                   "host_bytes": cost.host_bytes, "overhead_s": cost.overhead_s, "recompute_s": cost.recompute_s,
+                   "offload_s": cost.offload_s, "quantize_s": cost.quantize_s,
+                   "num_recomputed_ops": cost.num_recomputed_ops, "rows": rows,
+                   "violations": [{"rule": v.rule, "op": v.op, "tensor": v.tensor, "message": v.message}
+                                  for v in violations], "reason": solution.reason})
+    else:
+        header = (f"plan: {name} on {hw.name}, {graph.label}, imbalance {rate:g}, budget {budget / GIB:.3f} GiB, "
+                  f"unmitigated {graph.unmitigated_bytes / GIB:.3f} GiB, floor (M0) {graph.floor_bytes / GIB:.3f} GiB")
+        _print(graph, solution, rows, violations, budget, header)
+    if not solution.ok:
+        raise typer.Exit(code=EXIT_NO_PLAN)

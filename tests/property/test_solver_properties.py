@@ -1,0 +1,102 @@
+"""Solvers against each other and against brute force on random graphs with shared, mixed-precision tensors."""
+
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from bagualu2.costmodel import Op, OpGraph, Plan, Resource, Saving, TensorSpec, evaluate, presets
+from bagualu2.mitigation import SolveStatus, brute, check_conflicts, exact, greedy
+from bagualu2.mitigation.greedy import GreedyConfig
+
+HW = presets.hardware("paper-gpu")
+KINDS = ("norm", "qkv", "core_attn", "mlp_fc1", "mlp_act", "expert_fc1")
+
+
+@st.composite
+def random_graphs(draw, max_savings=5):
+    tensors = {"in": TensorSpec("in", 8 * draw(st.integers(1, 512)), "bf16", None)}
+    ops, available = [], ["in"]
+    num_ops = draw(st.integers(2, 5))
+    shared = None
+    for i in range(num_ops):
+        name = f"op{i}"
+        inputs = draw(st.lists(st.sampled_from(available), min_size=1, max_size=2, unique=True))
+        if shared is not None and shared not in inputs and draw(st.booleans()):
+            inputs.append(shared)  # a tensor with 2-3 consumers
+        saves = []
+        for source in inputs:
+            if draw(st.integers(0, 3)):
+                dtype = draw(st.sampled_from([tensors[source].dtype, "fp32"]))  # mixed-precision consumers
+                saves.append(Saving(source, dtype))
+        if draw(st.booleans()):  # an internal tensor (softmax output, mask) only this op keeps
+            internal = f"s{i}"
+            dtype = draw(st.sampled_from(["bf16", "bool"]))
+            tensors[internal] = TensorSpec(internal, 8 * draw(st.integers(1, 512)), dtype, name)
+            saves.append(Saving(internal, dtype))
+        out = f"t{i}"
+        tensors[out] = TensorSpec(out, 8 * draw(st.integers(1, 512)), "bf16", name)
+        forward_ns = draw(st.integers(0, 20_000))
+        ops.append(Op(name, draw(st.sampled_from(KINDS)), 0, Resource.COMPUTE, tuple(inputs), (out,),
+                      tuple(saves), 0, 0, forward_ns, 2 * forward_ns))
+        available.append(out)
+        if shared is None and i == 0:
+            shared = out
+    pinned = frozenset()
+    first_saves = [s.tensor for s in ops[0].saves]
+    if "in" in first_saves and draw(st.booleans()):
+        pinned = frozenset({("op0", "in")})
+    graph = OpGraph(ops=tuple(ops), tensors=tensors, hardware=HW, pinned=pinned)
+    assume(1 <= len(graph.decisions) <= max_savings)
+    return graph
+
+
+budget_fraction = st.integers(0, 100)
+
+
+def _budget(graph, fraction):
+    lo, hi = graph.floor_bytes, graph.unmitigated_bytes
+    return lo + (hi - lo) * fraction // 100
+
+
+@given(random_graphs(), budget_fraction)
+def test_solutions_fit_and_are_conflict_free(graph, fraction):
+    budget = _budget(graph, fraction)
+    fast = greedy.solve(graph, budget)
+    paper = greedy.solve(graph, budget, config=GreedyConfig(variant="paper"))
+    best = exact.solve(graph, budget, time_limit_s=20, seed=0)
+    for solution in (fast, paper, best):
+        assert Plan.from_str(repr(solution.plan)) == solution.plan
+        assert solution.cost == evaluate(graph, solution.plan)
+        if solution.status in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE):
+            assert check_conflicts(graph, solution.plan) == []
+            assert solution.cost.activation_bytes <= budget
+    if fast.ok:
+        assert best.ok and best.cost.overhead_ns <= fast.cost.overhead_ns
+    if best.status is SolveStatus.OPTIMAL:
+        assert best.stats["objective_ns"] == best.cost.overhead_ns
+
+
+@given(random_graphs(), budget_fraction)
+def test_exact_equals_brute_force(graph, fraction):
+    budget = _budget(graph, fraction)
+    best = exact.solve(graph, budget, time_limit_s=20, seed=0)
+    reference = brute.solve(graph, budget)
+    assert best.ok == reference.ok
+    if reference.ok:
+        assert best.status is SolveStatus.OPTIMAL
+        assert best.cost.overhead_ns == reference.cost.overhead_ns
+
+
+@given(random_graphs(), budget_fraction, budget_fraction)
+def test_more_budget_never_costs_more(graph, a, b):
+    low, high = sorted((_budget(graph, a), _budget(graph, b)))
+    first = exact.solve(graph, low, time_limit_s=20, seed=0)
+    second = exact.solve(graph, high, time_limit_s=20, seed=0)
+    if first.ok:
+        assert second.ok and second.cost.overhead_ns <= first.cost.overhead_ns
+
+
+@given(random_graphs(max_savings=8))
+def test_below_floor_is_infeasible_everywhere(graph):
+    assume(graph.floor_bytes > 0)
+    for solve in (greedy.solve, exact.solve, brute.solve):
+        assert solve(graph, graph.floor_bytes - 1).status is SolveStatus.INFEASIBLE

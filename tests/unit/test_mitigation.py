@@ -1,0 +1,152 @@
+"""Mitigation solvers, conflict checker, plan cache and deferred planning on the paper's presets."""
+
+import pytest
+
+from bagualu2.budget import downgrade_needed, downgrade_plan, plan_after_gate
+from bagualu2.costmodel import Plan, Strategy, build_graph, evaluate, presets
+from bagualu2.mitigation import PlanCache, SolveStatus, check_conflicts, exact, greedy
+from bagualu2.mitigation.greedy import GreedyConfig
+
+HW = presets.hardware("paper-gpu")
+
+
+def _graph(name="glm-1041b-a35b", imbalance=1.0):
+    model, parallel = presets.model(name)
+    return build_graph(model, parallel, HW, imbalance=imbalance)
+
+
+def _budgets(graph, n=6):
+    lo, hi = graph.floor_bytes, graph.unmitigated_bytes
+    return [lo + (hi - lo) * i // (n - 1) for i in range(n)]
+
+
+@pytest.mark.parametrize("name", ["glm-188b-a20b", "glm-1041b-a35b"])
+@pytest.mark.parametrize("imbalance", [1.0, 2.6])
+def test_solvers_fit_budget_conflict_free_and_exact_not_worse(name, imbalance):
+    graph = _graph(name, imbalance)
+    for budget in _budgets(graph):
+        fast = greedy.solve(graph, budget)
+        paper = greedy.solve(graph, budget, config=GreedyConfig(variant="paper"))
+        best = exact.solve(graph, budget, time_limit_s=20, num_workers=1, seed=0)
+        for solution in (fast, paper, best):
+            assert solution.ok, solution.reason
+            assert solution.cost == evaluate(graph, solution.plan)
+            assert solution.cost.activation_bytes <= budget
+            assert check_conflicts(graph, solution.plan) == []
+            assert Plan.from_str(repr(solution.plan)) == solution.plan
+        assert best.cost.overhead_ns <= fast.cost.overhead_ns
+        if best.status is SolveStatus.OPTIMAL:
+            assert best.stats["objective_ns"] == best.cost.overhead_ns
+
+
+def test_nothing_to_do_is_optimal_and_empty():
+    graph = _graph()
+    for solve in (greedy.solve, exact.solve):
+        solution = solve(graph, graph.unmitigated_bytes)
+        assert solution.status is SolveStatus.OPTIMAL
+        assert solution.cost.overhead_ns == 0 and solution.cost.activation_bytes == graph.unmitigated_bytes
+
+
+@pytest.mark.parametrize("solve", [greedy.solve, exact.solve])
+def test_below_floor_is_infeasible_value_with_reason(solve):
+    graph = _graph()
+    solution = solve(graph, graph.floor_bytes - 1)
+    assert solution.status is SolveStatus.INFEASIBLE and not solution.ok
+    assert str(graph.floor_bytes) in solution.reason
+    at_floor = solve(graph, graph.floor_bytes)
+    assert at_floor.ok and at_floor.cost.activation_bytes == graph.floor_bytes
+
+
+@pytest.mark.parametrize("budget", [-1, 1.5e9, "1000", True, None])
+@pytest.mark.parametrize("solve", [greedy.solve, exact.solve])
+def test_bad_budgets_raise(solve, budget):
+    with pytest.raises(ValueError, match="budget_bytes"):
+        solve(_graph(), budget)
+
+
+def test_bad_solver_options_raise():
+    graph = _graph()
+    with pytest.raises(ValueError, match="variant"):
+        GreedyConfig(variant="fast")
+    for kwargs, field in [({"time_limit_s": 0}, "time_limit_s"), ({"num_workers": 0}, "num_workers"),
+                          ({"seed": -1}, "seed")]:
+        with pytest.raises(ValueError, match=field):
+            exact.solve(graph, graph.unmitigated_bytes, **kwargs)
+
+
+def test_conflict_checker_names_op_and_tensor_for_every_rule():
+    graph = _graph()
+    plan = Plan.of({
+        "L0.attn_out/L0.attn_out_in": "OFFLOAD",         # core_attn keeps it: multi-device
+        "L0.shared_fc1/L0.norm2_out": "QUANTIZE",        # router keeps FP32: multi-precision (+device)
+        "L0.router/L0.norm2_out": "KEEP",
+        "L0.norm1/L0.x": "OFFLOAD",                      # pinned block input: invalid entry
+        "L0.permute/L0.routing_map": "QUANTIZE",         # int32 indices: invalid entry
+    })
+    violations = check_conflicts(graph, plan)
+    rules = {(v.rule, v.op, v.tensor) for v in violations}
+    assert ("multi-device", "L0.attn_out", "L0.attn_out_in") in rules
+    assert ("multi-precision", "L0.shared_fc1", "L0.norm2_out") in rules
+    assert ("invalid-entry", "L0.norm1", "L0.x") in rules
+    assert ("invalid-entry", "L0.permute", "L0.routing_map") in rules
+    assert all(str(v).startswith(v.rule) for v in violations)
+    assert check_conflicts(graph, None) == [] and check_conflicts(graph, Plan()) == []
+
+
+def test_recompute_unavailable_rule():
+    graph = _graph()
+    # recomputing norm1's output is fine (the block input is kept) ...
+    assert check_conflicts(graph, Plan.of({"L0.qkv/L0.norm1_out": "R"})) == []
+    # ... but a graph whose input is not kept cannot regenerate from it
+    from bagualu2.costmodel import OpGraph
+    unpinned = OpGraph(ops=graph.ops, tensors=graph.tensors, hardware=graph.hardware)
+    violations = check_conflicts(unpinned, Plan.of({"L0.norm1/L0.x": "R", "L0.qkv/L0.norm1_out": "R"}))
+    assert [v.rule for v in violations] == ["recompute-unavailable"]
+    assert violations[0].tensor == "L0.x"
+    solution = greedy.solve(unpinned, unpinned.unmitigated_bytes // 2)
+    assert check_conflicts(unpinned, solution.plan) == []
+
+
+def test_plan_cache_hits_are_safe_and_counted():
+    model, parallel = presets.model("glm-1041b-a35b")
+    cache = PlanCache(budget_quantum_bytes=32 << 20, imbalance_step=0.2)
+    graphs = {}
+
+    def build(imbalance):
+        return graphs.setdefault(imbalance, build_graph(model, parallel, HW, imbalance=imbalance))
+
+    base = _graph()
+    budget = (base.floor_bytes + base.unmitigated_bytes) // 2
+    first = cache.get(budget, 1.05, "steady", build)
+    again = cache.get(budget + 1000, 1.1, "steady", build)
+    assert again is first and (cache.hits, cache.misses) == (1, 1)
+    cache.get(budget, 1.05, "warmup", build)
+    assert cache.misses == 2
+    # the cached plan fits every request of its bucket
+    for imbalance in (1.0, 1.1, 1.19):
+        actual = build_graph(model, parallel, HW, imbalance=imbalance)
+        assert evaluate(actual, first.plan).activation_bytes <= budget
+    with pytest.raises(ValueError):
+        PlanCache(budget_quantum_bytes=0)
+    with pytest.raises(ValueError, match="imbalance"):
+        cache.get(budget, 0.5, "steady", build)
+
+
+def test_deferred_downgrade_fits_a_spike():
+    model, parallel = presets.model("glm-1041b-a35b")
+    planned_for = build_graph(model, parallel, HW, imbalance=1.0)
+    budget = planned_for.unmitigated_bytes * 9 // 10
+    plan = greedy.solve(planned_for, budget).plan
+    spiked = build_graph(model, parallel, HW, imbalance=2.6)
+    kept = evaluate(spiked, plan).activation_bytes
+    assert downgrade_needed(kept, budget)  # the spike would not fit
+    down = downgrade_plan(spiked, plan)
+    assert evaluate(spiked, down).activation_bytes <= budget
+    assert check_conflicts(spiked, down) == []
+    again, downgraded = plan_after_gate(spiked, plan, budget)
+    assert downgraded and again == down
+    same, downgraded = plan_after_gate(planned_for, plan, budget)
+    assert not downgraded and same == plan
+    moe_ops = {op.name for op in spiked.ops if op.kind in ("expert_fc1", "router", "shared_act")}
+    resolved = {k: s for k, s in down.explicit().items() if k[0] in moe_ops}
+    assert resolved and set(resolved.values()) == {Strategy.RECOMPUTE}
