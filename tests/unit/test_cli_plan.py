@@ -164,7 +164,8 @@ def test_conflicts_are_listed(monkeypatch: pytest.MonkeyPatch) -> None:
                                                                          0.0, 0.0))
     result = run(*plan_args(1000.0))
     assert result.exit_code == 0, result.stderr
-    assert "conflicts" in result.stdout and "multi-device" in result.stdout and "L0.router/L0.norm2_out" in result.stdout
+    assert "conflicts" in result.stdout and "multi-device" in result.stdout
+    assert "L0.router/L0.norm2_out" in result.stdout
     data = json.loads(run(*plan_args(1000.0, "--json")).stdout)
     assert [v["rule"] for v in data["violations"]] == ["multi-device"]
     g = graph()

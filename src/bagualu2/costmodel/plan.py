@@ -68,7 +68,14 @@ class Plan:
     @classmethod
     def from_decisions(cls, decisions: Mapping[tuple[str, str], Strategy]) -> "Plan":
         """Plan from ``{(op, tensor): Strategy}``; KEEP decisions are dropped."""
-        return cls(tuple((f"{op}/{tensor}", s) for (op, tensor), s in decisions.items() if s is not Strategy.KEEP))
+        for key, strategy in decisions.items():
+            if not (isinstance(key, tuple) and len(key) == 2 and isinstance(strategy, Strategy)):
+                raise ValueError(f"decisions must map (op, tensor) to a Strategy, got {key!r}: {strategy!r}")
+            _check_key(f"{key[0]}/{key[1]}")
+        plan = object.__new__(cls)  # keys are validated and unique: skip the generic checks of __init__
+        object.__setattr__(plan, "entries", tuple(sorted(
+            (f"{op}/{tensor}", s) for (op, tensor), s in decisions.items() if s is not Strategy.KEEP)))
+        return plan
 
     @classmethod
     def from_str(cls, text: str) -> "Plan":

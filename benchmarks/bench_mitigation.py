@@ -1,0 +1,32 @@
+"""Solver speed: greedy and exact on one GLM-1041B-A35B stage micro-batch, and a plan-cache hit."""
+
+import pytest
+
+from bagualu2.costmodel import build_graph, presets
+from bagualu2.mitigation import PlanCache, exact, greedy
+
+MODEL, PARALLEL = presets.model("glm-1041b-a35b")
+HW = presets.hardware("paper-gpu")
+GRAPH = build_graph(MODEL, PARALLEL, HW, imbalance=1.2)
+LO, HI = GRAPH.floor_bytes, GRAPH.unmitigated_bytes
+
+
+@pytest.mark.parametrize("step", range(1, 9))
+def test_greedy(benchmark, step):
+    budget = LO + (HI - LO) * step // 9
+    assert benchmark(greedy.solve, GRAPH, budget).ok
+
+
+@pytest.mark.parametrize("step", [2, 5, 8])
+def test_exact(benchmark, step):
+    budget = LO + (HI - LO) * step // 9
+    result = benchmark.pedantic(exact.solve, args=(GRAPH, budget), kwargs={"time_limit_s": 5.0}, rounds=3)
+    assert result.ok
+
+
+def test_cache_hit(benchmark):
+    cache = PlanCache()
+    budget = (LO + HI) // 2
+    cache.get(budget, 1.2, "steady", lambda r: GRAPH)
+    solution = benchmark(cache.get, budget, 1.2, "steady", lambda r: GRAPH)
+    assert solution.ok and cache.hits >= 1
