@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install (CPU torch first) and run the main job on the embedded default.
+# Install (CPU torch first, so pip never pulls a CUDA build) and run the main job on its embedded default:
+# one iteration of a GLM-1041B-A35B pipeline stage with MoE imbalance spikes, budgeted and planned per micro-batch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
@@ -7,5 +8,5 @@ python3 -m venv .venv
 python -m pip install -q --upgrade pip
 python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[dev]"
-bagualu2 presets
-bagualu2 memory --model glm-423b-a30b --hardware paper-gpu --imbalance 2.6
+bagualu2 memory --model glm-1041b-a35b --hardware paper-gpu --imbalance 2.6
+bagualu2 demo

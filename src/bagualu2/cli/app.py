@@ -8,7 +8,7 @@ import typer
 
 from bagualu2 import __version__
 
-from . import memory_cmd, plan_cmd, presets_cmd
+from . import demo_cmd, memory_cmd, plan_cmd, presets_cmd
 
 app = typer.Typer(
     name="bagualu2",
@@ -22,6 +22,7 @@ app = typer.Typer(
 app.command("presets")(presets_cmd.presets)
 app.command("memory")(memory_cmd.memory)
 app.command("plan")(plan_cmd.plan)
+app.command("demo")(demo_cmd.demo)
 
 
 def _version(value: bool) -> None:

@@ -1,0 +1,6 @@
+"""Iteration-level simulation on top of the pure packages: spike traces and the per-micro-batch decision path
+(Algorithm 1 budget -> cached greedy plan -> deferred MoE downgrade after the gate). Never imports torch."""
+
+from .replay import ForwardDecision, IterationReplay, replay_iteration, spike_trace
+
+__all__ = ["ForwardDecision", "IterationReplay", "replay_iteration", "spike_trace"]
