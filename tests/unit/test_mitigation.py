@@ -78,7 +78,7 @@ def test_conflict_checker_names_op_and_tensor_for_every_rule():
     graph = _graph()
     plan = Plan.of({
         "L0.attn_out/L0.attn_out_in": "OFFLOAD",         # core_attn keeps it: multi-device
-        "L0.shared_fc1/L0.norm2_out": "QUANTIZE",        # router keeps FP32: multi-precision (+device)
+        "L0.shared_fc1/L0.norm2_out": "QUANTIZE",        # router keeps FP32: multi-precision
         "L0.router/L0.norm2_out": "KEEP",
         "L0.norm1/L0.x": "OFFLOAD",                      # pinned block input: invalid entry
         "L0.permute/L0.routing_map": "QUANTIZE",         # int32 indices: invalid entry

@@ -80,3 +80,13 @@ def test_pure_packages_import_without_torch():
             "assert sys.modules['torch'] is None\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_calibrate_quantize_round_trips_for_fp32():
+    hw = presets.hardware("h100")
+    q = knee(Strategy.QUANTIZE, hw, dtype="fp32")
+    again = calibrate(hw, Strategy.QUANTIZE, q, dtype="fp32")
+    assert knee(Strategy.QUANTIZE, again, dtype="fp32").peak_bytes_per_s == pytest.approx(q.peak_bytes_per_s)
+    assert again.hbm_bytes_per_s == pytest.approx(hw.hbm_bytes_per_s)
+    with pytest.raises(ValueError, match="dtype"):
+        calibrate(hw, Strategy.QUANTIZE, q, dtype="fp8")

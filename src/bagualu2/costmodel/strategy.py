@@ -101,8 +101,8 @@ def knee(strategy: Strategy, hardware: Hardware, *, op: Op | None = None, saved_
         peak = 1.0 / (1.0 / hardware.d2h_bytes_per_s + 1.0 / hardware.h2d_bytes_per_s)
         return Knee(2 * launch * peak, peak)
     if strategy is Strategy.QUANTIZE:
-        item = ITEM_BYTES[dtype]
-        if dtype not in ITEM_BYTES or item <= 1:
+        item = ITEM_BYTES.get(dtype, 0)
+        if item <= 1:
             raise ValueError(f"dtype must be wider than FP8 to quantize, got {dtype!r}")
         # saves (item-1)/item of S in (3*item + 2)/item * S / hbm seconds
         peak = hardware.hbm_bytes_per_s * (item - 1) / (3 * item + 2)
@@ -136,12 +136,17 @@ def fit_knee(sizes_bytes: Sequence[float], overheads_s: Sequence[float]) -> Knee
     return Knee(intercept * peak, peak)
 
 
-def calibrate(hardware: Hardware, strategy: Strategy, fitted: Knee) -> Hardware:
-    """Hardware whose derived ``knee(strategy)`` equals ``fitted`` (OFFLOAD: copy bandwidths; QUANTIZE: HBM)."""
+def calibrate(hardware: Hardware, strategy: Strategy, fitted: Knee, *, dtype: str = "bf16") -> Hardware:
+    """Hardware whose derived ``knee(strategy)`` equals ``fitted`` (OFFLOAD: copy bandwidths and launch cost;
+    QUANTIZE of ``dtype`` tensors: HBM bandwidth and launch cost)."""
     if strategy is Strategy.OFFLOAD:
         launch = fitted.setup_s / 2
         return hardware.replace(d2h_bytes_per_s=2 * fitted.peak_bytes_per_s,
                                 h2d_bytes_per_s=2 * fitted.peak_bytes_per_s, kernel_launch_s=launch)
     if strategy is Strategy.QUANTIZE:
-        return hardware.replace(hbm_bytes_per_s=fitted.peak_bytes_per_s * 8, kernel_launch_s=fitted.setup_s / 3)
+        item = ITEM_BYTES.get(dtype, 0)
+        if item <= 1:
+            raise ValueError(f"dtype must be wider than FP8 to quantize, got {dtype!r}")
+        return hardware.replace(hbm_bytes_per_s=fitted.peak_bytes_per_s * (3 * item + 2) / (item - 1),
+                                kernel_launch_s=fitted.setup_s / 3)
     raise ValueError(f"calibrate supports OFFLOAD and QUANTIZE, got {strategy.value}")

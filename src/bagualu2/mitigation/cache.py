@@ -47,7 +47,7 @@ class PlanCache:
 
     def key(self, budget_bytes: int, imbalance: float, phase: Hashable) -> Key:
         budget = check_budget(budget_bytes) // self.budget_quantum_bytes * self.budget_quantum_bytes
-        bucket = math.ceil(check_imbalance(imbalance) / self.imbalance_step - 1e-9) * self.imbalance_step
+        bucket = math.ceil(check_imbalance(imbalance) / self.imbalance_step) * self.imbalance_step
         return budget, round(max(bucket, 1.0), 9), phase
 
     def get(self, budget_bytes: int, imbalance: float, phase: Hashable,
@@ -62,7 +62,10 @@ class PlanCache:
             entries.move_to_end(key)
             return found
         self.misses += 1
-        solution = solve(build(key[1]), key[0])
+        graph = build(key[1])
+        solution = solve(graph, key[0])
+        if not solution.ok:  # the floored budget fell below M0: solve this request exactly, do not cache it
+            return solve(graph, budget_bytes)
         entries[key] = solution
         if len(entries) > self.max_entries:
             entries.popitem(last=False)

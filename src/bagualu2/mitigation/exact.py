@@ -180,6 +180,8 @@ def solve(graph: OpGraph, budget_bytes: int, *, time_limit_s: float = 10.0, num_
     code = solver.solve(exact.model)
     stats = {"cp_status": solver.status_name(code), "wall_time_s": solver.wall_time,
              "num_branches": solver.num_branches, "symmetry_constraints": symmetry}
+    if code == cp_model.MODEL_INVALID:  # a bug in build_model, not a property of the instance
+        raise RuntimeError(f"CP-SAT rejected the model: {exact.model.validate()}")
     if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         status = SolveStatus.INFEASIBLE if code == cp_model.INFEASIBLE else SolveStatus.TIMEOUT
         return make_solution(graph, floor_plan(graph), status, "exact", started, time.perf_counter(), stats,

@@ -30,8 +30,8 @@ from .space import Space, TensorChoice, decision_space
 
 VARIANTS = ("improved", "paper")
 KEEP, RECOMPUTE, OFFLOAD, QUANTIZE = Strategy.KEEP, Strategy.RECOMPUTE, Strategy.OFFLOAD, Strategy.QUANTIZE
-FINAL = (RECOMPUTE, OFFLOAD)
-MAX_PRUNE_CLOSURES = 6  # recompute reverts re-derive the re-run set: bound that work  # strategies that free everything: no further move from them
+FINAL = (RECOMPUTE, OFFLOAD)  # strategies that free everything: no further move from them
+MAX_PRUNE_CLOSURES = 6  # recompute reverts re-derive the re-run set: bound that work
 
 Delta = tuple[int, int, frozenset]  # (bytes freed, ns added, ops newly re-run in backward)
 
@@ -207,9 +207,7 @@ def _improved(state: _State, space: Space, need: int) -> _State:
         entry = heapq.heappop(heap)
         group, strategy, seen_versions, seen_epoch, delta = entry[3:]
         if seen_versions != tuple(version[c.tensor] for c in group):
-            if len(group) > 1:
-                push(group, strategy)  # some members moved: re-offer the rest
-            continue
+            continue  # the tensor moved since
         if strategy is RECOMPUTE and seen_epoch != epoch and \
                 any(delta[2] & changed for changed in dirty[seen_epoch:]):
             push(group, strategy)  # its regeneration cost changed: re-evaluate lazily

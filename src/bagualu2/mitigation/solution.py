@@ -21,7 +21,8 @@ class SolveStatus(enum.Enum):
 class Solution:
     """Decisions of a solver plus their cost, always computed by ``costmodel.evaluate``.
 
-    For INFEASIBLE and TIMEOUT, ``plan`` is the floor plan (full recompute) and ``reason`` says why.
+    When no plan fits, ``reason`` says why and ``plan`` is the best effort: the full-recompute floor plan
+    (budget below M0, CP-SAT timeout), what the greedy reached, or the empty plan (brute force).
     """
 
     status: SolveStatus
