@@ -119,21 +119,7 @@ def evaluate_resolved(graph: OpGraph, strategies: Mapping[tuple[str, str], Strat
     """:func:`evaluate` on an already resolved ``{(op, tensor): Strategy}`` map (missing savings are KEEP)."""
     hardware = graph.hardware
     tensors = graph.tensors
-    device: dict[str, set[str]] = {}
-    host: dict[str, set[str]] = {}
-    quantized: set[str] = set()
-    recomputed: set[str] = set()
-    for op, saving in graph.savings:
-        strategy = strategies.get((op.name, saving.tensor), Strategy.KEEP)
-        if strategy is Strategy.KEEP:
-            device.setdefault(saving.tensor, set()).add(saving.dtype)
-        elif strategy is Strategy.RECOMPUTE:
-            recomputed.add(saving.tensor)
-        elif strategy is Strategy.OFFLOAD:
-            host.setdefault(saving.tensor, set()).add(saving.dtype)
-        else:
-            quantized.add(saving.tensor)
-
+    device, host, quantized, recomputed = _classify(graph, strategies)
     activation_bytes = sum(tensors[t].numel * ITEM_BYTES[d] for t, dtypes in device.items() for d in dtypes)
     activation_bytes += sum(tensors[t].numel for t in quantized)  # one FP8 byte per element
     host_bytes = 0
@@ -180,6 +166,57 @@ def evaluate_resolved(graph: OpGraph, strategies: Mapping[tuple[str, str], Strat
         num_recomputed_ops=len(rerun),
         unavailable=tuple(sorted(unavailable)),
     )
+
+
+def _classify(graph: OpGraph, strategies: Mapping[tuple[str, str], Strategy]):
+    """Per tensor: device copies (dtypes), host copies (dtypes), the quantised and the recomputed tensors."""
+    device: dict[str, set[str]] = {}
+    host: dict[str, set[str]] = {}
+    quantized: set[str] = set()
+    recomputed: set[str] = set()
+    for op, saving in graph.savings:
+        strategy = strategies.get((op.name, saving.tensor), Strategy.KEEP)
+        if strategy is Strategy.KEEP:
+            device.setdefault(saving.tensor, set()).add(saving.dtype)
+        elif strategy is Strategy.RECOMPUTE:
+            recomputed.add(saving.tensor)
+        elif strategy is Strategy.OFFLOAD:
+            host.setdefault(saving.tensor, set()).add(saving.dtype)
+        else:
+            quantized.add(saving.tensor)
+    return device, host, quantized, recomputed
+
+
+@dataclass(frozen=True)
+class MitigationOps:
+    """The extra operators a plan adds, in program order, with the evaluator's durations (ns).
+
+    ``offloads``: ``(tensor, dtype, nbytes, d2h_ns, h2d_ns)`` per host copy; ``quantized``: ``(tensor, producer,
+    cast_ns, dequantize_ns)``; ``rerun``: ops backward re-runs (the least recompute closure).
+    """
+
+    offloads: tuple[tuple[str, str, int, int, int], ...]
+    quantized: tuple[tuple[str, str | None, int, int], ...]
+    rerun: tuple[str, ...]
+
+
+def mitigation_ops(graph: OpGraph, plan: Plan | None) -> MitigationOps:
+    """The copies, casts and re-runs ``plan`` adds to ``graph`` — the same ones :func:`evaluate` charges."""
+    device, host, quantized, recomputed = _classify(graph, resolve(graph, plan))
+    order = {name: i for i, name in enumerate(graph.tensors)}
+    offloads = []
+    for name in sorted(host, key=order.__getitem__):
+        for dtype in sorted(host[name]):
+            nbytes = graph.tensors[name].numel * ITEM_BYTES[dtype]
+            offloads.append((name, dtype, nbytes, *offload_ns(nbytes, graph.hardware)))
+    casts = []
+    for name in sorted(quantized, key=order.__getitem__):
+        spec = graph.tensors[name]
+        casts.append((name, spec.producer,
+                      *quantize_ns(spec.numel, spec.dtype if spec.dtype in FLOAT_DTYPES else "bf16", graph.hardware)))
+    stored = device.keys() | host.keys() | quantized
+    rerun, _ = _recompute_closure(graph, recomputed - stored, stored)
+    return MitigationOps(tuple(offloads), tuple(casts), tuple(op.name for op in graph.ops if op.name in rerun))
 
 
 def _recompute_closure(graph: OpGraph, missing: set[str], stored: set[str]) -> tuple[set[str], set[str]]:

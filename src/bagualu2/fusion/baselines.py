@@ -1,0 +1,71 @@
+"""Baseline orders the DP is compared against; all are barrier-group orders costed by :func:`simulate`."""
+
+from __future__ import annotations
+
+from ..costmodel import Resource
+from .chains import Chains
+from .order import Order, StageRef
+from .simulate import simulate
+
+
+def _finish(groups: list[tuple[StageRef, ...]], chains: Chains, solver: str) -> Order:
+    order = Order(tuple(groups), barriers=True, solver=solver)
+    return Order(order.groups, barriers=True, makespan_ns=simulate(order, chains).makespan_ns, solver=solver)
+
+
+def _singles(chains: Chains, kind: str) -> list[tuple[StageRef, ...]]:
+    chain = chains.get(kind)
+    return [((kind, i),) for i in range(len(chain))] if chain is not None else []
+
+
+def sequential(chains: Chains) -> Order:
+    """F, then B, then O, then R, one stage at a time."""
+    return _finish([g for kind in "FBOR" for g in _singles(chains, kind)], chains, "sequential")
+
+
+def _pair_f_b(chains: Chains) -> list[tuple[StageRef, ...]]:
+    """Megatron-Core's combined 1F1B: overlap a forward stage with a backward stage on the other stream
+    (F.attn with B.combine, F.dispatch with B.expert, F.expert with B.dispatch, F.combine with B.attn)."""
+    f = chains.forward.stages if chains.forward else ()
+    b = chains.backward.stages if chains.backward else ()
+    groups: list[tuple[StageRef, ...]] = []
+    i = j = 0
+    while i < len(f) or j < len(b):
+        if i < len(f) and j < len(b) and f[i].resource is not b[j].resource:
+            groups.append((("F", i), ("B", j)))
+            i, j = i + 1, j + 1
+        elif i < len(f) and (j >= len(b) or f[i].resource is not Resource.COMM or b[j].resource is Resource.COMM):
+            groups.append((("F", i),))
+            i += 1
+        else:
+            groups.append((("B", j),))
+            j += 1
+    return groups
+
+
+def megatron_core(chains: Chains) -> Order:
+    """Megatron-Core's fixed combined-1F1B order for F and B; offload and recovery after them."""
+    return _finish(_pair_f_b(chains) + _singles(chains, "O") + _singles(chains, "R"), chains, "megatron-core")
+
+
+def megatron_kwai(chains: Chains) -> Order:
+    """Megatron-Kwai: the forward alone, then each backward stage with the next offload and recovery stages."""
+    groups = _singles(chains, "F")
+    o = len(chains.offload) if chains.offload else 0
+    r = len(chains.recovery) if chains.recovery else 0
+    b = len(chains.backward) if chains.backward else 0
+    k = l = 0
+    for j in range(b):
+        group: list[StageRef] = [("B", j)]
+        if k < o:
+            group.append(("O", k))
+            k += 1
+        if l < r:
+            group.append(("R", l))
+            l += 1
+        groups.append(tuple(group))
+    groups += [(("O", i),) for i in range(k, o)] + [(("R", i),) for i in range(l, r)]
+    return _finish(groups, chains, "megatron-kwai")
+
+
+BASELINES = {"sequential": sequential, "megatron-core": megatron_core, "megatron-kwai": megatron_kwai}

@@ -1,0 +1,190 @@
+"""The four operator chains of one steady-state scheduling point F_x B_y (paper §V-B) and their compaction.
+
+* ``F``: the forward ops of micro-batch x, with the FP8 casts its plan adds after the producing op;
+* ``B``: the backward ops of micro-batch y in reverse program order;
+* ``O``: the device->host copies of micro-batch x-1 (the previous forward; steady state: same plan as x);
+* ``R``: the recovery of micro-batch y+1 (the next backward; same plan as y): host->device reloads, then the
+  dequantise casts, then the recomputed ops in program order.
+
+Compaction merges consecutive ops of a chain that run on the same resource into one stage, so a chain is split
+at its expert-parallel all-to-all ops (dispatch, combine); tensor-parallel collectives are synchronous on the
+compute stream and stay inside compute stages. Long copy stages are cut into pieces of at most
+``copy_split_ns`` (a chunked memcpy), so copies can spread over several compute stages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+from ..costmodel import Hardware, OpGraph, Plan, Resource
+from ..costmodel.evaluate import mitigation_ops
+
+CHAIN_KINDS = ("F", "B", "O", "R")
+EP_COMM_KINDS = frozenset({"dispatch", "combine"})
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """A compacted run of ops of one chain on one resource."""
+
+    name: str
+    resource: Resource
+    duration_ns: int
+    ops: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.resource, Resource):
+            try:
+                object.__setattr__(self, "resource", Resource(self.resource))
+            except ValueError:
+                allowed = ", ".join(r.value for r in Resource)
+                raise ValueError(f"stage {self.name!r} has unknown resource {self.resource!r}; "
+                                 f"allowed: {allowed}") from None
+        if isinstance(self.duration_ns, bool) or not isinstance(self.duration_ns, int) or self.duration_ns < 0:
+            raise ValueError(f"stage {self.name!r} has a negative or non-integer duration_ns: {self.duration_ns!r}")
+
+
+@dataclass(frozen=True)
+class Chain:
+    """A non-empty sequence of stages that must run in order."""
+
+    kind: str
+    stages: tuple[Stage, ...]
+
+    def __post_init__(self) -> None:
+        if self.kind not in CHAIN_KINDS:
+            raise ValueError(f"chain kind must be one of {', '.join(CHAIN_KINDS)}, got {self.kind!r}")
+        if not self.stages:
+            raise ValueError(f"chain {self.kind} is empty; pass None for a chain that has no ops at this point")
+        object.__setattr__(self, "stages", tuple(self.stages))
+
+    def __len__(self) -> int:
+        return len(self.stages)
+
+    @property
+    def duration_ns(self) -> int:
+        return sum(s.duration_ns for s in self.stages)
+
+
+@dataclass(frozen=True)
+class Chains:
+    """The chains of one scheduling point; a chain is None when it has no ops (warmup, cooldown, no mitigation)."""
+
+    forward: Chain | None = None
+    backward: Chain | None = None
+    offload: Chain | None = None
+    recovery: Chain | None = None
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        for kind, chain in zip(CHAIN_KINDS, (self.forward, self.backward, self.offload, self.recovery)):
+            if chain is not None and (not isinstance(chain, Chain) or chain.kind != kind):
+                raise ValueError(f"chain {kind} must be a Chain of kind {kind!r} or None")
+
+    def get(self, kind: str) -> Chain | None:
+        if kind not in CHAIN_KINDS:
+            raise ValueError(f"chain kind must be one of {', '.join(CHAIN_KINDS)}, got {kind!r}")
+        return {"F": self.forward, "B": self.backward, "O": self.offload, "R": self.recovery}[kind]
+
+    def present(self) -> Iterator[Chain]:
+        return (c for c in (self.forward, self.backward, self.offload, self.recovery) if c is not None)
+
+    def counts(self) -> tuple[int, int, int, int]:
+        return tuple(len(c) if c is not None else 0 for c in (self.forward, self.backward, self.offload,
+                                                               self.recovery))  # type: ignore[return-value]
+
+    def resource_ns(self) -> dict[Resource, int]:
+        load = {r: 0 for r in Resource}
+        for chain in self.present():
+            for stage in chain.stages:
+                load[stage.resource] += stage.duration_ns
+        return load
+
+    @property
+    def lower_bound_ns(self) -> int:
+        """No order beats the busiest resource or the longest chain."""
+        chains = [c.duration_ns for c in self.present()]
+        return max([*self.resource_ns().values(), *chains, 0])
+
+    @property
+    def sequential_ns(self) -> int:
+        return sum(c.duration_ns for c in self.present())
+
+
+RawOp = tuple[str, Resource, int]
+
+
+def compact(kind: str, ops: list[RawOp], *, copy_split_ns: int | None = None) -> Chain | None:
+    """Merge consecutive same-resource ops into stages; cut copy stages longer than ``copy_split_ns``."""
+    stages: list[Stage] = []
+    run: list[RawOp] = []
+
+    def flush() -> None:
+        if not run:
+            return
+        resource = run[0][1]
+        total = sum(op[2] for op in run)
+        names = tuple(op[0] for op in run)
+        pieces = 1
+        if copy_split_ns and resource in (Resource.D2H, Resource.H2D) and total > copy_split_ns:
+            pieces = -(-total // copy_split_ns)
+        for piece in range(pieces):
+            share = total // pieces + (1 if piece < total % pieces else 0)
+            stages.append(Stage(f"{kind}{len(stages)}", resource, share, names))
+        run.clear()
+
+    for op in ops:
+        if run and run[-1][1] is not op[1]:
+            flush()
+        run.append(op)
+    flush()
+    return Chain(kind, tuple(stages)) if stages else None
+
+
+def _stream(graph: OpGraph, kind: str) -> Resource:
+    return Resource.COMM if kind in EP_COMM_KINDS else Resource.COMPUTE
+
+
+def build_chains(forward_graph: OpGraph | None, forward_plan: Plan | None, backward_graph: OpGraph | None,
+                 backward_plan: Plan | None, *, hardware: Hardware | None = None,
+                 copy_split_ns: int | None = None) -> Chains:
+    """Chains of the scheduling point F_x B_y from the graphs and plans of x and y (None: no such batch).
+
+    ``hardware`` defaults to the graphs' own; durations come from the graphs (built for that hardware) and the
+    evaluator's mitigation ops. ``copy_split_ns`` defaults to the median forward/backward stage duration.
+    """
+    if hardware is not None:
+        for graph in (forward_graph, backward_graph):
+            if graph is not None and graph.hardware != hardware:
+                raise ValueError("hardware differs from the hardware the graphs were built for")
+    forward_ops: list[RawOp] = []
+    offload_ops: list[RawOp] = []
+    if forward_graph is not None:
+        extra = mitigation_ops(forward_graph, forward_plan)
+        casts = {}
+        for tensor, producer, cast_ns, _ in extra.quantized:
+            casts.setdefault(producer, []).append((f"cast:{tensor}", Resource.COMPUTE, cast_ns))
+        forward_ops.extend(casts.get(None, []))
+        for op in forward_graph.ops:
+            forward_ops.append((op.name, _stream(forward_graph, op.kind), op.forward_ns))
+            forward_ops.extend(casts.get(op.name, []))
+        offload_ops = [(f"d2h:{t}:{d}", Resource.D2H, down) for t, d, _, down, _ in extra.offloads]
+    backward_ops: list[RawOp] = []
+    recovery_ops: list[RawOp] = []
+    if backward_graph is not None:
+        backward_ops = [(f"{op.name}.bwd", _stream(backward_graph, op.kind), op.backward_ns)
+                        for op in reversed(backward_graph.ops)]
+        extra = mitigation_ops(backward_graph, backward_plan)
+        recovery_ops = [(f"h2d:{t}:{d}", Resource.H2D, up) for t, d, _, _, up in extra.offloads]
+        recovery_ops += [(f"dequant:{t}", Resource.COMPUTE, back) for t, _, _, back in extra.quantized]
+        recovery_ops += [(f"{name}.re", _stream(backward_graph, backward_graph.op(name).kind),
+                          backward_graph.op(name).forward_ns) for name in extra.rerun]
+    if copy_split_ns is None:
+        main_chains = [c for c in (compact("F", forward_ops), compact("B", backward_ops)) if c is not None]
+        main = sorted(stage.duration_ns for chain in main_chains for stage in chain.stages)
+        copy_split_ns = main[len(main) // 2] if main else None
+    label = " ".join(g.label for g in (forward_graph, backward_graph) if g is not None)
+    return Chains(compact("F", forward_ops), compact("B", backward_ops),
+                  compact("O", offload_ops, copy_split_ns=copy_split_ns),
+                  compact("R", recovery_ops, copy_split_ns=copy_split_ns), label=label)

@@ -1,0 +1,86 @@
+"""Orders: how the stages of the four chains are interleaved at one scheduling point.
+
+An order is a sequence of *groups*. With ``barriers=True`` (the DP and the baselines) the stages of a group start
+together, at most one per chain, and the next group starts when all of them are done. With ``barriers=False``
+(the exact CP-SAT schedule) every group is one stage and the sequence is only the issue order: a stage starts as
+soon as its resource is free and its chain predecessor is done. Text form: groups separated by ``|``, stages
+of a group by ``+``, a stage written as chain kind and index (``F0+B3|O0``); ``>`` instead of ``|`` marks an
+order without barriers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .chains import CHAIN_KINDS
+
+StageRef = tuple[str, int]
+
+
+def _parse_ref(text: str) -> StageRef:
+    text = text.strip()
+    if len(text) < 2 or text[0] not in CHAIN_KINDS or not text[1:].isdigit():
+        raise ValueError(f"stage {text!r} must be a chain kind ({', '.join(CHAIN_KINDS)}) and an index, e.g. F0")
+    return text[0], int(text[1:])
+
+
+@dataclass(frozen=True)
+class Order:
+    groups: tuple[tuple[StageRef, ...], ...]
+    barriers: bool = True
+    makespan_ns: int = 0
+    solver: str = ""
+
+    def __post_init__(self) -> None:
+        groups = tuple(tuple((str(k), int(i)) for k, i in group) for group in self.groups)
+        for group in groups:
+            if not group:
+                raise ValueError("an order group must not be empty")
+            kinds = [k for k, _ in group]
+            if self.barriers and len(set(kinds)) != len(kinds):
+                raise ValueError(f"a barrier group holds at most one stage per chain, got {group}")
+            if not self.barriers and len(group) != 1:
+                raise ValueError("an order without barriers lists one stage per group")
+            for kind, index in group:
+                if kind not in CHAIN_KINDS or index < 0:
+                    raise ValueError(f"unknown stage {kind}{index}")
+        object.__setattr__(self, "groups", groups)
+
+    @property
+    def makespan_s(self) -> float:
+        return self.makespan_ns * 1e-9
+
+    def __str__(self) -> str:
+        if self.barriers:
+            return "|".join("+".join(f"{k}{i}" for k, i in group) for group in self.groups)
+        return ">".join(f"{k}{i}" for (k, i), in self.groups) + (">" if len(self.groups) == 1 else "")
+
+    def __repr__(self) -> str:
+        return f"Order('{self}', makespan_ns={self.makespan_ns}, solver='{self.solver}')"
+
+    @classmethod
+    def from_str(cls, text: str) -> "Order":
+        """Parse ``str(order)`` or ``repr(order)``."""
+        if not isinstance(text, str):
+            raise ValueError(f"order text must be a string, got {type(text).__name__}")
+        body, makespan, solver = text.strip(), 0, ""
+        if body.startswith("Order(") and body.endswith(")"):
+            inner = body[6:-1]
+            parts = [p.strip() for p in inner.split(",")]
+            body = parts[0].strip("'\"")
+            for part in parts[1:]:
+                key, _, value = part.partition("=")
+                if key.strip() == "makespan_ns":
+                    makespan = int(value)
+                elif key.strip() == "solver":
+                    solver = value.strip().strip("'\"")
+                else:
+                    raise ValueError(f"unknown order field {key.strip()!r}")
+        if not body:
+            raise ValueError("order text is empty")
+        barriers = ">" not in body
+        if not barriers and "|" in body:
+            raise ValueError("an order uses either '|' (barriers) or '>' (issue order), not both")
+        parts = body.split("|") if barriers else [p for p in body.split(">") if p.strip()]
+        groups = tuple(tuple(_parse_ref(ref) for ref in group.split("+")) for group in parts)
+        return cls(groups, barriers=barriers, makespan_ns=makespan, solver=solver)
