@@ -68,7 +68,7 @@ def solve(chains: Chains, *, time_limit_s: float = 10.0, num_workers: int = 1, s
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     if not any(True for _ in chains.present()):
-        return Order((), barriers=False, makespan_ns=0, solver="exact")
+        return Order((), makespan_ns=0, solver="exact")
     built = build_model(chains, hint=hint)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = float(time_limit_s)

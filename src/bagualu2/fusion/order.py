@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from .chains import CHAIN_KINDS
 
 StageRef = tuple[str, int]
+EMPTY = "empty"  # the order of a point with no stages
 
 
 def _parse_ref(text: str) -> StageRef:
@@ -51,6 +52,8 @@ class Order:
         return self.makespan_ns * 1e-9
 
     def __str__(self) -> str:
+        if not self.groups:
+            return EMPTY
         if self.barriers:
             return "|".join("+".join(f"{k}{i}" for k, i in group) for group in self.groups)
         return ">".join(f"{k}{i}" for (k, i), in self.groups) + (">" if len(self.groups) == 1 else "")
@@ -78,6 +81,8 @@ class Order:
                     raise ValueError(f"unknown order field {key.strip()!r}")
         if not body:
             raise ValueError("order text is empty")
+        if body == EMPTY:
+            return cls((), makespan_ns=makespan, solver=solver)
         barriers = ">" not in body
         if not barriers and "|" in body:
             raise ValueError("an order uses either '|' (barriers) or '>' (issue order), not both")

@@ -1,0 +1,134 @@
+"""Gantt charts of a simulated order: a text chart (one row per resource) and a PNG (matplotlib, Agg).
+
+Pure and deterministic; matplotlib is imported lazily inside :func:`gantt_png` only, so importing this module
+costs nothing. Both charts take the :class:`~bagualu2.fusion.simulate.Timeline` of ``simulate(order, chains)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import os
+import tempfile
+from pathlib import Path
+
+from ..costmodel import Resource
+from .chains import CHAIN_KINDS, Chains
+from .simulate import Timeline
+
+CHAIN_NAMES = {"F": "forward", "B": "backward", "O": "offload", "R": "recovery"}
+CHAIN_COLOURS = {"F": "#4C72B0", "B": "#DD8452", "O": "#55A868", "R": "#C44E52"}
+IDLE = "."
+_LABEL = max(len(r.value) for r in Resource) + 1  # width of the row-name column
+
+
+def _cells(timeline: Timeline, resource: Resource, width: int) -> str:
+    """Cell c covers [c, c+1) * makespan / width; it shows the chain with the largest overlap ('.' for none).
+
+    Times are scaled by ``width`` so the arithmetic stays in exact integers; ties go to the earlier chain/stage.
+    """
+    total = timeline.makespan_ns
+    events = sorted((e for e in timeline.events if e.resource is resource and e.end_ns > e.start_ns),
+                    key=lambda e: (e.start_ns, CHAIN_KINDS.index(e.chain), e.index))
+    row = []
+    for cell in range(width):
+        lo, hi = cell * total, (cell + 1) * total
+        best, letter = 0, IDLE
+        for event in events:
+            overlap = min(event.end_ns * width, hi) - max(event.start_ns * width, lo)
+            if overlap > best:
+                best, letter = overlap, event.chain
+        row.append(letter)
+    return "".join(row)
+
+
+def _axis(makespan_ms: float, width: int, ticks: int = 4) -> str:
+    """A line of time labels (ms) at 0, 1/ticks, ..., 1 of the chart width; labels that would collide are dropped."""
+    line = [" "] * (width + 1)
+    end = -2
+    for tick in range(ticks + 1):
+        column = tick * width // ticks
+        text = f"{makespan_ms * tick / ticks:.4g}"
+        start = min(column, width + 1 - len(text))
+        if start <= end + 1 or start < 0:
+            continue
+        line[start:start + len(text)] = text
+        end = start + len(text) - 1
+    return "".join(line).rstrip()
+
+
+def gantt_text(timeline: Timeline, chains: Chains | None = None, *, width: int = 100) -> str:
+    """A text Gantt chart: a header, one ``|...|`` row per resource (compute, comm, d2h, h2d) of ``width`` cells
+    holding the chain letter (F, B, O, R) of the stage that fills most of the cell or '.' when idle, a time axis
+    in ms and a legend (stage counts from ``chains`` when given, else from the timeline's events)."""
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise ValueError(f"width must be an integer >= 1, got {width!r}")
+    makespan_ms = timeline.makespan_ns * 1e-6
+    lines = [f"makespan {makespan_ms:.3f} ms, exposed mitigation {timeline.exposed_mitigation_ns * 1e-6:.3f} ms "
+             f"({width} columns of {makespan_ms / width:.4g} ms)"]
+    for resource in Resource:
+        lines.append(f"{resource.value:<{_LABEL}}|{_cells(timeline, resource, width)}|")
+    lines.append(f"{'ms':<{_LABEL}} " + _axis(makespan_ms, width))
+    if chains is not None:
+        counts = dict(zip(CHAIN_KINDS, chains.counts()))
+    else:
+        counts = {kind: sum(e.chain == kind for e in timeline.events) for kind in CHAIN_KINDS}
+    legend = ", ".join(f"{kind} {CHAIN_NAMES[kind]} ({counts[kind]} stages)" for kind in CHAIN_KINDS)
+    lines.append(f"{'':<{_LABEL}} {legend}; {IDLE} idle")
+    return "\n".join(lines)
+
+
+def _write_atomic(target: Path, data: bytes) -> None:
+    """Temp file in the same folder + ``os.replace``: the target is either the old file or the complete new one."""
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def gantt_png(timeline: Timeline, path: str | os.PathLike[str], *, title: str = "") -> Path:
+    """Write a PNG Gantt chart of ``timeline`` to ``path`` (atomically) and return the path.
+
+    One row per resource, one ``broken_barh`` per chain and resource, a colour per chain, a legend, x in ms.
+    ``OSError`` (e.g. ``FileNotFoundError``) when the folder does not exist or ``path`` is a folder.
+    """
+    target = Path(path)
+    if not target.parent.is_dir():
+        raise FileNotFoundError(errno.ENOENT, "no such directory", str(target.parent))
+    if target.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "is a directory", str(target))
+    from matplotlib.figure import Figure  # lazy: no pyplot, no global backend state (Agg canvas by default)
+
+    resources = list(Resource)
+    figure = Figure(figsize=(10, 1.0 + 0.6 * len(resources)), dpi=100)
+    axes = figure.add_subplot()
+    for row, resource in enumerate(resources):
+        y = len(resources) - 1 - row  # compute on top
+        for kind in CHAIN_KINDS:
+            bars = [(e.start_ns * 1e-6, (e.end_ns - e.start_ns) * 1e-6) for e in timeline.events
+                    if e.resource is resource and e.chain == kind]
+            if bars:
+                axes.broken_barh(bars, (y - 0.4, 0.8), facecolors=CHAIN_COLOURS[kind], edgecolor="white",
+                                 linewidth=0.5)
+    handles = [axes.bar(0, 0, color=CHAIN_COLOURS[k], label=f"{k} {CHAIN_NAMES[k]}") for k in CHAIN_KINDS]
+    axes.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=len(CHAIN_KINDS),
+                frameon=False)
+    axes.set_yticks(range(len(resources)), [r.value for r in reversed(resources)])
+    axes.set_ylim(-0.6, len(resources) - 0.4)
+    axes.set_xlim(0, max(timeline.makespan_ns * 1e-6, 1e-9))
+    axes.set_xlabel("time (ms)")
+    axes.set_title(title or f"makespan {timeline.makespan_ns * 1e-6:.3f} ms")
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    _write_atomic(target, buffer.getvalue())
+    return target

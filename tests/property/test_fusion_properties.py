@@ -1,0 +1,114 @@
+"""The fusion DP against the simulator, the baselines and the exact CP-SAT schedule on random chains."""
+
+import warnings
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from bagualu2.costmodel import Resource
+from bagualu2.fusion import Chain, Chains, Order, Stage, baselines, dp, exact, simulate
+
+RESOURCE_OF = {"F": [Resource.COMPUTE, Resource.COMM], "B": [Resource.COMPUTE, Resource.COMM],
+               "O": [Resource.D2H], "R": [Resource.H2D, Resource.COMPUTE, Resource.COMM]}
+
+
+@st.composite
+def random_chains(draw, max_stages=5):
+    built = {}
+    for kind in "FBOR":
+        count = draw(st.integers(0, max_stages))
+        if count == 0:
+            built[kind] = None
+            continue
+        stages = tuple(Stage(f"{kind}{i}", draw(st.sampled_from(RESOURCE_OF[kind])), draw(st.integers(0, 1000)))
+                       for i in range(count))
+        built[kind] = Chain(kind, stages)
+    return Chains(built["F"], built["B"], built["O"], built["R"])
+
+
+def _order_keeps_chains(order: Order, chains: Chains) -> None:
+    seen = {k: [] for k in "FBOR"}
+    for group in order.groups:
+        for kind, index in group:
+            seen[kind].append(index)
+    for kind in "FBOR":
+        chain = chains.get(kind)
+        assert seen[kind] == list(range(len(chain) if chain else 0))
+
+
+@given(random_chains())
+def test_dp_keeps_chain_order_and_matches_simulation(chains):
+    order = dp.solve(chains)
+    _order_keeps_chains(order, chains)
+    assert simulate(order, chains).makespan_ns == order.makespan_ns
+    assert Order.from_str(repr(order)) == order
+    assert chains.lower_bound_ns <= order.makespan_ns <= chains.sequential_ns
+
+
+@given(random_chains())
+def test_dp_never_loses_to_a_baseline(chains):
+    order = dp.solve(chains)
+    for name, baseline in baselines.BASELINES.items():
+        other = baseline(chains)
+        _order_keeps_chains(other, chains)
+        assert order.makespan_ns <= other.makespan_ns, name
+
+
+@given(random_chains(max_stages=4))
+def test_exact_is_a_lower_bound_of_the_dp(chains):
+    order = dp.solve(chains)
+    best = exact.solve(chains, time_limit_s=20, hint=order)
+    assert best.solver == "exact"
+    assert chains.lower_bound_ns <= best.makespan_ns <= order.makespan_ns
+    assert simulate(best, chains).makespan_ns == best.makespan_ns
+    assert Order.from_str(repr(best)) == best
+
+
+@given(random_chains(), st.randoms(use_true_random=False))
+def test_any_valid_interleaving_simulates_and_dp_is_no_worse(chains, rng):
+    remaining = {k: list(range(len(chains.get(k)))) if chains.get(k) else [] for k in "FBOR"}
+    groups = []
+    while any(remaining.values()):
+        kinds = [k for k in "FBOR" if remaining[k]]
+        chosen = rng.sample(kinds, rng.randint(1, len(kinds)))
+        groups.append(tuple((k, remaining[k].pop(0)) for k in chosen))
+    order = Order(tuple(groups))
+    assert dp.solve(chains).makespan_ns <= simulate(order, chains).makespan_ns
+
+
+def test_bad_inputs_raise():
+    with pytest.raises(ValueError, match="empty"):
+        Chain("F", ())
+    with pytest.raises(ValueError, match="resource"):
+        Stage("x", "gpu", 1)
+    with pytest.raises(ValueError, match="duration"):
+        Stage("x", Resource.COMPUTE, -1)
+    with pytest.raises(ValueError, match="kind"):
+        Chain("X", (Stage("x", Resource.COMPUTE, 1),))
+    chains = Chains(Chain("F", (Stage("a", Resource.COMPUTE, 1), Stage("b", Resource.COMM, 2))))
+    with pytest.raises(ValueError, match="chain order"):
+        simulate(Order(((("F", 1),), (("F", 0),))), chains)
+    with pytest.raises(ValueError, match="missing"):
+        simulate(Order(((("F", 0),),)), chains)
+    with pytest.raises(ValueError):
+        Order.from_str("F0+F1")
+    with pytest.raises(ValueError):
+        Order.from_str("X3")
+
+
+def test_small_pipeline_degree_falls_back_to_sequential():
+    chains = Chains(Chain("F", (Stage("a", Resource.COMPUTE, 5),)), Chain("B", (Stage("b", Resource.COMM, 5),)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        order = dp.solve(chains, pipeline_degree=2)
+    assert order.solver == "sequential" and order.makespan_ns == 10
+    assert any("pipeline degree" in str(w.message) for w in caught)
+    assert dp.solve(chains, pipeline_degree=4).makespan_ns == 5
+
+
+def test_warmup_and_cooldown_points():
+    forward_only = Chains(Chain("F", (Stage("a", Resource.COMPUTE, 3), Stage("b", Resource.COMM, 4))),
+                          offload=Chain("O", (Stage("o", Resource.D2H, 4),)))
+    assert dp.solve(forward_only).makespan_ns == 7
+    assert dp.solve(Chains()).makespan_ns == 0

@@ -1,0 +1,63 @@
+"""Chains built from real graphs and plans: contents, compaction at the all-to-all ops, and the order cache."""
+
+import pytest
+
+from bagualu2.costmodel import Plan, Resource, build_graph, evaluate, presets
+from bagualu2.costmodel.evaluate import mitigation_ops
+from bagualu2.fusion import OrderCache, build_chains, dp, simulate
+from bagualu2.mitigation import greedy
+
+HW = presets.hardware("paper-gpu")
+MODEL, PARALLEL = presets.model("glm-1041b-a35b")
+
+
+def test_compaction_splits_forward_and_backward_at_all_to_all():
+    graph = build_graph(MODEL, PARALLEL, HW)
+    chains = build_chains(graph, None, graph, None, hardware=HW)
+    layers = len(graph.layers)
+    assert len(chains.forward) == len(chains.backward) == 4 * layers + 1  # compute|a2a|experts|a2a|... per layer
+    assert [s.resource for s in chains.forward.stages[:5]] == [Resource.COMPUTE, Resource.COMM, Resource.COMPUTE,
+                                                               Resource.COMM, Resource.COMPUTE]
+    assert chains.offload is None and chains.recovery is None
+    assert chains.forward.duration_ns == graph.forward_ns
+    assert chains.backward.duration_ns == graph.backward_ns
+    assert len(graph.ops) > 20 and len(chains.forward) < len(graph.ops)
+
+
+def test_mitigation_ops_become_offload_and_recovery_chains():
+    graph = build_graph(MODEL, PARALLEL, HW, imbalance=1.6)
+    plan = Plan.of({"L0.expert_act/L0.expert_fc1_out": "OFFLOAD", "L0.expert_fc1/L0.dispatched": "QUANTIZE",
+                    "L0.expert_fc2/L0.expert_act_out": "RECOMPUTE"})
+    chains = build_chains(graph, plan, graph, plan, hardware=HW, copy_split_ns=10**12)
+    cost = evaluate(graph, plan)
+    extra = mitigation_ops(graph, plan)
+    assert chains.offload.duration_ns == sum(o[3] for o in extra.offloads)
+    assert chains.forward.duration_ns == graph.forward_ns + sum(q[2] for q in extra.quantized)
+    assert chains.recovery.duration_ns == cost.backward_ns - graph.backward_ns
+    assert [s.resource for s in chains.recovery.stages] == [Resource.H2D, Resource.COMPUTE]
+    assert chains.recovery.stages[-1].ops[-1] == "L0.expert_act.re"
+    split = build_chains(graph, plan, graph, plan, hardware=HW)  # copies cut to the median stage length
+    assert len(split.offload) >= len(chains.offload)
+    assert split.offload.duration_ns == chains.offload.duration_ns
+
+
+def test_dp_beats_sequential_on_a_real_point_and_cache_hits():
+    graph = build_graph(MODEL, PARALLEL, HW, imbalance=2.6)
+    budget = (graph.floor_bytes + graph.unmitigated_bytes) // 3
+    plan = greedy.solve(graph, budget).plan
+    chains = build_chains(graph, plan, graph, plan, hardware=HW)
+    order = dp.solve(chains)
+    timeline = simulate(order, chains)
+    assert timeline.makespan_ns == order.makespan_ns < chains.sequential_ns
+    cache = OrderCache(budget_quantum_bytes=1 << 26)
+    first = cache.get(budget, 2.6, "steady", lambda: chains, dp.solve)
+    again = cache.get(budget + 10, 2.55, "steady", lambda: chains, dp.solve)
+    assert again is first and (cache.hits, cache.misses) == (1, 1)
+    with pytest.raises(ValueError, match="budget_bytes"):
+        cache.get(-1, 1.0, "steady", lambda: chains, dp.solve)
+
+
+def test_build_chains_checks_hardware():
+    graph = build_graph(MODEL, PARALLEL, HW)
+    with pytest.raises(ValueError, match="hardware"):
+        build_chains(graph, None, graph, None, hardware=presets.hardware("h100"))
