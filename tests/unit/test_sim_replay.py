@@ -45,3 +45,23 @@ def test_demo_command():
     assert data["fits"] and len(data["forwards"]) == 4
     bad = runner.invoke(app, ["demo", "--spike-rate", "2"])
     assert bad.exit_code == 2 and "Traceback" not in bad.output
+
+
+def test_decision_path_caches_and_keeps_decisions_safe():
+    from bagualu2.costmodel import build_graph, evaluate
+    from bagualu2.sim import DecisionPath
+
+    model, parallel = presets.model("glm-1041b-a35b")
+    hw = presets.hardware("paper-gpu")
+    path = DecisionPath(model, parallel, hw)
+    graph = build_graph(model, parallel, hw, imbalance=1.3)
+    budget = (graph.floor_bytes + graph.unmitigated_bytes) // 2
+    first = path.forward(budget, 1.25, "steady", 0)
+    again = path.forward(budget + 1024, 1.21, "steady", 0)  # same buckets
+    assert again is first and (path.hits, path.misses) == (1, 1)
+    # the decision made for the bucket's upper imbalance fits the real one
+    assert evaluate(build_graph(model, parallel, hw, imbalance=1.21), first.plan).activation_bytes <= budget
+    assert first.kept_bytes <= budget and first.order.makespan_ns > 0
+    # every budget above what the micro-batch keeps unmitigated shares one decision
+    big = path.forward(10 * graph.unmitigated_bytes, 1.25, "steady", 0)
+    assert path.forward(20 * graph.unmitigated_bytes, 1.25, "steady", 0) is big and len(big.plan) == 0

@@ -9,6 +9,7 @@ import typer
 from bagualu2 import __version__
 
 from . import demo_cmd, memory_cmd, plan_cmd, presets_cmd
+from . import schedule_cmd
 
 app = typer.Typer(
     name="bagualu2",
@@ -22,6 +23,7 @@ app = typer.Typer(
 app.command("presets")(presets_cmd.presets)
 app.command("memory")(memory_cmd.memory)
 app.command("plan")(plan_cmd.plan)
+app.command("schedule")(schedule_cmd.schedule)
 app.command("demo")(demo_cmd.demo)
 
 

@@ -44,17 +44,14 @@ def _cells(timeline: Timeline, resource: Resource, width: int) -> str:
 
 
 def _axis(makespan_ms: float, width: int, ticks: int = 4) -> str:
-    """A line of time labels (ms) at 0, 1/ticks, ..., 1 of the chart width; labels that would collide are dropped."""
+    """Time labels (ms) at 0, 1/ticks, ..., 1 of the chart width; the end label first, colliding ones dropped."""
     line = [" "] * (width + 1)
-    end = -2
-    for tick in range(ticks + 1):
-        column = tick * width // ticks
+    for tick in (ticks, *range(ticks)):
         text = f"{makespan_ms * tick / ticks:.4g}"
-        start = min(column, width + 1 - len(text))
-        if start <= end + 1 or start < 0:
-            continue
-        line[start:start + len(text)] = text
-        end = start + len(text) - 1
+        start = max(0, min(tick * width // ticks, width + 1 - len(text)))
+        span = range(max(0, start - 1), min(width + 1, start + len(text) + 1))
+        if start + len(text) <= width + 1 and all(line[c] == " " for c in span):
+            line[start:start + len(text)] = text
     return "".join(line).rstrip()
 
 
@@ -120,7 +117,7 @@ def gantt_png(timeline: Timeline, path: str | os.PathLike[str], *, title: str = 
                 axes.broken_barh(bars, (y - 0.4, 0.8), facecolors=CHAIN_COLOURS[kind], edgecolor="white",
                                  linewidth=0.5)
     handles = [axes.bar(0, 0, color=CHAIN_COLOURS[k], label=f"{k} {CHAIN_NAMES[k]}") for k in CHAIN_KINDS]
-    axes.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=len(CHAIN_KINDS),
+    axes.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=len(CHAIN_KINDS),
                 frameon=False)
     axes.set_yticks(range(len(resources)), [r.value for r in reversed(resources)])
     axes.set_ylim(-0.6, len(resources) - 0.4)
@@ -129,6 +126,6 @@ def gantt_png(timeline: Timeline, path: str | os.PathLike[str], *, title: str = 
     axes.set_title(title or f"makespan {timeline.makespan_ns * 1e-6:.3f} ms")
     figure.tight_layout()
     buffer = io.BytesIO()
-    figure.savefig(buffer, format="png")
+    figure.savefig(buffer, format="png", bbox_inches="tight")
     _write_atomic(target, buffer.getvalue())
     return target

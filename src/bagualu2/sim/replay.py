@@ -1,9 +1,9 @@
 """Replay one pipeline stage's iteration through the runtime decision path of BaGuaLu-2.
 
-For every forward of the (interleaved) 1F1B schedule: Algorithm 1 hands out a budget, the plan cache (greedy on
-a miss) plans the micro-batch for the imbalance expected before the gate, the gate reveals the actual
-imbalance, and deferred planning downgrades the MoE module when the planned bytes would not fit. The bytes the
-micro-batch then keeps are recorded back into the budget (re-basing); backwards free them.
+For every forward of the (interleaved) 1F1B schedule: Algorithm 1 hands out a budget, the memoised
+:class:`~.runtime.DecisionPath` plans the micro-batch, applies the deferred MoE downgrade for the imbalance the
+gate measured and orders the fused scheduling point; the bytes the micro-batch keeps are recorded back into the
+budget (re-basing); backwards free them.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import random
 import time
 from dataclasses import dataclass
 
-from ..budget import BudgetAssigner, plan_after_gate
-from ..costmodel import Hardware, ModelConfig, ParallelConfig, build_graph, evaluate, schedule, stage_memory
+from ..budget import BudgetAssigner
+from ..costmodel import Hardware, ModelConfig, ParallelConfig, schedule, stage_memory
 from ..costmodel.build import check_imbalance
-from ..mitigation import PlanCache
+from .runtime import DecisionPath
 
 
 def spike_trace(num_microbatches: int, *, spike_rate: float = 0.029, max_imbalance: float = 2.6,
@@ -48,6 +48,7 @@ class ForwardDecision:
     num_mitigated: int
     downgraded: bool
     in_flight_bytes: int
+    fused_makespan_s: float
 
 
 @dataclass(frozen=True)
@@ -56,9 +57,9 @@ class IterationReplay:
     m_max_bytes: int
     m0_bytes: int
     peak_in_flight_bytes: int
-    cache_hits: int
+    cache_hits: int       # decision-cache hits and misses during this iteration
     cache_misses: int
-    decision_time_s: float
+    decision_time_s: float  # wall time of the whole decision path (budgets, decisions, records)
 
     @property
     def fits(self) -> bool:
@@ -66,9 +67,12 @@ class IterationReplay:
 
 
 def replay_iteration(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, imbalances, *,
-                     stage: int = 0, planned_imbalance: float = 1.2, cache: PlanCache | None = None
+                     stage: int = 0, planned_imbalance: float = 1.2, path: DecisionPath | None = None
                      ) -> IterationReplay:
-    """Run the decision path for every forward of ``stage``; ``imbalances[m]`` is micro-batch m's actual rate."""
+    """Run the decision path for every forward of ``stage``; ``imbalances[m]`` is micro-batch m's actual rate.
+
+    Pass the same ``path`` to consecutive calls to replay a trace of iterations with warm caches.
+    """
     if len(imbalances) != parallel.num_microbatches:
         raise ValueError(f"imbalances must have num_microbatches={parallel.num_microbatches} entries, "
                          f"got {len(imbalances)}")
@@ -78,39 +82,29 @@ def replay_iteration(model: ModelConfig, parallel: ParallelConfig, hardware: Har
     actions = schedule(parallel, stage)
     assigner = BudgetAssigner(m_max_bytes=memory.m_max_bytes, m0_bytes=memory.m0_bytes,
                               num_microbatches=len(actions) // 2, num_warmup=memory.inflight_chunks)
-    cache = cache if cache is not None else PlanCache()
-    graphs: dict[tuple[int, float], object] = {}
-
-    def graph(chunk: int, imbalance: float):
-        key = (chunk, imbalance)
-        if key not in graphs:
-            graphs[key] = build_graph(model, parallel, hardware, imbalance=imbalance, stage=stage, chunk=chunk)
-        return graphs[key]
-
+    path = path if path is not None else DecisionPath(model, parallel, hardware, stage=stage,
+                                                      planned_imbalance=planned_imbalance)
+    hits, misses = path.hits, path.misses
     forward_index: dict[tuple[int, int], int] = {}
-    decisions = []
+    raw = []
     peak = 0
-    decision_s = 0.0
-    for action in actions:
+    started = time.perf_counter()
+    for action in actions:  # the timed hot path: budget, decision, re-basing
         key = (action.microbatch, action.chunk)
         if action.kind == "B":
             assigner.record_backward(forward_index[key])
             continue
-        started = time.perf_counter()
         index = len(forward_index)
         phase = assigner.phase.value
         budget = assigner.next_forward_budget()
-        planned = cache.get(budget, planned_imbalance, (phase, action.chunk),
-                            lambda r, chunk=action.chunk: graph(chunk, r))
-        actual_graph = graph(action.chunk, imbalances[action.microbatch])
-        plan, downgraded = plan_after_gate(actual_graph, planned.plan, budget)
-        cost = evaluate(actual_graph, plan)
-        decision_s += time.perf_counter() - started
+        decision = path.forward(budget, imbalances[action.microbatch], phase, action.chunk)
         forward_index[key] = index
-        assigner.record_forward(index, cost.activation_bytes)
+        assigner.record_forward(index, decision.kept_bytes)
         peak = max(peak, assigner.in_flight_bytes)
-        decisions.append(ForwardDecision(index, action.microbatch, action.chunk, phase, imbalances[action.microbatch],
-                                         budget, cost.activation_bytes, cost.overhead_s, len(plan), downgraded,
-                                         assigner.in_flight_bytes))
-    return IterationReplay(tuple(decisions), memory.m_max_bytes, memory.m0_bytes, peak, cache.hits, cache.misses,
-                           decision_s)
+        raw.append((action, phase, budget, decision, assigner.in_flight_bytes))
+    elapsed = time.perf_counter() - started
+    decisions = [ForwardDecision(i, a.microbatch, a.chunk, phase, imbalances[a.microbatch], budget, d.kept_bytes,
+                                 d.overhead_s, len(d.plan), d.downgraded, held, d.order.makespan_s)
+                 for i, (a, phase, budget, d, held) in enumerate(raw)]
+    return IterationReplay(tuple(decisions), memory.m_max_bytes, memory.m0_bytes, peak, path.hits - hits,
+                           path.misses - misses, elapsed)

@@ -1,0 +1,152 @@
+"""``bagualu2 schedule``: the fused dual-batch order of one steady-state scheduling point F_x B_y, its Gantt chart,
+and how the DP compares with the exact CP-SAT schedule and the baseline orders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from bagualu2.costmodel import build_graph
+from bagualu2.fusion import CHAIN_KINDS, Chains, Order, Timeline, build_chains, dp, exact, simulate
+from bagualu2.fusion.baselines import BASELINES
+from bagualu2.fusion.gantt import gantt_png, gantt_text
+from bagualu2.mitigation import greedy
+
+from .common import (GIB, HARDWARE_HELP, IMBALANCE_HELP, JSON_HELP, MODEL_HELP, CliError, blame, console,
+                     echo_json, handle_errors, load_hardware, load_model, parse_imbalance)
+from .plan_cmd import parse_number
+
+DEFAULT_MODEL = "glm-1041b-a35b"
+DEFAULT_HARDWARE = "paper-gpu"
+GANTT_WIDTH = 100
+
+
+def _check_png(value: str | None) -> Path | None:
+    """Fail fast, before any solving, when ``--png`` cannot be written."""
+    if value is None:
+        return None
+    path = Path(value)
+    if not path.parent.is_dir():
+        raise CliError(f"directory {str(path.parent)!r} does not exist", "--png")
+    if path.is_dir():
+        raise CliError(f"{value!r} is a directory; give a file path such as gantt.png", "--png")
+    return path
+
+
+def solve_orders(chains: Chains, time_limit_s: float) -> dict[str, Order]:
+    """The DP order, the exact CP-SAT order (seeded with the DP's) and the baseline orders, by name."""
+    dp_order = dp.solve(chains)
+    try:
+        exact_order = exact.solve(chains, time_limit_s=time_limit_s, hint=dp_order)
+    except RuntimeError as exc:
+        raise CliError(str(exc), "--time-limit") from None
+    orders = {"dp": dp_order, "exact": exact_order}
+    orders.update((name, baseline(chains)) for name, baseline in BASELINES.items())
+    return orders
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / GIB:.4g}"
+
+
+def _ms(ns: int) -> str:
+    return f"{ns * 1e-6:.3f}"
+
+
+def _print(header: str, chains: Chains, orders: dict[str, Order], timelines: dict[str, Timeline],
+           png: Path | None) -> None:
+    out = console()
+    out.print(escape(header), soft_wrap=True)
+    out.print("DP order: " + escape(str(orders["dp"])), soft_wrap=True)
+    out.print(gantt_text(timelines["dp"], chains, width=GANTT_WIDTH), markup=False, highlight=False, soft_wrap=True)
+    table = Table(title="orders, costed by the simulator")
+    for name, justify in (("order", "left"), ("solver", "left"), ("makespan ms", "right"), ("vs DP", "right"),
+                          ("exposed mitigation ms", "right")):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    reference = timelines["dp"].makespan_ns
+    for name, order in orders.items():
+        timeline = timelines[name]
+        ratio = timeline.makespan_ns / reference if reference else 1.0
+        table.add_row(name, order.solver, _ms(timeline.makespan_ns), f"{ratio:.3f}",
+                      _ms(timeline.exposed_mitigation_ns))
+    out.print(table)
+    bound = chains.lower_bound_ns
+    ratio = reference / bound if bound else 1.0
+    out.print(f"lower bound {_ms(bound)} ms (busiest resource or longest chain); DP / lower bound {ratio:.3f}")
+    if png is not None:
+        out.print(f"wrote the DP order's Gantt chart to {escape(str(png))}")
+
+
+@handle_errors
+def schedule(
+    model: Annotated[str, typer.Option("--model", "-m", help=MODEL_HELP)] = DEFAULT_MODEL,
+    hardware: Annotated[str, typer.Option("--hardware", "-H", help=HARDWARE_HELP)] = DEFAULT_HARDWARE,
+    budget_gib: Annotated[Optional[str], typer.Option("--budget-gib", "-b", metavar="X", help="Activation budget "
+                          "of one micro-batch of the chunk, in GiB (2**30 bytes), planned with the greedy solver; "
+                          "default: midway between the floor M0 and the unmitigated bytes.")] = None,
+    imbalance: Annotated[str, typer.Option("--imbalance", "-r", metavar="R", help=IMBALANCE_HELP)] = "1.0",
+    stage: Annotated[int, typer.Option("--stage", "-s", help="Pipeline stage (0-based).")] = 0,
+    chunk: Annotated[int, typer.Option("--chunk", "-c", help="Virtual chunk of the stage (0-based).")] = 0,
+    time_limit: Annotated[str, typer.Option("--time-limit", metavar="S", help="Seconds for the exact CP-SAT "
+                          "schedule (> 0).")] = "10",
+    png: Annotated[Optional[str], typer.Option("--png", metavar="PATH", help="Also write the DP order's "
+                   "Gantt chart as a PNG file (written atomically).")] = None,
+    json_output: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
+) -> None:
+    """Fused dual-batch order of one steady-state scheduling point F_x B_y (paper §V-B).
+
+    Plans the chunk's micro-batch for the budget, builds the F, B, O, R chains (x and y share the plan), solves
+    the DP and the exact CP-SAT schedule, and compares them with the sequential, Megatron-Core and
+    Megatron-Kwai orders. Shows the DP order's text Gantt chart (one row per resource).
+
+    Exit codes: 0 done; 2 bad input (including a budget below the floor M0).
+    """
+    name, model_config, parallel = load_model(model)
+    hw = load_hardware(hardware)
+    rate = parse_imbalance(imbalance)
+    requested = None if budget_gib is None else parse_number(budget_gib, "--budget-gib", minimum=0.0, what=" (GiB)")
+    limit = parse_number(time_limit, "--time-limit", minimum=0.0, strict=True, what=" (seconds)")
+    if not 0 <= stage < parallel.pp:
+        raise CliError(f"must be in [0, {parallel.pp}) for {name} (pp={parallel.pp}), got {stage}", "--stage")
+    if not 0 <= chunk < parallel.vp:
+        raise CliError(f"must be in [0, {parallel.vp}) for {name} (vp={parallel.vp}), got {chunk}", "--chunk")
+    png_path = _check_png(png)
+    graph = build_graph(model_config, parallel, hw, imbalance=rate, stage=stage, chunk=chunk)
+    budget = (graph.floor_bytes + graph.unmitigated_bytes) // 2 if requested is None else int(requested * GIB)
+    if budget < graph.floor_bytes:
+        raise CliError(f"{requested:g} GiB is below the floor M0 (full recompute) of "
+                       f"{_gib(graph.floor_bytes)} GiB for {name} {graph.label}", "--budget-gib")
+    solution = greedy.solve(graph, budget)
+    if not solution.ok:
+        raise CliError(f"no plan fits: {solution.reason}", "--budget-gib")
+    chains = build_chains(graph, solution.plan, graph, solution.plan, hardware=hw)
+    orders = solve_orders(chains, limit)
+    timelines = {key: simulate(order, chains) for key, order in orders.items()}
+    if png_path is not None:
+        with blame("--png"):
+            gantt_png(timelines["dp"], png_path, title=f"DP order: {name} on {hw.name}, {graph.label}, "
+                      f"imbalance {rate:g}, budget {_gib(budget)} GiB")
+    counts = dict(zip(CHAIN_KINDS, chains.counts()))
+    if json_output:
+        result: dict[str, Any] = {
+            "inputs": {"model": name, "hardware": hw.name, "stage": stage, "chunk": chunk, "layers": graph.label,
+                       "imbalance": rate, "budget_gib": budget / GIB, "budget_bytes": budget,
+                       "time_limit_s": limit},
+            "plan": str(solution.plan), "floor_bytes": graph.floor_bytes,
+            "unmitigated_bytes": graph.unmitigated_bytes, "counts": counts,
+            "orders": {key: {"order": str(order), "solver": order.solver,
+                             "makespan_s": timelines[key].makespan_s,
+                             "exposed_mitigation_s": timelines[key].exposed_mitigation_ns * 1e-9}
+                       for key, order in orders.items()},
+            "lower_bound_s": chains.lower_bound_ns * 1e-9, "png": None if png_path is None else str(png_path)}
+        echo_json(result)
+        return
+    stages = ", ".join(f"{kind} {count}" for kind, count in counts.items())
+    header = (f"schedule: {name} on {hw.name}, {graph.label}, imbalance {rate:g}, budget {_gib(budget)} GiB "
+              f"(floor M0 {_gib(graph.floor_bytes)}, unmitigated {_gib(graph.unmitigated_bytes)} GiB; "
+              f"plan kept {_gib(solution.cost.activation_bytes)} GiB)\nstages per chain: {stages}")
+    _print(header, chains, orders, timelines, png_path)

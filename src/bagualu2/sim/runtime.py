@@ -1,0 +1,89 @@
+"""The runtime decision path of one pipeline stage, with the memo caches of §V-B "Runtime Solving".
+
+Per chunk-forward: Algorithm 1's budget -> a plan for the imbalance expected before the gate (``PlanCache``,
+greedy on a miss) -> after the gate, the deferred MoE downgrade if the measured imbalance does not fit -> the
+fused order of the steady-state point (``dp`` on a miss). Every decision is memoised under (budget bucket,
+imbalance bucket, phase, chunk); the budget bucket floors and the imbalance bucket ceils, so a cached decision is
+safe for every request in its bucket, and the bytes it reports are an upper bound of what the micro-batch keeps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..budget import plan_after_gate
+from ..costmodel import Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, build_graph, evaluate
+from ..costmodel.build import check_imbalance
+from ..fusion import Order, build_chains, dp
+from ..mitigation import PlanCache
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the runtime runs for one chunk-forward."""
+
+    plan: Plan
+    kept_bytes: int
+    overhead_s: float
+    downgraded: bool
+    order: Order
+
+
+class DecisionPath:
+    """Decisions of one stage, memoised. ``forward(budget, imbalance, phase, chunk)`` is the hot path."""
+
+    def __init__(self, model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, *, stage: int = 0,
+                 planned_imbalance: float = 1.2, budget_quantum_bytes: int = 64 << 20,
+                 imbalance_step: float = 0.1):
+        self.model, self.parallel, self.hardware, self.stage = model, parallel, hardware, stage
+        self.planned_imbalance = check_imbalance(planned_imbalance)
+        self.plans = PlanCache(budget_quantum_bytes=budget_quantum_bytes, imbalance_step=imbalance_step)
+        self.quantum, self.step = budget_quantum_bytes, imbalance_step
+        self._graphs: dict[tuple[int, float], OpGraph] = {}
+        self._decisions: dict[tuple, Decision] = {}
+        self._caps: dict[tuple[int, int], int] = {}
+        self.hits = self.misses = 0
+
+    def graph(self, chunk: int, imbalance: float) -> OpGraph:
+        key = (chunk, imbalance)
+        found = self._graphs.get(key)
+        if found is None:
+            found = self._graphs[key] = build_graph(self.model, self.parallel, self.hardware, imbalance=imbalance,
+                                                    stage=self.stage, chunk=chunk)
+        return found
+
+    def forward(self, budget_bytes: int, imbalance: float, phase: str, chunk: int) -> Decision:
+        """Decision for a forward of ``chunk`` with ``budget_bytes`` whose gate measured ``imbalance``.
+
+        A budget at or above what the micro-batch keeps unmitigated needs no plan: all such budgets share one
+        key, so the spikes that shift later budgets do not multiply the cached decisions.
+        """
+        bucket = math.ceil(imbalance / self.step - 1e-12)
+        cap = self._caps.get((chunk, bucket))
+        if cap is None:
+            cap = self._caps[(chunk, bucket)] = self.graph(chunk, self._bucket_imbalance(bucket)).unmitigated_bytes
+        key = (-1 if budget_bytes >= cap else budget_bytes // self.quantum, bucket, phase, chunk)
+        found = self._decisions.get(key)
+        if found is not None:
+            self.hits += 1
+            return found
+        self.misses += 1
+        budget = cap if key[0] < 0 else key[0] * self.quantum
+        found = self._decisions[key] = self._decide(budget, self._bucket_imbalance(bucket), phase, chunk,
+                                                    budget_bytes)
+        return found
+
+    def _bucket_imbalance(self, bucket: int) -> float:
+        return max(round(bucket * self.step, 9), 1.0)
+
+    def _decide(self, budget: int, imbalance: float, phase: str, chunk: int, exact_budget: int) -> Decision:
+        planned = self.plans.get(budget, self.planned_imbalance, (phase, chunk), lambda r: self.graph(chunk, r))
+        if not planned.ok:
+            budget = exact_budget  # the floored budget fell below M0: decide for this budget only
+            planned = self.plans.get(budget, self.planned_imbalance, (phase, chunk), lambda r: self.graph(chunk, r))
+        actual = self.graph(chunk, imbalance)
+        plan, downgraded = plan_after_gate(actual, planned.plan, budget)
+        cost = evaluate(actual, plan)
+        order = dp.solve(build_chains(actual, plan, actual, plan, hardware=self.hardware))
+        return Decision(plan, cost.activation_bytes, cost.overhead_s, downgraded, order)
