@@ -1,8 +1,6 @@
 """Fusion speed: the DP of one GLM-1041B-A35B scheduling point, an order-cache hit, and the whole decision path
 of one iteration replayed over a 100-iteration spike trace."""
 
-import time
-
 import pytest
 
 from bagualu2.costmodel import build_graph, presets

@@ -19,7 +19,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-# ---- commands (one line each; later: plan, schedule, simulate, demo) ----------------------------------------
+# ---- commands (one line each) ----------------------------------------
 app.command("presets")(presets_cmd.presets)
 app.command("memory")(memory_cmd.memory)
 app.command("plan")(plan_cmd.plan)

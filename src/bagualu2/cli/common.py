@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import os
 import sys
 import tempfile
@@ -107,6 +108,18 @@ def parse_imbalance(text: str) -> float:
         raise CliError(f"must be a number >= 1 (max/mean device load), got {text!r}", "--imbalance") from None
     with blame("--imbalance"):
         return check_imbalance(value)
+
+
+def parse_number(text: str, option: str, *, minimum: float, strict: bool = False, what: str = "") -> float:
+    """A finite number ``>= minimum`` (``> minimum`` if ``strict``) from ``option``'s text."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < minimum or (strict and value == minimum):
+        bound = f"{'>' if strict else '>='} {minimum:g}"
+        raise CliError(f"must be a finite number {bound}{what}, got {text!r}", option)
+    return value
 
 
 def parse_plan(text: str) -> Plan:

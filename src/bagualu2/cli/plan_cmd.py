@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Annotated, Any, Optional
 
 import typer
@@ -15,24 +14,12 @@ from bagualu2.costmodel.strategy import offload_ns, quantize_ns
 from bagualu2.mitigation import Solution, check_conflicts, exact, greedy
 
 from .common import (GIB, HARDWARE_HELP, IMBALANCE_HELP, JSON_HELP, MIB, MODEL_HELP, CliError, console,
-                     echo_json, handle_errors, load_hardware, load_model, parse_imbalance)
+                     echo_json, handle_errors, load_hardware, load_model, parse_imbalance, parse_number)
 
 DEFAULT_MODEL = "glm-423b-a30b"
 DEFAULT_HARDWARE = "paper-gpu"
 SOLVERS = ("greedy", "greedy-paper", "exact")
 EXIT_NO_PLAN = 1  # INFEASIBLE / TIMEOUT: a normal outcome, but scripts must be able to tell
-
-
-def parse_number(text: str, option: str, *, minimum: float, strict: bool = False, what: str = "") -> float:
-    """A finite number ``>= minimum`` (``> minimum`` if ``strict``) from ``option``'s text. Belongs in common.py."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value < minimum or (strict and value == minimum):
-        bound = f"{'>' if strict else '>='} {minimum:g}"
-        raise CliError(f"must be a finite number {bound}{what}, got {text!r}", option)
-    return value
 
 
 def plan_rows(graph: OpGraph, solution: Solution) -> list[dict[str, Any]]:

@@ -17,8 +17,7 @@ from bagualu2.fusion.gantt import gantt_png, gantt_text
 from bagualu2.mitigation import greedy
 
 from .common import (GIB, HARDWARE_HELP, IMBALANCE_HELP, JSON_HELP, MODEL_HELP, CliError, blame, console,
-                     echo_json, handle_errors, load_hardware, load_model, parse_imbalance)
-from .plan_cmd import parse_number
+                     echo_json, handle_errors, load_hardware, load_model, parse_imbalance, parse_number)
 
 DEFAULT_MODEL = "glm-1041b-a35b"
 DEFAULT_HARDWARE = "paper-gpu"

@@ -184,7 +184,8 @@ def build_chains(forward_graph: OpGraph | None, forward_plan: Plan | None, backw
         main_chains = [c for c in (compact("F", forward_ops), compact("B", backward_ops)) if c is not None]
         main = sorted(stage.duration_ns for chain in main_chains for stage in chain.stages)
         copy_split_ns = main[len(main) // 2] if main else None
-    label = " ".join(g.label for g in (forward_graph, backward_graph) if g is not None)
+    labels = [g.label for g in (forward_graph, backward_graph) if g is not None]
+    label = labels[0] if len(set(labels)) == 1 else " / ".join(labels)
     return Chains(compact("F", forward_ops), compact("B", backward_ops),
                   compact("O", offload_ops, copy_split_ns=copy_split_ns),
                   compact("R", recovery_ops, copy_split_ns=copy_split_ns), label=label)
