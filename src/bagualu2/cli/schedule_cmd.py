@@ -148,4 +148,7 @@ def schedule(
     header = (f"schedule: {name} on {hw.name}, {graph.label}, imbalance {rate:g}, budget {_gib(budget)} GiB "
               f"(floor M0 {_gib(graph.floor_bytes)}, unmitigated {_gib(graph.unmitigated_bytes)} GiB; "
               f"plan kept {_gib(solution.cost.activation_bytes)} GiB)\nstages per chain: {stages}")
+    if parallel.pp <= 2:
+        header += (f"\nnote: pp={parallel.pp} <= 2: offload and recovery would target the same micro-batch, so at "
+                   "runtime the sequential order runs instead of the DP's (shown for analysis)")
     _print(header, chains, orders, timelines, png_path)

@@ -77,6 +77,7 @@ def solve(chains: Chains, *, time_limit_s: float = 10.0, num_workers: int = 1, s
     code = solver.solve(built.model)
     if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise RuntimeError(f"CP-SAT found no schedule ({solver.status_name(code)}); raise time_limit_s")
-    starts = sorted(built.start, key=lambda key: (solver.value(built.start[key]), CHAIN_KINDS.index(key[0]), key[1]))
+    starts = sorted(built.start, key=lambda key: (solver.value(built.start[key]), solver.value(built.end[key]),
+                                                  CHAIN_KINDS.index(key[0]), key[1]))
     return Order(tuple((key,) for key in starts), barriers=False, makespan_ns=int(solver.value(built.makespan)),
                  solver="exact" if code == cp_model.OPTIMAL else "exact-feasible")

@@ -42,7 +42,7 @@ class DecisionPath:
         self.quantum, self.step = budget_quantum_bytes, imbalance_step
         self._graphs: dict[tuple[int, float], OpGraph] = {}
         self._decisions: dict[tuple, Decision] = {}
-        self._caps: dict[tuple[int, int], int] = {}
+        self._bounds: dict[tuple[int, int], tuple[int, int]] = {}  # (chunk, bucket) -> (M0, unmitigated)
         self.hits = self.misses = 0
 
     def graph(self, chunk: int, imbalance: float) -> OpGraph:
@@ -60,30 +60,34 @@ class DecisionPath:
         key, so the spikes that shift later budgets do not multiply the cached decisions.
         """
         bucket = math.ceil(imbalance / self.step - 1e-12)
-        cap = self._caps.get((chunk, bucket))
-        if cap is None:
-            cap = self._caps[(chunk, bucket)] = self.graph(chunk, self._bucket_imbalance(bucket)).unmitigated_bytes
-        key = (-1 if budget_bytes >= cap else budget_bytes // self.quantum, bucket, phase, chunk)
+        bounds = self._bounds.get((chunk, bucket))
+        if bounds is None:
+            graph = self.graph(chunk, self._bucket_imbalance(bucket))
+            bounds = self._bounds[(chunk, bucket)] = (graph.floor_bytes, graph.unmitigated_bytes)
+        floor, cap = bounds
+        level = budget_bytes // self.quantum
+        if budget_bytes >= cap:
+            level = -1  # nothing to mitigate: one decision for all such budgets
+        elif level * self.quantum < floor:
+            level = ("exact", budget_bytes)  # the bucket's floor is below M0: decide for this budget alone
+        key = (level, bucket, phase, chunk)
         found = self._decisions.get(key)
         if found is not None:
             self.hits += 1
             return found
         self.misses += 1
-        budget = cap if key[0] < 0 else key[0] * self.quantum
-        found = self._decisions[key] = self._decide(budget, self._bucket_imbalance(bucket), phase, chunk,
-                                                    budget_bytes)
+        budget = cap if level == -1 else budget_bytes if isinstance(level, tuple) else level * self.quantum
+        found = self._decisions[key] = self._decide(budget, self._bucket_imbalance(bucket), phase, chunk)
         return found
 
     def _bucket_imbalance(self, bucket: int) -> float:
         return max(round(bucket * self.step, 9), 1.0)
 
-    def _decide(self, budget: int, imbalance: float, phase: str, chunk: int, exact_budget: int) -> Decision:
+    def _decide(self, budget: int, imbalance: float, phase: str, chunk: int) -> Decision:
         planned = self.plans.get(budget, self.planned_imbalance, (phase, chunk), lambda r: self.graph(chunk, r))
-        if not planned.ok:
-            budget = exact_budget  # the floored budget fell below M0: decide for this budget only
-            planned = self.plans.get(budget, self.planned_imbalance, (phase, chunk), lambda r: self.graph(chunk, r))
         actual = self.graph(chunk, imbalance)
         plan, downgraded = plan_after_gate(actual, planned.plan, budget)
         cost = evaluate(actual, plan)
-        order = dp.solve(build_chains(actual, plan, actual, plan, hardware=self.hardware))
+        order = dp.solve(build_chains(actual, plan, actual, plan, hardware=self.hardware),
+                         pipeline_degree=self.parallel.pp)
         return Decision(plan, cost.activation_bytes, cost.overhead_s, downgraded, order)
