@@ -96,8 +96,17 @@ def test_more_budget_never_costs_more(graph, a, b):
 
 
 @given(random_graphs(max_savings=8))
-def test_below_floor_is_infeasible_everywhere(graph):
+def test_floor_is_the_feasibility_edge(graph):
+    for solve in (greedy.solve, exact.solve):
+        assert solve(graph, graph.floor_bytes).ok or _unregenerable(graph)
     if graph.floor_bytes == 0:
         return  # nothing is pinned: every budget is feasible
     for solve in (greedy.solve, exact.solve, brute.solve):
         assert solve(graph, graph.floor_bytes - 1).status is SolveStatus.INFEASIBLE
+
+
+def _unregenerable(graph) -> bool:
+    """The floor needs every unpinned tensor dropped; a graph input nobody pins cannot be regenerated."""
+    pinned = {t for _, t in graph.pinned}
+    return any(spec.producer is None and name not in pinned and graph.consumers(name)
+               for name, spec in graph.tensors.items())

@@ -150,3 +150,26 @@ def test_deferred_downgrade_fits_a_spike():
     moe_ops = {op.name for op in spiked.ops if op.kind in ("expert_fc1", "router", "shared_act")}
     resolved = {k: s for k, s in down.explicit().items() if k[0] in moe_ops}
     assert resolved and set(resolved.values()) == {Strategy.RECOMPUTE}
+
+
+def test_exact_keeps_the_greedy_seed_when_time_runs_out():
+    graph = _graph("glm-188b-a20b", 1.6)
+    budget = (graph.floor_bytes + graph.unmitigated_bytes) // 2
+    solution = exact.solve(graph, budget, time_limit_s=1e-6)
+    assert solution.ok and solution.cost.activation_bytes <= budget
+    assert solution.cost.overhead_ns <= greedy.solve(graph, budget).cost.overhead_ns
+    huge = exact.solve(graph, 10**30)
+    assert huge.status is SolveStatus.OPTIMAL and huge.cost.overhead_ns == 0
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="time_limit_s"):
+            exact.solve(graph, budget, time_limit_s=bad)
+
+
+def test_public_functions_reject_wrong_types_with_value_error():
+    graph = _graph()
+    assert evaluate(graph, "core_attn=R") == evaluate(graph, Plan.uniform({"core_attn": "R"}))
+    for call in (lambda: evaluate(graph, 3), lambda: Plan.uniform({"qkv": 3}), lambda: presets.model(["x"]),
+                 lambda: presets.hardware({}), lambda: PlanCache(imbalance_step=float("inf")),
+                 lambda: PlanCache(imbalance_step=True)):
+        with pytest.raises(ValueError):
+            call()

@@ -66,3 +66,28 @@ def test_decision_path_caches_and_keeps_decisions_safe():
     # every budget above what the micro-batch keeps unmitigated shares one decision
     big = path.forward(10 * graph.unmitigated_bytes, 1.25, "steady", 0)
     assert path.forward(20 * graph.unmitigated_bytes, 1.25, "steady", 0) is big and len(big.plan) == 0
+
+
+def test_decision_path_never_shares_a_bucket_below_the_floor():
+    from bagualu2.costmodel import build_graph
+    from bagualu2.sim import DecisionPath
+
+    model, parallel = presets.model("glm-188b-a20b")
+    hw = presets.hardware("paper-gpu")
+    floor = build_graph(model, parallel, hw, imbalance=1.1).floor_bytes
+    quantum = 2 * floor  # the first bucket [0, 2*M0) straddles the floor
+    path = DecisionPath(model, parallel, hw, budget_quantum_bytes=quantum)
+    generous = path.forward(quantum - 1, 1.05, "steady", 0)
+    tight = path.forward(floor, 1.05, "steady", 0)
+    assert tight is not generous and tight.kept_bytes <= floor and generous.kept_bytes <= quantum - 1
+
+
+@pytest.mark.parametrize("args, option", [(["demo", "--max-imbalance", "0.5"], "--max-imbalance"),
+                                          (["demo", "-m", "glm-188b-a20b", "-H", "cpu"], "--hardware"),
+                                          (["plan", "-m", "tiny-moe", "-H", "cpu", "-b", "1e300"], "--budget-gib"),
+                                          (["schedule", "-m", "tiny-moe", "-H", "cpu", "-b", "1e300"],
+                                           "--budget-gib")])
+def test_cli_bad_inputs_name_the_option(args, option):
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert option in result.output and "Traceback" not in result.output

@@ -110,14 +110,15 @@ def parse_imbalance(text: str) -> float:
         return check_imbalance(value)
 
 
-def parse_number(text: str, option: str, *, minimum: float, strict: bool = False, what: str = "") -> float:
-    """A finite number ``>= minimum`` (``> minimum`` if ``strict``) from ``option``'s text."""
+def parse_number(text: str, option: str, *, minimum: float, strict: bool = False, what: str = "",
+                 maximum: float = 1e15) -> float:
+    """A finite number ``>= minimum`` (``> minimum`` if ``strict``) and ``<= maximum`` from ``option``'s text."""
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not math.isfinite(value) or value < minimum or (strict and value == minimum):
-        bound = f"{'>' if strict else '>='} {minimum:g}"
+    if not math.isfinite(value) or value < minimum or (strict and value == minimum) or value > maximum:
+        bound = f"{'>' if strict else '>='} {minimum:g} and <= {maximum:g}"
         raise CliError(f"must be a finite number {bound}{what}, got {text!r}", option)
     return value
 

@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from bagualu2.costmodel import stage_memory
+from bagualu2.costmodel import check_imbalance, stage_memory
 from bagualu2.sim import replay_iteration, spike_trace
 
 from .common import (GIB, HARDWARE_HELP, JSON_HELP, MODEL_HELP, CliError, blame, console, echo_json,
@@ -33,10 +33,16 @@ def demo(
     hw = load_hardware(hardware)
     if not 0 <= stage < parallel.pp:
         raise CliError(f"must be in [0, {parallel.pp}) for {name} (pp={parallel.pp}), got {stage}", "--stage")
+    with blame("--max-imbalance"):
+        check_imbalance(max_imbalance)
     with blame("--spike-rate"):
         trace = spike_trace(parallel.num_microbatches, spike_rate=spike_rate, max_imbalance=max_imbalance,
                             seed=seed)
     unmitigated = stage_memory(model_config, parallel, hw, stage=stage, imbalance=max(trace))
+    if unmitigated.m_max_bytes < unmitigated.inflight_chunks * unmitigated.m0_bytes:
+        raise CliError(f"{name} does not fit {hw.name} even under full recompute (static memory "
+                       f"{unmitigated.static_bytes / GIB:.1f} GiB of {hw.hbm_bytes / GIB:.1f} GiB); pick a larger "
+                       "device or model parallelism", "--hardware")
     replay = replay_iteration(model_config, parallel, hw, trace, stage=stage)
     if json_output:
         echo_json({"model": name, "hardware": hw.name, "stage": stage, "trace": list(trace),

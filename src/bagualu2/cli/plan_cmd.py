@@ -133,7 +133,7 @@ def plan(
     name, model_config, parallel = load_model(model)
     hw = load_hardware(hardware)
     rate = parse_imbalance(imbalance)
-    budget = int(parse_number(budget_gib, "--budget-gib", minimum=0.0, what=" (GiB)") * GIB)
+    budget = int(parse_number(budget_gib, "--budget-gib", minimum=0.0, what=" (GiB)", maximum=2.0**30) * GIB)
     if solver.lower() not in SOLVERS:
         raise CliError(f"must be one of {', '.join(SOLVERS)}, got {solver!r}", "--solver")
     limit = parse_number(time_limit, "--time-limit", minimum=0.0, strict=True, what=" (seconds)")

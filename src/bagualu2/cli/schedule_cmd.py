@@ -107,7 +107,8 @@ def schedule(
     name, model_config, parallel = load_model(model)
     hw = load_hardware(hardware)
     rate = parse_imbalance(imbalance)
-    requested = None if budget_gib is None else parse_number(budget_gib, "--budget-gib", minimum=0.0, what=" (GiB)")
+    requested = None if budget_gib is None else parse_number(budget_gib, "--budget-gib", minimum=0.0, what=" (GiB)",
+                                                                maximum=2.0**30)
     limit = parse_number(time_limit, "--time-limit", minimum=0.0, strict=True, what=" (seconds)")
     if not 0 <= stage < parallel.pp:
         raise CliError(f"must be in [0, {parallel.pp}) for {name} (pp={parallel.pp}), got {stage}", "--stage")

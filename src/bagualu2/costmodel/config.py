@@ -191,6 +191,11 @@ def check_compatible(model: ModelConfig, parallel: ParallelConfig) -> None:
     for name in ("num_attention_heads", "num_query_groups"):
         if getattr(model, name) % parallel.tp:
             raise ValueError(f"{name}={getattr(model, name)} must be divisible by tp={parallel.tp}")
+    if model.ffn_hidden_size % parallel.tp:
+        raise ValueError(f"ffn_hidden_size={model.ffn_hidden_size} must be divisible by tp={parallel.tp}")
+    if (model.moe_ffn_hidden_size * model.num_shared_experts) % parallel.tp:
+        raise ValueError(f"moe_ffn_hidden_size*num_shared_experts="
+                         f"{model.moe_ffn_hidden_size * model.num_shared_experts} must be divisible by tp={parallel.tp}")
     if model.is_moe and model.num_experts % parallel.ep:
         raise ValueError(f"num_experts={model.num_experts} must be divisible by ep={parallel.ep}")
     if not model.is_moe and parallel.ep != 1:

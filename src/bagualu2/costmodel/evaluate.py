@@ -79,6 +79,10 @@ class PlanCost:
 def resolve(graph: OpGraph, plan: Plan | None) -> dict[tuple[str, str], Strategy]:
     """The strategy of every saving of ``graph`` under ``plan``; raises ``ValueError`` on an invalid entry."""
     resolved = {(op.name, s.tensor): Strategy.KEEP for op, s in graph.savings}
+    if isinstance(plan, str):
+        plan = Plan.from_str(plan)
+    elif plan is not None and not isinstance(plan, Plan):
+        raise ValueError(f"plan must be a Plan, its text form or None, got {type(plan).__name__}")
     if plan is None or not plan.entries:
         return resolved
     kinds = plan.kind_policies()

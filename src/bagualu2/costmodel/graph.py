@@ -118,6 +118,8 @@ class OpGraph:
                 raise ValueError(f"op {op.name!r} has unknown kind {op.kind!r}; allowed: {', '.join(OP_KINDS)}")
             if op.forward_ns < 0 or op.backward_ns < 0:
                 raise ValueError(f"op {op.name!r} has a negative duration")
+            if not isinstance(op.resource, Resource) or op.resource not in (Resource.COMPUTE, Resource.COMM):
+                raise ValueError(f"op {op.name!r} has resource {op.resource!r}; allowed: compute, comm")
             index[op.name] = position
             for name in op.inputs + op.outputs:
                 if name not in self.tensors:
@@ -177,8 +179,10 @@ class OpGraph:
 
     @cached_property
     def floor_bytes(self) -> int:
-        """M0: bytes kept when everything but the pinned block inputs is mitigated (full recompute)."""
-        copies = {(s.tensor, s.dtype) for op, s in self.savings if (op.name, s.tensor) in self.pinned}
+        """M0: bytes kept when everything but the pinned block inputs is mitigated (full recompute); a pinned
+        tensor counts once per precision its consumers store it in (they all keep it in a conflict-free plan)."""
+        pinned = {tensor for _, tensor in self.pinned}  # every consumer of a pinned tensor keeps it (conflict rules)
+        copies = {(s.tensor, s.dtype) for _, s in self.savings if s.tensor in pinned}
         return sum(self.tensors[t].numel * ITEM_BYTES[d] for t, d in copies)
 
     @cached_property

@@ -89,7 +89,7 @@ def hardware_names() -> tuple[str, ...]:
 
 def model(name: str) -> tuple[ModelConfig, ParallelConfig]:
     """``(ModelConfig, ParallelConfig)`` of preset ``name``; ``ValueError`` listing the valid names otherwise."""
-    key = name.lower() if isinstance(name, str) else name
+    key = name.lower() if isinstance(name, str) else None
     if key not in _MODELS:
         raise ValueError(f"unknown model preset {name!r}; valid: {', '.join(_MODELS)}")
     model_config, parallel = _MODELS[key](key)
@@ -99,7 +99,7 @@ def model(name: str) -> tuple[ModelConfig, ParallelConfig]:
 
 def hardware(name: str) -> Hardware:
     """Hardware profile ``name``; ``ValueError`` listing the valid names otherwise."""
-    key = name.lower() if isinstance(name, str) else name
+    key = name.lower() if isinstance(name, str) else None
     if key not in _HARDWARE:
         raise ValueError(f"unknown hardware preset {name!r}; valid: {', '.join(_HARDWARE)}")
     return _HARDWARE[key]

@@ -39,6 +39,10 @@ class Strategy(str, enum.Enum):
 
     @classmethod
     def parse(cls, text: str) -> "Strategy":
+        if isinstance(text, Strategy):
+            return text
+        if not isinstance(text, str):
+            raise ValueError(f"strategy must be a name such as RECOMPUTE, got {text!r}")
         key = text.strip().upper()
         for strategy in cls:
             if key in (strategy.value, strategy.letter):

@@ -17,7 +17,8 @@ Key = tuple[int, float, Hashable]
 
 @dataclass(kw_only=True)
 class OrderCache:
-    """LRU cache of orders. ``budget_quantum_bytes`` and ``imbalance_step`` set the bucket widths."""
+    """LRU cache of orders. ``budget_quantum_bytes`` and ``imbalance_step`` set the bucket widths. The key does not
+    identify the chains' stage/chunk: keep one cache per (stage, chunk) or put them into ``phase``."""
 
     budget_quantum_bytes: int = 64 << 20
     imbalance_step: float = 0.1
@@ -30,7 +31,8 @@ class OrderCache:
         if isinstance(self.budget_quantum_bytes, bool) or not isinstance(self.budget_quantum_bytes, int) \
                 or self.budget_quantum_bytes < 1:
             raise ValueError(f"budget_quantum_bytes must be an integer >= 1, got {self.budget_quantum_bytes!r}")
-        if not isinstance(self.imbalance_step, (int, float)) or not self.imbalance_step > 0:
+        if isinstance(self.imbalance_step, bool) or not isinstance(self.imbalance_step, (int, float)) \
+                or not math.isfinite(self.imbalance_step) or not self.imbalance_step > 0:
             raise ValueError(f"imbalance_step must be a number > 0, got {self.imbalance_step!r}")
         if isinstance(self.max_entries, bool) or not isinstance(self.max_entries, int) or self.max_entries < 1:
             raise ValueError(f"max_entries must be an integer >= 1, got {self.max_entries!r}")

@@ -22,6 +22,7 @@ from ..costmodel.evaluate import mitigation_ops
 
 CHAIN_KINDS = ("F", "B", "O", "R")
 EP_COMM_KINDS = frozenset({"dispatch", "combine"})
+MAX_PIECES = 16  # a copy stage is cut into at most this many pieces (bounds the DP table)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +117,11 @@ RawOp = tuple[str, Resource, int]
 
 
 def compact(kind: str, ops: list[RawOp], *, copy_split_ns: int | None = None) -> Chain | None:
-    """Merge consecutive same-resource ops into stages; cut copy stages longer than ``copy_split_ns``."""
+    """Merge consecutive same-resource ops into stages; cut copy stages longer than ``copy_split_ns`` (into at
+    most ``MAX_PIECES`` pieces)."""
+    if copy_split_ns is not None and (isinstance(copy_split_ns, bool) or not isinstance(copy_split_ns, int)
+                                      or copy_split_ns < 1):
+        raise ValueError(f"copy_split_ns must be an integer >= 1 (nanoseconds) or None, got {copy_split_ns!r}")
     stages: list[Stage] = []
     run: list[RawOp] = []
 
@@ -128,7 +133,7 @@ def compact(kind: str, ops: list[RawOp], *, copy_split_ns: int | None = None) ->
         names = tuple(op[0] for op in run)
         pieces = 1
         if copy_split_ns and resource in (Resource.D2H, Resource.H2D) and total > copy_split_ns:
-            pieces = -(-total // copy_split_ns)
+            pieces = min(-(-total // copy_split_ns), MAX_PIECES)
         for piece in range(pieces):
             share = total // pieces + (1 if piece < total % pieces else 0)
             stages.append(Stage(f"{kind}{len(stages)}", resource, share, names))
@@ -183,7 +188,7 @@ def build_chains(forward_graph: OpGraph | None, forward_plan: Plan | None, backw
     if copy_split_ns is None:
         main_chains = [c for c in (compact("F", forward_ops), compact("B", backward_ops)) if c is not None]
         main = sorted(stage.duration_ns for chain in main_chains for stage in chain.stages)
-        copy_split_ns = main[len(main) // 2] if main else None
+        copy_split_ns = max(main[len(main) // 2], 1) if main else None
     labels = [g.label for g in (forward_graph, backward_graph) if g is not None]
     label = labels[0] if len(set(labels)) == 1 else " / ".join(labels)
     return Chains(compact("F", forward_ops), compact("B", backward_ops),

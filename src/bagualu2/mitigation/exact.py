@@ -7,6 +7,7 @@ Decision variables are per tensor (the conflict rules force all consumers of a t
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -88,12 +89,12 @@ def build_model(graph: OpGraph, budget_bytes: int) -> ExactModel:
     return ExactModel(model, space, choice, rerun)
 
 
-def _add_hint(exact: ExactModel, graph: OpGraph, budget_bytes: int, groups: list[list[int]]) -> None:
+def _add_hint(exact: ExactModel, graph: OpGraph, budget_bytes: int, groups: list[list[int]]) -> Solution | None:
     """Seed CP-SAT with the greedy plan (layers of each identical group reordered to satisfy the symmetry
     breaking): every choice and re-run variable gets its greedy value."""
     seed = greedy.solve(graph, budget_bytes)
     if not seed.ok:
-        return
+        return None
     explicit = seed.plan.explicit()
     chosen = {c.tensor: explicit.get(c.savings[0], KEEP) for c in exact.space.choices}
     kept: dict[int, int] = {}
@@ -111,6 +112,7 @@ def _add_hint(exact: ExactModel, graph: OpGraph, budget_bytes: int, groups: list
     rerun = greedy.rerun_ops(exact.space, chosen)
     for op, var in exact.rerun.items():
         exact.model.add_hint(var, int(op in rerun))
+    return seed
 
 
 def _layer(name: str) -> int:
@@ -159,7 +161,8 @@ def solve(graph: OpGraph, budget_bytes: int, *, time_limit_s: float = 10.0, num_
     """Optimal plan under ``budget_bytes`` (OPTIMAL), best found at the time limit (FEASIBLE), or none (TIMEOUT)."""
     started = time.perf_counter()
     budget_bytes = check_budget(budget_bytes)
-    if not isinstance(time_limit_s, (int, float)) or isinstance(time_limit_s, bool) or time_limit_s <= 0:
+    if not isinstance(time_limit_s, (int, float)) or isinstance(time_limit_s, bool) \
+            or not math.isfinite(time_limit_s) or time_limit_s <= 0:
         raise ValueError(f"time_limit_s must be a number > 0, got {time_limit_s!r}")
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
         raise ValueError(f"num_workers must be an integer >= 1, got {num_workers!r}")
@@ -167,11 +170,10 @@ def solve(graph: OpGraph, budget_bytes: int, *, time_limit_s: float = 10.0, num_
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     if budget_bytes < graph.floor_bytes:
         return infeasible(graph, budget_bytes, "exact", started, time.perf_counter())
-    exact = build_model(graph, budget_bytes)
+    exact = build_model(graph, min(budget_bytes, graph.unmitigated_bytes))  # CP-SAT constants fit int64
     groups = _identical_layers(graph, exact)
     symmetry = _break_layer_symmetry(exact, groups)
-    if hint:
-        _add_hint(exact, graph, budget_bytes, groups)
+    warm_start = _add_hint(exact, graph, budget_bytes, groups) if hint else None
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = float(time_limit_s)
     solver.parameters.num_workers = num_workers
@@ -182,6 +184,9 @@ def solve(graph: OpGraph, budget_bytes: int, *, time_limit_s: float = 10.0, num_
              "num_branches": solver.num_branches, "symmetry_constraints": symmetry}
     if code == cp_model.MODEL_INVALID:  # a bug in build_model, not a property of the instance
         raise RuntimeError(f"CP-SAT rejected the model: {exact.model.validate()}")
+    if code == cp_model.UNKNOWN and warm_start is not None:  # out of time before a solution: the greedy hint stands
+        return make_solution(graph, warm_start.plan, SolveStatus.FEASIBLE, "exact", started, time.perf_counter(), stats,
+                             reason="time limit reached before CP-SAT returned a solution: the greedy seed")
     if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         status = SolveStatus.INFEASIBLE if code == cp_model.INFEASIBLE else SolveStatus.TIMEOUT
         return make_solution(graph, floor_plan(graph), status, "exact", started, time.perf_counter(), stats,

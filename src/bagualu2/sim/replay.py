@@ -22,15 +22,17 @@ def spike_trace(num_microbatches: int, *, spike_rate: float = 0.029, max_imbalan
                 base_imbalance: float = 1.1, seed: int = 0) -> tuple[float, ...]:
     """Imbalance per micro-batch: ``base_imbalance`` most of the time, spikes up to ``max_imbalance`` at
     ``spike_rate`` (the paper: 2.9% of iterations, up to 2.6x)."""
-    if not 0 <= spike_rate <= 1:
+    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be an integer >= 1, got {num_microbatches!r}")
+    if isinstance(spike_rate, bool) or not isinstance(spike_rate, (int, float)) or not 0 <= spike_rate <= 1:
         raise ValueError(f"spike_rate must be in [0, 1], got {spike_rate!r}")
     check_imbalance(base_imbalance)
     check_imbalance(max_imbalance)
     if max_imbalance < base_imbalance:
         raise ValueError(f"max_imbalance={max_imbalance} must be >= base_imbalance={base_imbalance}")
     rng = random.Random(seed)
-    return tuple(round(rng.uniform(1.2, max_imbalance), 2) if rng.random() < spike_rate else base_imbalance
-                 for _ in range(num_microbatches))
+    return tuple(round(rng.uniform(base_imbalance, max_imbalance), 2) if rng.random() < spike_rate
+                 else base_imbalance for _ in range(num_microbatches))
 
 
 @dataclass(frozen=True)
