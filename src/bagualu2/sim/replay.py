@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from ..budget import BudgetAssigner
-from ..costmodel import Hardware, ModelConfig, ParallelConfig, schedule, stage_memory
+from ..costmodel import Hardware, ModelConfig, ParallelConfig
 from ..costmodel.build import check_imbalance
 from .runtime import DecisionPath
 
@@ -80,33 +80,30 @@ def replay_iteration(model: ModelConfig, parallel: ParallelConfig, hardware: Har
                          f"got {len(imbalances)}")
     for value in imbalances:
         check_imbalance(value)
-    memory = stage_memory(model, parallel, hardware, stage=stage)
-    actions = schedule(parallel, stage)
-    assigner = BudgetAssigner(m_max_bytes=memory.m_max_bytes, m0_bytes=memory.m0_bytes,
-                              num_microbatches=len(actions) // 2, num_warmup=memory.inflight_chunks)
     path = path if path is not None else DecisionPath(model, parallel, hardware, stage=stage,
                                                       planned_imbalance=planned_imbalance)
+    memory, steps = path.stage_plan()
+    assigner = BudgetAssigner(m_max_bytes=memory.m_max_bytes, m0_bytes=memory.m0_bytes,
+                              num_microbatches=len(steps) // 2, num_warmup=memory.inflight_chunks)
     hits, misses = path.hits, path.misses
-    forward_index: dict[tuple[int, int], int] = {}
     raw = []
     peak = 0
+    forward, record_forward, record_backward = path.forward, assigner.record_forward, assigner.record_backward
     started = time.perf_counter()
-    for action in actions:  # the timed hot path: budget, decision, re-basing
-        key = (action.microbatch, action.chunk)
-        if action.kind == "B":
-            assigner.record_backward(forward_index[key])
+    for is_forward, index, microbatch, chunk in steps:  # the timed hot path: budget, decision, re-basing
+        if not is_forward:
+            record_backward(index)
             continue
-        index = len(forward_index)
         phase = assigner.phase.value
         budget = assigner.next_forward_budget()
-        decision = path.forward(budget, imbalances[action.microbatch], phase, action.chunk)
-        forward_index[key] = index
-        assigner.record_forward(index, decision.kept_bytes)
-        peak = max(peak, assigner.in_flight_bytes)
-        raw.append((action, phase, budget, decision, assigner.in_flight_bytes))
+        decision = forward(budget, imbalances[microbatch], phase, chunk)
+        record_forward(index, decision.kept_bytes)
+        held = assigner.in_flight_bytes
+        peak = held if held > peak else peak
+        raw.append((microbatch, chunk, phase, budget, decision, held))
     elapsed = time.perf_counter() - started
-    decisions = [ForwardDecision(i, a.microbatch, a.chunk, phase, imbalances[a.microbatch], budget, d.kept_bytes,
-                                 d.overhead_s, len(d.plan), d.downgraded, held, d.order.makespan_s)
-                 for i, (a, phase, budget, d, held) in enumerate(raw)]
+    decisions = [ForwardDecision(i, mb, chunk, phase, imbalances[mb], budget, d.kept_bytes, d.overhead_s,
+                                 len(d.plan), d.downgraded, held, d.order.makespan_s)
+                 for i, (mb, chunk, phase, budget, d, held) in enumerate(raw)]
     return IterationReplay(tuple(decisions), memory.m_max_bytes, memory.m0_bytes, peak, path.hits - hits,
                            path.misses - misses, elapsed)

@@ -13,7 +13,8 @@ import math
 from dataclasses import dataclass
 
 from ..budget import plan_after_gate
-from ..costmodel import Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, build_graph, evaluate
+from ..costmodel import (Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, StageMemory, build_graph, evaluate,
+                         schedule, stage_memory)
 from ..costmodel.build import check_imbalance
 from ..fusion import Order, build_chains, dp
 from ..mitigation import PlanCache
@@ -42,8 +43,25 @@ class DecisionPath:
         self.quantum, self.step = budget_quantum_bytes, imbalance_step
         self._graphs: dict[tuple[int, float], OpGraph] = {}
         self._decisions: dict[tuple, Decision] = {}
-        self._bounds: dict[tuple[int, int], tuple[int, int]] = {}  # (chunk, bucket) -> (M0, unmitigated)
+        self._bounds: dict[tuple[int, int], tuple[int, int]] = {}
+        self._orders: dict[tuple, Order] = {}  # fused orders by (plan, imbalance bucket, chunk)
+        self._stage_plan: tuple | None = None  # (chunk, bucket) -> (M0, unmitigated)
         self.hits = self.misses = 0
+
+    def stage_plan(self) -> tuple[StageMemory, tuple[tuple[bool, int, int, int], ...]]:
+        """The stage's memory (M_max, M0, in-flight count) and its schedule as ``(is_forward, forward index,
+        micro-batch, chunk)`` steps; both are constants of the stage, computed once."""
+        if self._stage_plan is None:
+            memory = stage_memory(self.model, self.parallel, self.hardware, stage=self.stage)
+            index: dict[tuple[int, int], int] = {}
+            steps = []
+            for action in schedule(self.parallel, self.stage):
+                key = (action.microbatch, action.chunk)
+                if action.kind == "F":
+                    index[key] = len(index)
+                steps.append((action.kind == "F", index[key], action.microbatch, action.chunk))
+            self._stage_plan = (memory, tuple(steps))
+        return self._stage_plan
 
     def graph(self, chunk: int, imbalance: float) -> OpGraph:
         key = (chunk, imbalance)
@@ -88,6 +106,10 @@ class DecisionPath:
         actual = self.graph(chunk, imbalance)
         plan, downgraded = plan_after_gate(actual, planned.plan, budget)
         cost = evaluate(actual, plan)
-        order = dp.solve(build_chains(actual, plan, actual, plan, hardware=self.hardware),
-                         pipeline_degree=self.parallel.pp)
+        order_key = (plan.entries, imbalance, chunk)  # the chains depend on the plan and graph only
+        order = self._orders.get(order_key)
+        if order is None:
+            order = self._orders[order_key] = dp.solve(build_chains(actual, plan, actual, plan,
+                                                                    hardware=self.hardware),
+                                                       pipeline_degree=self.parallel.pp)
         return Decision(plan, cost.activation_bytes, cost.overhead_s, downgraded, order)
