@@ -53,4 +53,5 @@ def test_tensor_sequence_parallel_selective_recompute(case):
     cost = evaluate(graph, Plan.from_decisions(internal))
     # 34*s*b*h/t bytes per layer
     assert cost.activation_bytes * t == model.num_layers * 34 * s * b * h
+    assert evaluate(graph, Plan.uniform({"core_attn": Strategy.RECOMPUTE})) == cost  # the same, as a kind policy
     assert cost.recompute_ns == sum(op.forward_ns for op in graph.ops if op.kind == "core_attn")

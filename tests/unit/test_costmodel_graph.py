@@ -3,7 +3,7 @@
 import pytest
 
 from bagualu2.costmodel import (OP_KINDS, ParallelConfig, Plan, Resource, Strategy, build_graph, evaluate,
-                                presets)
+                                presets, resolve)
 from bagualu2.costmodel.graph import COMM_KINDS
 
 HW = presets.hardware("paper-gpu")
@@ -61,7 +61,7 @@ def test_routed_bytes_linear_in_imbalance_dense_unchanged(name):
 
 def test_floor_is_full_recompute_and_minimum():
     graph = _graph()
-    full = Plan.uniform({kind: Strategy.RECOMPUTE for kind in graph.kinds})
+    full = Plan.from_decisions({key: Strategy.RECOMPUTE for key in graph.decisions})
     cost = evaluate(graph, full)
     assert cost.activation_bytes == graph.floor_bytes
     # the least closure re-runs every op whose output backward needs: all but each layer's tail
@@ -70,6 +70,8 @@ def test_floor_is_full_recompute_and_minimum():
     assert cost.unavailable == ()
     offload_all = Plan.uniform({kind: Strategy.OFFLOAD for kind in graph.kinds})
     assert evaluate(graph, offload_all).activation_bytes == graph.floor_bytes
+    # kind-level RECOMPUTE re-runs ops from their kept inputs: it cannot reach the floor on its own
+    assert evaluate(graph, Plan.uniform({k: "RECOMPUTE" for k in graph.kinds})).activation_bytes > graph.floor_bytes
     assert graph.floor_bytes < graph.unmitigated_bytes
 
 
@@ -152,3 +154,22 @@ def test_ep_one_dispatch_is_launch_only():
     graph = build_graph(model, ParallelConfig(pp=2, num_microbatches=4), presets.hardware("cpu"), stage=1)
     dispatch = next(op for op in graph.ops if op.kind == "dispatch")
     assert dispatch.forward_ns == round(presets.hardware("cpu").kernel_launch_s * 1e9)
+
+
+def test_kind_level_recompute_is_selective_recompute_of_the_op():
+    graph = _graph()
+    resolved = resolve(graph, Plan.uniform({"core_attn": "RECOMPUTE"}))
+    mitigated = {key for key, s in resolved.items() if s is Strategy.RECOMPUTE}
+    # flash attention: its own output and log-sum-exp are dropped, its inputs q, k, v stay
+    assert {("L0.core_attn", "L0.attn_lse"), ("L0.core_attn", "L0.attn_out_in")} <= mitigated
+    assert ("L0.core_attn", "L0.q_rope") not in mitigated and ("L0.core_attn", "L0.v") not in mitigated
+    # cheap elementwise kinds drop their output wherever it is kept (Megatron's moe_act / layernorm recompute)
+    act = resolve(graph, Plan.uniform({"expert_act": "RECOMPUTE"}))
+    assert act[("L0.expert_fc2", "L0.expert_act_out")] is Strategy.RECOMPUTE
+    assert act[("L0.expert_act", "L0.expert_fc1_out")] is Strategy.KEEP
+    norm = resolve(graph, Plan.uniform({"norm": "RECOMPUTE"}))
+    assert norm[("L0.qkv", "L0.norm1_out")] is norm[("L0.router", "L0.norm2_out")] is Strategy.RECOMPUTE
+    assert norm[("L0.norm1", "L0.x")] is Strategy.KEEP  # pinned block input
+    # an explicit entry wins over the policy
+    explicit = resolve(graph, Plan.of({"expert_act": "RECOMPUTE", "L0.expert_fc2/L0.expert_act_out": "OFFLOAD"}))
+    assert explicit[("L0.expert_fc2", "L0.expert_act_out")] is Strategy.OFFLOAD

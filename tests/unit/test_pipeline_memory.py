@@ -84,7 +84,7 @@ def test_stage_memory_peak_and_budget_inputs():
     assert mem.m_max_bytes == hw.hbm_bytes - mem.static_bytes
     spike = stage_memory(model, parallel, hw, stage=0, imbalance=2.6)
     assert spike.activation_peak_bytes > mem.activation_peak_bytes
-    mitigated = stage_memory(model, parallel, hw, stage=0, plan=Plan.uniform({"expert_fc1": "RECOMPUTE"}))
+    mitigated = stage_memory(model, parallel, hw, stage=0, plan=Plan.uniform({"expert_act": "RECOMPUTE"}))
     assert mitigated.activation_peak_bytes < mem.activation_peak_bytes
     last = stage_memory(model, parallel, hw, stage=parallel.pp - 1)
     assert last.m_max_bytes < hw.hbm_bytes - last.static_bytes  # logits reserved on the last stage

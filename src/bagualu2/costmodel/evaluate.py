@@ -76,8 +76,19 @@ class PlanCost:
         return {name: ns * 1e-9 for name, ns in self.resource_ns.items()}
 
 
+OUTPUT_RECOMPUTE_KINDS = frozenset({"norm", "rope", "mlp_act", "expert_act", "shared_act"})
+
+
 def resolve(graph: OpGraph, plan: Plan | None) -> dict[tuple[str, str], Strategy]:
-    """The strategy of every saving of ``graph`` under ``plan``; raises ``ValueError`` on an invalid entry."""
+    """The strategy of every saving of ``graph`` under ``plan``; raises ``ValueError`` on an invalid entry.
+
+    Kind policies: OFFLOAD and QUANTIZE of kind X apply to everything ops of kind X save. RECOMPUTE of kind X
+    means "re-run X in backward" (Megatron's selective recompute of a module): X's inputs stay, what X produced
+    and keeps for itself is dropped (``core_attn``: softmax, dropout mask, ... — Korthikanti's selective
+    recompute); for the cheap elementwise kinds in ``OUTPUT_RECOMPUTE_KINDS`` (norms, RoPE, activations) the
+    output is dropped too, wherever it is kept (Megatron's layernorm / moe_act recompute). Explicit
+    ``OP/TENSOR`` entries override kind policies.
+    """
     resolved = {(op.name, s.tensor): Strategy.KEEP for op, s in graph.savings}
     if isinstance(plan, str):
         plan = Plan.from_str(plan)
@@ -87,11 +98,19 @@ def resolve(graph: OpGraph, plan: Plan | None) -> dict[tuple[str, str], Strategy
         return resolved
     kinds = plan.kind_policies()
     if kinds:
+        tensors = graph.tensors
+        kind_of = {op.name: op.kind for op in graph.ops}
         for op, saving in graph.savings:
-            strategy = kinds.get(op.kind)
-            if strategy is None or (op.name, saving.tensor) in graph.pinned:
+            if (op.name, saving.tensor) in graph.pinned:
                 continue
-            if strategy is Strategy.QUANTIZE and not graph.quantizable(saving):
+            strategy = kinds.get(op.kind)
+            producer = tensors[saving.tensor].producer
+            if strategy is Strategy.RECOMPUTE and producer != op.name:
+                strategy = None  # re-running an op keeps its inputs (selective recompute) ...
+            if strategy is None and producer is not None and kind_of[producer] in OUTPUT_RECOMPUTE_KINDS \
+                    and kinds.get(kind_of[producer]) is Strategy.RECOMPUTE:
+                strategy = Strategy.RECOMPUTE  # ... and drops a cheap op's output wherever it is kept
+            if strategy is None or (strategy is Strategy.QUANTIZE and not graph.quantizable(saving)):
                 continue
             resolved[(op.name, saving.tensor)] = strategy
     for (op_name, tensor), strategy in plan.explicit().items():

@@ -5,7 +5,8 @@ either an op kind (``expert_act=RECOMPUTE``: every saving of every op of that ki
 (``L0.qkv/L0.norm1_out=OFFLOAD``: one saving). The empty plan prints as ``none``. A saving's strategy is its
 explicit entry if any, else its op kind's policy, else ``KEEP``. Kind policies skip savings where the strategy
 does not apply (pinned block inputs, QUANTIZE of masks and indices); an explicit entry that does not apply is an
-error of the plan, reported by :func:`~bagualu2.costmodel.evaluate.evaluate`.
+error of the plan, reported by :func:`~bagualu2.costmodel.evaluate.evaluate`. A RECOMPUTE kind policy re-runs
+the ops of that kind (their inputs stay; see :func:`~bagualu2.costmodel.evaluate.resolve`).
 """
 
 from __future__ import annotations

@@ -47,7 +47,10 @@ def check_budget(budget_bytes: Any) -> int:
 
 def floor_plan(graph: OpGraph) -> Plan:
     """Full recompute: every mitigable saving RECOMPUTE (keeps only the pinned block inputs)."""
-    return Plan.uniform({kind: "RECOMPUTE" for kind in graph.kinds})
+    from ..costmodel import Strategy
+
+    pinned = {tensor for _, tensor in graph.pinned}
+    return Plan.from_decisions({key: Strategy.RECOMPUTE for key in graph.decisions if key[1] not in pinned})
 
 
 def make_solution(graph: OpGraph, plan: Plan, status: SolveStatus, solver: str, started_s: float, now_s: float,
