@@ -7,12 +7,12 @@ bounds what any barrier-group order (the DP's) can reach.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
 from ..costmodel import Resource
+from ..costmodel.buckets import check_solver_options
 from .chains import CHAIN_KINDS, Chains
 from .order import Order
 
@@ -62,13 +62,7 @@ def solve(chains: Chains, *, time_limit_s: float = 10.0, num_workers: int = 1, s
           hint: Order | None = None) -> Order:
     """Optimal issue order (``barriers=False``) and its makespan; ``solver`` is ``exact`` if proven optimal,
     ``exact-feasible`` if the time limit stopped the search first."""
-    if not isinstance(time_limit_s, (int, float)) or isinstance(time_limit_s, bool) \
-            or not math.isfinite(time_limit_s) or time_limit_s <= 0:
-        raise ValueError(f"time_limit_s must be a number > 0, got {time_limit_s!r}")
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-        raise ValueError(f"num_workers must be an integer >= 1, got {num_workers!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    check_solver_options(time_limit_s, num_workers, seed)
     if not any(True for _ in chains.present()):
         return Order((), makespan_ns=0, solver="exact")
     built = build_model(chains, hint=hint)

@@ -7,13 +7,13 @@ Decision variables are per tensor (the conflict rules force all consumers of a t
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
 from ..costmodel import OpGraph, Strategy
+from ..costmodel.buckets import check_solver_options
 from . import greedy
 from .solution import Solution, SolveStatus, check_budget, floor_plan, infeasible, make_solution
 from .space import Space, decision_space
@@ -161,13 +161,7 @@ def solve(graph: OpGraph, budget_bytes: int, *, time_limit_s: float = 10.0, num_
     """Optimal plan under ``budget_bytes`` (OPTIMAL), best found at the time limit (FEASIBLE), or none (TIMEOUT)."""
     started = time.perf_counter()
     budget_bytes = check_budget(budget_bytes)
-    if not isinstance(time_limit_s, (int, float)) or isinstance(time_limit_s, bool) \
-            or not math.isfinite(time_limit_s) or time_limit_s <= 0:
-        raise ValueError(f"time_limit_s must be a number > 0, got {time_limit_s!r}")
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-        raise ValueError(f"num_workers must be an integer >= 1, got {num_workers!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    check_solver_options(time_limit_s, num_workers, seed)
     if budget_bytes < graph.floor_bytes:
         return infeasible(graph, budget_bytes, "exact", started, time.perf_counter())
     exact = build_model(graph, min(budget_bytes, graph.unmitigated_bytes))  # CP-SAT constants fit int64
