@@ -78,6 +78,32 @@ class Lru(Generic[V]):
         self.hits = self.misses = 0
 
 
+class BucketCache(Generic[V]):
+    """Base of the plan and order caches: an LRU of values keyed by (budget bucket, imbalance bucket, phase)."""
+
+    def __init__(self, *, budget_quantum_bytes: int = 64 << 20, imbalance_step: float = 0.1,
+                 max_entries: int = 4096):
+        self.buckets = Buckets(budget_quantum_bytes=budget_quantum_bytes, imbalance_step=imbalance_step)
+        self._memo: Lru[V] = Lru(max_entries=max_entries)
+
+    @property
+    def hits(self) -> int:
+        return self._memo.hits
+
+    @property
+    def misses(self) -> int:
+        return self._memo.misses
+
+    def key(self, budget_bytes: int, imbalance: float, phase: Hashable) -> tuple[int, float, Hashable]:
+        return self.buckets.key(budget_bytes, imbalance, phase)
+
+    def __len__(self) -> int:
+        return len(self._memo)
+
+    def clear(self) -> None:
+        self._memo.clear()
+
+
 def check_solver_options(time_limit_s: Any, num_workers: Any, seed: Any) -> None:
     """Options of the CP-SAT solvers: a finite time limit > 0, workers >= 1, a seed >= 0."""
     if not isinstance(time_limit_s, (int, float)) or isinstance(time_limit_s, bool) \

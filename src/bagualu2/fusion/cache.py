@@ -5,30 +5,14 @@ from __future__ import annotations
 
 from typing import Callable, Hashable
 
-from ..costmodel.buckets import Buckets, Lru
+from ..costmodel.buckets import BucketCache
 from .chains import Chains
 from .order import Order
 
 
-class OrderCache:
+class OrderCache(BucketCache[Order]):
     """LRU cache of orders. ``budget_quantum_bytes`` and ``imbalance_step`` set the bucket widths. The key does not
     identify the chains' stage/chunk: keep one cache per (stage, chunk) or put them into ``phase``."""
-
-    def __init__(self, *, budget_quantum_bytes: int = 64 << 20, imbalance_step: float = 0.1,
-                 max_entries: int = 4096):
-        self.buckets = Buckets(budget_quantum_bytes=budget_quantum_bytes, imbalance_step=imbalance_step)
-        self._memo: Lru[Order] = Lru(max_entries=max_entries)
-
-    @property
-    def hits(self) -> int:
-        return self._memo.hits
-
-    @property
-    def misses(self) -> int:
-        return self._memo.misses
-
-    def key(self, budget_bytes: int, imbalance: float, phase: Hashable) -> tuple:
-        return self.buckets.key(budget_bytes, imbalance, phase)
 
     def get(self, budget_bytes: int, imbalance: float, phase: Hashable, chains: Callable[[], Chains],
             solve: Callable[[Chains], Order]) -> Order:
@@ -36,6 +20,3 @@ class OrderCache:
         key = self.key(budget_bytes, imbalance, phase)
         found = self._memo.get(key)
         return found if found is not None else self._memo.put(key, solve(chains()))
-
-    def __len__(self) -> int:
-        return len(self._memo)
