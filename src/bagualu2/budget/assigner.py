@@ -50,6 +50,7 @@ is recorded as measured, so later budgets shrink ("deferring provisioning to the
 from __future__ import annotations
 
 import enum
+import numbers
 
 __all__ = ["BudgetAssigner", "BudgetPhase", "downgrade_needed"]
 
@@ -63,10 +64,10 @@ class BudgetPhase(enum.Enum):
 
 
 def _require_int(name: str, value: object, allowed: str) -> int:
-    """Return ``value`` if it is a plain ``int`` (``bool`` rejected); otherwise raise a one-line ValueError."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    """``value`` as an ``int`` if it is an integer (numpy integers too; ``bool`` rejected); else a ValueError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{name} must be an int {allowed}, got {value!r} ({type(value).__name__})")
-    return value
+    return int(value)
 
 
 def _require_int_at_least(name: str, value: object, low: int) -> int:

@@ -4,6 +4,7 @@ solver option checks. (Lives here because every pure package may import the cost
 from __future__ import annotations
 
 import math
+import numbers
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Generic, Hashable, TypeVar
@@ -30,9 +31,9 @@ class Buckets:
             raise ValueError(f"imbalance_step must be a finite number > 0, got {self.imbalance_step!r}")
 
     def budget(self, budget_bytes: int) -> int:
-        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, numbers.Integral) or budget_bytes < 0:
             raise ValueError(f"budget_bytes must be a non-negative integer number of bytes, got {budget_bytes!r}")
-        return budget_bytes // self.budget_quantum_bytes * self.budget_quantum_bytes
+        return int(budget_bytes) // self.budget_quantum_bytes * self.budget_quantum_bytes
 
     def imbalance(self, imbalance: float) -> float:
         bucket = math.ceil(check_imbalance(imbalance) / self.imbalance_step) * self.imbalance_step

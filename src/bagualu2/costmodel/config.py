@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,8 +19,9 @@ NORMALIZATIONS = ("rmsnorm", "layernorm")
 
 def _check_int(obj: Any, name: str, *, minimum: int = 1) -> None:
     value = getattr(obj, name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    object.__setattr__(obj, name, int(value))  # numpy integers become plain ints
 
 
 def _check_positive_float(obj: Any, name: str, *, allow_zero: bool = False) -> None:

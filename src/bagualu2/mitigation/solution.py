@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import numbers
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
@@ -40,9 +41,9 @@ class Solution:
 
 def check_budget(budget_bytes: Any) -> int:
     """Budgets are non-negative integers of bytes; anything else is a ``ValueError``."""
-    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, numbers.Integral) or budget_bytes < 0:
         raise ValueError(f"budget_bytes must be a non-negative integer number of bytes, got {budget_bytes!r}")
-    return budget_bytes
+    return int(budget_bytes)
 
 
 def floor_plan(graph: OpGraph) -> Plan:
