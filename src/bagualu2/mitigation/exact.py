@@ -19,6 +19,7 @@ from .solution import Solution, SolveStatus, check_budget, floor_plan, infeasibl
 from .space import Space, decision_space
 
 KEEP, RECOMPUTE, OFFLOAD, QUANTIZE = Strategy.KEEP, Strategy.RECOMPUTE, Strategy.OFFLOAD, Strategy.QUANTIZE
+PORTFOLIO = ("max_lp", "core", "default_lp", "reduced_costs", "pseudo_costs", "quick_restart", "no_lp", "fixed")
 
 
 @dataclass
@@ -173,6 +174,8 @@ def solve(graph: OpGraph, budget_bytes: int, *, time_limit_s: float = 10.0, num_
     solver.parameters.num_workers = num_workers
     solver.parameters.random_seed = seed
     solver.parameters.linearization_level = 2  # LP relaxation of the implications: proves optimality fast
+    if num_workers > 1:  # keep an LP-heavy worker first: the default portfolio of 2-4 workers lacks one
+        solver.parameters.subsolvers.extend(PORTFOLIO[:num_workers])
     code = solver.solve(exact.model)
     stats = {"cp_status": solver.status_name(code), "wall_time_s": solver.wall_time,
              "num_branches": solver.num_branches, "symmetry_constraints": symmetry}
