@@ -31,6 +31,7 @@ from .space import Space, TensorChoice, decision_space
 VARIANTS = ("improved", "paper")
 KEEP, RECOMPUTE, OFFLOAD, QUANTIZE = Strategy.KEEP, Strategy.RECOMPUTE, Strategy.OFFLOAD, Strategy.QUANTIZE
 FINAL = (RECOMPUTE, OFFLOAD)  # strategies that free everything: no further move from them
+EMPTY: frozenset = frozenset()
 MAX_PRUNE_CLOSURES = 6  # recompute reverts re-derive the re-run set: bound that work
 
 Delta = tuple[int, int, frozenset]  # (bytes freed, ns added, ops newly re-run in backward)
@@ -76,11 +77,12 @@ class _State:
         space = self.space
         return tensor in space.pinned or (tensor in space.saved and self.chosen.get(tensor) is not RECOMPUTE)
 
-    def recompute_ops(self, starts: frozenset) -> frozenset | None:
-        """Ops to add to the re-run set if ``starts`` are recomputed; None if one cannot be regenerated."""
-        producer_of, inputs_of, rerun = self.space.producer, self.space.inputs, self.rerun
+    def recompute_ops(self, start: str) -> frozenset | None:
+        """Ops to add to the re-run set if ``start`` is recomputed; None if it cannot be regenerated."""
+        space, chosen, rerun = self.space, self.chosen, self.rerun
+        producer_of, inputs_of, pinned, saved = space.producer, space.inputs, space.pinned, space.saved
         new: set[str] = set()
-        stack = list(starts)
+        stack = [start]
         while stack:
             producer = producer_of[stack.pop()]
             if producer is None:
@@ -89,21 +91,20 @@ class _State:
                 continue
             new.add(producer)
             for source in inputs_of[producer]:
-                if source in starts or not self.stored(source):
+                if source == start or (source not in pinned and
+                                       (source not in saved or chosen.get(source) is RECOMPUTE)):
                     stack.append(source)
         return frozenset(new)
 
-    def move(self, group: tuple[TensorChoice, ...], strategy: Strategy) -> Delta | None:
-        """Delta of moving every tensor of ``group`` from its current strategy to ``strategy``; None when the
-        candidate conflicts (a recompute that cannot be regenerated)."""
-        freed = added = 0
-        for choice in group:
-            current = self.chosen.get(choice.tensor, KEEP)
-            freed += _bytes(choice, current) - _bytes(choice, strategy)
-            added += _standalone_ns(choice, strategy) - _standalone_ns(choice, current)
+    def move(self, choice: TensorChoice, strategy: Strategy) -> Delta | None:
+        """Delta of moving ``choice`` from its current strategy to ``strategy``; None when the candidate
+        conflicts (a recompute that cannot be regenerated)."""
+        current = self.chosen.get(choice.tensor, KEEP)
+        freed = _bytes(choice, current) - _bytes(choice, strategy)
+        added = _standalone_ns(choice, strategy) - _standalone_ns(choice, current)
         if strategy is not RECOMPUTE:
-            return freed, added, frozenset()
-        ops = self.recompute_ops(frozenset(c.tensor for c in group))
+            return freed, added, EMPTY
+        ops = self.recompute_ops(choice.tensor)
         if ops is None:
             return None
         forward_ns = self.space.forward_ns
@@ -131,9 +132,8 @@ class _State:
                     stack.append(source)
         return rerun
 
-    def apply(self, group: tuple[TensorChoice, ...], strategy: Strategy, delta: Delta) -> None:
-        for choice in group:
-            self.chosen[choice.tensor] = strategy
+    def apply(self, choice: TensorChoice, strategy: Strategy, delta: Delta) -> None:
+        self.chosen[choice.tensor] = strategy
         self.freed += delta[0]
         self.overhead_ns += delta[1]
         self.rerun |= delta[2]
@@ -179,59 +179,56 @@ def _improved(state: _State, space: Space, need: int) -> _State:
     dirty: list[frozenset] = []  # dirty[e]: ops whose re-run cost the move ending epoch e may have changed
     by_name = {c.tensor: c for c in space.choices}
     counter = 0
+    heappush, heappop = heapq.heappush, heapq.heappop
 
-    def push(group: tuple[TensorChoice, ...], strategy: Strategy) -> None:
+    def push(choice: TensorChoice, strategy: Strategy) -> None:
         nonlocal counter
-        group = tuple(c for c in group if state.chosen.get(c.tensor) not in FINAL)
-        if not group:
+        if state.chosen.get(choice.tensor) in FINAL:
             return
-        delta = state.move(group, strategy)
+        delta = state.move(choice, strategy)
         if delta is None or delta[0] <= 0:
             return
         counter += 1
-        heapq.heappush(heap, (-delta[0] / max(delta[1], 1), -delta[0], counter, group, strategy,
-                              tuple(version[c.tensor] for c in group), epoch, delta))
+        heappush(heap, (-delta[0] / max(delta[1], 1), -delta[0], counter, choice, strategy,
+                        version[choice.tensor], epoch, delta))
 
     initial = _INITIAL.get(space)
     if initial is None:  # the all-KEEP start is the same for every budget: build its candidates once
         heap: list = []
         for choice in space.choices:
             for strategy in choice.strategies:
-                push((choice,), strategy)
+                push(choice, strategy)
         _INITIAL[space] = initial = list(heap)
     heap = list(initial)
     counter = len(heap)
-    history: list[tuple[tuple[TensorChoice, ...], Strategy, Delta]] = []
+    history: list[tuple[TensorChoice, Strategy, Delta]] = []
     best_end: tuple[int, int, tuple] | None = None  # (overhead, moves kept, finishing move)
     while state.freed < need and heap:
-        entry = heapq.heappop(heap)
-        group, strategy, seen_versions, seen_epoch, delta = entry[3:]
-        if seen_versions != tuple(version[c.tensor] for c in group):
+        _, _, _, choice, strategy, seen_version, seen_epoch, delta = heappop(heap)
+        if seen_version != version[choice.tensor]:
             continue  # the tensor moved since
         if strategy is RECOMPUTE and seen_epoch != epoch and \
                 any(delta[2] & changed for changed in dirty[seen_epoch:]):
-            push(group, strategy)  # its regeneration cost changed: re-evaluate lazily
+            push(choice, strategy)  # its regeneration cost changed: re-evaluate lazily
             continue
         if delta[0] > need - state.freed:  # overshoots: only ever a way to finish from here
             total = state.overhead_ns + delta[1]
             if best_end is None or total < best_end[0]:
-                best_end = (total, len(history), (group, strategy, delta))
+                best_end = (total, len(history), (choice, strategy, delta))
             continue
-        state.apply(group, strategy, delta)
-        history.append((group, strategy, delta))
-        for choice in group:
-            version[choice.tensor] += 1
+        state.apply(choice, strategy, delta)
+        history.append((choice, strategy, delta))
+        version[choice.tensor] += 1
         if strategy is QUANTIZE:  # a quantised tensor may still be offloaded or recomputed
-            push(group, OFFLOAD)
-            if RECOMPUTE in group[0].strategies:
-                push(group, RECOMPUTE)
-        if strategy is RECOMPUTE:
+            push(choice, OFFLOAD)
+            if RECOMPUTE in choice.strategies:
+                push(choice, RECOMPUTE)
+        elif strategy is RECOMPUTE:
             epoch += 1
-            dropped = (reader for c in group for reader in space.readers.get(c.tensor, ()))
-            dirty.append(delta[2] | frozenset(dropped))
+            dirty.append(delta[2] | frozenset(space.readers.get(choice.tensor, ())))
             for op in delta[2]:  # tensors these re-run ops produce now regenerate for free
                 for produced in space.produces.get(op, ()):
-                    push((by_name[produced],), RECOMPUTE)
+                    push(by_name[produced], RECOMPUTE)
     if best_end is not None and (state.freed < need or best_end[0] < state.overhead_ns):
         state = _State(space)
         for move in history[:best_end[1]]:
@@ -244,7 +241,7 @@ def _paper(state: _State, space: Space, need: int) -> _State:
     roofline = {}
     for choice in space.choices:  # the time-minimising strategy for this tensor's size
         options = [(delta[1] / delta[0], strategy) for strategy in choice.strategies
-                   if (delta := state.move((choice,), strategy)) is not None and delta[0] > 0]
+                   if (delta := state.move(choice, strategy)) is not None and delta[0] > 0]
         if options:
             roofline[choice.tensor] = min(options, key=lambda o: o[0])[1]
     while state.freed < need:
@@ -253,14 +250,14 @@ def _paper(state: _State, space: Space, need: int) -> _State:
             strategy = roofline.get(choice.tensor)
             if strategy is None or choice.tensor in state.chosen:
                 continue
-            delta = state.move((choice,), strategy)  # conflict check: None when it cannot be regenerated
+            delta = state.move(choice, strategy)  # conflict check: None when it cannot be regenerated
             if delta is not None and delta[0] > 0 and (best is None or delta[0] > best[2][0]):
-                best = ((choice,), strategy, delta)
+                best = (choice, strategy, delta)
         if best is None:  # roofline candidates exhausted: recompute what is still kept
             for choice in space.choices:
                 if state.chosen.get(choice.tensor) not in FINAL \
-                        and (delta := state.move((choice,), RECOMPUTE)) is not None and delta[0] > 0:
-                    state.apply((choice,), RECOMPUTE, delta)
+                        and (delta := state.move(choice, RECOMPUTE)) is not None and delta[0] > 0:
+                    state.apply(choice, RECOMPUTE, delta)
                     if state.freed >= need:
                         break
             break
