@@ -36,16 +36,18 @@ class DecisionPath:
 
     def __init__(self, model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, *, stage: int = 0,
                  planned_imbalance: float = 1.2, budget_quantum_bytes: int = 64 << 20,
-                 imbalance_step: float = 0.1):
+                 imbalance_step: float = 0.1, spike_step: float = 0.5):
         self.model, self.parallel, self.hardware, self.stage = model, parallel, hardware, stage
         self.planned_imbalance = check_imbalance(planned_imbalance)
         self.plans = PlanCache(budget_quantum_bytes=budget_quantum_bytes, imbalance_step=imbalance_step)
-        self.quantum, self.step = budget_quantum_bytes, imbalance_step
+        if isinstance(spike_step, bool) or not isinstance(spike_step, (int, float)) or not 0 < spike_step < 100:
+            raise ValueError(f"spike_step must be a number in (0, 100), got {spike_step!r}")
+        self.quantum, self.step, self.spike_step = budget_quantum_bytes, imbalance_step, spike_step
         self._graphs: dict[tuple[int, float], OpGraph] = {}
         self._decisions: dict[tuple, Decision] = {}
-        self._bounds: dict[tuple[int, int], tuple[int, int]] = {}
+        self._bounds: dict[tuple[int, float], tuple[int, int]] = {}  # (chunk, bucket) -> (M0, unmitigated)
         self._orders: dict[tuple, Order] = {}  # fused orders by (plan, imbalance bucket, chunk)
-        self._stage_plan: tuple | None = None  # (chunk, bucket) -> (M0, unmitigated)
+        self._stage_plan: tuple | None = None
         self.hits = self.misses = 0
 
     def stage_plan(self) -> tuple[StageMemory, tuple[tuple[bool, int, int, int], ...]]:
@@ -75,12 +77,14 @@ class DecisionPath:
         """Decision for a forward of ``chunk`` with ``budget_bytes`` whose gate measured ``imbalance``.
 
         A budget at or above what the micro-batch keeps unmitigated needs no plan: all such budgets share one
-        key, so the spikes that shift later budgets do not multiply the cached decisions.
+        key, so the spikes that shift later budgets do not multiply the cached decisions. Imbalances above the
+        planned one (spikes) are bucketed by the coarser ``spike_step``: they are rare and mostly downgraded.
         """
-        bucket = math.ceil(imbalance / self.step - 1e-12)
+        step = self.step if imbalance <= self.planned_imbalance else self.spike_step
+        bucket = max(round(math.ceil(imbalance / step - 1e-12) * step, 9), 1.0)
         bounds = self._bounds.get((chunk, bucket))
         if bounds is None:
-            graph = self.graph(chunk, self._bucket_imbalance(bucket))
+            graph = self.graph(chunk, bucket)
             bounds = self._bounds[(chunk, bucket)] = (graph.floor_bytes, graph.unmitigated_bytes)
         floor, cap = bounds
         level = budget_bytes // self.quantum
@@ -88,21 +92,18 @@ class DecisionPath:
             level = -1  # nothing to mitigate: one decision for all such budgets
         elif level * self.quantum < floor:
             level = ("exact", budget_bytes)  # the bucket's floor is below M0: decide for this budget alone
-        key = (level, bucket, phase, chunk)
+        key = (level, bucket, chunk)  # a decision does not depend on the phase: share it across phases
         found = self._decisions.get(key)
         if found is not None:
             self.hits += 1
             return found
         self.misses += 1
         budget = cap if level == -1 else budget_bytes if isinstance(level, tuple) else level * self.quantum
-        found = self._decisions[key] = self._decide(budget, self._bucket_imbalance(bucket), phase, chunk)
+        found = self._decisions[key] = self._decide(budget, bucket, chunk)
         return found
 
-    def _bucket_imbalance(self, bucket: int) -> float:
-        return max(round(bucket * self.step, 9), 1.0)
-
-    def _decide(self, budget: int, imbalance: float, phase: str, chunk: int) -> Decision:
-        planned = self.plans.get(budget, self.planned_imbalance, (phase, chunk), lambda r: self.graph(chunk, r))
+    def _decide(self, budget: int, imbalance: float, chunk: int) -> Decision:
+        planned = self.plans.get(budget, self.planned_imbalance, chunk, lambda r: self.graph(chunk, r))
         actual = self.graph(chunk, imbalance)
         plan, downgraded = plan_after_gate(actual, planned.plan, budget)
         cost = evaluate(actual, plan)
