@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..budget import plan_after_gate
+from ..budget import downgrade_needed, downgrade_plan
 from ..costmodel import (Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, StageMemory, build_graph, evaluate,
                          schedule, stage_memory)
 from ..costmodel.build import check_imbalance
@@ -47,6 +47,8 @@ class DecisionPath:
         self._decisions: dict[tuple, Decision] = {}
         self._bounds: dict[tuple[int, float], tuple[int, int]] = {}  # (chunk, bucket) -> (M0, unmitigated)
         self._orders: dict[tuple, Order] = {}  # fused orders by (plan, imbalance bucket, chunk)
+        self._kept: dict[tuple, int] = {}  # bytes a planned plan keeps at an imbalance bucket
+        self._outcomes: dict[tuple, Decision] = {}  # (planned plan, bucket, chunk, downgraded) -> decision
         self._stage_plan: tuple | None = None
         self.hits = self.misses = 0
 
@@ -103,14 +105,27 @@ class DecisionPath:
         return found
 
     def _decide(self, budget: int, imbalance: float, chunk: int) -> Decision:
-        planned = self.plans.get(budget, self.planned_imbalance, chunk, lambda r: self.graph(chunk, r))
+        planned = self.plans.get(budget, self.planned_imbalance, chunk, lambda r: self.graph(chunk, r)).plan
         actual = self.graph(chunk, imbalance)
-        plan, downgraded = plan_after_gate(actual, planned.plan, budget)
-        cost = evaluate(actual, plan)
+        key = (planned.entries, imbalance, chunk)
+        kept = self._kept.get(key)
+        if kept is None:
+            kept = self._kept[key] = evaluate(actual, planned).activation_bytes
+        # deferred planning after the gate: keep the plan if it fits, else the MoE-module downgrade of it;
+        # both outcomes are shared by every budget level whose planned plan is the same
+        downgraded = downgrade_needed(kept, budget)
+        found = self._outcomes.get((key, downgraded))
+        if found is None:
+            plan = downgrade_plan(actual, planned) if downgraded else planned
+            found = self._outcomes[(key, downgraded)] = self._decision(actual, plan, downgraded, imbalance, chunk)
+        return found
+
+    def _decision(self, graph: OpGraph, plan: Plan, downgraded: bool, imbalance: float, chunk: int) -> Decision:
+        cost = evaluate(graph, plan)
         order_key = (plan.entries, imbalance, chunk)  # the chains depend on the plan and graph only
         order = self._orders.get(order_key)
         if order is None:
-            order = self._orders[order_key] = dp.solve(build_chains(actual, plan, actual, plan,
+            order = self._orders[order_key] = dp.solve(build_chains(graph, plan, graph, plan,
                                                                     hardware=self.hardware),
                                                        pipeline_degree=self.parallel.pp)
         return Decision(plan, cost.activation_bytes, cost.overhead_s, downgraded, order)
