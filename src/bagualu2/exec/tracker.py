@@ -1,0 +1,116 @@
+"""Measure the activation bytes a micro-batch keeps for backward, and enforce a cap on CPU.
+
+:class:`ActivationTracker` installs ``torch.autograd.graph.saved_tensors_hooks`` for one micro-batch at a time.
+Every tensor autograd saves passes its pack hook; the tracker counts the bytes of its *storage* once per
+micro-batch (views and several consumers of one tensor share a storage), skips parameters and buffers of the
+modules it was given, and, with ``cap_bytes``, raises :class:`ActivationOutOfMemoryError` (a
+``torch.OutOfMemoryError``) as soon as the micro-batches in flight would exceed the cap — on CPU this stands in
+for the device allocator; on CUDA the real allocator is also reported (``allocator_bytes``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+import torch
+
+
+class ActivationOutOfMemoryError(torch.OutOfMemoryError):
+    """The activations in flight exceed the tracker's cap (caught like ``torch.OutOfMemoryError``)."""
+
+
+@dataclass
+class _MicroBatch:
+    storages: dict[tuple[str, int], int] = field(default_factory=dict)  # (device, data_ptr) -> bytes
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.storages.values())
+
+
+class ActivationTracker:
+    """Per-micro-batch accounting of saved activations.
+
+      cap_bytes   raise ActivationOutOfMemoryError when the bytes in flight would exceed it (None: no cap).
+      exclude     modules whose parameters and buffers are not activations.
+    """
+
+    def __init__(self, *, cap_bytes: int | None = None, exclude: Iterable[torch.nn.Module] = ()):
+        if cap_bytes is not None and (isinstance(cap_bytes, bool) or not isinstance(cap_bytes, int)
+                                      or cap_bytes < 0):
+            raise ValueError(f"cap_bytes must be a non-negative integer or None, got {cap_bytes!r}")
+        self.cap_bytes = cap_bytes
+        self._excluded: set[tuple[str, int]] = set()
+        for module in exclude:
+            for tensor in [*module.parameters(), *module.buffers()]:
+                self._excluded.add(_storage_key(tensor))
+        self._in_flight: dict[str, _MicroBatch] = {}
+        self._current: _MicroBatch | None = None
+        self.peak_bytes = 0
+
+    @property
+    def in_flight_bytes(self) -> int:
+        return sum(mb.nbytes for mb in self._in_flight.values())
+
+    def kept_bytes(self, name: str) -> int:
+        """Bytes micro-batch ``name`` keeps for backward (storage-deduplicated, parameters excluded)."""
+        try:
+            return self._in_flight[name].nbytes
+        except KeyError:
+            raise ValueError(f"micro-batch {name!r} is not in flight; in flight: {sorted(self._in_flight)}") from None
+
+    @contextlib.contextmanager
+    def micro_batch(self, name: str) -> Iterator["ActivationTracker"]:
+        """Track what autograd saves while the forward of micro-batch ``name`` runs inside this block."""
+        if name in self._in_flight:
+            raise ValueError(f"micro-batch {name!r} is already in flight")
+        record = self._in_flight[name] = _MicroBatch()
+        previous, self._current = self._current, record
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+                yield self
+        except BaseException:
+            self._in_flight.pop(name, None)
+            raise
+        finally:
+            self._current = previous
+
+    def release(self, name: str) -> int:
+        """Forget micro-batch ``name`` (its backward ran); returns the bytes it kept."""
+        kept = self.kept_bytes(name)
+        del self._in_flight[name]
+        return kept
+
+    def allocator_bytes(self, device: torch.device | str | None = None) -> int | None:
+        """The CUDA caching allocator's allocated bytes (None on CPU)."""
+        if not torch.cuda.is_available():
+            return None
+        return torch.cuda.memory_allocated(device)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        record = self._current
+        key = _storage_key(tensor)
+        if record is not None and key not in self._excluded and key not in record.storages:
+            nbytes = storage_bytes(tensor)
+            if self.cap_bytes is not None and self.in_flight_bytes + nbytes > self.cap_bytes:
+                raise ActivationOutOfMemoryError(
+                    f"activations in flight would reach {self.in_flight_bytes + nbytes} bytes, over the cap of "
+                    f"{self.cap_bytes} bytes")
+            record.storages[key] = nbytes
+            self.peak_bytes = max(self.peak_bytes, self.in_flight_bytes)
+        return tensor
+
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
+    return str(tensor.device), tensor.untyped_storage().data_ptr()
+
+
+def storage_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of the storage behind ``tensor`` (what keeping it alive costs)."""
+    return tensor.untyped_storage().nbytes()
