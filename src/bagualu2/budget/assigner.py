@@ -65,6 +65,8 @@ class BudgetPhase(enum.Enum):
 
 def _require_int(name: str, value: object, allowed: str) -> int:
     """``value`` as an ``int`` if it is an integer (numpy integers too; ``bool`` rejected); else a ValueError."""
+    if type(value) is int:  # the hot path
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{name} must be an int {allowed}, got {value!r} ({type(value).__name__})")
     return int(value)

@@ -35,7 +35,7 @@ class DecisionPath:
     """Decisions of one stage, memoised. ``forward(budget, imbalance, phase, chunk)`` is the hot path."""
 
     def __init__(self, model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, *, stage: int = 0,
-                 planned_imbalance: float = 1.2, budget_quantum_bytes: int = 64 << 20,
+                 planned_imbalance: float = 1.2, budget_quantum_bytes: int = 256 << 20,
                  imbalance_step: float = 0.1, spike_step: float = 0.5):
         self.model, self.parallel, self.hardware, self.stage = model, parallel, hardware, stage
         self.planned_imbalance = check_imbalance(planned_imbalance)
