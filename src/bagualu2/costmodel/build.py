@@ -188,7 +188,8 @@ class _Builder:
         scores = self.tensor(f"L{layer}.router_scores", tokens * m.num_experts, "fp32", router)
         probs, routing = self.op(layer, "router", "router", (n2,),
                                  {"router_probs": (tokens * K, "fp32"), "routing_map": (tokens * K, "int32")},
-                                 saves=((n2, "fp32"), (scores, "fp32")), flops=2 * tokens * h * m.num_experts,
+                                 saves=((n2, "fp32"), (scores, "fp32"), (f"L{layer}.routing_map", "int32")),
+                                 flops=2 * tokens * h * m.num_experts,
                                  moved=self.nbytes(tokens * h, "fp32") + self.nbytes(h * m.num_experts, "fp32")
                                  + self.nbytes(tokens * m.num_experts, "fp32"))
         (perm,) = self.op(layer, "permute", "permute", (n2, routing), {"permuted": (tokens * K * h, self.dt)},
@@ -204,7 +205,8 @@ class _Builder:
         (combined,) = self.op(layer, "combine", "combine", (expert_out,), {"combined": (tokens * K * h, self.dt)},
                               comm_bytes=int(max(send, recv) * remote), comm_group=p.ep)
         (moe_out,) = self.op(layer, "unpermute", "unpermute", (combined, probs), {"moe_out": (tokens * h, self.dt)},
-                             saves=((combined, self.dt), (probs, "fp32")), flops=2 * tokens * K * h)
+                             saves=((combined, self.dt), (probs, "fp32"), (routing, "int32")),
+                             flops=2 * tokens * K * h)
         branches = [moe_out]
         if m.num_shared_experts:
             gathered = self.tp_gather(layer, "tp_gather2", n2)

@@ -1,0 +1,340 @@
+"""GLM-style MoE decoder whose op boundaries match the cost model's op kinds one to one (architecture only).
+
+Layout: hidden states are ``(b, s, h)`` (batch first); the MoE part works on the ``T = b*s`` flattened tokens.
+Per layer, in program order (cost-model op kind in brackets, see ``bagualu2.costmodel.build``):
+
+    norm1 [norm] -> qkv [qkv] -> rope [rope] -> core_attn [core_attn] -> attn_out [attn_out] -> residual1
+    -> norm2 [norm] -> dense: mlp_fc1 -> mlp_act -> mlp_fc2                                   -> residual2
+                       MoE:   router -> permute -> dispatch -> expert_fc1/act/fc2 per expert
+                              -> combine -> unpermute, plus shared_fc1 -> shared_act -> shared_fc2 -> residual2
+
+Small ``torch.autograd.Function`` classes make autograd keep exactly what the cost model says each op saves:
+
+* :class:`RMSNormFunction` keeps only its input (the rstd is recomputed in backward);
+* :class:`RoPEFunction` keeps nothing (backward is the inverse rotation; cos/sin are model buffers);
+* :class:`SwiGLUFunction` keeps only its input, the fc1 output;
+* :class:`RouterFunction` keeps the FP32 copy of its input, the FP32 sigmoid scores and the int32 routing map
+  (its own output, the tensor ``permute`` keeps: counted once);
+* :class:`PermuteFunction` keeps the int32 routing map only (the token order is recomputed with a stable sort);
+* :class:`UnpermuteFunction` keeps the combined expert outputs, the FP32 routing weights and the routing map.
+
+Core attention is ``scaled_dot_product_attention`` (causal, ``enable_gqa``): its flash path keeps q, k, v (at
+``g`` heads), the output and the FP32 log-sum-exp. The output is laid out ``(b, s, a, d)`` in memory, so the
+out-projection's input is a view of it (one copy, as the cost model counts). ``v`` is copied out of the fused QKV
+output so that attention does not keep the whole QKV buffer alive.
+
+Expert parallelism: ``dispatch``/``combine`` are identities here (EP=1, every expert local); the distributed
+wiring replaces them with autograd ``all_to_all_single``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bagualu2.costmodel import ModelConfig
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """FP32 view of a half-precision tensor; fp32/fp64 tensors unchanged (fp64 keeps gradcheck exact)."""
+    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
+
+
+# ---- custom autograd functions ---------------------------------------------------------------------------------
+class RMSNormFunction(torch.autograd.Function):
+    """``y = x * rsqrt(mean(x^2) + eps) * w``; saves only ``x`` (the weight is a parameter)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        xf = _wide(x)
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return (xf * rstd).to(x.dtype) * weight
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        xf, gf = _wide(x), _wide(grad)
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)
+        xhat = xf * rstd
+        gw = gf * _wide(weight)
+        grad_x = rstd * (gw - xhat * (gw * xhat).mean(-1, keepdim=True))
+        grad_w = (gf * xhat).reshape(-1, x.shape[-1]).sum(0)
+        return grad_x.to(x.dtype), grad_w.to(weight.dtype), None
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class RoPEFunction(torch.autograd.Function):
+    """Rotary embedding (rotate-half form) of q ``(b, s, a, d)`` and k ``(b, s, g, d)``; saves nothing.
+
+    ``cos``/``sin`` are ``(s, 1, d/2)`` constants (model buffers), kept on ``ctx`` as plain references.
+    """
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        ctx.cos, ctx.sin = cos, sin
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad_q: torch.Tensor, grad_k: torch.Tensor):
+        cos, sin = ctx.cos, ctx.sin  # the inverse rotation is the rotation by -theta
+        return _rotate(grad_q, cos, -sin), _rotate(grad_k, cos, -sin), None, None
+
+
+class SwiGLUFunction(torch.autograd.Function):
+    """``silu(gate) * up`` on ``fc1_out = [gate, up]``; saves only ``fc1_out``."""
+
+    @staticmethod
+    def forward(ctx, fc1_out: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(fc1_out)
+        gate, up = fc1_out.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (fc1_out,) = ctx.saved_tensors
+        gate, up = fc1_out.chunk(2, dim=-1)
+        sig = torch.sigmoid(gate)
+        silu = gate * sig
+        grad_gate = grad * up * sig * (1 + gate * (1 - sig))
+        grad_up = grad * silu
+        return torch.cat((grad_gate, grad_up), dim=-1)
+
+
+class RouterFunction(torch.autograd.Function):
+    """Sigmoid router with an aux-loss-free expert bias (selection only) and normalised top-k weights.
+
+    Inputs: ``x`` ``(T, h)``, router weight ``(E, h)``, expert bias ``(E,)`` (a buffer), ``top_k``.
+    Outputs: FP32 routing weights ``(T, K)`` and the int32 routing map ``(T, K)`` (expert ids, not differentiable).
+    Saves the FP32 copy of ``x``, the FP32 scores ``(T, E)`` and the routing map (an output: the same tensor
+    ``permute`` keeps).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int):
+        x32 = _wide(x)  # the FP32 copy (the same tensor for an fp32 model)
+        w32 = _wide(weight)
+        scores = torch.sigmoid(x32 @ w32.t())
+        chosen = torch.topk(scores + _wide(bias), top_k, dim=-1, sorted=False).indices
+        selected = scores.gather(-1, chosen)
+        probs = selected / selected.sum(-1, keepdim=True)
+        routing = chosen.to(torch.int32)
+        ctx.mark_non_differentiable(routing)
+        ctx.save_for_backward(x32, weight, scores, routing)
+        ctx.x_dtype = x.dtype
+        return probs, routing
+
+    @staticmethod
+    def backward(ctx, grad_probs: torch.Tensor, grad_routing):
+        x32, weight, scores, routing = ctx.saved_tensors
+        index = routing.long()
+        selected = scores.gather(-1, index)
+        total = selected.sum(-1, keepdim=True)
+        grad_probs = _wide(grad_probs)
+        # probs = s / sum(s): d/ds_j = (g_j - sum_i g_i p_i) / sum(s)
+        grad_selected = (grad_probs - (grad_probs * selected).sum(-1, keepdim=True) / total) / total
+        grad_scores = torch.zeros_like(scores).scatter_(-1, index, grad_selected)
+        grad_logits = grad_scores * scores * (1 - scores)
+        grad_x = (grad_logits @ _wide(weight)).to(ctx.x_dtype)
+        grad_w = (grad_logits.t() @ x32).to(weight.dtype)
+        return grad_x, grad_w, None, None
+
+
+def _token_order(routing: torch.Tensor) -> torch.Tensor:
+    """Flat ``(t*K + k)`` indices of the routed copies sorted by expert (stable: token order within an expert)."""
+    return torch.sort(routing.reshape(-1), stable=True).indices
+
+
+class PermuteFunction(torch.autograd.Function):
+    """Gather the ``T*K`` routed copies of ``x`` ``(T, h)`` grouped by expert; saves only the routing map."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, routing: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(routing)
+        ctx.num_tokens = x.shape[0]
+        order = _token_order(routing)
+        return x.index_select(0, order // routing.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (routing,) = ctx.saved_tensors
+        order = _token_order(routing)
+        grad_x = grad.new_zeros(ctx.num_tokens, grad.shape[1]).index_add_(0, order // routing.shape[1], grad)
+        return grad_x, None
+
+
+class UnpermuteFunction(torch.autograd.Function):
+    """``out[t] = sum_k probs[t, k] * combined[row of (t, k)]``; saves combined, probs and the routing map."""
+
+    @staticmethod
+    def forward(ctx, combined: torch.Tensor, probs: torch.Tensor, routing: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(combined, probs, routing)
+        order = _token_order(routing)
+        top_k = routing.shape[1]
+        weights = probs.reshape(-1).index_select(0, order).unsqueeze(-1)
+        out = torch.zeros(probs.shape[0], combined.shape[1], dtype=_wide(combined).dtype, device=combined.device)
+        out.index_add_(0, order // top_k, _wide(combined) * weights)
+        return out.to(combined.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        combined, probs, routing = ctx.saved_tensors
+        order = _token_order(routing)
+        top_k = routing.shape[1]
+        weights = probs.reshape(-1).index_select(0, order).unsqueeze(-1)
+        grad_rows = _wide(grad).index_select(0, order // top_k)
+        grad_combined = (grad_rows * weights).to(combined.dtype)
+        grad_weights = (grad_rows * _wide(combined)).sum(-1)
+        grad_probs = torch.zeros_like(probs).reshape(-1).index_copy_(0, order, grad_weights).reshape(probs.shape)
+        return grad_combined, grad_probs, None
+
+
+# ---- modules -------------------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return RMSNormFunction.apply(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        m = config
+        self.heads, self.groups, self.head_dim = m.num_attention_heads, m.num_query_groups, m.head_dim
+        self.qkv = nn.Linear(m.hidden_size, (self.heads + 2 * self.groups) * self.head_dim, bias=False)
+        self.out = nn.Linear(self.heads * self.head_dim, m.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        a, g, d = self.heads, self.groups, self.head_dim
+        qkv = self.qkv(x)                                                         # [qkv] saves x (norm1 out)
+        q, k, v = qkv.split((a * d, g * d, g * d), dim=-1)
+        q, k = RoPEFunction.apply(q.reshape(b, s, a, d), k.reshape(b, s, g, d), cos, sin)  # [rope] saves nothing
+        v = v.reshape(b, s, g, d).contiguous()  # own storage: attention must not keep the whole QKV buffer
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           is_causal=True, enable_gqa=g != a)     # [core_attn] q, k, v, o, lse
+        o = o.transpose(1, 2).reshape(b, s, a * d)  # a view: the flash output is (b, s, a, d) in memory
+        return self.out(o)                                                        # [attn_out] saves o
+
+
+class MLP(nn.Module):
+    """fc1 (to 2*width for SwiGLU) -> activation -> fc2; used for the dense MLP, each expert and the shared one."""
+
+    def __init__(self, hidden: int, width: int):
+        super().__init__()
+        self.fc1 = nn.Linear(hidden, 2 * width, bias=False)
+        self.fc2 = nn.Linear(width, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(SwiGLUFunction.apply(self.fc1(x)))
+
+
+class MoE(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        m = config
+        self.top_k, self.num_experts = m.top_k, m.num_experts
+        self.router = nn.Parameter(torch.empty(m.num_experts, m.hidden_size, dtype=torch.float32))
+        nn.init.normal_(self.router, std=1.0 / math.sqrt(m.hidden_size))
+        # aux-loss-free load balancing: added to the scores for expert selection only, updated outside autograd
+        self.register_buffer("expert_bias", torch.zeros(m.num_experts, dtype=torch.float32))
+        self.experts = nn.ModuleList(MLP(m.hidden_size, m.moe_ffn_hidden_size) for _ in range(m.num_experts))
+        self.shared = (MLP(m.hidden_size, m.moe_ffn_hidden_size * m.num_shared_experts)
+                       if m.num_shared_experts else None)
+        self.last_tokens_per_expert: torch.Tensor | None = None
+
+    def dispatch(self, x: torch.Tensor) -> torch.Tensor:
+        return x  # EP=1: every expert is local
+
+    def combine(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        probs, routing = RouterFunction.apply(tokens, self.router, self.expert_bias, self.top_k)  # [router]
+        permuted = PermuteFunction.apply(tokens, routing)                                        # [permute]
+        received = self.dispatch(permuted)                                                       # [dispatch]
+        counts = torch.bincount(routing.reshape(-1).long(), minlength=self.num_experts)
+        self.last_tokens_per_expert = counts
+        outputs = [expert(chunk) for expert, chunk in zip(self.experts, received.split(counts.tolist()))]
+        combined = self.combine(torch.cat(outputs))                                              # [combine]
+        out = UnpermuteFunction.apply(combined, probs, routing)                                  # [unpermute]
+        if self.shared is not None:
+            out = out + self.shared(tokens)                                                      # [shared_*]
+        return out.reshape(shape)
+
+
+class Layer(nn.Module):
+    def __init__(self, config: ModelConfig, index: int):
+        super().__init__()
+        self.index = index
+        self.norm1 = RMSNorm(config.hidden_size)
+        self.attention = Attention(config)
+        self.norm2 = RMSNorm(config.hidden_size)
+        self.is_moe = config.is_moe_layer(index)
+        self.mlp = MoE(config) if self.is_moe else MLP(config.hidden_size, config.ffn_hidden_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x_mid = x + self.attention(self.norm1(x), cos, sin)  # [residual] saves nothing
+        return x_mid + self.mlp(self.norm2(x_mid))
+
+
+class GLMMoEModel(nn.Module):
+    """Embedding -> ``num_layers`` decoder layers -> final RMSNorm -> output layer. Activations ``(b, s, h)``."""
+
+    def __init__(self, config: ModelConfig, *, rope_base: float = 10000.0):
+        super().__init__()
+        if config.activation != "swiglu" or config.normalization != "rmsnorm":
+            raise ValueError("the reference model implements activation=swiglu and normalization=rmsnorm only")
+        if config.hidden_dropout or config.attention_dropout or not config.flash_attention:
+            raise ValueError("the reference model implements flash attention without dropout only")
+        if config.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {config.head_dim}")
+        self.config = config
+        dtype = TORCH_DTYPES[config.dtype]
+        self.embedding = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Layer(config, i) for i in range(config.num_layers))
+        self.final_norm = RMSNorm(config.hidden_size)
+        self.output = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
+                                                                     bias=False)
+        self.to(dtype)
+        for layer in self.layers:  # the router stays FP32 whatever the model dtype
+            if layer.is_moe:
+                layer.mlp.router.data = layer.mlp.router.data.float()
+        half = config.head_dim // 2
+        inv_freq = rope_base ** (-torch.arange(half, dtype=torch.float64) / half)
+        angles = torch.arange(config.seq_length, dtype=torch.float64)[:, None] * inv_freq[None, :]
+        self.register_buffer("rope_cos", angles.cos()[:, None, :].to(dtype), persistent=False)
+        self.register_buffer("rope_sin", angles.sin()[:, None, :].to(dtype), persistent=False)
+
+    def forward_layers(self, x: torch.Tensor, layers: range | None = None) -> torch.Tensor:
+        """Run transformer layers (all, or the global indices in ``layers``) on hidden states ``(b, s, h)``."""
+        s = x.shape[1]
+        if s > self.rope_cos.shape[0]:
+            raise ValueError(f"sequence length {s} exceeds the model's seq_length {self.rope_cos.shape[0]}")
+        cos, sin = self.rope_cos[:s], self.rope_sin[:s]
+        for index in (range(len(self.layers)) if layers is None else layers):
+            x = self.layers[index](x, cos, sin)
+        return x
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits ``(b, s, V)`` of token ids ``(b, s)``."""
+        x = self.forward_layers(self.embedding(tokens))
+        x = self.final_norm(x)
+        return x @ self.embedding.weight.t() if self.output is None else self.output(x)
