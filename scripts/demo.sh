@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install (CPU torch first, so pip never pulls a CUDA build) and run the main job on its embedded default:
-# one iteration of a GLM-1041B-A35B pipeline stage with MoE imbalance spikes, budgeted and planned per micro-batch.
+# plan one iteration of a GLM-1041B-A35B pipeline stage with MoE imbalance spikes (budget, plan, fused order per
+# micro-batch), then train the tiny reference GLM-MoE model on CPU, measuring what every micro-batch keeps.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
@@ -10,3 +11,4 @@ python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[dev]"
 bagualu2 memory --model glm-1041b-a35b --hardware paper-gpu --imbalance 2.6
 bagualu2 demo
+python -m reference_trainer.train --preset tiny-moe --steps 20
