@@ -4,11 +4,14 @@
 
 Single process (EP=1): builds :class:`~reference_trainer.model.GLMMoEModel` from the preset, runs the forward of
 all its transformer layers on one micro-batch of random ``(b, s, h)`` hidden states under
-:class:`bagualu2.exec.ActivationTracker` (model parameters and buffers excluded; embedding and loss are not part
+:func:`bagualu2.exec.apply_plan` (model parameters and buffers excluded; embedding and loss are not part
 of the measurement) and compares with ``costmodel.evaluate`` of the graph of the same layers (``ParallelConfig()``:
 one stage holding every layer, EP=1). With EP=1 every expert is local, so the routed tokens are exactly ``T*K``
-whatever the router picks: the imbalance rate is 1.0 by construction and other values are refused. Only
-``--plan none`` is implemented so far. User errors are one line on stderr with exit code 2.
+whatever the router picks: the imbalance rate is 1.0 by construction and other values are refused.
+``--plan`` takes the plan text form (``none``, ``core_attn=OFFLOAD,expert_fc1=QUANTIZE``,
+``L0.qkv/L0.norm1_out=OFFLOAD``); device bytes (kept storages + FP8 copies) are compared with
+``evaluate(graph, plan).activation_bytes`` and host bytes with ``.host_bytes``. Plans that resolve any saving to
+RECOMPUTE are refused (not implemented yet). User errors are one line on stderr with exit code 2.
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ def measure(preset: str, *, imbalance: float = 1.0, plan: str = "none", seq_leng
     """Run one micro-batch and return the JSON-able record (``ValueError`` on an unsupported request)."""
     import torch
 
-    from bagualu2.costmodel import ParallelConfig, build_graph, check_imbalance, evaluate, presets
-    from bagualu2.exec import ActivationTracker
+    from bagualu2.costmodel import ParallelConfig, Plan, build_graph, check_imbalance, evaluate, presets
+    from bagualu2.exec import apply_plan
 
     from .model import TORCH_DTYPES, GLMMoEModel
 
@@ -48,32 +51,41 @@ def measure(preset: str, *, imbalance: float = 1.0, plan: str = "none", seq_leng
     if imbalance != 1.0:
         raise ValueError(f"--imbalance: a single process (EP=1) keeps every expert local, so the imbalance rate is "
                          f"1.0; got {imbalance:g} (use torchrun with --ep N for R > 1)")
-    if plan.strip().lower() != "none":
-        raise ValueError(f"--plan: only 'none' is supported so far, got {plan!r}")
+    try:
+        plan_obj = Plan.from_str(plan)
+    except ValueError as exc:
+        raise ValueError(f"--plan: {exc}") from None
     model_config, _ = presets.model(preset)
     if seq_length is not None:
         model_config = model_config.replace(seq_length=seq_length)
     parallel = ParallelConfig()  # one stage with every layer, EP=1
     graph = build_graph(model_config, parallel, presets.hardware("cpu"), imbalance=imbalance)
-    predicted = evaluate(graph, None).activation_bytes
+    try:
+        cost = evaluate(graph, plan_obj)
+        apply_plan(graph, plan_obj)  # refuses RECOMPUTE before anything runs
+    except ValueError as exc:
+        raise ValueError(f"--plan: {exc}") from None
+    predicted = cost.activation_bytes
 
     torch.manual_seed(seed)
     model = GLMMoEModel(model_config)
     dtype = TORCH_DTYPES[model_config.dtype]
     x = torch.randn(model_config.micro_batch_size, model_config.seq_length, model_config.hidden_size,
                     dtype=dtype, requires_grad=True)
-    tracker = ActivationTracker(exclude=[model])
-    with tracker.micro_batch("mb0"):
+    executor = apply_plan(graph, plan_obj, exclude=[model])
+    with executor.micro_batch("mb0") as record:
         out = model.forward_layers(x)
-    measured = tracker.kept_bytes("mb0")
-    out.float().pow(2).mean().backward()  # the graph is complete and runs backward
-    tracker.release("mb0")
+    measured = record.device_bytes
+    out.float().pow(2).mean().backward()  # the graph is complete and runs backward (unpacking every saving)
+    executor.release("mb0")
     return {
         "preset": preset, "seq_length": model_config.seq_length,
         "micro_batch_size": model_config.micro_batch_size, "layers": list(graph.layers), "ep": 1,
-        "imbalance": imbalance, "plan": "none",
+        "imbalance": imbalance, "plan": str(plan_obj),
         "predicted_bytes": int(predicted), "measured_bytes": int(measured),
         "rel_error": (measured - predicted) / predicted,
+        "predicted_host_bytes": int(cost.host_bytes), "measured_host_bytes": int(record.host_bytes),
+        "unknown_bytes": int(record.unknown_bytes), "fp8_scale_bytes": int(record.scale_bytes),
     }
 
 
@@ -81,7 +93,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _Parser(prog="python -m reference_trainer.measure", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", required=True, help="model preset (bagualu2 presets list)")
     parser.add_argument("--imbalance", type=float, default=1.0, help="max/mean device load R (1.0 here)")
-    parser.add_argument("--plan", default="none", help="'none' (op_kind=STRATEGY pairs: not yet)")
+    parser.add_argument("--plan", default="none",
+                        help="'none' or KEY=STRATEGY,... with KEY an op kind or OP/TENSOR and STRATEGY KEEP, OFFLOAD "
+                        "or QUANTIZE (RECOMPUTE: not yet)")
     parser.add_argument("--seq-length", type=int, default=None, help="override the preset's sequence length")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -100,7 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(record))
     else:
         print(f"{record['preset']} s={record['seq_length']}: predicted {record['predicted_bytes']} B, "
-              f"measured {record['measured_bytes']} B, error {100 * record['rel_error']:+.3f}%")
+              f"measured {record['measured_bytes']} B, error {100 * record['rel_error']:+.3f}%; host: predicted "
+              f"{record['predicted_host_bytes']} B, measured {record['measured_host_bytes']} B (plan {record['plan']})")
     return 0
 
 

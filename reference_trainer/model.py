@@ -23,6 +23,9 @@ Core attention is ``scaled_dot_product_attention`` (causal, ``enable_gqa``): its
 out-projection's input is a view of it (one copy, as the cost model counts). ``v`` is copied out of the fused QKV
 output so that attention does not keep the whole QKV buffer alive.
 
+Op scopes: every op runs inside ``op_scope("L{layer}.{op}")`` (the cost-model op name; a no-op unless a plan
+executor, :func:`bagualu2.exec.apply_plan`, is recording a micro-batch), so saved-tensor hooks know which op saves.
+
 Expert parallelism: ``dispatch``/``combine`` are identities here (EP=1, every expert local); the distributed
 wiring replaces them with autograd ``all_to_all_single``.
 """
@@ -36,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bagualu2.costmodel import ModelConfig
+from bagualu2.exec.apply import op_scope
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -212,9 +216,11 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer: int = 0):
         super().__init__()
         m = config
+        self._ops = {op: f"L{layer}.{op}" for op in ("qkv", "rope", "core_attn", "attn_out")}
+        self._names = (f"L{layer}.q_rope", f"L{layer}.k_rope", f"L{layer}.v")  # saved by core_attn
         self.heads, self.groups, self.head_dim = m.num_attention_heads, m.num_query_groups, m.head_dim
         self.qkv = nn.Linear(m.hidden_size, (self.heads + 2 * self.groups) * self.head_dim, bias=False)
         self.out = nn.Linear(self.heads * self.head_dim, m.hidden_size, bias=False)
@@ -222,39 +228,53 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         a, g, d = self.heads, self.groups, self.head_dim
-        qkv = self.qkv(x)                                                         # [qkv] saves x (norm1 out)
-        q, k, v = qkv.split((a * d, g * d, g * d), dim=-1)
-        q, k = RoPEFunction.apply(q.reshape(b, s, a, d), k.reshape(b, s, g, d), cos, sin)  # [rope] saves nothing
-        v = v.reshape(b, s, g, d).contiguous()  # own storage: attention must not keep the whole QKV buffer
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           is_causal=True, enable_gqa=g != a)     # [core_attn] q, k, v, o, lse
+        ops, names = self._ops, self._names
+        with op_scope(ops["qkv"]):
+            qkv = self.qkv(x)                                                     # [qkv] saves x (norm1 out)
+            q, k, v = qkv.split((a * d, g * d, g * d), dim=-1)
+            v = v.reshape(b, s, g, d).contiguous()  # own storage: attention must not keep the whole QKV buffer
+        with op_scope(ops["rope"]):                                               # [rope] saves nothing
+            q, k = RoPEFunction.apply(q.reshape(b, s, a, d), k.reshape(b, s, g, d), cos, sin)
+        with op_scope(ops["core_attn"], {names[0]: q, names[1]: k, names[2]: v}):  # [core_attn] q, k, v, o, lse
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               is_causal=True, enable_gqa=g != a)
         o = o.transpose(1, 2).reshape(b, s, a * d)  # a view: the flash output is (b, s, a, d) in memory
-        return self.out(o)                                                        # [attn_out] saves o
+        with op_scope(ops["attn_out"]):
+            return self.out(o)                                                    # [attn_out] saves o
 
 
 class MLP(nn.Module):
     """fc1 (to 2*width for SwiGLU) -> activation -> fc2; used for the dense MLP, each expert and the shared one."""
 
-    def __init__(self, hidden: int, width: int):
+    def __init__(self, hidden: int, width: int, scope: str = "L0.mlp"):
         super().__init__()
         self.fc1 = nn.Linear(hidden, 2 * width, bias=False)
         self.fc2 = nn.Linear(width, hidden, bias=False)
+        self._ops = (f"{scope}_fc1", f"{scope}_act", f"{scope}_fc2")  # e.g. L3.expert_fc1, L3.expert_act, ...
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(SwiGLUFunction.apply(self.fc1(x)))
+        fc1, act, fc2 = self._ops
+        with op_scope(fc1):
+            x = self.fc1(x)
+        with op_scope(act):
+            x = SwiGLUFunction.apply(x)
+        with op_scope(fc2):
+            return self.fc2(x)
 
 
 class MoE(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer: int = 0):
         super().__init__()
         m = config
+        self._ops = {op: f"L{layer}.{op}" for op in ("router", "permute", "dispatch", "combine", "unpermute")}
         self.top_k, self.num_experts = m.top_k, m.num_experts
         self.router = nn.Parameter(torch.empty(m.num_experts, m.hidden_size, dtype=torch.float32))
         nn.init.normal_(self.router, std=1.0 / math.sqrt(m.hidden_size))
         # aux-loss-free load balancing: added to the scores for expert selection only, updated outside autograd
         self.register_buffer("expert_bias", torch.zeros(m.num_experts, dtype=torch.float32))
-        self.experts = nn.ModuleList(MLP(m.hidden_size, m.moe_ffn_hidden_size) for _ in range(m.num_experts))
-        self.shared = (MLP(m.hidden_size, m.moe_ffn_hidden_size * m.num_shared_experts)
+        self.experts = nn.ModuleList(MLP(m.hidden_size, m.moe_ffn_hidden_size, f"L{layer}.expert")
+                                     for _ in range(m.num_experts))
+        self.shared = (MLP(m.hidden_size, m.moe_ffn_hidden_size * m.num_shared_experts, f"L{layer}.shared")
                        if m.num_shared_experts else None)
         self.last_tokens_per_expert: torch.Tensor | None = None
 
@@ -267,14 +287,20 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        probs, routing = RouterFunction.apply(tokens, self.router, self.expert_bias, self.top_k)  # [router]
-        permuted = PermuteFunction.apply(tokens, routing)                                        # [permute]
-        received = self.dispatch(permuted)                                                       # [dispatch]
+        ops = self._ops
+        with op_scope(ops["router"]):
+            probs, routing = RouterFunction.apply(tokens, self.router, self.expert_bias, self.top_k)  # [router]
+        with op_scope(ops["permute"]):
+            permuted = PermuteFunction.apply(tokens, routing)                                    # [permute]
+        with op_scope(ops["dispatch"]):
+            received = self.dispatch(permuted)                                                   # [dispatch]
         counts = torch.bincount(routing.reshape(-1).long(), minlength=self.num_experts)
         self.last_tokens_per_expert = counts
         outputs = [expert(chunk) for expert, chunk in zip(self.experts, received.split(counts.tolist()))]
-        combined = self.combine(torch.cat(outputs))                                              # [combine]
-        out = UnpermuteFunction.apply(combined, probs, routing)                                  # [unpermute]
+        with op_scope(ops["combine"]):
+            combined = self.combine(torch.cat(outputs))                                          # [combine]
+        with op_scope(ops["unpermute"]):
+            out = UnpermuteFunction.apply(combined, probs, routing)                              # [unpermute]
         if self.shared is not None:
             out = out + self.shared(tokens)                                                      # [shared_*]
         return out.reshape(shape)
@@ -285,14 +311,25 @@ class Layer(nn.Module):
         super().__init__()
         self.index = index
         self.norm1 = RMSNorm(config.hidden_size)
-        self.attention = Attention(config)
+        self.attention = Attention(config, index)
         self.norm2 = RMSNorm(config.hidden_size)
         self.is_moe = config.is_moe_layer(index)
-        self.mlp = MoE(config) if self.is_moe else MLP(config.hidden_size, config.ffn_hidden_size)
+        self.mlp = MoE(config, index) if self.is_moe else MLP(config.hidden_size, config.ffn_hidden_size,
+                                                               f"L{index}.mlp")
+        self._ops = tuple(f"L{index}.{op}" for op in ("norm1", "residual1", "norm2", "residual2"))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x_mid = x + self.attention(self.norm1(x), cos, sin)  # [residual] saves nothing
-        return x_mid + self.mlp(self.norm2(x_mid))
+        norm1, residual1, norm2, residual2 = self._ops
+        with op_scope(norm1):
+            h = self.norm1(x)
+        h = self.attention(h, cos, sin)
+        with op_scope(residual1):
+            x_mid = x + h  # [residual] saves nothing
+        with op_scope(norm2):
+            h = self.norm2(x_mid)
+        h = self.mlp(h)
+        with op_scope(residual2):
+            return x_mid + h
 
 
 class GLMMoEModel(nn.Module):

@@ -22,7 +22,9 @@ class ActivationOutOfMemoryError(torch.OutOfMemoryError):
 
 
 @dataclass
-class _MicroBatch:
+class MicroBatchBytes:
+    """Device bytes one micro-batch keeps, by storage."""
+
     storages: dict[tuple[str, int], int] = field(default_factory=dict)  # (device, data_ptr) -> bytes
 
     @property
@@ -43,12 +45,30 @@ class ActivationTracker:
             raise ValueError(f"cap_bytes must be a non-negative integer or None, got {cap_bytes!r}")
         self.cap_bytes = cap_bytes
         self._excluded: set[tuple[str, int]] = set()
-        for module in exclude:
+        self.exclude(*exclude)
+        self._in_flight: dict[str, MicroBatchBytes] = {}
+        self._current: MicroBatchBytes | None = None
+        self.peak_bytes = 0
+
+    def exclude(self, *modules: torch.nn.Module) -> None:
+        """Do not count the parameters and buffers of ``modules`` as activations."""
+        for module in modules:
             for tensor in [*module.parameters(), *module.buffers()]:
                 self._excluded.add(_storage_key(tensor))
-        self._in_flight: dict[str, _MicroBatch] = {}
-        self._current: _MicroBatch | None = None
-        self.peak_bytes = 0
+
+    def excludes(self, tensor: torch.Tensor) -> bool:
+        return _storage_key(tensor) in self._excluded
+
+    def open(self, name: str) -> MicroBatchBytes:
+        """Start the accounting of micro-batch ``name`` (for hooks that do their own packing, e.g. plans)."""
+        if name in self._in_flight:
+            raise ValueError(f"micro-batch {name!r} is already in flight")
+        record = self._in_flight[name] = MicroBatchBytes()
+        return record
+
+    def drop(self, name: str) -> None:
+        """Forget micro-batch ``name`` without asking whether it was in flight (failure paths)."""
+        self._in_flight.pop(name, None)
 
     @property
     def in_flight_bytes(self) -> int:
@@ -64,9 +84,7 @@ class ActivationTracker:
     @contextlib.contextmanager
     def micro_batch(self, name: str) -> Iterator["ActivationTracker"]:
         """Track what autograd saves while the forward of micro-batch ``name`` runs inside this block."""
-        if name in self._in_flight:
-            raise ValueError(f"micro-batch {name!r} is already in flight")
-        record = self._in_flight[name] = _MicroBatch()
+        record = self.open(name)
         previous, self._current = self._current, record
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
