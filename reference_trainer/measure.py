@@ -12,6 +12,21 @@ whatever the router picks: the imbalance rate is 1.0 by construction and other v
 ``L0.qkv/L0.norm1_out=OFFLOAD``); device bytes (kept storages + FP8 copies) are compared with
 ``evaluate(graph, plan).activation_bytes`` and host bytes with ``.host_bytes``. Plans that resolve any saving to
 RECOMPUTE are refused (not implemented yet). User errors are one line on stderr with exit code 2.
+
+Expert parallelism::
+
+    torchrun --nproc_per_node=N -m reference_trainer.measure --preset NAME --ep N --imbalance R --plan SPEC --json
+
+With ``WORLD_SIZE > 1`` every rank joins a gloo process group (the EP group is the world; its size must equal
+``--ep``) and holds ``E/N`` experts. The imbalance ``1 <= R <= N`` is realised on rank 0 by biasing every rank's
+routers (:func:`reference_trainer.model.imbalance_picks`): each token of source rank ``i`` puts exactly ``j_i`` of
+its ``K`` picks on rank 0's experts with ``sum_i j_i = round(R*K)``, so rank 0 receives ``R*T*K`` routed copies
+per MoE layer, exactly when ``R*K`` is an integer (else ``R`` is rounded to the nearest multiple of ``1/K``).
+Rank 0 counts the copies it actually receives; ``realised_imbalance`` = received / ``(T*K)`` (the same in every
+MoE layer, else an error). The prediction is ``evaluate`` of ``build_graph(model, ParallelConfig(dp=N, ep=N),
+cpu, imbalance=realised)`` (``dp=N``: EP must divide ``dp*tp*cp``). Every rank runs forward and backward (the
+backward all-to-alls need every rank); rank 0 measures and prints, the other ranks print nothing.
+``grads_finite`` reports whether rank 0's input and parameter gradients are all finite.
 """
 
 from __future__ import annotations
@@ -29,28 +44,36 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"error: {' '.join(message.split())}\n")
 
 
-def _fail(message: str) -> NoReturn:
-    sys.stderr.write(f"error: {' '.join(message.split())}\n")
+def _fail(message: str, quiet: bool = False) -> NoReturn:
+    if not quiet:
+        sys.stderr.write(f"error: {' '.join(message.split())}\n")
     raise SystemExit(EXIT_USAGE)
 
 
 def measure(preset: str, *, imbalance: float = 1.0, plan: str = "none", seq_length: int | None = None,
-            seed: int = 0) -> dict[str, Any]:
-    """Run one micro-batch and return the JSON-able record (``ValueError`` on an unsupported request)."""
+            seed: int = 0, ep: int = 1) -> dict[str, Any]:
+    """Run one micro-batch and return the JSON-able record (``ValueError`` on an unsupported request).
+
+    ``ep > 1`` needs an initialised default process group of ``ep`` ranks (the EP group); call it on every rank.
+    """
     import torch
 
     from bagualu2.costmodel import ParallelConfig, Plan, build_graph, check_imbalance, evaluate, presets
     from bagualu2.exec import apply_plan
 
-    from .model import TORCH_DTYPES, GLMMoEModel
+    from .model import TORCH_DTYPES, GLMMoEModel, imbalance_picks
 
     try:
         imbalance = check_imbalance(imbalance)
     except ValueError as exc:
         raise ValueError(f"--imbalance: {exc}") from None
-    if imbalance != 1.0:
+    requested = imbalance
+    if ep == 1 and imbalance != 1.0:
         raise ValueError(f"--imbalance: a single process (EP=1) keeps every expert local, so the imbalance rate is "
                          f"1.0; got {imbalance:g} (use torchrun with --ep N for R > 1)")
+    if imbalance > ep:
+        raise ValueError(f"--imbalance: with --ep {ep} rank 0 receives at most {ep} x the mean routed tokens; "
+                         f"got {imbalance:g}")
     try:
         plan_obj = Plan.from_str(plan)
     except ValueError as exc:
@@ -58,8 +81,24 @@ def measure(preset: str, *, imbalance: float = 1.0, plan: str = "none", seq_leng
     model_config, _ = presets.model(preset)
     if seq_length is not None:
         model_config = model_config.replace(seq_length=seq_length)
-    parallel = ParallelConfig()  # one stage with every layer, EP=1
-    graph = build_graph(model_config, parallel, presets.hardware("cpu"), imbalance=imbalance)
+    rank, group = 0, None
+    picks: list[int] = []
+    if ep > 1:
+        if not model_config.is_moe:
+            raise ValueError(f"--ep: a dense model has no experts to distribute; got --ep {ep}")
+        if model_config.num_experts % ep:
+            raise ValueError(f"--ep: num_experts={model_config.num_experts} must be divisible by ep={ep}")
+        picks = imbalance_picks(imbalance, ep, model_config.top_k)
+        if max(picks) > model_config.num_experts // ep:
+            raise ValueError(f"--imbalance: {imbalance:g} needs {max(picks)} picks per token on rank 0, which holds "
+                             f"only {model_config.num_experts // ep} experts")
+        imbalance = sum(picks) / model_config.top_k  # what the bias realises (R rounded to a multiple of 1/K)
+        group = torch.distributed.group.WORLD
+        rank = torch.distributed.get_rank()
+    # one stage with every layer; EP must divide dp*tp*cp, so dp = ep
+    parallel = ParallelConfig(dp=ep, ep=ep)
+    hardware = presets.hardware("cpu")
+    graph = build_graph(model_config, parallel, hardware, imbalance=imbalance)
     try:
         cost = evaluate(graph, plan_obj)
         apply_plan(graph, plan_obj)  # refuses RECOMPUTE before anything runs
@@ -68,7 +107,10 @@ def measure(preset: str, *, imbalance: float = 1.0, plan: str = "none", seq_leng
     predicted = cost.activation_bytes
 
     torch.manual_seed(seed)
-    model = GLMMoEModel(model_config)
+    model = GLMMoEModel(model_config, ep_group=group)  # the same weights on every rank (experts: its slice)
+    if ep > 1:
+        model.bias_router_towards(0, picks[rank])
+        torch.manual_seed(seed + rank)  # rank 0 draws the same input as EP=1, the others their own
     dtype = TORCH_DTYPES[model_config.dtype]
     x = torch.randn(model_config.micro_batch_size, model_config.seq_length, model_config.hidden_size,
                     dtype=dtype, requires_grad=True)
@@ -76,14 +118,32 @@ def measure(preset: str, *, imbalance: float = 1.0, plan: str = "none", seq_leng
     with executor.micro_batch("mb0") as record:
         out = model.forward_layers(x)
     measured = record.device_bytes
+    received = [int(moe.last_tokens_per_expert.sum()) for moe in model.moe_layers()]
     out.float().pow(2).mean().backward()  # the graph is complete and runs backward (unpacking every saving)
     executor.release("mb0")
+    grads = [x.grad] + [p.grad for p in model.parameters() if p.grad is not None]
+    grads_finite = all(bool(torch.isfinite(g).all()) for g in grads)
+    if rank != 0:
+        return {}  # measured and reported on rank 0
+    record_fields: dict[str, Any] = {}
+    if ep > 1:
+        routed_mean = model_config.seq_length * model_config.micro_batch_size * model_config.top_k
+        realised = sorted({r / routed_mean for r in received})
+        if len(realised) != 1:
+            raise RuntimeError(f"rank 0 received different routed tokens per MoE layer: {received}")
+        if realised[0] != imbalance:  # predict what was realised
+            graph = build_graph(model_config, parallel, hardware, imbalance=realised[0])
+            cost = evaluate(graph, plan_obj)
+            predicted = cost.activation_bytes
+        record_fields = {"requested_imbalance": float(requested), "realised_imbalance": realised[0],
+                         "picks_per_rank": picks}
     return {
         "preset": preset, "seq_length": model_config.seq_length,
-        "micro_batch_size": model_config.micro_batch_size, "layers": list(graph.layers), "ep": 1,
+        "micro_batch_size": model_config.micro_batch_size, "layers": list(graph.layers), "ep": ep,
         "imbalance": imbalance, "plan": str(plan_obj),
         "predicted_bytes": int(predicted), "measured_bytes": int(measured),
-        "rel_error": (measured - predicted) / predicted,
+        "rel_error": (measured - predicted) / predicted, **record_fields,
+        "received_tokens": received, "grads_finite": grads_finite,
         "predicted_host_bytes": int(cost.host_bytes), "measured_host_bytes": int(record.host_bytes),
         "unknown_bytes": int(record.unknown_bytes), "fp8_scale_bytes": int(record.scale_bytes),
     }
@@ -92,7 +152,10 @@ def measure(preset: str, *, imbalance: float = 1.0, plan: str = "none", seq_leng
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _Parser(prog="python -m reference_trainer.measure", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", required=True, help="model preset (bagualu2 presets list)")
-    parser.add_argument("--imbalance", type=float, default=1.0, help="max/mean device load R (1.0 here)")
+    parser.add_argument("--imbalance", type=float, default=1.0,
+                        help="max/mean device load R realised on rank 0 (1 <= R <= --ep; 1.0 in a single process)")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert-parallel size; > 1 under torchrun --nproc_per_node=EP (gloo)")
     parser.add_argument("--plan", default="none",
                         help="'none' or KEY=STRATEGY,... with KEY an op kind or OP/TENSOR and STRATEGY KEEP, OFFLOAD "
                         "or QUANTIZE (RECOMPUTE: not yet)")
@@ -100,16 +163,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
+    import os
+
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    quiet = rank != 0  # only rank 0 reports (errors too: every rank fails the same way)
     if args.seq_length is not None and args.seq_length < 1:
-        _fail(f"--seq-length: must be an integer >= 1, got {args.seq_length}")
+        _fail(f"--seq-length: must be an integer >= 1, got {args.seq_length}", quiet)
+    if args.ep < 1:
+        _fail(f"--ep: must be an integer >= 1, got {args.ep}", quiet)
+    if world != args.ep:
+        _fail(f"--ep: {args.ep} needs exactly {args.ep} processes (torchrun --nproc_per_node={args.ep}); "
+              f"running {world}", quiet)
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
     try:
-        record = measure(args.preset, imbalance=args.imbalance, plan=args.plan, seq_length=args.seq_length,
-                         seed=args.seed)
-    except ValueError as exc:
-        message = str(exc)
-        if not message.startswith("--"):
-            message = f"--preset: {message}"  # the only other library call that raises: presets.model
-        _fail(message)
+        try:
+            record = measure(args.preset, imbalance=args.imbalance, plan=args.plan, seq_length=args.seq_length,
+                             seed=args.seed, ep=args.ep)
+        except ValueError as exc:
+            message = str(exc)
+            if not message.startswith("--"):
+                message = f"--preset: {message}"  # the only other library call that raises: presets.model
+            _fail(message, quiet)
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+    if quiet:
+        return 0
     if args.json:
         print(json.dumps(record))
     else:

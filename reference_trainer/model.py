@@ -26,17 +26,35 @@ output so that attention does not keep the whole QKV buffer alive.
 Op scopes: every op runs inside ``op_scope("L{layer}.{op}")`` (the cost-model op name; a no-op unless a plan
 executor, :func:`bagualu2.exec.apply_plan`, is recording a micro-batch), so saved-tensor hooks know which op saves.
 
-Expert parallelism: ``dispatch``/``combine`` are identities here (EP=1, every expert local); the distributed
-wiring replaces them with autograd ``all_to_all_single``.
+Expert parallelism: without an ``ep_group`` (EP=1) ``dispatch``/``combine`` are identities (every expert local).
+With ``ep_group`` (a ``torch.distributed`` process group of ``ep`` ranks; gloo on CPU, NCCL on GPU) rank ``i``
+of the group holds the ``E/ep`` experts with global ids ``[i*E/ep, (i+1)*E/ep)``. ``permute`` sorts the routed
+copies by global expert id, which groups them by destination rank, then expert, so the send splits are contiguous.
+``dispatch`` first exchanges the per-(rank, expert) counts with a plain ``all_to_all_single`` on an int tensor,
+then sends the copies with the autograd ``torch.distributed.nn.functional.all_to_all_single`` (uneven splits) and
+regroups what arrived (source rank, then expert) by local expert (:class:`RowPermuteFunction`, which keeps its
+permutation on ``ctx``, not through saved-tensor hooks: it saves nothing the cost model counts). ``combine`` is
+the inverse: regroup back to (source rank, expert) order and ``all_to_all_single`` the expert outputs home.
+Neither saves a tensor for backward (their backward is the opposite all-to-all), as in the cost model.
+
+Imbalance on purpose (:meth:`GLMMoEModel.bias_router_towards`, :func:`imbalance_picks`): the routers' expert-bias
+buffers are set so that every token on a rank puts exactly ``j`` of its ``K`` picks on the target rank's experts
+(``+BIAS`` on ``j`` of them, ``-BIAS`` on the rest; the other picks follow the scores among the other ranks'
+experts). With ``j_i`` picks per token on source rank ``i``, the target receives ``T * sum_i j_i`` copies, i.e.
+an imbalance ``sum_i j_i / K`` of the mean ``T*K``; ``sum_i j_i = round(R*K)`` realises ``R`` exactly when ``R*K``
+is an integer (otherwise the nearest multiple of ``1/K``).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.nn.functional import all_to_all_single as _autograd_all_to_all_single
 
 from bagualu2.costmodel import ModelConfig
 from bagualu2.exec.apply import op_scope
@@ -204,6 +222,42 @@ class UnpermuteFunction(torch.autograd.Function):
         return grad_combined, grad_probs, None
 
 
+class RowPermuteFunction(torch.autograd.Function):
+    """``x[order]`` (rows); the permutation stays on ``ctx`` (no saved-tensor hook sees it), backward scatters back."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+        ctx.order = order
+        return x.index_select(0, order)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return torch.zeros_like(grad).index_copy_(0, ctx.order, grad), None
+
+
+ROUTER_BIAS = 10.0  # sigmoid scores lie in (0, 1): +-10 forces an expert in or out of every token's top-k
+
+
+def imbalance_picks(imbalance: float, ep: int, top_k: int) -> list[int]:
+    """Picks per token each source rank puts on the target rank so that it receives ``imbalance`` x the mean.
+
+    ``round(imbalance * top_k)`` picks in all, spread as evenly as possible over the ``ep`` source ranks (the first
+    ranks take one more); the realised imbalance is ``sum / top_k``. Needs ``1 <= imbalance <= ep``.
+    """
+    if not 1 <= imbalance <= ep:
+        raise ValueError(f"imbalance must lie in [1, ep={ep}], got {imbalance:g}")
+    total = round(imbalance * top_k)
+    return [total // ep + (1 if i < total % ep else 0) for i in range(ep)]
+
+
+def _all_to_all_single(output: torch.Tensor, x: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                       group: dist.ProcessGroup) -> torch.Tensor:
+    """Autograd all-to-all with uneven splits (its backward is the opposite all-to-all; it saves no tensor)."""
+    with warnings.catch_warnings():  # deprecated in favour of _functional_collectives, which is private API
+        warnings.simplefilter("ignore", FutureWarning)
+        return _autograd_all_to_all_single(output, x, output_splits, input_splits, group=group)
+
+
 # ---- modules -------------------------------------------------------------------------------------------------
 class RMSNorm(nn.Module):
     def __init__(self, hidden: int, eps: float = 1e-6):
@@ -263,26 +317,75 @@ class MLP(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int = 0):
+    def __init__(self, config: ModelConfig, layer: int = 0, ep_group: dist.ProcessGroup | None = None):
         super().__init__()
         m = config
         self._ops = {op: f"L{layer}.{op}" for op in ("router", "permute", "dispatch", "combine", "unpermute")}
         self.top_k, self.num_experts = m.top_k, m.num_experts
+        self.ep_group = ep_group
+        self.ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+        self.ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)
+        if m.num_experts % self.ep:
+            raise ValueError(f"num_experts={m.num_experts} must be divisible by the EP group size {self.ep}")
+        self.num_local_experts = m.num_experts // self.ep
+        self.first_expert = self.ep_rank * self.num_local_experts  # global id of local expert 0
         self.router = nn.Parameter(torch.empty(m.num_experts, m.hidden_size, dtype=torch.float32))
         nn.init.normal_(self.router, std=1.0 / math.sqrt(m.hidden_size))
         # aux-loss-free load balancing: added to the scores for expert selection only, updated outside autograd
         self.register_buffer("expert_bias", torch.zeros(m.num_experts, dtype=torch.float32))
-        self.experts = nn.ModuleList(MLP(m.hidden_size, m.moe_ffn_hidden_size, f"L{layer}.expert")
-                                     for _ in range(m.num_experts))
+        # every expert is initialised (the same random stream and weights on every EP rank as with EP=1); this
+        # rank keeps its E/ep
+        experts = [MLP(m.hidden_size, m.moe_ffn_hidden_size, f"L{layer}.expert") for _ in range(m.num_experts)]
+        self.experts = nn.ModuleList(experts[self.first_expert:self.first_expert + self.num_local_experts])
         self.shared = (MLP(m.hidden_size, m.moe_ffn_hidden_size * m.num_shared_experts, f"L{layer}.shared")
                        if m.num_shared_experts else None)
-        self.last_tokens_per_expert: torch.Tensor | None = None
+        self.last_tokens_per_expert: torch.Tensor | None = None  # copies routed to each local expert (received)
+        self._ep_state: tuple | None = None
 
-    def dispatch(self, x: torch.Tensor) -> torch.Tensor:
-        return x  # EP=1: every expert is local
+    def bias_towards(self, rank: int, picks: int) -> None:
+        """Set ``expert_bias`` so that every token puts exactly ``picks`` of its top-k on EP rank ``rank``."""
+        local, k = self.num_local_experts, self.top_k
+        if not 0 <= rank < self.ep:
+            raise ValueError(f"rank must lie in [0, ep={self.ep}), got {rank}")
+        if not 0 <= picks <= min(k, local) or k - picks > self.num_experts - local:
+            raise ValueError(f"cannot put {picks} of top_k={k} picks on a rank holding {local} of "
+                             f"{self.num_experts} experts")
+        bias = torch.zeros_like(self.expert_bias)
+        first = rank * local
+        bias[first:first + picks] = ROUTER_BIAS
+        bias[first + picks:first + local] = -ROUTER_BIAS
+        self.expert_bias.copy_(bias)
+
+    def dispatch(self, x: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Send the routed copies ``x`` (sorted by global expert) to their experts' ranks.
+
+        ``counts`` are this rank's copies per global expert. Returns the copies this rank's experts receive,
+        grouped by local expert, and their counts per local expert.
+        """
+        if self.ep_group is None:
+            return x, counts  # EP=1: every expert is local
+        ep, local, group = self.ep, self.num_local_experts, self.ep_group
+        send = counts.reshape(ep, local).contiguous()  # [destination rank, its local expert]
+        recv = torch.empty_like(send)                   # [source rank, my local expert]
+        dist.all_to_all_single(recv, send, group=group)
+        input_splits, output_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        out = x.new_empty(sum(output_splits), x.shape[1])
+        received = _all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+        # arrived grouped (source rank, expert): regroup by (expert, source rank)
+        block = torch.repeat_interleave(torch.arange(ep * local, device=x.device), recv.reshape(-1).to(x.device))
+        order = torch.sort((block % local) * ep + block // local, stable=True).indices
+        self._ep_state = (input_splits, output_splits, torch.argsort(order))
+        return RowPermuteFunction.apply(received, order), recv.sum(0)
 
     def combine(self, x: torch.Tensor) -> torch.Tensor:
-        return x
+        """Send the expert outputs ``x`` (grouped by local expert) back to their tokens' ranks (inverse of dispatch)."""
+        if self.ep_group is None:
+            return x
+        input_splits, output_splits, inverse = self._ep_state
+        self._ep_state = None
+        x = RowPermuteFunction.apply(x, inverse)  # back to (source rank, expert) order
+        out = x.new_empty(sum(input_splits), x.shape[1])
+        return _all_to_all_single(out, x, input_splits, output_splits, group=self.ep_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -292,9 +395,9 @@ class MoE(nn.Module):
             probs, routing = RouterFunction.apply(tokens, self.router, self.expert_bias, self.top_k)  # [router]
         with op_scope(ops["permute"]):
             permuted = PermuteFunction.apply(tokens, routing)                                    # [permute]
-        with op_scope(ops["dispatch"]):
-            received = self.dispatch(permuted)                                                   # [dispatch]
         counts = torch.bincount(routing.reshape(-1).long(), minlength=self.num_experts)
+        with op_scope(ops["dispatch"]):
+            received, counts = self.dispatch(permuted, counts)                                   # [dispatch]
         self.last_tokens_per_expert = counts
         outputs = [expert(chunk) for expert, chunk in zip(self.experts, received.split(counts.tolist()))]
         with op_scope(ops["combine"]):
@@ -307,14 +410,14 @@ class MoE(nn.Module):
 
 
 class Layer(nn.Module):
-    def __init__(self, config: ModelConfig, index: int):
+    def __init__(self, config: ModelConfig, index: int, ep_group: dist.ProcessGroup | None = None):
         super().__init__()
         self.index = index
         self.norm1 = RMSNorm(config.hidden_size)
         self.attention = Attention(config, index)
         self.norm2 = RMSNorm(config.hidden_size)
         self.is_moe = config.is_moe_layer(index)
-        self.mlp = MoE(config, index) if self.is_moe else MLP(config.hidden_size, config.ffn_hidden_size,
+        self.mlp = MoE(config, index, ep_group) if self.is_moe else MLP(config.hidden_size, config.ffn_hidden_size,
                                                                f"L{index}.mlp")
         self._ops = tuple(f"L{index}.{op}" for op in ("norm1", "residual1", "norm2", "residual2"))
 
@@ -333,9 +436,13 @@ class Layer(nn.Module):
 
 
 class GLMMoEModel(nn.Module):
-    """Embedding -> ``num_layers`` decoder layers -> final RMSNorm -> output layer. Activations ``(b, s, h)``."""
+    """Embedding -> ``num_layers`` decoder layers -> final RMSNorm -> output layer. Activations ``(b, s, h)``.
 
-    def __init__(self, config: ModelConfig, *, rope_base: float = 10000.0):
+    ``ep_group``: the expert-parallel process group of the MoE layers (None: EP=1, every expert local).
+    """
+
+    def __init__(self, config: ModelConfig, *, rope_base: float = 10000.0,
+                 ep_group: dist.ProcessGroup | None = None):
         super().__init__()
         if config.activation != "swiglu" or config.normalization != "rmsnorm":
             raise ValueError("the reference model implements activation=swiglu and normalization=rmsnorm only")
@@ -346,7 +453,7 @@ class GLMMoEModel(nn.Module):
         self.config = config
         dtype = TORCH_DTYPES[config.dtype]
         self.embedding = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Layer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(Layer(config, i, ep_group) for i in range(config.num_layers))
         self.final_norm = RMSNorm(config.hidden_size)
         self.output = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
                                                                      bias=False)
@@ -359,6 +466,17 @@ class GLMMoEModel(nn.Module):
         angles = torch.arange(config.seq_length, dtype=torch.float64)[:, None] * inv_freq[None, :]
         self.register_buffer("rope_cos", angles.cos()[:, None, :].to(dtype), persistent=False)
         self.register_buffer("rope_sin", angles.sin()[:, None, :].to(dtype), persistent=False)
+
+    def moe_layers(self) -> list[MoE]:
+        return [layer.mlp for layer in self.layers if layer.is_moe]
+
+    def bias_router_towards(self, rank: int, picks: int) -> None:
+        """Every MoE router of this rank puts exactly ``picks`` of each token's top-k on EP rank ``rank``'s experts.
+
+        Use :func:`imbalance_picks` for the ``picks`` of each source rank that realise a given imbalance.
+        """
+        for moe in self.moe_layers():
+            moe.bias_towards(rank, picks)
 
     def forward_layers(self, x: torch.Tensor, layers: range | None = None) -> torch.Tensor:
         """Run transformer layers (all, or the global indices in ``layers``) on hidden states ``(b, s, h)``."""
