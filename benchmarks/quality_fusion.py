@@ -7,7 +7,6 @@ plan for x and y. Run: ``python benchmarks/quality_fusion.py [--hardware paper-g
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -15,6 +14,8 @@ import time
 from bagualu2.costmodel import build_graph, presets
 from bagualu2.fusion import baselines, build_chains, dp, exact
 from bagualu2.mitigation import greedy
+import suite
+from suite import percentile
 
 TABLE_II = [name for name in presets.model_names() if name.startswith("glm-")]
 
@@ -43,14 +44,9 @@ def run(hardware_name: str, time_limit_s: float, models=TABLE_II, imbalances=(1.
     return rows
 
 
-def q(values, p):
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(p * (len(ordered) - 1))))]
-
-
 def report(rows) -> str:
     def line(label, values):
-        return (f"| {label} | {statistics.median(values):.4f} | {q(values, .95):.4f} | {max(values):.4f} | "
+        return (f"| {label} | {statistics.median(values):.4f} | {percentile(values, .95):.4f} | {max(values):.4f} | "
                 f"{min(values):.4f} |")
     out = ["| ratio | median | p95 | max | min |", "|---|---|---|---|---|",
            line("DP / CP-SAT optimum", [r["dp"] / r["exact"] for r in rows]),
@@ -64,16 +60,5 @@ def report(rows) -> str:
     return "\n".join(out)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hardware", default="paper-gpu")
-    parser.add_argument("--time-limit", type=float, default=10.0)
-    args = parser.parse_args()
-    started = time.perf_counter()
-    rows = run(args.hardware, args.time_limit)
-    print(report(rows))
-    print(f"\n({time.perf_counter() - started:.0f} s on {args.hardware})")
-
-
 if __name__ == "__main__":
-    main()
+    suite.main(__doc__, run, report, default_time_limit_s=10.0)

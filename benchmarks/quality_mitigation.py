@@ -7,14 +7,14 @@ times as Markdown. Run: ``python benchmarks/quality_mitigation.py [--hardware pa
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
-import time
 
 from bagualu2.costmodel import build_graph, presets
 from bagualu2.mitigation import exact, greedy
 from bagualu2.mitigation.greedy import GreedyConfig
+import suite
+from suite import percentile
 
 TABLE_II = [name for name in presets.model_names() if name.startswith("glm-")]
 IMBALANCES = (1.0, 1.2, 1.6, 2.0, 2.6)
@@ -46,11 +46,6 @@ def ratios(rows, key: str) -> list[float]:
     return [r[key].cost.overhead_ns / r["exact"].cost.overhead_ns for r in rows if r["exact"].cost.overhead_ns]
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-
 def report(rows) -> str:
     lines = ["| solver | instances | median | p95 | max | share ≤ 1.01 |", "|---|---|---|---|---|---|"]
     for key, label in (("greedy", "greedy (improved)"), ("paper", "greedy (paper)")):
@@ -69,16 +64,5 @@ def report(rows) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hardware", default="paper-gpu")
-    parser.add_argument("--time-limit", type=float, default=5.0)
-    args = parser.parse_args()
-    started = time.perf_counter()
-    rows = run(args.hardware, args.time_limit)
-    print(report(rows))
-    print(f"\n({len(rows)} instances in {time.perf_counter() - started:.0f} s on {args.hardware})")
-
-
 if __name__ == "__main__":
-    main()
+    suite.main(__doc__, run, report, default_time_limit_s=5.0)
