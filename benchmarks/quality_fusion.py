@@ -8,39 +8,27 @@ plan for x and y. Run: ``python benchmarks/quality_fusion.py [--hardware paper-g
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 
-from bagualu2.costmodel import build_graph, presets
 from bagualu2.fusion import baselines, build_chains, dp, exact
 from bagualu2.mitigation import greedy
 import suite
 from suite import percentile
 
-TABLE_II = [name for name in presets.model_names() if name.startswith("glm-")]
-
-
-def run(hardware_name: str, time_limit_s: float, models=TABLE_II, imbalances=(1.0, 1.6, 2.6), count: int = 5):
-    hardware = presets.hardware(hardware_name)
+def run(hardware_name: str, time_limit_s: float, models=suite.TABLE_II, imbalances=(1.0, 1.6, 2.6),
+        count: int = 5):
     rows = []
-    for name in models:
-        model, parallel = presets.model(name)
-        for imbalance in imbalances:
-            graph = build_graph(model, parallel, hardware, imbalance=imbalance)
-            lo, hi = graph.floor_bytes, graph.unmitigated_bytes
-            for step in range(count):
-                budget = lo + (hi - lo) * step // (count - 1)
-                plan = greedy.solve(graph, budget).plan
-                chains = build_chains(graph, plan, graph, plan, hardware=hardware)
-                started = time.perf_counter()
-                order = dp.solve(chains)
-                dp_s = time.perf_counter() - started
-                best = exact.solve(chains, time_limit_s=time_limit_s, hint=order)
-                rows.append({"model": name, "imbalance": imbalance, "step": step, "dp": order.makespan_ns,
-                             "exact": best.makespan_ns, "proven": best.solver == "exact",
-                             "lower": chains.lower_bound_ns, "dp_s": dp_s, "counts": chains.counts(),
-                             **{k: f(chains).makespan_ns for k, f in baselines.BASELINES.items()}})
-            print(f"  {name} r={imbalance} done", file=sys.stderr)
+    for name, imbalance, graph, budget in suite.points(hardware_name, models, imbalances, count):
+        plan = greedy.solve(graph, budget).plan
+        chains = build_chains(graph, plan, graph, plan, hardware=graph.hardware)
+        started = time.perf_counter()
+        order = dp.solve(chains)
+        dp_s = time.perf_counter() - started
+        best = exact.solve(chains, time_limit_s=time_limit_s, hint=order)
+        rows.append({"model": name, "imbalance": imbalance, "budget": budget, "dp": order.makespan_ns,
+                     "exact": best.makespan_ns, "proven": best.solver == "exact", "lower": chains.lower_bound_ns,
+                     "dp_s": dp_s, "counts": chains.counts(),
+                     **{k: f(chains).makespan_ns for k, f in baselines.BASELINES.items()}})
     return rows
 
 

@@ -8,37 +8,23 @@ times as Markdown. Run: ``python benchmarks/quality_mitigation.py [--hardware pa
 from __future__ import annotations
 
 import statistics
-import sys
 
-from bagualu2.costmodel import build_graph, presets
 from bagualu2.mitigation import exact, greedy
 from bagualu2.mitigation.greedy import GreedyConfig
 import suite
 from suite import percentile
 
-TABLE_II = [name for name in presets.model_names() if name.startswith("glm-")]
 IMBALANCES = (1.0, 1.2, 1.6, 2.0, 2.6)
 
 
-def budgets(graph, count: int = 10) -> list[int]:
-    lo, hi = graph.floor_bytes, graph.unmitigated_bytes
-    return [lo + (hi - lo) * i // (count - 1) for i in range(count)]
-
-
-def run(hardware_name: str, time_limit_s: float, models=TABLE_II, imbalances=IMBALANCES, count: int = 10):
-    hardware = presets.hardware(hardware_name)
+def run(hardware_name: str, time_limit_s: float, models=suite.TABLE_II, imbalances=IMBALANCES, count: int = 10):
     rows = []
-    for name in models:
-        model, parallel = presets.model(name)
-        for imbalance in imbalances:
-            graph = build_graph(model, parallel, hardware, imbalance=imbalance)
-            for budget in budgets(graph, count):
-                best = exact.solve(graph, budget, time_limit_s=time_limit_s, num_workers=1, seed=0)
-                fast = greedy.solve(graph, budget)
-                paper = greedy.solve(graph, budget, config=GreedyConfig(variant="paper"))
-                rows.append({"model": name, "imbalance": imbalance, "budget": budget, "exact": best, "greedy": fast,
-                             "paper": paper})
-            print(f"  {name} r={imbalance} done", file=sys.stderr)
+    for name, imbalance, graph, budget in suite.points(hardware_name, models, imbalances, count):
+        best = exact.solve(graph, budget, time_limit_s=time_limit_s, num_workers=1, seed=0)
+        fast = greedy.solve(graph, budget)
+        paper = greedy.solve(graph, budget, config=GreedyConfig(variant="paper"))
+        rows.append({"model": name, "imbalance": imbalance, "budget": budget, "exact": best, "greedy": fast,
+                     "paper": paper})
     return rows
 
 

@@ -5,7 +5,25 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Callable
+from typing import Callable, Iterator
+
+from bagualu2.costmodel import OpGraph, build_graph, presets
+
+
+TABLE_II = tuple(name for name in presets.model_names() if name.startswith("glm-"))
+
+
+def points(hardware_name: str, models, imbalances, count: int) -> Iterator[tuple[str, float, OpGraph, int]]:
+    """``(model, imbalance, graph of stage 0 chunk 0, budget)`` for ``count`` budgets from M0 to unmitigated."""
+    hardware = presets.hardware(hardware_name)
+    for name in models:
+        model, parallel = presets.model(name)
+        for imbalance in imbalances:
+            graph = build_graph(model, parallel, hardware, imbalance=imbalance)
+            lo, hi = graph.floor_bytes, graph.unmitigated_bytes
+            for step in range(count):
+                yield name, imbalance, graph, lo + (hi - lo) * step // (count - 1)
+            print(f"  {name} r={imbalance} done", file=sys.stderr)
 
 
 def percentile(values: list[float], q: float) -> float:
