@@ -10,8 +10,9 @@ one stage holding every layer, EP=1). With EP=1 every expert is local, so the ro
 whatever the router picks: the imbalance rate is 1.0 by construction and other values are refused.
 ``--plan`` takes the plan text form (``none``, ``core_attn=OFFLOAD,expert_fc1=QUANTIZE``,
 ``L0.qkv/L0.norm1_out=OFFLOAD``); device bytes (kept storages + FP8 copies) are compared with
-``evaluate(graph, plan).activation_bytes`` and host bytes with ``.host_bytes``. Plans that resolve any saving to
-RECOMPUTE are refused (not implemented yet). User errors are one line on stderr with exit code 2.
+``evaluate(graph, plan).activation_bytes`` and host bytes with ``.host_bytes``. RECOMPUTE savings are not stored;
+backward re-runs their producers (``replayed_ops``: the ops that ran again, ``predicted_recompute_flops``: the
+cost model's FLOPs of the re-run closure). User errors are one line on stderr with exit code 2.
 
 Expert parallelism::
 
@@ -101,7 +102,6 @@ def measure(preset: str, *, imbalance: float = 1.0, plan: str = "none", seq_leng
     graph = build_graph(model_config, parallel, hardware, imbalance=imbalance)
     try:
         cost = evaluate(graph, plan_obj)
-        apply_plan(graph, plan_obj)  # refuses RECOMPUTE before anything runs
     except ValueError as exc:
         raise ValueError(f"--plan: {exc}") from None
     predicted = cost.activation_bytes
@@ -120,6 +120,7 @@ def measure(preset: str, *, imbalance: float = 1.0, plan: str = "none", seq_leng
     measured = record.device_bytes
     received = [int(moe.last_tokens_per_expert.sum()) for moe in model.moe_layers()]
     out.float().pow(2).mean().backward()  # the graph is complete and runs backward (unpacking every saving)
+    replayed = sorted({replay.op for replay in record.replays if replay.runs})
     executor.release("mb0")
     grads = [x.grad] + [p.grad for p in model.parameters() if p.grad is not None]
     grads_finite = all(bool(torch.isfinite(g).all()) for g in grads)
@@ -146,6 +147,7 @@ def measure(preset: str, *, imbalance: float = 1.0, plan: str = "none", seq_leng
         "received_tokens": received, "grads_finite": grads_finite,
         "predicted_host_bytes": int(cost.host_bytes), "measured_host_bytes": int(record.host_bytes),
         "unknown_bytes": int(record.unknown_bytes), "fp8_scale_bytes": int(record.scale_bytes),
+        "predicted_recompute_flops": int(cost.recompute_flops), "replayed_ops": replayed,
     }
 
 
@@ -157,8 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ep", type=int, default=1,
                         help="expert-parallel size; > 1 under torchrun --nproc_per_node=EP (gloo)")
     parser.add_argument("--plan", default="none",
-                        help="'none' or KEY=STRATEGY,... with KEY an op kind or OP/TENSOR and STRATEGY KEEP, OFFLOAD "
-                        "or QUANTIZE (RECOMPUTE: not yet)")
+                        help="'none' or KEY=STRATEGY,... with KEY an op kind or OP/TENSOR and STRATEGY KEEP, "
+                        "RECOMPUTE, OFFLOAD or QUANTIZE")
     parser.add_argument("--seq-length", type=int, default=None, help="override the preset's sequence length")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")

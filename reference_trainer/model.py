@@ -23,15 +23,18 @@ Core attention is ``scaled_dot_product_attention`` (causal, ``enable_gqa``): its
 out-projection's input is a view of it (one copy, as the cost model counts). ``v`` is copied out of the fused QKV
 output so that attention does not keep the whole QKV buffer alive.
 
-Op scopes: every op runs inside ``op_scope("L{layer}.{op}")`` (the cost-model op name; a no-op unless a plan
-executor, :func:`bagualu2.exec.apply_plan`, is recording a micro-batch), so saved-tensor hooks know which op saves.
+Ops: every op runs as ``run_op("L{layer}.{op}", fn, *inputs)`` (the cost-model op name; a plain call unless a
+plan executor, :func:`bagualu2.exec.apply_plan`, is recording a micro-batch), so saved-tensor hooks know which op
+saves, and an op the plan re-runs can be replayed from its inputs in backward (RECOMPUTE). Right after each router
+the model calls :func:`bagualu2.exec.after_gate` with the routed copies this rank's experts receive (deferred
+planning: the executor may switch the rest of the module to full recompute).
 
 Expert parallelism: without an ``ep_group`` (EP=1) ``dispatch``/``combine`` are identities (every expert local).
 With ``ep_group`` (a ``torch.distributed`` process group of ``ep`` ranks; gloo on CPU, NCCL on GPU) rank ``i``
 of the group holds the ``E/ep`` experts with global ids ``[i*E/ep, (i+1)*E/ep)``. ``permute`` sorts the routed
 copies by global expert id, which groups them by destination rank, then expert, so the send splits are contiguous.
-``dispatch`` first exchanges the per-(rank, expert) counts with a plain ``all_to_all_single`` on an int tensor,
-then sends the copies with the autograd ``torch.distributed.nn.functional.all_to_all_single`` (uneven splits) and
+Right after the router the per-(rank, expert) counts are exchanged with a plain ``all_to_all_single`` on an int
+tensor (so the gate hook knows what this rank receives); ``dispatch`` then sends the copies with the autograd ``torch.distributed.nn.functional.all_to_all_single`` (uneven splits) and
 regroups what arrived (source rank, then expert) by local expert (:class:`RowPermuteFunction`, which keeps its
 permutation on ``ctx``, not through saved-tensor hooks: it saves nothing the cost model counts). ``combine`` is
 the inverse: regroup back to (source rank, expert) order and ``all_to_all_single`` the expert outputs home.
@@ -57,7 +60,7 @@ from torch import nn
 from torch.distributed.nn.functional import all_to_all_single as _autograd_all_to_all_single
 
 from bagualu2.costmodel import ModelConfig
-from bagualu2.exec.apply import op_scope
+from bagualu2.exec.apply import after_gate, run_op
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -279,22 +282,26 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(m.hidden_size, (self.heads + 2 * self.groups) * self.head_dim, bias=False)
         self.out = nn.Linear(self.heads * self.head_dim, m.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, s, _ = x.shape
         a, g, d = self.heads, self.groups, self.head_dim
+        q, k, v = self.qkv(x).split((a * d, g * d, g * d), dim=-1)
+        # v gets its own storage: attention must not keep the whole QKV buffer
+        return q.reshape(b, s, a, d), k.reshape(b, s, g, d), v.reshape(b, s, g, d).contiguous()
+
+    def _core_attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, s, a, d = q.shape
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           is_causal=True, enable_gqa=self.groups != a)
+        return o.transpose(1, 2).reshape(b, s, a * d)  # a view: the flash output is (b, s, a, d) in memory
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         ops, names = self._ops, self._names
-        with op_scope(ops["qkv"]):
-            qkv = self.qkv(x)                                                     # [qkv] saves x (norm1 out)
-            q, k, v = qkv.split((a * d, g * d, g * d), dim=-1)
-            v = v.reshape(b, s, g, d).contiguous()  # own storage: attention must not keep the whole QKV buffer
-        with op_scope(ops["rope"]):                                               # [rope] saves nothing
-            q, k = RoPEFunction.apply(q.reshape(b, s, a, d), k.reshape(b, s, g, d), cos, sin)
-        with op_scope(ops["core_attn"], {names[0]: q, names[1]: k, names[2]: v}):  # [core_attn] q, k, v, o, lse
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               is_causal=True, enable_gqa=g != a)
-        o = o.transpose(1, 2).reshape(b, s, a * d)  # a view: the flash output is (b, s, a, d) in memory
-        with op_scope(ops["attn_out"]):
-            return self.out(o)                                                    # [attn_out] saves o
+        q, k, v = run_op(ops["qkv"], self._qkv, x)                               # [qkv] saves x (norm1 out)
+        q, k = run_op(ops["rope"], RoPEFunction.apply, q, k, cos, sin)           # [rope] saves nothing
+        o = run_op(ops["core_attn"], self._core_attn, q, k, v,                   # [core_attn] q, k, v, o, lse
+                   names={names[0]: q, names[1]: k, names[2]: v})
+        return run_op(ops["attn_out"], self.out, o)                              # [attn_out] saves o
 
 
 class MLP(nn.Module):
@@ -308,12 +315,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fc1, act, fc2 = self._ops
-        with op_scope(fc1):
-            x = self.fc1(x)
-        with op_scope(act):
-            x = SwiGLUFunction.apply(x)
-        with op_scope(fc2):
-            return self.fc2(x)
+        x = run_op(fc1, self.fc1, x)
+        x = run_op(act, SwiGLUFunction.apply, x)
+        return run_op(fc2, self.fc2, x)
 
 
 class MoE(nn.Module):
@@ -339,8 +343,8 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(experts[self.first_expert:self.first_expert + self.num_local_experts])
         self.shared = (MLP(m.hidden_size, m.moe_ffn_hidden_size * m.num_shared_experts, f"L{layer}.shared")
                        if m.num_shared_experts else None)
+        self.layer = layer
         self.last_tokens_per_expert: torch.Tensor | None = None  # copies routed to each local expert (received)
-        self._ep_state: tuple | None = None
 
     def bias_towards(self, rank: int, picks: int) -> None:
         """Set ``expert_bias`` so that every token puts exactly ``picks`` of its top-k on EP rank ``rank``."""
@@ -356,33 +360,40 @@ class MoE(nn.Module):
         bias[first + picks:first + local] = -ROUTER_BIAS
         self.expert_bias.copy_(bias)
 
-    def dispatch(self, x: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def exchange_counts(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(send, recv)``: this rank's copies per (destination rank, its local expert) and the copies it receives
+        per (source rank, local expert) — one plain all-to-all of the counts (identity at EP=1)."""
+        send = counts.reshape(self.ep, self.num_local_experts).contiguous()
+        if self.ep_group is None:
+            return send, send
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.ep_group)
+        return send, recv
+
+    def dispatch(self, x: torch.Tensor, send: torch.Tensor, recv: torch.Tensor):
         """Send the routed copies ``x`` (sorted by global expert) to their experts' ranks.
 
-        ``counts`` are this rank's copies per global expert. Returns the copies this rank's experts receive,
-        grouped by local expert, and their counts per local expert.
+        Returns the copies this rank's experts receive, grouped by local expert, their counts per local expert,
+        and the state :meth:`combine` needs (splits and the inverse regrouping).
         """
         if self.ep_group is None:
-            return x, counts  # EP=1: every expert is local
+            return x, recv.sum(0), None  # EP=1: every expert is local
         ep, local, group = self.ep, self.num_local_experts, self.ep_group
-        send = counts.reshape(ep, local).contiguous()  # [destination rank, its local expert]
-        recv = torch.empty_like(send)                   # [source rank, my local expert]
-        dist.all_to_all_single(recv, send, group=group)
         input_splits, output_splits = send.sum(1).tolist(), recv.sum(1).tolist()
         out = x.new_empty(sum(output_splits), x.shape[1])
         received = _all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
         # arrived grouped (source rank, expert): regroup by (expert, source rank)
         block = torch.repeat_interleave(torch.arange(ep * local, device=x.device), recv.reshape(-1).to(x.device))
         order = torch.sort((block % local) * ep + block // local, stable=True).indices
-        self._ep_state = (input_splits, output_splits, torch.argsort(order))
-        return RowPermuteFunction.apply(received, order), recv.sum(0)
+        state = (input_splits, output_splits, torch.argsort(order))
+        return RowPermuteFunction.apply(received, order), recv.sum(0), state
 
-    def combine(self, x: torch.Tensor) -> torch.Tensor:
-        """Send the expert outputs ``x`` (grouped by local expert) back to their tokens' ranks (inverse of dispatch)."""
-        if self.ep_group is None:
+    def combine(self, state, *outputs: torch.Tensor) -> torch.Tensor:
+        """Concatenate the local experts' outputs and send them back to their tokens' ranks (inverse of dispatch)."""
+        x = torch.cat(outputs)
+        if state is None:
             return x
-        input_splits, output_splits, inverse = self._ep_state
-        self._ep_state = None
+        input_splits, output_splits, inverse = state
         x = RowPermuteFunction.apply(x, inverse)  # back to (source rank, expert) order
         out = x.new_empty(sum(input_splits), x.shape[1])
         return _all_to_all_single(out, x, input_splits, output_splits, group=self.ep_group)
@@ -391,19 +402,17 @@ class MoE(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         ops = self._ops
-        with op_scope(ops["router"]):
-            probs, routing = RouterFunction.apply(tokens, self.router, self.expert_bias, self.top_k)  # [router]
-        with op_scope(ops["permute"]):
-            permuted = PermuteFunction.apply(tokens, routing)                                    # [permute]
-        counts = torch.bincount(routing.reshape(-1).long(), minlength=self.num_experts)
-        with op_scope(ops["dispatch"]):
-            received, counts = self.dispatch(permuted, counts)                                   # [dispatch]
+        probs, routing = run_op(ops["router"], RouterFunction.apply, tokens, self.router, self.expert_bias,
+                                self.top_k)                                                       # [router]
+        send, recv = self.exchange_counts(torch.bincount(routing.reshape(-1).long(),
+                                                         minlength=self.num_experts))
+        after_gate(self.layer, int(recv.sum()), self.ep_group)  # deferred planning: may downgrade this module
+        permuted = run_op(ops["permute"], PermuteFunction.apply, tokens, routing)                 # [permute]
+        received, counts, state = run_op(ops["dispatch"], self.dispatch, permuted, send, recv)   # [dispatch]
         self.last_tokens_per_expert = counts
         outputs = [expert(chunk) for expert, chunk in zip(self.experts, received.split(counts.tolist()))]
-        with op_scope(ops["combine"]):
-            combined = self.combine(torch.cat(outputs))                                          # [combine]
-        with op_scope(ops["unpermute"]):
-            out = UnpermuteFunction.apply(combined, probs, routing)                              # [unpermute]
+        combined = run_op(ops["combine"], self.combine, state, *outputs)                          # [combine]
+        out = run_op(ops["unpermute"], UnpermuteFunction.apply, combined, probs, routing)         # [unpermute]
         if self.shared is not None:
             out = out + self.shared(tokens)                                                      # [shared_*]
         return out.reshape(shape)
@@ -423,16 +432,12 @@ class Layer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         norm1, residual1, norm2, residual2 = self._ops
-        with op_scope(norm1):
-            h = self.norm1(x)
+        h = run_op(norm1, self.norm1, x)
         h = self.attention(h, cos, sin)
-        with op_scope(residual1):
-            x_mid = x + h  # [residual] saves nothing
-        with op_scope(norm2):
-            h = self.norm2(x_mid)
+        x_mid = run_op(residual1, torch.add, x, h)  # [residual] saves nothing
+        h = run_op(norm2, self.norm2, x_mid)
         h = self.mlp(h)
-        with op_scope(residual2):
-            return x_mid + h
+        return run_op(residual2, torch.add, x_mid, h)
 
 
 class GLMMoEModel(nn.Module):

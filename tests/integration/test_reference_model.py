@@ -139,7 +139,7 @@ def test_cli_prints_json():
     assert abs(record["rel_error"]) <= 0.01
 
 
-@pytest.mark.parametrize("args", [("--imbalance", "2"), ("--plan", "expert_act=RECOMPUTE"),
+@pytest.mark.parametrize("args", [("--imbalance", "2"), ("--plan", "expert_act=SOMETIMES"),
                                   ("--imbalance", "0.5"), ("--preset", "nope")])
 def test_cli_errors_are_one_line_exit_2(args):
     base = {"--preset": "tiny-dense", "--imbalance": "1", "--plan": "none"}

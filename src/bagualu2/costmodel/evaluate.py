@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
 
-from .graph import FLOAT_DTYPES, ITEM_BYTES, OpGraph, Resource, Saving
+from .graph import FLOAT_DTYPES, ITEM_BYTES, MATMUL_KINDS, OpGraph, Resource, Saving
 from .plan import Plan
 from .strategy import Strategy, offload_ns, quantize_ns
 
@@ -41,6 +41,7 @@ class PlanCost:
     resource_ns: Mapping[str, int]
     num_recomputed_ops: int
     unavailable: tuple[str, ...] = ()
+    recompute_flops: int = 0  # matrix-product and attention FLOPs of the re-run ops (``graph.MATMUL_KINDS``)
 
     @property
     def overhead_ns(self) -> int:
@@ -164,9 +165,12 @@ def evaluate_resolved(graph: OpGraph, strategies: Mapping[tuple[str, str], Strat
     stored = device.keys() | host.keys() | quantized
     rerun, unavailable = _recompute_closure(graph, recomputed - stored, stored)
     recompute_by_resource = {Resource.COMPUTE: 0, Resource.COMM: 0}
+    recompute_flops = 0
     for op_name in rerun:
         op = graph.op(op_name)
         recompute_by_resource[op.resource] += op.forward_ns
+        if op.kind in MATMUL_KINDS:
+            recompute_flops += op.flops
     recompute_total = sum(recompute_by_resource.values())
 
     base = graph.base_resource_ns
@@ -188,6 +192,7 @@ def evaluate_resolved(graph: OpGraph, strategies: Mapping[tuple[str, str], Strat
         resource_ns=MappingProxyType(resource_ns),
         num_recomputed_ops=len(rerun),
         unavailable=tuple(sorted(unavailable)),
+        recompute_flops=recompute_flops,
     )
 
 

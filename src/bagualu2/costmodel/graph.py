@@ -24,6 +24,10 @@ OP_KINDS = (
     "expert_fc1", "expert_act", "expert_fc2", "combine", "unpermute", "shared_fc1", "shared_act",
     "shared_fc2", "mlp_fc1", "mlp_act", "mlp_fc2", "tp_gather", "tp_reduce",
 )
+#: Kinds whose FLOPs are matrix products or attention (what a FLOP counter such as torch's counts); the other
+#: kinds are elementwise, memory-bound, and their ``flops`` only enter the roofline time.
+MATMUL_KINDS = frozenset({"qkv", "core_attn", "attn_out", "router", "expert_fc1", "expert_fc2", "shared_fc1",
+                          "shared_fc2", "mlp_fc1", "mlp_fc2"})
 COMM_KINDS = frozenset({"dispatch", "combine", "tp_gather", "tp_reduce"})
 MOE_KINDS = frozenset({"router", "permute", "dispatch", "expert_fc1", "expert_act", "expert_fc2",
                        "combine", "unpermute", "shared_fc1", "shared_act", "shared_fc2"})

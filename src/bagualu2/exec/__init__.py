@@ -1,10 +1,14 @@
 """The torch side of bagualu2 (the only package that imports torch): the activation tracker that measures what a
-micro-batch keeps for backward and enforces a memory cap on CPU, and plan execution through saved-tensor hooks
-(:func:`apply_plan`: KEEP, OFFLOAD and FP8 QUANTIZE; RECOMPUTE and the dual-batch executor are the open part of
-issue #5)."""
+micro-batch keeps for backward and enforces a memory cap on CPU; plan execution through saved-tensor hooks
+(:func:`apply_plan`: KEEP, OFFLOAD on copy streams, FP8 QUANTIZE, RECOMPUTE by replaying ops in backward); the
+deferred MoE downgrade after the gate; FLOP counting in the cost model's convention; and the dual-batch executor."""
 
-from .apply import OP_SCOPE, MicroBatchRecord, PlanExecutor, apply_plan, op_scope, quantize_fp8
+from .apply import OP_SCOPE, MicroBatchRecord, PlanExecutor, after_gate, apply_plan, op_scope, run_op
+from .deferred import DeferredPlanner, downgrade_module
+from .flops import flop_counter
+from .packing import CopyEngine, HostPool, quantize_fp8
 from .tracker import ActivationOutOfMemoryError, ActivationTracker, storage_bytes
 
-__all__ = ["ActivationOutOfMemoryError", "ActivationTracker", "MicroBatchRecord", "OP_SCOPE", "PlanExecutor",
-           "apply_plan", "op_scope", "quantize_fp8", "storage_bytes"]
+__all__ = ["ActivationOutOfMemoryError", "ActivationTracker", "CopyEngine", "DeferredPlanner", "HostPool",
+           "MicroBatchRecord", "OP_SCOPE", "PlanExecutor", "after_gate", "apply_plan", "downgrade_module",
+           "flop_counter", "op_scope", "quantize_fp8", "run_op", "storage_bytes"]

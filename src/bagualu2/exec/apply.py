@@ -1,40 +1,40 @@
-"""Apply an OFFLOAD / QUANTIZE plan to a model's forward through saved-tensor hooks, with the tracker's accounting.
+"""Apply a plan (KEEP / OFFLOAD / QUANTIZE / RECOMPUTE) to a model's forward through saved-tensor hooks.
 
 Usage (one micro-batch at a time, several may be in flight)::
 
-    executor = apply_plan(graph, plan, exclude=[model])        # ValueError if the plan has RECOMPUTE savings
+    executor = apply_plan(graph, plan, exclude=[model])
     with executor.micro_batch("mb0"):
         loss = model(tokens)...                                # the forward of micro-batch "mb0"
     executor.device_bytes("mb0"), executor.host_bytes("mb0")   # compare with evaluate(graph, plan)
+    executor.prefetch("mb0")                                   # optional: start reloading its host copies
     loss.backward()
     executor.release("mb0")
 
-The model marks its ops with :class:`op_scope` (``with op_scope("L0.qkv"): ...``; a no-op unless a micro-batch
-of some executor is being recorded). The pack hook takes the op from the scope and names the saved tensor by its
-*storage*: a storage seen before in this micro-batch keeps its name; a new one gets the first saving of the
-current op (graph order) with the same dtype and exactly its expected bytes (``numel * itemsize``), else, for
-a routed-expert tensor (one storage per expert), the first whose expected bytes are not used up yet. Where size
-and dtype are ambiguous (core attention's q/o, k/v) the model names the storages in its ``op_scope``. The strategy is
-``resolve(graph, plan)[(op, tensor)]``:
+The model runs its ops through :func:`run_op` (``run_op("L0.qkv", fn, x)``: the cost-model op name, a function
+and its arguments; a plain call unless a micro-batch is being recorded). The pack hook takes the op from the scope
+and names the saved tensor by its *storage*: a storage seen before in this micro-batch keeps its name; a new one
+gets the first saving of the current op (graph order) with the same dtype and exactly its expected bytes
+(``numel * itemsize``), else, for a routed-expert tensor (one storage per expert, any imbalance), the first routed
+saving of that dtype. Where size and dtype are ambiguous (core attention's q/o, k/v) the model names the storages
+(``run_op(..., names={...})``). The strategy is ``resolve(graph, plan)[(op, tensor)]``, applied in this order:
 
-* ``KEEP``      the tensor itself is kept (device bytes: its storage, once per storage);
-* ``OFFLOAD``   one host copy of the whole storage (``pin_memory`` when CUDA is available), shared by every
-                consumer that offloads it; unpack copies it back to the original device (host bytes);
-* ``QUANTIZE``  one FP8 e4m3 copy of the whole storage with one per-tensor FP32 scale ``amax / 448`` (1 if the
-                storage is all zeros), shared by the consumers that quantise it; unpack dequantises to the
-                original dtype, shape and strides (device bytes: one byte per element; the 4-byte scale is
-                reported as ``scale_bytes`` and not counted, like the cost model);
-* ``RECOMPUTE`` not implemented yet: :func:`apply_plan` raises ``ValueError`` up front (any saving resolving to
-                it, or any RECOMPUTE entry in the plan).
+1. ``KEEP``      the tensor itself is kept (device bytes: its storage, once per storage);
+2. ``OFFLOAD``   one host copy of the whole storage (pinned, from a reusable pool, on a side CUDA stream; see
+                 :mod:`.packing`), shared by every consumer that offloads it; unpack copies it back (or takes the
+                 copy :meth:`PlanExecutor.prefetch` started) (host bytes);
+3. ``QUANTIZE``  one FP8 e4m3 copy of the whole storage with one per-tensor FP32 scale ``amax / 448``, shared by
+                 the consumers that quantise it; unpack dequantises to the original dtype and view (device bytes:
+                 one byte per element; the 4-byte scale is reported as ``scale_bytes``, not counted);
+4. ``RECOMPUTE`` nothing is stored; backward regenerates the tensor by re-running its producer (the ops of the
+                 plan's least re-run closure become replays; see :mod:`.recompute`).
 
-Savings that cannot be named (no op scope, an op the graph does not know, no matching saving) are kept,
-counted in the device bytes and reported as ``unknown`` (count and bytes). Parameters and buffers of the
-modules in ``exclude`` (or of the given tracker) are not activations. With a ``tracker``, its cap applies to
-the device bytes and ``tracker.kept_bytes(name)`` reports them too.
+Savings that cannot be named (no op scope, an op the graph does not know, no matching saving) are kept, counted in
+the device bytes and reported as ``unknown``. Parameters and buffers of the modules in ``exclude`` (or of the
+given tracker) are not activations. With a ``tracker``, its cap applies to the device bytes.
 
-Not implemented: copies are synchronous (``.to(..., copy=True)`` on the current stream); there are no side CUDA
-streams, events or prefetch of offloaded tensors before backward, and on CUDA each consumer's unpack copies the
-storage back separately.
+Deferred planning (``deferred=``, :class:`~bagualu2.exec.deferred.DeferredPlanner`): the model calls
+:func:`after_gate` after each router; when the planner says the routed tokens do not fit the micro-batch's budget,
+every later saving of that MoE module switches to RECOMPUTE (full recompute of the module from its input).
 """
 
 from __future__ import annotations
@@ -43,39 +43,37 @@ import contextlib
 import itertools
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from bagualu2.costmodel.evaluate import resolve
+from bagualu2.costmodel.evaluate import mitigation_ops, resolve
 from bagualu2.costmodel.graph import ITEM_BYTES, OpGraph
 from bagualu2.costmodel.plan import Plan
 from bagualu2.costmodel.strategy import Strategy
 
+from .packing import SCALE_BYTES, CopyEngine, Offloaded, Quantized, View, flat_storage, quantize_fp8, unpack
+from .recompute import Regenerated, Replay, Source, Stored
 from .tracker import ActivationOutOfMemoryError, ActivationTracker, MicroBatchBytes, _storage_key
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
-SCALE_BYTES = 4  # one FP32 scale per FP8 copy (not counted in device bytes, as in the cost model)
 TORCH_TO_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "int32",
                  torch.int64: "int64", torch.bool: "bool"}
 
 #: The cost-model op running now (set by :class:`op_scope`, read by the pack hook).
 OP_SCOPE: ContextVar[str | None] = ContextVar("bagualu2_op_scope", default=None)
-_RECORDING = [0]  # micro-batches being recorded right now (op_scope does nothing when 0)
-
-
-#: Names the current op gives to some of its inputs' storages (``{storage key: tensor name}``), for savings the
-#: hook cannot tell apart by size and dtype (core attention's q/o and k/v).
+#: Names the current op gives to some of its inputs' storages (``{storage key: tensor name}``).
 OP_HINTS: ContextVar[dict | None] = ContextVar("bagualu2_op_hints", default=None)
+#: The executor and micro-batch being recorded in this context (set by ``micro_batch``).
+_ACTIVE: ContextVar[tuple["PlanExecutor", "MicroBatchRecord"] | None] = ContextVar("bagualu2_active",
+                                                                                   default=None)
+_RECORDING = [0]  # micro-batches being recorded right now (op_scope does nothing when 0)
 
 
 class op_scope:
     """``with op_scope("L3.expert_fc1"): ...`` — names the cost-model op that runs inside (no-op when idle).
 
-    ``names`` optionally maps tensors the op will save to their cost-model names
-    (``op_scope("L0.core_attn", {"L0.q_rope": q, "L0.k_rope": k, "L0.v": v})``): the hook uses them for storages
+    ``names`` optionally maps tensors the op will save to their cost-model names: the hook uses them for storages
     it has not named yet, where size and dtype alone are ambiguous.
     """
 
@@ -98,72 +96,30 @@ class op_scope:
             self._tokens = None
 
 
-# ---- packed forms ----------------------------------------------------------------------------------------------
-def _flat_storage(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole storage behind ``tensor`` as a flat tensor of its dtype (no copy)."""
-    numel = tensor.untyped_storage().nbytes() // tensor.element_size()
-    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(tensor.untyped_storage(), 0, (numel,))
+def run_op(name: str, fn: Callable[..., Any], *args: Any, names: dict[str, torch.Tensor] | None = None) -> Any:
+    """Run cost-model op ``name`` as ``fn(*args)``; under a recording executor it may become a replay.
+
+    ``fn`` must be a function of its arguments (and of parameters), deterministic in what it saves, so backward
+    can re-run it; tensor arguments are what the op reads.
+    """
+    with op_scope(name, names):
+        active = _ACTIVE.get()
+        if active is None or name not in active[1].rerun:
+            return fn(*args)
+        return active[0]._replayable(active[1], name, fn, args)
 
 
-@dataclass(frozen=True)
-class _View:
-    size: torch.Size
-    stride: tuple[int, ...]
-    offset: int
-    device: torch.device
-    dtype: torch.dtype
-    requires_grad: bool
+def after_gate(layer: int, received_tokens: int, group: Any = None) -> bool:
+    """Called by the model after MoE layer ``layer``'s router: the routed copies this rank's experts receive.
 
-    @classmethod
-    def of(cls, t: torch.Tensor) -> "_View":
-        return cls(t.size(), t.stride(), t.storage_offset(), t.device, t.dtype, t.requires_grad)
-
-    def rebuild(self, flat: torch.Tensor) -> torch.Tensor:
-        return flat.as_strided(self.size, self.stride, self.offset)
-
-
-@dataclass
-class _Offloaded:
-    host: torch.Tensor  # flat host copy of the storage (shared)
-    view: _View
-
-    def unpack(self) -> torch.Tensor:
-        flat = self.host.to(self.view.device, non_blocking=False)
-        return self.view.rebuild(flat)
-
-
-@dataclass
-class _Quantized:
-    data: torch.Tensor   # flat FP8 copy of the storage (shared)
-    scale: torch.Tensor  # 0-dim FP32
-    view: _View
-
-    def unpack(self) -> torch.Tensor:
-        flat = (self.data.to(torch.float32) * self.scale).to(self.view.dtype)
-        return self.view.rebuild(flat)
-
-
-def _unpack(packed):
-    return packed if isinstance(packed, torch.Tensor) else packed.unpack()
-
-
-def quantize_fp8(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(fp8, scale)`` with ``fp8 * scale ~= flat``; one per-tensor scale ``amax / 448`` (1 for all zeros)."""
-    wide = flat.detach().to(torch.float32)
-    amax = wide.abs().max() if wide.numel() else torch.zeros((), device=wide.device)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).to(torch.float32)
-    return (wide / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
-
-
-# ---- per micro-batch state ---------------------------------------------------------------------------------------
-@dataclass
-class _Storage:
-    sid: int
-    ref: StorageWeakRef
-    nbytes: int
-    name: str | None = None
-    host: torch.Tensor | None = None
-    fp8: tuple[torch.Tensor, torch.Tensor] | None = None
+    Returns whether the module is downgraded to full recompute (False when no deferred planner is recording).
+    With an EP ``group`` the decision is all-reduced (any rank downgrades -> all do), so the re-run collectives in
+    backward match on every rank.
+    """
+    active = _ACTIVE.get()
+    if active is None or active[0].deferred is None:
+        return False
+    return active[0]._after_gate(active[1], layer, received_tokens, group)
 
 
 @dataclass
@@ -171,14 +127,21 @@ class MicroBatchRecord:
     """What one micro-batch stored. Bytes are deduplicated per storage (host: per storage and dtype)."""
 
     name: str
+    plan: Plan
+    strategies: dict[tuple[str, str], Strategy]                 # resolved plan in force (changes on a downgrade)
+    rerun: frozenset[str]                                       # ops that become replays
     device: MicroBatchBytes = field(default_factory=MicroBatchBytes)  # shared with the tracker
     host: dict[int, int] = field(default_factory=dict)          # storage id -> host bytes
     scales: set[int] = field(default_factory=set)               # storage ids with an FP8 copy
     unknown: dict[int, int] = field(default_factory=dict)       # storage id -> bytes kept without a name
     unknown_count: int = 0                                      # pack calls that could not be named
-    storages: dict[tuple[str, int], _Storage] = field(default_factory=dict)
+    storages: dict[tuple[str, int], Stored] = field(default_factory=dict)
     used: dict[tuple[str, str], int] = field(default_factory=dict)  # (op, tensor) -> bytes named so far
-    strategies: dict[tuple[str, str], Strategy] = field(default_factory=dict)  # what the hook applied
+    applied: dict[tuple[str, str], Strategy] = field(default_factory=dict)  # what the hook applied
+    replays: list[Replay] = field(default_factory=list)
+    host_copies: list = field(default_factory=list)
+    downgraded: list[int] = field(default_factory=list)         # MoE layers downgraded after their gate
+    active: Replay | None = None                                # the replayable op running now
 
     @property
     def device_bytes(self) -> int:
@@ -198,49 +161,45 @@ class MicroBatchRecord:
 
 
 class PlanExecutor:
-    """Saved-tensor hooks that apply ``plan`` (OFFLOAD / QUANTIZE / KEEP) to micro-batches of ``graph``'s ops."""
+    """Saved-tensor hooks that apply ``plan`` to micro-batches of ``graph``'s ops (see the module docstring)."""
 
     def __init__(self, graph: OpGraph, plan: Plan | str | None, *, tracker: ActivationTracker | None = None,
-                 exclude: Iterable[torch.nn.Module] = ()):
+                 exclude: Iterable[torch.nn.Module] = (), deferred=None, engine: CopyEngine | None = None):
         self.graph = graph
         self.plan = Plan.from_str(plan) if isinstance(plan, str) else (plan or Plan())
         self.strategies = resolve(graph, self.plan)
-        # a RECOMPUTE kind policy is refused even where it matches no op of this graph
-        recomputed = [k for k, s in self.plan.entries if s is Strategy.RECOMPUTE and "/" not in k]
-        recomputed += sorted(f"{op}/{t}" for (op, t), s in self.strategies.items() if s is Strategy.RECOMPUTE)
-        if recomputed:
-            raise ValueError(f"RECOMPUTE is not implemented yet in plan execution ({', '.join(recomputed[:4])}"
-                             f"{', ...' if len(recomputed) > 4 else ''}); use OFFLOAD, QUANTIZE or KEEP")
+        self.rerun = frozenset(mitigation_ops(graph, self.plan).rerun)
         self.tracker = tracker if tracker is not None else ActivationTracker(exclude=exclude)
         if tracker is not None:
             self.tracker.exclude(*exclude)
+        self.deferred = deferred
+        self.engine = engine or CopyEngine()
         # op name -> [(tensor, dtype name, expected bytes)] in graph order
         self._savings = {op.name: [(s.tensor, s.dtype, graph.tensors[s.tensor].numel * ITEM_BYTES[s.dtype])
                                    for s in op.saves] for op in graph.ops if op.saves}
         self._records: dict[str, MicroBatchRecord] = {}
-        self._current: MicroBatchRecord | None = None
         self._ids = itertools.count()
 
     # ---- micro-batches ----------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def micro_batch(self, name: str) -> Iterator[MicroBatchRecord]:
         """Apply the plan to what autograd saves while the forward of micro-batch ``name`` runs in this block."""
-        tracker = self.tracker
         if name in self._records:
             raise ValueError(f"micro-batch {name!r} is already in flight")
-        record = self._records[name] = MicroBatchRecord(name, tracker.open(name))
-        previous, self._current = self._current, record
+        record = self._records[name] = MicroBatchRecord(name, self.plan, self.strategies, self.rerun,
+                                                        self.tracker.open(name))
+        token = _ACTIVE.set((self, record))
         _RECORDING[0] += 1
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(record, t), unpack):
                 yield record
         except BaseException:
             self._records.pop(name, None)
-            tracker.drop(name)
+            self.tracker.drop(name)
             raise
         finally:
             _RECORDING[0] -= 1
-            self._current = previous
+            _ACTIVE.reset(token)
             record.storages.clear()  # naming is per forward; the packed copies live in autograd's graph
 
     def record(self, name: str) -> MicroBatchRecord:
@@ -257,12 +216,69 @@ class PlanExecutor:
         """Host bytes of its offloaded copies (compare ``evaluate(graph, plan).host_bytes``)."""
         return self.record(name).host_bytes
 
+    def prefetch(self, name: str) -> int:
+        """Start the host->device copies of micro-batch ``name``'s offloaded storages (before its backward, on
+        the copy stream on CUDA; on CPU the copies run now). Returns how many were started."""
+        started = 0
+        for copy in self.record(name).host_copies:
+            if copy.prefetched is None:
+                copy.prefetched = self.engine.reload(copy, copy.device)
+                copy.last_read = copy.prefetched[1]
+                started += 1
+        return started
+
     def release(self, name: str) -> MicroBatchRecord:
-        """Forget micro-batch ``name`` (its backward ran); returns its record."""
+        """Forget micro-batch ``name`` (its backward ran); its host buffers go back to the pool."""
         record = self.record(name)
         del self._records[name]
         self.tracker.drop(name)
+        for copy in record.host_copies:
+            self.engine.pool.give(copy.host, copy.last_read)
+        record.host_copies.clear()
+        record.replays.clear()
         return record
+
+    # ---- deferred planning ------------------------------------------------------------------------------------
+    def _after_gate(self, record: MicroBatchRecord, layer: int, received_tokens: int, group) -> bool:
+        plan = self.deferred.after_gate(record.plan, layer, received_tokens)
+        downgrade = plan is not None
+        if group is not None:
+            flag = torch.tensor([int(downgrade)])
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+            if flag.item() and not downgrade:
+                plan = self.deferred.downgrade(record.plan, layer)
+            downgrade = bool(flag.item())
+        if downgrade:
+            record.plan = plan
+            record.strategies = resolve(self.graph, plan)
+            record.rerun = frozenset(mitigation_ops(self.graph, plan).rerun)
+            record.downgraded.append(layer)
+        return downgrade
+
+    # ---- recompute ------------------------------------------------------------------------------------------
+    def _replayable(self, record: MicroBatchRecord, name: str, fn, args) -> Any:
+        sources = []
+        for arg in args:
+            if isinstance(arg, torch.Tensor) and not self.tracker.excludes(arg):
+                stored = self._storage(record, arg, _storage_key(arg))
+                if stored.producer is not None:
+                    stored.producer[0].pending += 1
+                sources.append(Source(stored, View.of(arg), arg.requires_grad))
+            else:
+                sources.append(arg)
+        replay = Replay(name, fn, tuple(sources), self.engine)
+        previous, record.active = record.active, replay
+        try:
+            outputs = fn(*args)
+        finally:
+            record.active = previous
+        for index, out in enumerate(outputs if isinstance(outputs, tuple) else (outputs,)):
+            if isinstance(out, torch.Tensor):
+                stored = self._storage(record, out, _storage_key(out))
+                if stored.producer is None:
+                    stored.producer = (replay, index)
+        record.replays.append(replay)
+        return outputs
 
     # ---- the hook -------------------------------------------------------------------------------------------
     def _charge(self, record: MicroBatchRecord, key, nbytes: int) -> None:
@@ -276,15 +292,15 @@ class PlanExecutor:
         record.device.storages[key] = nbytes
         tracker.peak_bytes = max(tracker.peak_bytes, tracker.in_flight_bytes)
 
-    def _storage(self, record: MicroBatchRecord, tensor: torch.Tensor, key) -> _Storage:
+    def _storage(self, record: MicroBatchRecord, tensor: torch.Tensor, key) -> Stored:
         entry = record.storages.get(key)
         if entry is None or entry.ref.expired():  # a freed storage's address may be reused: a new storage
-            entry = _Storage(next(self._ids), StorageWeakRef(tensor.untyped_storage()),
-                             tensor.untyped_storage().nbytes())
+            entry = Stored(next(self._ids), StorageWeakRef(tensor.untyped_storage()),
+                           tensor.untyped_storage().nbytes())
             record.storages[key] = entry
         return entry
 
-    def _name(self, record: MicroBatchRecord, op: str | None, entry: _Storage, dtype: str | None,
+    def _name(self, record: MicroBatchRecord, op: str | None, entry: Stored, dtype: str | None,
               key) -> str | None:
         savings = self._savings.get(op) if op is not None else None
         if not savings or dtype is None:
@@ -298,18 +314,20 @@ class PlanExecutor:
                 if (hint is not None and tensor != hint) or saved_dtype != dtype:
                     continue
                 used = record.used.get((op, tensor), 0)
-                fits = (used + entry.nbytes <= expected and self.graph.tensors[tensor].routed) if partial \
-                    else (used == 0 and entry.nbytes == expected)
+                fits = self.graph.tensors[tensor].routed if partial else (used == 0 and entry.nbytes == expected)
                 if fits:
                     record.used[(op, tensor)] = used + entry.nbytes
                     entry.name = tensor
                     return tensor
         return None
 
-    def _pack(self, tensor: torch.Tensor):
-        record = self._current
+    def _pack(self, record: MicroBatchRecord, tensor: torch.Tensor):
+        index = None
+        if record.active is not None:  # the k-th saving of a replayable op (matched again on re-run)
+            index = record.active.num_saves
+            record.active.num_saves += 1
         key = _storage_key(tensor)
-        if record is None or self.tracker.excludes(tensor):
+        if self.tracker.excludes(tensor):
             return tensor
         entry = self._storage(record, tensor, key)
         op = OP_SCOPE.get()
@@ -317,34 +335,46 @@ class PlanExecutor:
         if name is None:
             record.unknown_count += 1
             record.unknown[entry.sid] = entry.nbytes
-            self._charge(record, ("keep", entry.sid), entry.nbytes)
-            return tensor
-        strategy = self.strategies.get((op, name), Strategy.KEEP)
-        record.strategies[(op, name)] = strategy
+            return self._keep(record, tensor, entry)
+        strategy = record.strategies.get((op, name), Strategy.KEEP)
+        record.applied[(op, name)] = strategy
         if strategy is Strategy.KEEP or entry.nbytes == 0:
-            self._charge(record, ("keep", entry.sid), entry.nbytes)
-            return tensor
+            return self._keep(record, tensor, entry)
         if strategy is Strategy.OFFLOAD:
             if entry.host is None:
-                host = _flat_storage(tensor).detach().to("cpu", copy=True)
-                if torch.cuda.is_available():
-                    host = host.pin_memory()
-                entry.host = host
+                entry.host = self.engine.offload(flat_storage(tensor).detach())
+                record.host_copies.append(entry.host)
                 record.host[entry.sid] = entry.nbytes
-            return _Offloaded(entry.host, _View.of(tensor))
+            return Offloaded(entry.host, self.engine, View.of(tensor))
         if strategy is Strategy.QUANTIZE:
             if entry.fp8 is None:
-                entry.fp8 = quantize_fp8(_flat_storage(tensor))
+                entry.fp8 = quantize_fp8(flat_storage(tensor))
                 record.scales.add(entry.sid)
                 self._charge(record, ("fp8", entry.sid), entry.fp8[0].numel())
-            return _Quantized(entry.fp8[0], entry.fp8[1], _View.of(tensor))
-        raise ValueError(f"{strategy.value} is not implemented yet in plan execution")  # RECOMPUTE: checked up front
+            return Quantized(entry.fp8[0], entry.fp8[1], View.of(tensor))
+        # RECOMPUTE: an earlier replay's output, else this replayable op's own k-th saving, else (not re-run:
+        # another consumer stores it) read from that copy on unpack
+        if entry.producer is not None and entry.producer[0] is not record.active:
+            replay, output = entry.producer
+            replay.pending += 1
+            return Regenerated(entry, View.of(tensor), self.engine, replay, output=output)
+        if record.active is not None:
+            record.active.pending += 1
+            return Regenerated(entry, View.of(tensor), self.engine, record.active, save=index)
+        return Regenerated(entry, View.of(tensor), self.engine)
+
+    def _keep(self, record: MicroBatchRecord, tensor: torch.Tensor, entry: Stored) -> torch.Tensor:
+        self._charge(record, ("keep", entry.sid), entry.nbytes)
+        if entry.kept is None:
+            entry.kept = tensor
+        return tensor
 
 
 def apply_plan(graph: OpGraph, plan: Plan | str | None, *, tracker: ActivationTracker | None = None,
-               exclude: Iterable[torch.nn.Module] = ()) -> PlanExecutor:
+               exclude: Iterable[torch.nn.Module] = (), deferred=None) -> PlanExecutor:
     """A :class:`PlanExecutor` for ``plan`` on ``graph``; use ``with executor.micro_batch(name):`` per micro-batch.
 
-    Raises ``ValueError`` for an invalid plan or one that resolves any saving to RECOMPUTE (not implemented yet).
+    ``deferred``: an optional :class:`~bagualu2.exec.deferred.DeferredPlanner` consulted after every MoE gate.
+    Raises ``ValueError`` for an invalid plan.
     """
-    return PlanExecutor(graph, plan, tracker=tracker, exclude=exclude)
+    return PlanExecutor(graph, plan, tracker=tracker, exclude=exclude, deferred=deferred)

@@ -1,0 +1,71 @@
+"""Deferred planning after the MoE gate, in the running model (§V-A).
+
+The plan of a micro-batch is chosen before its forward, for the imbalance expected then. After each MoE router
+the model calls :func:`bagualu2.exec.after_gate` with the routed copies this rank's experts will receive; the
+executor asks its :class:`DeferredPlanner` whether the plan in force still fits the micro-batch's budget at the
+imbalance that routing realised. If not, the rest of that MoE module runs under full recompute: every later
+saving of the module (permute, experts, combine, unpermute, shared expert; the router's own savings are already
+made) becomes RECOMPUTE, so backward restarts the module from its input.
+
+The prediction is ``costmodel.evaluate`` of the plan in force on the chunk's graph built at the realised
+imbalance of this layer, i.e. assuming every MoE layer of the chunk routes like this one (exact when they do;
+an over-estimate for the layers before a spike, which keep what they stored).
+"""
+
+from __future__ import annotations
+
+from bagualu2.budget import downgrade_needed
+from bagualu2.costmodel import Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, Strategy, build_graph, evaluate
+from bagualu2.costmodel.graph import MOE_KINDS
+
+
+def downgrade_module(graph: OpGraph, plan: Plan | None, layer: int) -> Plan:
+    """``plan`` with every saving of MoE layer ``layer``'s ops after the router set to RECOMPUTE."""
+    entries = dict(plan.entries) if plan is not None else {}
+    found = False
+    for op, saving in graph.savings:
+        if op.layer == layer and op.kind in MOE_KINDS:
+            found = True
+            if op.kind != "router" and (op.name, saving.tensor) not in graph.pinned:
+                entries[f"{op.name}/{saving.tensor}"] = Strategy.RECOMPUTE
+    if not found:
+        raise ValueError(f"layer {layer} is not a MoE layer of this graph ({graph.label})")
+    return Plan(tuple(entries.items()))
+
+
+class DeferredPlanner:
+    """After-gate decisions for micro-batches of one chunk with a budget of ``budget_bytes`` each."""
+
+    def __init__(self, model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, *, budget_bytes: int,
+                 stage: int = 0, chunk: int = 0):
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be a non-negative integer, got {budget_bytes!r}")
+        self.model, self.parallel, self.hardware = model, parallel, hardware
+        self.budget_bytes, self.stage, self.chunk = budget_bytes, stage, chunk
+        self._graphs: dict[float, OpGraph] = {}
+        self.decisions: list[tuple[int, float, int, bool]] = []  # (layer, imbalance, predicted bytes, downgraded)
+
+    def graph(self, imbalance: float = 1.0) -> OpGraph:
+        found = self._graphs.get(imbalance)
+        if found is None:
+            found = self._graphs[imbalance] = build_graph(self.model, self.parallel, self.hardware,
+                                                          imbalance=imbalance, stage=self.stage, chunk=self.chunk)
+        return found
+
+    def imbalance(self, layer: int, received_tokens: int) -> float:
+        """Realised imbalance: routed copies received over the mean (``T*K`` per rank), at least 1."""
+        if isinstance(received_tokens, bool) or not isinstance(received_tokens, int) or received_tokens < 0:
+            raise ValueError(f"received_tokens must be a non-negative integer, got {received_tokens!r}")
+        mean = self.graph().tensors[f"L{layer}.permuted"].numel // self.model.hidden_size
+        return max(received_tokens / mean, 1.0)
+
+    def after_gate(self, plan: Plan, layer: int, received_tokens: int) -> Plan | None:
+        """The downgraded plan if ``plan`` does not fit the budget at the realised imbalance, else None."""
+        imbalance = self.imbalance(layer, received_tokens)
+        predicted = evaluate(self.graph(imbalance), plan).activation_bytes
+        downgrade = downgrade_needed(predicted, self.budget_bytes)
+        self.decisions.append((layer, imbalance, predicted, downgrade))
+        return self.downgrade(plan, layer) if downgrade else None
+
+    def downgrade(self, plan: Plan, layer: int) -> Plan:
+        return downgrade_module(self.graph(), plan, layer)

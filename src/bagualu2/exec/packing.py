@@ -1,0 +1,167 @@
+"""Packed forms of saved tensors (host copies, FP8 copies) and the copy engine that moves them.
+
+A saved tensor is packed per *storage*: one host copy or one FP8 copy of the whole storage, shared by every
+consumer that mitigates it the same way; each consumer keeps a :class:`View` (size, stride, offset) to rebuild its
+own tensor from the flat copy on unpack.
+
+:class:`CopyEngine` does the device<->host copies. On CUDA it owns two side streams (device->host, host->device):
+an offload waits for the producer on the compute stream (an event), copies into a pinned buffer from a reusable
+:class:`HostPool` and records a completion event; the source storage is marked as used by the copy stream
+(``record_stream``) so the allocator does not reuse it early. A reload (or a prefetch issued before backward)
+copies back on the host->device stream, and the consumer's stream waits for its event before use. On CPU the same
+calls copy synchronously (no streams, no events, no pinning).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+SCALE_BYTES = 4  # one FP32 scale per FP8 copy (not counted in device bytes, as in the cost model)
+
+
+def flat_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole storage behind ``tensor`` as a flat tensor of its dtype (no copy)."""
+    numel = tensor.untyped_storage().nbytes() // tensor.element_size()
+    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(tensor.untyped_storage(), 0, (numel,))
+
+
+@dataclass(frozen=True)
+class View:
+    """How one consumer's tensor sits in its storage: rebuilt on a flat copy of that storage."""
+
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+    device: torch.device
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "View":
+        return cls(t.size(), t.stride(), t.storage_offset(), t.device, t.dtype)
+
+    def rebuild(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat.as_strided(self.size, self.stride, self.offset)
+
+
+def quantize_fp8(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(fp8, scale)`` with ``fp8 * scale ~= flat``; one per-tensor scale ``amax / 448`` (1 for all zeros)."""
+    wide = flat.detach().to(torch.float32)
+    amax = wide.abs().max() if wide.numel() else torch.zeros((), device=wide.device)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).to(torch.float32)
+    return (wide / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def dequantize_fp8(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (data.to(torch.float32) * scale).to(dtype)
+
+
+class HostPool:
+    """Reusable host buffers (pinned when CUDA is available), by ``(numel, dtype)``."""
+
+    def __init__(self, *, pin: bool | None = None):
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self.allocated = self.reused = 0
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        free = self._free.get((numel, dtype))
+        if free:
+            self.reused += 1
+            return free.pop()
+        self.allocated += 1
+        return torch.empty(numel, dtype=dtype, pin_memory=self.pin)
+
+    def give(self, buffer: torch.Tensor, busy_until: object = None) -> None:
+        """Return ``buffer``; ``busy_until`` (a CUDA event) is waited for first, so no copy still reads it."""
+        if busy_until is not None:
+            busy_until.synchronize()
+        self._free.setdefault((buffer.numel(), buffer.dtype), []).append(buffer)
+
+
+class CopyEngine:
+    """Device->host offloads and host->device reloads; asynchronous on CUDA side streams, synchronous on CPU."""
+
+    def __init__(self, pool: HostPool | None = None):
+        self.pool = pool or HostPool()
+        cuda = torch.cuda.is_available()
+        self.d2h = torch.cuda.Stream() if cuda else None
+        self.h2d = torch.cuda.Stream() if cuda else None
+
+    def offload(self, flat: torch.Tensor) -> "HostCopy":
+        """Start copying the flat device storage ``flat`` into a host buffer from the pool."""
+        host = self.pool.take(flat.numel(), flat.dtype)
+        if flat.device.type != "cuda" or self.d2h is None:
+            host.copy_(flat)
+            return HostCopy(host, None, flat.device)
+        ready = torch.cuda.current_stream(flat.device).record_event()
+        with torch.cuda.stream(self.d2h):
+            self.d2h.wait_event(ready)
+            host.copy_(flat, non_blocking=True)
+            flat.record_stream(self.d2h)  # the allocator may not reuse the source before the copy ran
+            done = self.d2h.record_event()
+        return HostCopy(host, done, flat.device)
+
+    def reload(self, copy: "HostCopy", device: torch.device) -> tuple[torch.Tensor, object]:
+        """Start copying ``copy`` back to ``device``; returns ``(flat device tensor, event or None)``."""
+        if device.type != "cuda" or self.h2d is None:
+            return copy.host.to(device, copy=True), None
+        with torch.cuda.stream(self.h2d):
+            if copy.done is not None:
+                self.h2d.wait_event(copy.done)
+            flat = copy.host.to(device, non_blocking=True)
+            event = self.h2d.record_event()
+        return flat, event
+
+
+@dataclass
+class HostCopy:
+    """A storage's host copy and the event that marks the end of its device->host copy (None on CPU)."""
+
+    host: torch.Tensor
+    done: object = None
+    device: torch.device | None = None  # where the storage came from (and goes back to)
+    prefetched: tuple[torch.Tensor, object] | None = None  # (device copy, event) issued before backward
+    last_read: object = None  # event of the latest host->device copy (the buffer is busy until it completed)
+
+    def to_device(self, engine: CopyEngine, device: torch.device) -> torch.Tensor:
+        """The flat storage on ``device``: the prefetched copy if there is one, else a reload now."""
+        flat, event = self.prefetched if self.prefetched is not None else engine.reload(self, device)
+        self.prefetched = None
+        if event is not None:
+            self.last_read = event
+            torch.cuda.current_stream(device).wait_event(event)
+            flat.record_stream(torch.cuda.current_stream(device))
+        return flat
+
+
+@dataclass
+class Offloaded:
+    """A consumer's saving that lives on the host (shared :class:`HostCopy` of its storage)."""
+
+    copy: HostCopy
+    engine: CopyEngine
+    view: View
+
+    def unpack(self) -> torch.Tensor:
+        return self.view.rebuild(self.copy.to_device(self.engine, self.view.device))
+
+
+@dataclass
+class Quantized:
+    """A consumer's saving stored as a shared FP8 copy of its storage with one FP32 scale."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    view: View
+
+    def unpack(self) -> torch.Tensor:
+        return self.view.rebuild(dequantize_fp8(self.data, self.scale, self.view.dtype))
+
+
+def unpack(packed):
+    """The saved-tensor unpack hook: a kept tensor as it is, anything packed through its ``unpack``."""
+    return packed if isinstance(packed, torch.Tensor) else packed.unpack()

@@ -1,0 +1,113 @@
+"""RECOMPUTE on the reference model (CPU): replays in backward vs the cost model.
+
+* measured device bytes == ``evaluate(graph, plan).activation_bytes`` for plans with RECOMPUTE (kind policies,
+  explicit savings, closures over several ops, mixed with OFFLOAD / QUANTIZE);
+* loss and every gradient bitwise equal to the unmitigated run (RECOMPUTE and OFFLOAD only);
+* the FLOPs backward adds (``FlopCounterMode``, with the attention convention of ``bagualu2.exec.flop_counter``)
+  equal the cost model's ``recompute_flops``, and each re-run op runs once.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bagualu2.costmodel import ParallelConfig, build_graph, evaluate, presets
+from bagualu2.costmodel.evaluate import mitigation_ops
+from bagualu2.exec import apply_plan, flop_counter
+from reference_trainer.model import GLMMoEModel
+
+SEQ = 32
+RECOMPUTE_PLANS = [
+    "core_attn=RECOMPUTE",
+    "expert_act=RECOMPUTE,mlp_act=RECOMPUTE",
+    "norm=RECOMPUTE",
+    "core_attn=RECOMPUTE,norm=OFFLOAD",
+    "L1.attn_out/L1.attn_out_in=RECOMPUTE,L1.core_attn/L1.attn_out_in=RECOMPUTE",       # o regenerated
+    "L1.qkv/L1.norm1_out=RECOMPUTE,L2.core_attn/L2.attn_lse=RECOMPUTE",
+    "L2.expert_fc2/L2.expert_act_out=RECOMPUTE,L2.expert_act/L2.expert_fc1_out=RECOMPUTE",  # fc1 + act re-run
+    "L2.unpermute/L2.combined=RECOMPUTE,expert_fc1=QUANTIZE",
+]
+FULL = "ALL"  # every non-pinned saving RECOMPUTE: full recompute from the block inputs
+
+
+def _setup(preset: str):
+    config, _ = presets.model(preset)
+    config = config.replace(seq_length=SEQ)
+    return config, build_graph(config, ParallelConfig(), presets.hardware("cpu"))
+
+
+def _plan(graph, plan: str) -> str:
+    if plan != FULL:
+        return plan
+    return ",".join(f"{op}/{tensor}=RECOMPUTE" for op, tensor in graph.decisions)
+
+
+def _step(config, graph, plan, *, count_flops=False):
+    torch.manual_seed(0)
+    model = GLMMoEModel(config)
+    x = torch.randn(config.micro_batch_size, config.seq_length, config.hidden_size, requires_grad=True)
+    record = None
+    if plan is None:
+        out = model.forward_layers(x)
+    else:
+        executor = apply_plan(graph, plan, exclude=[model])
+        with executor.micro_batch("mb0") as record:
+            out = model.forward_layers(x)
+    loss = out.pow(2).mean()
+    with flop_counter() as counter:
+        loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    grads["input"] = x.grad.clone()
+    return loss.detach(), grads, record, counter.get_total_flops()
+
+
+@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-dense"])
+@pytest.mark.parametrize("plan", [*RECOMPUTE_PLANS, FULL])
+def test_recompute_bytes_gradients_and_flops(preset, plan):
+    config, graph = _setup(preset)
+    try:
+        plan = _plan(graph, plan)
+        cost = evaluate(graph, plan)
+    except ValueError:
+        pytest.skip("the plan names ops of the other preset")
+    loss0, grads0, _, flops0 = _step(config, graph, None)
+    loss1, grads1, record, flops1 = _step(config, graph, plan)
+    assert record.unknown_count == 0
+    assert record.device_bytes == cost.activation_bytes, (record.device_bytes, cost.activation_bytes)
+    assert record.host_bytes == cost.host_bytes
+    assert cost.activation_bytes < graph.unmitigated_bytes
+    assert torch.equal(loss0, loss1)
+    quantized = "QUANTIZE" in plan
+    for name, g0 in grads0.items():
+        if quantized:
+            assert (grads1[name] - g0).norm() <= 0.1 * g0.norm() + 1e-12, name
+        else:
+            assert torch.equal(g0, grads1[name]), name
+    # the FLOPs backward added are the re-run ops' matmul and attention FLOPs, each op once
+    assert flops1 - flops0 == cost.recompute_flops
+    rerun = set(mitigation_ops(graph, plan).rerun)
+    # at EP=1 dispatch is the identity: its output is permute's, so re-running permute regenerates it
+    replayed = {op for op in rerun if not op.endswith(".dispatch")}
+    assert {r.op for r in record.replays if r.runs} == replayed
+    assert all(r.runs == 1 for r in record.replays if r.op in replayed)
+
+
+def test_full_recompute_reaches_the_floor():
+    config, graph = _setup("tiny-moe")
+    plan = _plan(graph, FULL)
+    _, _, record, _ = _step(config, graph, plan)
+    assert record.device_bytes == graph.floor_bytes == evaluate(graph, plan).activation_bytes
+
+
+def test_recompute_flops_are_counted_for_attention_too():
+    """The cost model's causal attention FLOPs (half of QK^T + PV) are what the counter reports for SDPA."""
+    config, graph = _setup("tiny-dense")
+    cost = evaluate(graph, "core_attn=RECOMPUTE")
+    attention = sum(op.flops for op in graph.ops if op.kind == "core_attn")
+    assert cost.recompute_flops == attention > 0
+    q = torch.randn(2, 4, SEQ, 8)
+    with flop_counter() as counter:
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert counter.get_total_flops() == 2 * 2 * 4 * SEQ * SEQ * 8
