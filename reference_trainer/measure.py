@@ -52,15 +52,19 @@ def _fail(message: str, quiet: bool = False) -> NoReturn:
 
 
 def measure(preset: str, *, imbalance: float = 1.0, plan: str = "none", seq_length: int | None = None,
-            seed: int = 0, ep: int = 1) -> dict[str, Any]:
+            seed: int = 0, ep: int = 1, budget_bytes: int | None = None) -> dict[str, Any]:
     """Run one micro-batch and return the JSON-able record (``ValueError`` on an unsupported request).
 
     ``ep > 1`` needs an initialised default process group of ``ep`` ranks (the EP group); call it on every rank.
+    ``budget_bytes``: deferred planning with this budget (a :class:`~bagualu2.exec.DeferredPlanner` after every
+    gate) and a tracker cap of the same size on rank 0 (``ActivationOutOfMemoryError`` when exceeded).
     """
+    import hashlib
+
     import torch
 
     from bagualu2.costmodel import ParallelConfig, Plan, build_graph, check_imbalance, evaluate, presets
-    from bagualu2.exec import apply_plan
+    from bagualu2.exec import ActivationTracker, DeferredPlanner, apply_plan
 
     from .model import TORCH_DTYPES, GLMMoEModel, imbalance_picks
 
@@ -101,10 +105,9 @@ def measure(preset: str, *, imbalance: float = 1.0, plan: str = "none", seq_leng
     hardware = presets.hardware("cpu")
     graph = build_graph(model_config, parallel, hardware, imbalance=imbalance)
     try:
-        cost = evaluate(graph, plan_obj)
+        evaluate(graph, plan_obj)
     except ValueError as exc:
         raise ValueError(f"--plan: {exc}") from None
-    predicted = cost.activation_bytes
 
     torch.manual_seed(seed)
     model = GLMMoEModel(model_config, ep_group=group)  # the same weights on every rank (experts: its slice)
@@ -114,7 +117,11 @@ def measure(preset: str, *, imbalance: float = 1.0, plan: str = "none", seq_leng
     dtype = TORCH_DTYPES[model_config.dtype]
     x = torch.randn(model_config.micro_batch_size, model_config.seq_length, model_config.hidden_size,
                     dtype=dtype, requires_grad=True)
-    executor = apply_plan(graph, plan_obj, exclude=[model])
+    deferred = tracker = None
+    if budget_bytes is not None:
+        deferred = DeferredPlanner(model_config, parallel, hardware, budget_bytes=budget_bytes)
+        tracker = ActivationTracker(cap_bytes=budget_bytes if rank == 0 else None, exclude=[model])
+    executor = apply_plan(graph, plan_obj, exclude=[model], tracker=tracker, deferred=deferred)
     with executor.micro_batch("mb0") as record:
         out = model.forward_layers(x)
     measured = record.device_bytes
@@ -124,6 +131,10 @@ def measure(preset: str, *, imbalance: float = 1.0, plan: str = "none", seq_leng
     executor.release("mb0")
     grads = [x.grad] + [p.grad for p in model.parameters() if p.grad is not None]
     grads_finite = all(bool(torch.isfinite(g).all()) for g in grads)
+    digest = hashlib.sha256()
+    for g in grads:
+        digest.update(g.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    effective = record.plan  # the plan in force at the end of the forward (after any deferred downgrade)
     if rank != 0:
         return {}  # measured and reported on rank 0
     record_fields: dict[str, Any] = {}
@@ -134,17 +145,22 @@ def measure(preset: str, *, imbalance: float = 1.0, plan: str = "none", seq_leng
             raise RuntimeError(f"rank 0 received different routed tokens per MoE layer: {received}")
         if realised[0] != imbalance:  # predict what was realised
             graph = build_graph(model_config, parallel, hardware, imbalance=realised[0])
-            cost = evaluate(graph, plan_obj)
-            predicted = cost.activation_bytes
         record_fields = {"requested_imbalance": float(requested), "realised_imbalance": realised[0],
                          "picks_per_rank": picks}
+    planned_bytes = evaluate(graph, plan_obj).activation_bytes
+    cost = evaluate(graph, effective)
+    predicted = cost.activation_bytes
+    if budget_bytes is not None:
+        record_fields.update(budget_bytes=budget_bytes, downgraded_layers=list(record.downgraded),
+                             planned_bytes=int(planned_bytes), effective_plan=str(effective),
+                             peak_bytes=int(executor.tracker.peak_bytes))
     return {
         "preset": preset, "seq_length": model_config.seq_length,
         "micro_batch_size": model_config.micro_batch_size, "layers": list(graph.layers), "ep": ep,
         "imbalance": imbalance, "plan": str(plan_obj),
         "predicted_bytes": int(predicted), "measured_bytes": int(measured),
         "rel_error": (measured - predicted) / predicted, **record_fields,
-        "received_tokens": received, "grads_finite": grads_finite,
+        "received_tokens": received, "grads_finite": grads_finite, "grads_sha256": digest.hexdigest(),
         "predicted_host_bytes": int(cost.host_bytes), "measured_host_bytes": int(record.host_bytes),
         "unknown_bytes": int(record.unknown_bytes), "fp8_scale_bytes": int(record.scale_bytes),
         "predicted_recompute_flops": int(cost.recompute_flops), "replayed_ops": replayed,
@@ -162,6 +178,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="'none' or KEY=STRATEGY,... with KEY an op kind or OP/TENSOR and STRATEGY KEEP, "
                         "RECOMPUTE, OFFLOAD or QUANTIZE")
     parser.add_argument("--seq-length", type=int, default=None, help="override the preset's sequence length")
+    parser.add_argument("--budget-bytes", type=int, default=None,
+                        help="deferred planning: downgrade a MoE module to full recompute after its gate when the "
+                        "plan would exceed this budget; rank 0's tracker is capped at it")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
@@ -172,6 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet = rank != 0  # only rank 0 reports (errors too: every rank fails the same way)
     if args.seq_length is not None and args.seq_length < 1:
         _fail(f"--seq-length: must be an integer >= 1, got {args.seq_length}", quiet)
+    if args.budget_bytes is not None and args.budget_bytes < 0:
+        _fail(f"--budget-bytes: must be an integer >= 0, got {args.budget_bytes}", quiet)
     if args.ep < 1:
         _fail(f"--ep: must be an integer >= 1, got {args.ep}", quiet)
     if world != args.ep:
@@ -184,12 +205,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         try:
             record = measure(args.preset, imbalance=args.imbalance, plan=args.plan, seq_length=args.seq_length,
-                             seed=args.seed, ep=args.ep)
+                             seed=args.seed, ep=args.ep, budget_bytes=args.budget_bytes)
         except ValueError as exc:
             message = str(exc)
             if not message.startswith("--"):
                 message = f"--preset: {message}"  # the only other library call that raises: presets.model
             _fail(message, quiet)
+        except Exception as exc:  # ActivationOutOfMemoryError (a torch.OutOfMemoryError) over --budget-bytes
+            import torch
+
+            if not isinstance(exc, torch.OutOfMemoryError):
+                raise
+            if not quiet:
+                sys.stderr.write(f"error: out of memory: {' '.join(str(exc).split())}\n")
+            raise SystemExit(1) from None
     finally:
         if world > 1:
             dist.destroy_process_group()

@@ -370,12 +370,16 @@ class MoE(nn.Module):
         dist.all_to_all_single(recv, send, group=self.ep_group)
         return send, recv
 
-    def dispatch(self, x: torch.Tensor, send: torch.Tensor, recv: torch.Tensor):
+    def dispatch(self, x: torch.Tensor, counts: tuple[torch.Tensor, torch.Tensor]):
         """Send the routed copies ``x`` (sorted by global expert) to their experts' ranks.
+
+        ``counts`` is ``(send, recv)`` from :meth:`exchange_counts` (metadata, passed in a tuple: a replay holds it
+        as it is, while tensor arguments are activations read back from where they are stored).
 
         Returns the copies this rank's experts receive, grouped by local expert, their counts per local expert,
         and the state :meth:`combine` needs (splits and the inverse regrouping).
         """
+        send, recv = counts
         if self.ep_group is None:
             return x, recv.sum(0), None  # EP=1: every expert is local
         ep, local, group = self.ep, self.num_local_experts, self.ep_group
@@ -408,7 +412,7 @@ class MoE(nn.Module):
                                                          minlength=self.num_experts))
         after_gate(self.layer, int(recv.sum()), self.ep_group)  # deferred planning: may downgrade this module
         permuted = run_op(ops["permute"], PermuteFunction.apply, tokens, routing)                 # [permute]
-        received, counts, state = run_op(ops["dispatch"], self.dispatch, permuted, send, recv)   # [dispatch]
+        received, counts, state = run_op(ops["dispatch"], self.dispatch, permuted, (send, recv))   # [dispatch]
         self.last_tokens_per_expert = counts
         outputs = [expert(chunk) for expert, chunk in zip(self.experts, received.split(counts.tolist()))]
         combined = run_op(ops["combine"], self.combine, state, *outputs)                          # [combine]

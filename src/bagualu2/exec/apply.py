@@ -100,7 +100,9 @@ def run_op(name: str, fn: Callable[..., Any], *args: Any, names: dict[str, torch
     """Run cost-model op ``name`` as ``fn(*args)``; under a recording executor it may become a replay.
 
     ``fn`` must be a function of its arguments (and of parameters), deterministic in what it saves, so backward
-    can re-run it; tensor arguments are what the op reads.
+    can re-run it. Tensor arguments are the activations the op reads (a replay reads them back from where they are
+    stored, or regenerates them); other arguments, including metadata tensors passed inside a tuple, are held as
+    they are.
     """
     with op_scope(name, names):
         active = _ACTIVE.get()
@@ -338,7 +340,9 @@ class PlanExecutor:
             return self._keep(record, tensor, entry)
         strategy = record.strategies.get((op, name), Strategy.KEEP)
         record.applied[(op, name)] = strategy
-        if strategy is Strategy.KEEP or entry.nbytes == 0:
+        if strategy is Strategy.KEEP or (entry.nbytes == 0 and strategy is not Strategy.RECOMPUTE):
+            # an empty RECOMPUTE saving is still regenerated: under EP every rank must re-run the same
+            # collectives in backward, whatever its experts received
             return self._keep(record, tensor, entry)
         if strategy is Strategy.OFFLOAD:
             if entry.host is None:

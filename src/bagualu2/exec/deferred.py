@@ -4,8 +4,8 @@ The plan of a micro-batch is chosen before its forward, for the imbalance expect
 the model calls :func:`bagualu2.exec.after_gate` with the routed copies this rank's experts will receive; the
 executor asks its :class:`DeferredPlanner` whether the plan in force still fits the micro-batch's budget at the
 imbalance that routing realised. If not, the rest of that MoE module runs under full recompute: every later
-saving of the module (permute, experts, combine, unpermute, shared expert; the router's own savings are already
-made) becomes RECOMPUTE, so backward restarts the module from its input.
+saving of a tensor the module makes after its router (permute, dispatch, experts, combine, shared expert) becomes
+RECOMPUTE, so backward restarts the module from its input and the routing (both exist already and stay).
 
 The prediction is ``costmodel.evaluate`` of the plan in force on the chunk's graph built at the realised
 imbalance of this layer, i.e. assuming every MoE layer of the chunk routes like this one (exact when they do;
@@ -20,16 +20,20 @@ from bagualu2.costmodel.graph import MOE_KINDS
 
 
 def downgrade_module(graph: OpGraph, plan: Plan | None, layer: int) -> Plan:
-    """``plan`` with every saving of MoE layer ``layer``'s ops after the router set to RECOMPUTE."""
+    """``plan`` with every saving of MoE layer ``layer`` of a tensor made after its router set to RECOMPUTE.
+
+    What exists when the gate is known stays as planned — the module's input and the router's outputs (routing
+    weights and map): the ops that made them have run already, so backward could not re-run them; the module
+    restarts from them.
+    """
     entries = dict(plan.entries) if plan is not None else {}
-    found = False
-    for op, saving in graph.savings:
-        if op.layer == layer and op.kind in MOE_KINDS:
-            found = True
-            if op.kind != "router" and (op.name, saving.tensor) not in graph.pinned:
-                entries[f"{op.name}/{saving.tensor}"] = Strategy.RECOMPUTE
-    if not found:
+    after_gate = {op.name for op in graph.ops if op.layer == layer and op.kind in MOE_KINDS and op.kind != "router"}
+    if not after_gate:
         raise ValueError(f"layer {layer} is not a MoE layer of this graph ({graph.label})")
+    for op, saving in graph.savings:
+        if op.name in after_gate and graph.tensors[saving.tensor].producer in after_gate \
+                and (op.name, saving.tensor) not in graph.pinned:
+            entries[f"{op.name}/{saving.tensor}"] = Strategy.RECOMPUTE
     return Plan(tuple(entries.items()))
 
 

@@ -25,7 +25,7 @@ class ActivationOutOfMemoryError(torch.OutOfMemoryError):
 class MicroBatchBytes:
     """Device bytes one micro-batch keeps, by storage."""
 
-    storages: dict[tuple[str, int], int] = field(default_factory=dict)  # (device, data_ptr) -> bytes
+    storages: dict[tuple[str, int], int] = field(default_factory=dict)  # (device, storage id) -> bytes
 
     @property
     def nbytes(self) -> int:
@@ -126,7 +126,8 @@ def _unpack(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
-    return str(tensor.device), tensor.untyped_storage().data_ptr()
+    """Identity of the storage behind ``tensor`` (shared by its views), also for empty storages (null data)."""
+    return str(tensor.device), tensor.untyped_storage()._cdata
 
 
 def storage_bytes(tensor: torch.Tensor) -> int:

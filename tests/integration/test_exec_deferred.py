@@ -1,0 +1,116 @@
+"""Deferred planning after the MoE gate, on the running reference model (CPU cap, gloo EP).
+
+A micro-batch planned for the mean routing meets a budget it cannot keep (a tight budget, or a routing spike under
+expert parallelism): without the deferred hook the tracker's cap raises ``ActivationOutOfMemoryError`` mid-forward;
+with it, the MoE modules after the gate switch to full recompute, the forward fits, the bytes kept equal the cost
+model's for the plan in force, and the gradients are bitwise those of the unmitigated run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bagualu2.costmodel import ParallelConfig, Plan, build_graph, evaluate, presets
+from bagualu2.exec import ActivationOutOfMemoryError, ActivationTracker, DeferredPlanner, apply_plan, downgrade_module
+from reference_trainer.model import GLMMoEModel
+
+ROOT = Path(__file__).resolve().parents[2]
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+SEQ = 32
+
+
+def _setup():
+    config, _ = presets.model("tiny-moe")
+    config = config.replace(seq_length=SEQ)
+    hardware = presets.hardware("cpu")
+    return config, hardware, build_graph(config, ParallelConfig(), hardware)
+
+
+def _run(config, graph, plan, *, cap=None, deferred=None):
+    torch.manual_seed(0)
+    model = GLMMoEModel(config)
+    x = torch.randn(config.micro_batch_size, config.seq_length, config.hidden_size, requires_grad=True)
+    executor = apply_plan(graph, plan, tracker=ActivationTracker(cap_bytes=cap, exclude=[model]), deferred=deferred)
+    with executor.micro_batch("mb0") as record:
+        out = model.forward_layers(x)
+    out.pow(2).mean().backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    grads["input"] = x.grad
+    return record, grads, executor.tracker.peak_bytes
+
+
+def _all_moe_downgraded(graph, config):
+    plan = Plan()
+    for layer in graph.layers:
+        if config.is_moe_layer(layer):
+            plan = downgrade_module(graph, plan, layer)
+    return plan
+
+
+def test_deferred_downgrade_avoids_the_cap_error():
+    config, hardware, graph = _setup()
+    floor = evaluate(graph, _all_moe_downgraded(graph, config)).activation_bytes
+    budget = (floor + graph.unmitigated_bytes) // 2
+    with pytest.raises(ActivationOutOfMemoryError):
+        _run(config, graph, "none", cap=budget)
+    planner = DeferredPlanner(config, ParallelConfig(), hardware, budget_bytes=budget)
+    record, grads, peak = _run(config, graph, "none", cap=budget, deferred=planner)
+    assert record.downgraded  # some MoE modules switched to full recompute after their gate
+    assert [layer for layer, _, _, down in planner.decisions if down] == record.downgraded
+    assert record.device_bytes == evaluate(graph, record.plan).activation_bytes <= budget
+    assert peak <= budget
+    _, grads0, _ = _run(config, graph, "none")
+    for name, g0 in grads0.items():
+        assert torch.equal(g0, grads[name]), name
+
+
+def test_no_downgrade_when_the_plan_fits():
+    config, hardware, graph = _setup()
+    planner = DeferredPlanner(config, ParallelConfig(), hardware, budget_bytes=graph.unmitigated_bytes)
+    record, _, _ = _run(config, graph, "none", cap=graph.unmitigated_bytes, deferred=planner)
+    assert record.downgraded == [] and planner.decisions and not any(d for *_, d in planner.decisions)
+    assert record.device_bytes == graph.unmitigated_bytes
+
+
+def test_downgrade_keeps_what_exists_at_the_gate():
+    config, _, graph = _setup()
+    plan = downgrade_module(graph, None, 1)
+    strategies = {k: s.value for k, s in plan.entries}
+    assert "L1.unpermute/L1.combined" in strategies and "L1.expert_fc1/L1.dispatched" in strategies
+    assert not any(k.startswith(("L1.router/", "L0.", "L2.")) for k in strategies)
+    assert "L1.unpermute/L1.router_probs" not in strategies  # made by the router: stays
+    with pytest.raises(ValueError, match="layer 0 is not a MoE layer"):
+        downgrade_module(graph, None, 0)
+    with pytest.raises(ValueError, match="budget_bytes"):
+        DeferredPlanner(config, ParallelConfig(), presets.hardware("cpu"), budget_bytes=-1)
+
+
+@pytest.mark.integration
+def test_spike_under_expert_parallelism_is_downgraded():
+    """EP=2, rank 0 receives 2x the mean: the plan sized for the mean would exceed its budget there."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def measure(*extra):
+        proc = subprocess.run([str(TORCHRUN), "--standalone", "--nproc_per_node=2", "-m", "reference_trainer.measure",
+                               "--preset", "tiny-moe", "--ep", "2", "--imbalance", "2", "--json", *extra],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][0])
+
+    config, _ = presets.model("tiny-moe")
+    mean = build_graph(config, ParallelConfig(dp=2, ep=2), presets.hardware("cpu"), imbalance=1.0)
+    budget = mean.unmitigated_bytes  # provisioned for the mean routing
+    record = measure("--budget-bytes", str(budget))
+    assert record["planned_bytes"] > budget  # the spike does not fit the plan made for the mean
+    assert record["downgraded_layers"]
+    assert record["measured_bytes"] == record["predicted_bytes"] <= budget
+    assert record["peak_bytes"] <= budget
+    assert "L1.dispatch" in record["replayed_ops"]  # backward re-ran the all-to-all on both ranks
+    assert record["grads_sha256"] == measure()["grads_sha256"]  # bitwise the unmitigated gradients
