@@ -60,7 +60,7 @@ from torch import nn
 from torch.distributed.nn.functional import all_to_all_single as _autograd_all_to_all_single
 
 from bagualu2.costmodel import ModelConfig
-from bagualu2.exec.apply import after_gate, run_op
+from bagualu2.exec.ops import after_gate, run_op
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

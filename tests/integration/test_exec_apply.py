@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from bagualu2.costmodel import ParallelConfig, Strategy, build_graph, evaluate, presets
 from bagualu2.exec import ActivationOutOfMemoryError, ActivationTracker, apply_plan, op_scope
-from bagualu2.exec.apply import OP_SCOPE
+from bagualu2.exec.ops import OP_SCOPE
 from reference_trainer.model import GLMMoEModel
 
 ROOT = Path(__file__).resolve().parents[2]

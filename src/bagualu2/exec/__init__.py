@@ -3,7 +3,8 @@ micro-batch keeps for backward and enforces a memory cap on CPU; plan execution 
 (:func:`apply_plan`: KEEP, OFFLOAD on copy streams, FP8 QUANTIZE, RECOMPUTE by replaying ops in backward); the
 deferred MoE downgrade after the gate; FLOP counting in the cost model's convention; and the dual-batch executor."""
 
-from .apply import OP_SCOPE, MicroBatchRecord, PlanExecutor, after_gate, apply_plan, op_scope, run_op
+from .apply import MicroBatchRecord, PlanExecutor, apply_plan
+from .ops import OP_SCOPE, after_gate, op_scope, run_op
 from .deferred import DeferredPlanner, downgrade_module
 from .flops import flop_counter
 from .packing import CopyEngine, HostPool, quantize_fp8

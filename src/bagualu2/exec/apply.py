@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
@@ -53,75 +52,13 @@ from bagualu2.costmodel.graph import ITEM_BYTES, OpGraph
 from bagualu2.costmodel.plan import Plan
 from bagualu2.costmodel.strategy import Strategy
 
-from .packing import SCALE_BYTES, CopyEngine, Offloaded, Quantized, View, flat_storage, quantize_fp8, unpack
+from .packing import SCALE_BYTES, CopyEngine, HostCopy, Offloaded, Quantized, View, flat_storage, quantize_fp8, unpack
+from .ops import _ACTIVE, _RECORDING, OP_HINTS, OP_SCOPE
 from .recompute import Regenerated, Replay, Source, Stored
 from .tracker import ActivationOutOfMemoryError, ActivationTracker, MicroBatchBytes, _storage_key
 
 TORCH_TO_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "int32",
                  torch.int64: "int64", torch.bool: "bool"}
-
-#: The cost-model op running now (set by :class:`op_scope`, read by the pack hook).
-OP_SCOPE: ContextVar[str | None] = ContextVar("bagualu2_op_scope", default=None)
-#: Names the current op gives to some of its inputs' storages (``{storage key: tensor name}``).
-OP_HINTS: ContextVar[dict | None] = ContextVar("bagualu2_op_hints", default=None)
-#: The executor and micro-batch being recorded in this context (set by ``micro_batch``).
-_ACTIVE: ContextVar[tuple["PlanExecutor", "MicroBatchRecord"] | None] = ContextVar("bagualu2_active",
-                                                                                   default=None)
-_RECORDING = [0]  # micro-batches being recorded right now (op_scope does nothing when 0)
-
-
-class op_scope:
-    """``with op_scope("L3.expert_fc1"): ...`` — names the cost-model op that runs inside (no-op when idle).
-
-    ``names`` optionally maps tensors the op will save to their cost-model names: the hook uses them for storages
-    it has not named yet, where size and dtype alone are ambiguous.
-    """
-
-    __slots__ = ("name", "names", "_tokens")
-
-    def __init__(self, name: str, names: dict[str, torch.Tensor] | None = None):
-        self.name = name
-        self.names = names
-        self._tokens = None
-
-    def __enter__(self) -> None:
-        if _RECORDING[0]:
-            hints = ({_storage_key(t): n for n, t in self.names.items()} if self.names else None)
-            self._tokens = (OP_SCOPE.set(self.name), OP_HINTS.set(hints))
-
-    def __exit__(self, *exc) -> None:
-        if self._tokens is not None:
-            OP_SCOPE.reset(self._tokens[0])
-            OP_HINTS.reset(self._tokens[1])
-            self._tokens = None
-
-
-def run_op(name: str, fn: Callable[..., Any], *args: Any, names: dict[str, torch.Tensor] | None = None) -> Any:
-    """Run cost-model op ``name`` as ``fn(*args)``; under a recording executor it may become a replay.
-
-    ``fn`` must be a function of its arguments (and of parameters), deterministic in what it saves, so backward
-    can re-run it. Tensor arguments are the activations the op reads (a replay reads them back from where they are
-    stored, or regenerates them); other arguments, including metadata tensors passed inside a tuple, are held as
-    they are.
-    """
-    with op_scope(name, names):
-        active = _ACTIVE.get()
-        if active is None or name not in active[1].rerun:
-            return fn(*args)
-        return active[0]._replayable(active[1], name, fn, args)
-
-
-def after_gate(layer: int, received_tokens: int, group: Any = None) -> bool:
-    """Called by the model after MoE layer ``layer``'s router: the routed copies this rank's experts receive.
-
-    Returns whether the module is downgraded to full recompute (False when no deferred planner is recording).
-    With an EP ``group`` the decision is all-reduced (any rank downgrades -> all do), so the re-run collectives in
-    backward match on every rank.
-    """
-    active = _ACTIVE.get()
-    if active is None or active[0].deferred is None:
-        return False
-    return active[0]._after_gate(active[1], layer, received_tokens, group)
 
 
 @dataclass
@@ -144,6 +81,9 @@ class MicroBatchRecord:
     host_copies: list = field(default_factory=list)
     downgraded: list[int] = field(default_factory=list)         # MoE layers downgraded after their gate
     active: Replay | None = None                                # the replayable op running now
+    forward_gate: Callable[[str], None] | None = None           # called before each op (dual-batch executor)
+    backward_gate: Callable[[str], None] | None = None          # called before each op's backward
+    pending_offloads: dict[str, list[Stored]] = field(default_factory=dict)  # tensor -> deferred host copies
 
     @property
     def device_bytes(self) -> int:
@@ -176,6 +116,8 @@ class PlanExecutor:
             self.tracker.exclude(*exclude)
         self.deferred = deferred
         self.engine = engine or CopyEngine()
+        self.stage_hooks = False    # gate backward per op (set by the dual-batch executor)
+        self.defer_offloads = False  # OFFLOAD copies wait for offload_now() (the dual-batch executor's O stages)
         # op name -> [(tensor, dtype name, expected bytes)] in graph order
         self._savings = {op.name: [(s.tensor, s.dtype, graph.tensors[s.tensor].numel * ITEM_BYTES[s.dtype])
                                    for s in op.saves] for op in graph.ops if op.saves}
@@ -223,9 +165,38 @@ class PlanExecutor:
         the copy stream on CUDA; on CPU the copies run now). Returns how many were started."""
         started = 0
         for copy in self.record(name).host_copies:
-            if copy.prefetched is None:
+            if copy.prefetched is None and copy.host is not None:
                 copy.prefetched = self.engine.reload(copy, copy.device)
                 copy.last_read = copy.prefetched[1]
+                started += 1
+        return started
+
+    def offload_now(self, name: str, tensors: Iterable[str] | None = None) -> int:
+        """Start the deferred device->host copies of micro-batch ``name`` (of ``tensors``, default all); returns
+        how many started. Only with ``defer_offloads``; until then the storage stays on the device."""
+        record = self.record(name)
+        started = 0
+        for tensor in list(record.pending_offloads) if tensors is None else tensors:
+            for entry in record.pending_offloads.pop(tensor, ()):
+                copy = self.engine.offload(entry.host.pending)
+                entry.host.host, entry.host.done, entry.host.pending = copy.host, copy.done, None
+                started += 1
+        return started
+
+    def recover(self, name: str, tensors: Iterable[str] = (), ops: Iterable[str] = ()) -> int:
+        """Recovery ahead of micro-batch ``name``'s backward: reload the host copies of ``tensors`` and re-run the
+        replays of ``ops`` now (cached until backward uses them). Returns how many actions started."""
+        record = self.record(name)
+        wanted, rerun = set(tensors), set(ops)
+        started = 0
+        for copy in record.host_copies:
+            if copy.name in wanted and copy.host is not None and copy.prefetched is None:
+                copy.prefetched = self.engine.reload(copy, copy.device)
+                copy.last_read = copy.prefetched[1]
+                started += 1
+        for replay in record.replays:
+            if replay.op in rerun and replay.runs == 0:
+                replay.output(0)
                 started += 1
         return started
 
@@ -235,7 +206,8 @@ class PlanExecutor:
         del self._records[name]
         self.tracker.drop(name)
         for copy in record.host_copies:
-            self.engine.pool.give(copy.host, copy.last_read)
+            if copy.host is not None:
+                self.engine.pool.give(copy.host, copy.last_read)
         record.host_copies.clear()
         record.replays.clear()
         return record
@@ -346,7 +318,12 @@ class PlanExecutor:
             return self._keep(record, tensor, entry)
         if strategy is Strategy.OFFLOAD:
             if entry.host is None:
-                entry.host = self.engine.offload(flat_storage(tensor).detach())
+                if self.defer_offloads:
+                    entry.host = HostCopy(None, device=tensor.device, pending=flat_storage(tensor).detach())
+                    record.pending_offloads.setdefault(name, []).append(entry)
+                else:
+                    entry.host = self.engine.offload(flat_storage(tensor).detach())
+                entry.host.name = name
                 record.host_copies.append(entry.host)
                 record.host[entry.sid] = entry.nbytes
             return Offloaded(entry.host, self.engine, View.of(tensor))

@@ -121,14 +121,19 @@ class CopyEngine:
 class HostCopy:
     """A storage's host copy and the event that marks the end of its device->host copy (None on CPU)."""
 
-    host: torch.Tensor
+    host: torch.Tensor | None           # None while the copy is deferred (``pending``)
     done: object = None
     device: torch.device | None = None  # where the storage came from (and goes back to)
+    pending: torch.Tensor | None = None  # the device storage of a deferred offload, not copied yet
+    name: str | None = None              # the cost-model tensor (set by the executor)
     prefetched: tuple[torch.Tensor, object] | None = None  # (device copy, event) issued before backward
     last_read: object = None  # event of the latest host->device copy (the buffer is busy until it completed)
 
     def to_device(self, engine: CopyEngine, device: torch.device) -> torch.Tensor:
-        """The flat storage on ``device``: the prefetched copy if there is one, else a reload now."""
+        """The flat storage on ``device``: the prefetched copy if there is one, else a reload now (a deferred
+        offload that never ran still has its device storage)."""
+        if self.pending is not None:
+            return self.pending
         flat, event = self.prefetched if self.prefetched is not None else engine.reload(self, device)
         self.prefetched = None
         if event is not None:

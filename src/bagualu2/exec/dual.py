@@ -1,0 +1,196 @@
+"""Run one fused scheduling point F_x B_y (paper §V-B) in the order a fusion solver chose.
+
+The four chains of ``bagualu2.fusion.build_chains`` are executed stage by stage, in the groups of an
+:class:`~bagualu2.fusion.Order`:
+
+* ``F`` stage k: the forward ops of micro-batch x in that stage. The forward runs in a worker thread, inside the
+  executor's ``micro_batch(x)``; :func:`~bagualu2.exec.ops.run_op` calls the gate before each op, which blocks until
+  the op's stage is let through.
+* ``B`` stage k: the backward of micro-batch y through the ops of that stage. ``loss.backward()`` runs in a second
+  worker thread; a hook on every differentiable output of every op of y (registered during y's forward, so the
+  executor needs ``stage_hooks`` on from then) runs right before that op's backward and blocks the same way, so
+  backward proceeds stage by stage through the autograd graph.
+* ``O`` stage: the device->host copies of micro-batch x-1's offloaded tensors (``offload_now``; offloads are
+  deferred while ``defer_offloads`` is on).
+* ``R`` stage: the recovery of micro-batch y+1: reloads of its host copies and early re-runs of its replays
+  (``recover``); dequantisation happens on unpack.
+
+A stage is done when its worker blocks at a gate of a later stage or finishes. Stages of one barrier group run one
+after the other here: on CUDA their kernels overlap through the copy streams and the device's queues; on CPU the
+whole point runs in this order synchronously (one worker at a time), which is why any order that keeps the chain
+orders gives the same numbers as sequential execution.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from bagualu2.fusion import Chains, Order
+
+from .apply import PlanExecutor
+
+
+class _Worker:
+    """A thread that runs ``work`` and pauses at the gates of ops whose stage has not been let through yet."""
+
+    def __init__(self, kind: str, stage_of: dict[str, int], trace: list, work: Callable[[], Any] | None = None):
+        self.kind, self.trace = kind, trace
+        self.stage_of = stage_of
+        self.work = work
+        self.started = False
+        self.cond = threading.Condition()
+        self.allowed = -1
+        self.waiting: int | None = None
+        self.done = False
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.ops: list[str] = []  # ops in the order they were let through
+        self.thread = threading.Thread(target=self._main, name=f"bagualu2-{kind}", daemon=True)
+
+    def _main(self) -> None:
+        try:
+            self.result = self.work()
+        except BaseException as exc:  # re-raised by the scheduler
+            self.error = exc
+        finally:
+            with self.cond:
+                self.done = True
+                self.cond.notify_all()
+
+    def gate(self, op: str) -> None:
+        stage = self.stage_of.get(op)
+        with self.cond:
+            if stage is not None and stage > self.allowed:
+                self.waiting = stage
+                self.cond.notify_all()
+                self.cond.wait_for(lambda: stage <= self.allowed)
+                self.waiting = None
+            self.ops.append(op)
+            self.trace.append((self.kind, op))
+
+    def run_through(self, stage: int) -> None:
+        """Let stages up to ``stage`` run; return when the worker is past them (or finished)."""
+        with self.cond:
+            if not self.started:
+                self.started = True
+                self.thread.start()
+            self.allowed = max(self.allowed, stage)
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: self.done or (self.waiting is not None and self.waiting > stage))
+
+    def finish(self):
+        self.run_through(1 << 30)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def _stage_index(chain) -> dict[str, int]:
+    index: dict[str, int] = {}
+    if chain is not None:
+        for number, stage in enumerate(chain.stages):
+            for op in stage.ops:
+                index.setdefault(op, number)
+    return index
+
+
+@dataclass
+class PointResult:
+    """What a scheduling point ran: the forward's result, the stages in execution order, the ops each worker
+    let through (program order for F, backward order for B)."""
+
+    forward: Any = None
+    stages: list[str] = field(default_factory=list)
+    trace: list[tuple[str, str]] = field(default_factory=list)  # (F or B, op) as both workers passed their gates
+    forward_ops: list[str] = field(default_factory=list)
+    backward_ops: list[str] = field(default_factory=list)
+
+
+class DualBatchExecutor:
+    """Executes scheduling points of micro-batches recorded by ``executor`` (see the module docstring)."""
+
+    def __init__(self, executor: PlanExecutor):
+        self.executor = executor
+        executor.stage_hooks = True
+        executor.defer_offloads = True
+
+    def run(self, order: Order, chains: Chains, *, forward: tuple[str, Callable[[], Any]] | None = None,
+            backward: tuple[str, torch.Tensor] | None = None, offload: str | None = None,
+            recovery: str | None = None) -> PointResult:
+        """Run ``order`` on ``chains``: ``forward = (x, fn)`` runs ``fn()`` as the forward of micro-batch x;
+        ``backward = (y, loss)`` runs ``loss.backward()`` for micro-batch y (recorded by this executor);
+        ``offload`` names x-1 and ``recovery`` y+1. A chain of ``chains`` needs its micro-batch and vice versa."""
+        self._check(order, chains, forward, backward, offload, recovery)
+        executor = self.executor
+        result = PointResult()
+        workers: dict[str, _Worker] = {}
+        if forward is not None:
+            name, fn = forward
+            workers["F"] = worker = _Worker("F", _stage_index(chains.forward), result.trace)
+
+            def run_forward(fn=fn, name=name, worker=worker):
+                with executor.micro_batch(name) as record:
+                    record.forward_gate = worker.gate
+                    try:
+                        return fn()
+                    finally:
+                        record.forward_gate = None
+
+            worker.work = run_forward
+        if backward is not None:
+            name, loss = backward
+            record = executor.record(name)
+            workers["B"] = worker = _Worker("B", _stage_index(chains.backward), result.trace, loss.backward)
+            record.backward_gate = worker.gate
+        try:
+            for group in order.groups:
+                for kind, index in group:
+                    result.stages.append(f"{kind}{index}")
+                    stage = chains.get(kind).stages[index]
+                    if kind in workers:
+                        workers[kind].run_through(index)
+                    elif kind == "O":
+                        executor.offload_now(offload, {op.split(":")[1] for op in stage.ops})
+                    else:
+                        executor.recover(recovery, tensors={op.split(":")[1] for op in stage.ops
+                                                            if op.startswith("h2d:")},
+                                         ops={op[:-3] for op in stage.ops if op.endswith(".re")})
+            for kind, worker in workers.items():
+                value = worker.finish()
+                if kind == "F":
+                    result.forward, result.forward_ops = value, worker.ops
+                else:
+                    result.backward_ops = worker.ops
+        finally:
+            if backward is not None:
+                executor.record(backward[0]).backward_gate = None
+            for worker in workers.values():  # an error: let the others run to their end, not hang
+                if worker.started and worker.thread.is_alive():
+                    worker.run_through(1 << 30)
+                    worker.thread.join()
+        return result
+
+    @staticmethod
+    def _check(order, chains, forward, backward, offload, recovery) -> None:
+        given = {"F": forward, "B": backward, "O": offload, "R": recovery}
+        for kind, value in given.items():
+            chain = chains.get(kind)
+            if chain is not None and value is None:
+                raise ValueError(f"chain {kind} has stages but no micro-batch was given for it")
+        seen: dict[str, int] = {}
+        for group in order.groups:
+            for kind, index in group:
+                chain = chains.get(kind)
+                if chain is None or index >= len(chain):
+                    raise ValueError(f"order stage {kind}{index} is not a stage of these chains")
+                if index != seen.get(kind, -1) + 1:
+                    raise ValueError(f"order runs {kind}{index} out of its chain's order")
+                seen[kind] = index
+        for chain in chains.present():
+            if seen.get(chain.kind, -1) != len(chain) - 1:
+                raise ValueError(f"order does not run every stage of chain {chain.kind}")

@@ -1,0 +1,98 @@
+"""How the model marks its ops for the executor: :func:`run_op`, :class:`op_scope` and :func:`after_gate`.
+
+All three are plain calls unless a :class:`~bagualu2.exec.apply.PlanExecutor` is recording a micro-batch in the
+current context; then ``run_op`` names the op for the pack hook, lets the dual-batch executor gate it, turns ops of
+the plan's re-run closure into replays, and ``after_gate`` consults the deferred planner.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from .tracker import _storage_key
+
+if TYPE_CHECKING:
+    from .apply import MicroBatchRecord, PlanExecutor
+
+#: The cost-model op running now (set by :class:`op_scope`, read by the pack hook).
+OP_SCOPE: ContextVar[str | None] = ContextVar("bagualu2_op_scope", default=None)
+#: Names the current op gives to some of its inputs' storages (``{storage key: tensor name}``).
+OP_HINTS: ContextVar[dict | None] = ContextVar("bagualu2_op_hints", default=None)
+#: The executor and micro-batch being recorded in this context (set by ``micro_batch``).
+_ACTIVE: ContextVar[tuple["PlanExecutor", "MicroBatchRecord"] | None] = ContextVar("bagualu2_active",
+                                                                                   default=None)
+_RECORDING = [0]  # micro-batches being recorded right now (op_scope does nothing when 0)
+
+
+class op_scope:
+    """``with op_scope("L3.expert_fc1"): ...`` — names the cost-model op that runs inside (no-op when idle).
+
+    ``names`` optionally maps tensors the op will save to their cost-model names: the hook uses them for storages
+    it has not named yet, where size and dtype alone are ambiguous.
+    """
+
+    __slots__ = ("name", "names", "_tokens")
+
+    def __init__(self, name: str, names: dict[str, torch.Tensor] | None = None):
+        self.name = name
+        self.names = names
+        self._tokens = None
+
+    def __enter__(self) -> None:
+        if _RECORDING[0]:
+            hints = ({_storage_key(t): n for n, t in self.names.items()} if self.names else None)
+            self._tokens = (OP_SCOPE.set(self.name), OP_HINTS.set(hints))
+
+    def __exit__(self, *exc) -> None:
+        if self._tokens is not None:
+            OP_SCOPE.reset(self._tokens[0])
+            OP_HINTS.reset(self._tokens[1])
+            self._tokens = None
+
+
+def run_op(name: str, fn: Callable[..., Any], *args: Any, names: dict[str, torch.Tensor] | None = None) -> Any:
+    """Run cost-model op ``name`` as ``fn(*args)``; under a recording executor it may become a replay.
+
+    ``fn`` must be a function of its arguments (and of parameters), deterministic in what it saves, so backward
+    can re-run it. Tensor arguments are the activations the op reads (a replay reads them back from where they are
+    stored, or regenerates them); other arguments, including metadata tensors passed inside a tuple, are held as
+    they are.
+    """
+    with op_scope(name, names):
+        active = _ACTIVE.get()
+        if active is None:
+            return fn(*args)
+        executor, record = active
+        if record.forward_gate is not None:
+            record.forward_gate(name)  # the dual-batch executor lets this op's stage run
+        outputs = executor._replayable(record, name, fn, args) if name in record.rerun else fn(*args)
+        if executor.stage_hooks:
+            _hook_outputs(record, name, outputs)
+        return outputs
+
+
+def _hook_outputs(record: "MicroBatchRecord", name: str, outputs: Any) -> None:
+    """Gate the backward of op ``name``: a hook on its differentiable outputs runs before its backward."""
+    def gate(_grad, op=name):
+        if record.backward_gate is not None:
+            record.backward_gate(op)
+
+    for out in outputs if isinstance(outputs, tuple) else (outputs,):
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(gate)
+
+
+def after_gate(layer: int, received_tokens: int, group: Any = None) -> bool:
+    """Called by the model after MoE layer ``layer``'s router: the routed copies this rank's experts receive.
+
+    Returns whether the module is downgraded to full recompute (False when no deferred planner is recording).
+    With an EP ``group`` the decision is all-reduced (any rank downgrades -> all do), so the re-run collectives in
+    backward match on every rank.
+    """
+    active = _ACTIVE.get()
+    if active is None or active[0].deferred is None:
+        return False
+    return active[0]._after_gate(active[1], layer, received_tokens, group)
