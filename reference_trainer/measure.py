@@ -52,7 +52,7 @@ def _fail(message: str, quiet: bool = False) -> NoReturn:
 
 
 def measure(preset: str, *, imbalance: float = 1.0, plan: str = "none", seq_length: int | None = None,
-            seed: int = 0, ep: int = 1, budget_bytes: int | None = None) -> dict[str, Any]:
+            seed: int = 0, ep: int = 1, budget_bytes: int | None = None, dtype: str | None = None) -> dict[str, Any]:
     """Run one micro-batch and return the JSON-able record (``ValueError`` on an unsupported request).
 
     ``ep > 1`` needs an initialised default process group of ``ep`` ranks (the EP group); call it on every rank.
@@ -86,6 +86,10 @@ def measure(preset: str, *, imbalance: float = 1.0, plan: str = "none", seq_leng
     model_config, _ = presets.model(preset)
     if seq_length is not None:
         model_config = model_config.replace(seq_length=seq_length)
+    if dtype is not None:
+        if dtype not in TORCH_DTYPES:
+            raise ValueError(f"--dtype: must be one of {', '.join(TORCH_DTYPES)}, got {dtype!r}")
+        model_config = model_config.replace(dtype=dtype)
     rank, group = 0, None
     picks: list[int] = []
     if ep > 1:
@@ -155,7 +159,7 @@ def measure(preset: str, *, imbalance: float = 1.0, plan: str = "none", seq_leng
                              planned_bytes=int(planned_bytes), effective_plan=str(effective),
                              peak_bytes=int(executor.tracker.peak_bytes))
     return {
-        "preset": preset, "seq_length": model_config.seq_length,
+        "preset": preset, "seq_length": model_config.seq_length, "dtype": model_config.dtype,
         "micro_batch_size": model_config.micro_batch_size, "layers": list(graph.layers), "ep": ep,
         "imbalance": imbalance, "plan": str(plan_obj),
         "predicted_bytes": int(predicted), "measured_bytes": int(measured),
@@ -181,6 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--budget-bytes", type=int, default=None,
                         help="deferred planning: downgrade a MoE module to full recompute after its gate when the "
                         "plan would exceed this budget; rank 0's tracker is capped at it")
+    parser.add_argument("--dtype", default=None, help="override the preset's dtype (fp32, bf16, fp16)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
@@ -205,7 +210,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         try:
             record = measure(args.preset, imbalance=args.imbalance, plan=args.plan, seq_length=args.seq_length,
-                             seed=args.seed, ep=args.ep, budget_bytes=args.budget_bytes)
+                             seed=args.seed, ep=args.ep, budget_bytes=args.budget_bytes,
+                             dtype=args.dtype)
         except ValueError as exc:
             message = str(exc)
             if not message.startswith("--"):

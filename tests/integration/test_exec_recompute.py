@@ -33,8 +33,9 @@ FULL = "ALL"  # every non-pinned saving RECOMPUTE: full recompute from the block
 
 
 def _setup(preset: str):
-    config, _ = presets.model(preset)
-    config = config.replace(seq_length=SEQ)
+    dtype = "bf16" if preset.endswith("-bf16") else None  # the router keeps an FP32 copy of its BF16 input
+    config, _ = presets.model(preset.removesuffix("-bf16"))
+    config = config.replace(seq_length=SEQ, **({"dtype": dtype} if dtype else {}))
     return config, build_graph(config, ParallelConfig(), presets.hardware("cpu"))
 
 
@@ -47,7 +48,8 @@ def _plan(graph, plan: str) -> str:
 def _step(config, graph, plan, *, count_flops=False):
     torch.manual_seed(0)
     model = GLMMoEModel(config)
-    x = torch.randn(config.micro_batch_size, config.seq_length, config.hidden_size, requires_grad=True)
+    x = torch.randn(config.micro_batch_size, config.seq_length, config.hidden_size,
+                    dtype=next(model.parameters()).dtype, requires_grad=True)
     record = None
     if plan is None:
         out = model.forward_layers(x)
@@ -55,7 +57,7 @@ def _step(config, graph, plan, *, count_flops=False):
         executor = apply_plan(graph, plan, exclude=[model])
         with executor.micro_batch("mb0") as record:
             out = model.forward_layers(x)
-    loss = out.pow(2).mean()
+    loss = out.float().pow(2).mean()
     with flop_counter() as counter:
         loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -63,7 +65,7 @@ def _step(config, graph, plan, *, count_flops=False):
     return loss.detach(), grads, record, counter.get_total_flops()
 
 
-@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-dense"])
+@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-dense", "tiny-moe-bf16"])
 @pytest.mark.parametrize("plan", [*RECOMPUTE_PLANS, FULL])
 def test_recompute_bytes_gradients_and_flops(preset, plan):
     config, graph = _setup(preset)

@@ -84,6 +84,16 @@ class MicroBatchRecord:
     forward_gate: Callable[[str], None] | None = None           # called before each op (dual-batch executor)
     backward_gate: Callable[[str], None] | None = None          # called before each op's backward
     pending_offloads: dict[str, list[Stored]] = field(default_factory=dict)  # tensor -> deferred host copies
+    named: dict[str, list[Stored]] = field(default_factory=dict)    # tensor -> the storages named so
+    producers: dict[str, tuple[Replay, int]] = field(default_factory=dict)  # tensor -> (replay, output) making it
+
+    def stored_as(self, name: str, engine) -> torch.Tensor | None:
+        """A stored storage named ``name`` (any precision), flat, or None."""
+        for entry in self.named.get(name, ()):
+            flat = entry.flat(entry.device, entry.dtype, engine)
+            if flat is not None:
+                return flat
+        return None
 
     @property
     def device_bytes(self) -> int:
@@ -246,11 +256,14 @@ class PlanExecutor:
             outputs = fn(*args)
         finally:
             record.active = previous
+        names = self.graph.op(name).outputs if self.graph.has_op(name) else ()
         for index, out in enumerate(outputs if isinstance(outputs, tuple) else (outputs,)):
             if isinstance(out, torch.Tensor):
                 stored = self._storage(record, out, _storage_key(out))
                 if stored.producer is None:
                     stored.producer = (replay, index)
+                if index < len(names):
+                    record.producers.setdefault(names[index], (replay, index))
         record.replays.append(replay)
         return outputs
 
@@ -270,7 +283,7 @@ class PlanExecutor:
         entry = record.storages.get(key)
         if entry is None or entry.ref.expired():  # a freed storage's address may be reused: a new storage
             entry = Stored(next(self._ids), StorageWeakRef(tensor.untyped_storage()),
-                           tensor.untyped_storage().nbytes())
+                           tensor.untyped_storage().nbytes(), tensor.dtype, tensor.device)
             record.storages[key] = entry
         return entry
 
@@ -292,6 +305,7 @@ class PlanExecutor:
                 if fits:
                     record.used[(op, tensor)] = used + entry.nbytes
                     entry.name = tensor
+                    record.named.setdefault(tensor, []).append(entry)
                     return tensor
         return None
 
@@ -342,7 +356,12 @@ class PlanExecutor:
         if record.active is not None:
             record.active.pending += 1
             return Regenerated(entry, View.of(tensor), self.engine, record.active, save=index)
-        return Regenerated(entry, View.of(tensor), self.engine)
+        if name in record.producers:  # a copy in another precision of a tensor a replay makes
+            replay, output = record.producers[name]
+            replay.pending += 1
+            return Regenerated(entry, View.of(tensor), self.engine, replay, output=output)
+        return Regenerated(entry, View.of(tensor), self.engine,
+                           lookup=lambda tensor_name: record.stored_as(tensor_name, self.engine))
 
     def _keep(self, record: MicroBatchRecord, tensor: torch.Tensor, entry: Stored) -> torch.Tensor:
         self._charge(record, ("keep", entry.sid), entry.nbytes)

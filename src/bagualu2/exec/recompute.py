@@ -42,6 +42,8 @@ class Stored:
     sid: int
     ref: StorageWeakRef
     nbytes: int
+    dtype: torch.dtype
+    device: torch.device
     name: str | None = None
     kept: torch.Tensor | None = None                              # a KEEP saving holds the storage on device
     host: HostCopy | None = None                                  # an OFFLOAD saving's host copy
@@ -135,9 +137,19 @@ class Replay:
             self._outputs = self._saves = None
 
 
+def flat_as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The flat storage of ``tensor``; a flat cast copy when ``dtype`` differs (a saving kept in another precision
+    than its producer made it, e.g. the router's FP32 copy of a BF16 input)."""
+    return flat_storage(tensor) if tensor.dtype == dtype else tensor.contiguous().reshape(-1).to(dtype)
+
+
 @dataclass
 class Regenerated:
-    """A RECOMPUTE saving: regenerated on unpack (or read from a copy another consumer stored)."""
+    """A RECOMPUTE saving: regenerated on unpack (or read from a copy another consumer stored).
+
+    Without a replay, the saving is a copy of a tensor the plan does not re-run: on unpack it is read from the
+    storage that ``lookup(name)`` says is stored under that name (in any precision, cast back).
+    """
 
     stored: Stored
     view: View
@@ -145,16 +157,20 @@ class Regenerated:
     replay: Replay | None = None  # None: not re-run (another consumer stores the tensor)
     output: int | None = None     # index into the replay's outputs ...
     save: int | None = None       # ... or into its captured savings
+    lookup: Callable[[str], torch.Tensor | None] | None = None
 
     def unpack(self) -> torch.Tensor:
         flat = self.stored.flat(self.view.device, self.view.dtype, self.engine)
-        if flat is None:
-            if self.replay is None:
-                raise RuntimeError(f"cannot regenerate {self.stored.name}: it is not stored and the plan does not "
-                                   "re-run its producer")
+        if flat is None and self.replay is not None:
             tensor = (self.replay.output(self.output) if self.output is not None
                       else self.replay.saved(self.save))
-            flat = flat_storage(tensor)
+            flat = flat_as(tensor, self.view.dtype)
+        if flat is None and self.lookup is not None:
+            found = self.lookup(self.stored.name)
+            flat = None if found is None else flat_as(found, self.view.dtype)
+        if flat is None:
+            raise RuntimeError(f"cannot regenerate {self.stored.name}: it is not stored and the plan does not "
+                               "re-run its producer")
         if self.replay is not None:
             self.replay.done_with()
         return self.view.rebuild(flat)
