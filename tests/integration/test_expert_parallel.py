@@ -100,3 +100,12 @@ def test_ep_forward_backward_matches_ep1(tmp_path):
     proc = _torchrun(2, str(script))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert sorted(proc.stdout.split()) == ["0", "1", "ok", "ok"]
+
+
+def test_recompute_plan_under_ep_is_exact_and_bitwise():
+    """RECOMPUTE under EP=4 with a 2x spike: bytes as predicted, gradients bitwise those of the plain run."""
+    plan = "expert_act=RECOMPUTE,core_attn=RECOMPUTE,L2.expert_fc1/L2.dispatched=RECOMPUTE"
+    record = _measure(4, 2.0, plan)
+    assert record["measured_bytes"] == record["predicted_bytes"]
+    assert "L2.dispatch" in record["replayed_ops"]  # the all-to-all re-ran on every rank in backward
+    assert record["grads_sha256"] == _measure(4, 2.0)["grads_sha256"]
