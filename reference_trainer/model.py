@@ -476,6 +476,12 @@ class GLMMoEModel(nn.Module):
         self.register_buffer("rope_cos", angles.cos()[:, None, :].to(dtype), persistent=False)
         self.register_buffer("rope_sin", angles.sin()[:, None, :].to(dtype), persistent=False)
 
+    @property
+    def ep_size(self) -> int:
+        """Ranks of the expert-parallel group (1 without one)."""
+        moe = self.moe_layers()
+        return moe[0].ep if moe else 1
+
     def moe_layers(self) -> list[MoE]:
         return [layer.mlp for layer in self.layers if layer.is_moe]
 

@@ -113,3 +113,21 @@ def test_recompute_flops_are_counted_for_attention_too():
     with flop_counter() as counter:
         F.scaled_dot_product_attention(q, q, q, is_causal=True)
     assert counter.get_total_flops() == 2 * 2 * 4 * SEQ * SEQ * 8
+
+
+def test_apply_plan_takes_the_model_itself():
+    """``apply_plan(model, plan)``: the graph of all its layers, its parameters excluded."""
+    config, graph = _setup("tiny-moe")
+    torch.manual_seed(0)
+    model = GLMMoEModel(config)
+    executor = apply_plan(model, "expert_act=RECOMPUTE,core_attn=OFFLOAD")
+    x = torch.randn(config.micro_batch_size, config.seq_length, config.hidden_size, requires_grad=True)
+    with executor.micro_batch("mb") as record:
+        out = model.forward_layers(x)
+    out.pow(2).mean().backward()
+    assert record.unknown_count == 0
+    assert record.device_bytes == evaluate(graph, "expert_act=RECOMPUTE,core_attn=OFFLOAD").activation_bytes
+    with pytest.raises(ValueError, match="OpGraph or a model"):
+        apply_plan("tiny-moe", "none")
+    with pytest.raises(ValueError, match="no ModelConfig"):
+        apply_plan(torch.nn.Linear(2, 2), "none")

@@ -370,11 +370,34 @@ class PlanExecutor:
         return tensor
 
 
-def apply_plan(graph: OpGraph, plan: Plan | str | None, *, tracker: ActivationTracker | None = None,
-               exclude: Iterable[torch.nn.Module] = (), deferred=None) -> PlanExecutor:
-    """A :class:`PlanExecutor` for ``plan`` on ``graph``; use ``with executor.micro_batch(name):`` per micro-batch.
+def apply_plan(target: OpGraph | torch.nn.Module, plan: Plan | str | None, *,
+               tracker: ActivationTracker | None = None, exclude: Iterable[torch.nn.Module] = (),
+               deferred=None) -> PlanExecutor:
+    """A :class:`PlanExecutor` for ``plan``; use ``with executor.micro_batch(name):`` per micro-batch.
 
-    ``deferred``: an optional :class:`~bagualu2.exec.deferred.DeferredPlanner` consulted after every MoE gate.
-    Raises ``ValueError`` for an invalid plan.
+    ``target`` is the op graph of the layers the forward runs, or a model with a ``config`` (a
+    :class:`~bagualu2.costmodel.ModelConfig`, e.g. the reference ``GLMMoEModel``): then the graph is built for all
+    its layers as one stage (expert parallelism from its ``ep_size``, default 1) and the model's parameters and
+    buffers are excluded. ``deferred``: an optional :class:`~bagualu2.exec.deferred.DeferredPlanner` consulted
+    after every MoE gate. Raises ``ValueError`` for an invalid plan or target.
     """
+    if isinstance(target, torch.nn.Module):
+        graph = graph_of(target)
+        exclude = (*exclude, target)
+    elif isinstance(target, OpGraph):
+        graph = target
+    else:
+        raise ValueError(f"apply_plan needs an OpGraph or a model with a config, got {type(target).__name__}")
     return PlanExecutor(graph, plan, tracker=tracker, exclude=exclude, deferred=deferred)
+
+
+def graph_of(model: torch.nn.Module, imbalance: float = 1.0) -> OpGraph:
+    """The cost-model graph of every layer of ``model`` (one stage, CPU hardware profile: bytes do not depend on
+    it), from ``model.config`` and ``model.ep_size``."""
+    from bagualu2.costmodel import ModelConfig, ParallelConfig, build_graph, presets
+
+    config = getattr(model, "config", None)
+    if not isinstance(config, ModelConfig):
+        raise ValueError(f"{type(model).__name__} has no ModelConfig 'config'; pass its OpGraph instead")
+    ep = int(getattr(model, "ep_size", 1))
+    return build_graph(config, ParallelConfig(dp=ep, ep=ep), presets.hardware("cpu"), imbalance=imbalance)
