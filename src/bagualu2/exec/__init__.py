@@ -10,6 +10,18 @@ from .flops import flop_counter
 from .packing import CopyEngine, HostPool, quantize_fp8
 from .tracker import ActivationOutOfMemoryError, ActivationTracker, storage_bytes
 
-__all__ = ["ActivationOutOfMemoryError", "ActivationTracker", "CopyEngine", "DeferredPlanner", "HostPool",
+
+
+def __getattr__(name: str):
+    # DualBatchExecutor needs bagualu2.fusion (and so OR-Tools): imported on first use only
+    if name in ("DualBatchExecutor", "PointResult"):
+        from . import dual
+
+        return getattr(dual, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["ActivationOutOfMemoryError", "ActivationTracker", "CopyEngine", "DeferredPlanner", "DualBatchExecutor",
+           "HostPool",
            "MicroBatchRecord", "OP_SCOPE", "PlanExecutor", "after_gate", "apply_plan", "downgrade_module",
            "flop_counter", "op_scope", "quantize_fp8", "run_op", "storage_bytes"]
