@@ -15,10 +15,13 @@ The four chains of ``bagualu2.fusion.build_chains`` are executed stage by stage,
 * ``R`` stage: the recovery of micro-batch y+1: reloads of its host copies and early re-runs of its replays
   (``recover``); dequantisation happens on unpack.
 
-A stage is done when its worker blocks at a gate of a later stage or finishes. Stages of one barrier group run one
-after the other here: on CUDA their kernels overlap through the copy streams and the device's queues; on CPU the
-whole point runs in this order synchronously (one worker at a time), which is why any order that keeps the chain
-orders gives the same numbers as sequential execution.
+A stage is done when its worker blocks at a gate of a later stage or finishes. Stages of one barrier group are
+issued one after the other (one worker at a time), so any order that keeps the chain orders computes exactly what
+sequential execution computes. On CPU that is also how they run. On CUDA the issue is asynchronous: the O and R
+copies run on the copy engine's side streams and overlap the compute issued next, and NCCL all-to-alls run on
+NCCL's stream. Forward and backward compute kernels are issued on the streams autograd assigns (a backward op runs
+on its forward op's stream); a second compute stream for alternate micro-batches (F_x and B_y compute overlapping
+each other) is not implemented — it needs cross-stream allocator bookkeeping that can only be validated on a GPU.
 """
 
 from __future__ import annotations
