@@ -1,5 +1,6 @@
 """The fusion DP against the simulator, the baselines and the exact CP-SAT schedule on random chains."""
 
+import itertools
 import warnings
 
 import pytest
@@ -14,14 +15,14 @@ RESOURCE_OF = {"F": [Resource.COMPUTE, Resource.COMM], "B": [Resource.COMPUTE, R
 
 
 @st.composite
-def random_chains(draw, max_stages=5):
+def random_chains(draw, max_stages=5, max_ns=1000):
     built = {}
     for kind in "FBOR":
         count = draw(st.integers(0, max_stages))
         if count == 0:
             built[kind] = None
             continue
-        stages = tuple(Stage(f"{kind}{i}", draw(st.sampled_from(RESOURCE_OF[kind])), draw(st.integers(0, 1000)))
+        stages = tuple(Stage(f"{kind}{i}", draw(st.sampled_from(RESOURCE_OF[kind])), draw(st.integers(0, max_ns)))
                        for i in range(count))
         built[kind] = Chain(kind, stages)
     return Chains(built["F"], built["B"], built["O"], built["R"])
@@ -44,6 +45,39 @@ def test_dp_keeps_chain_order_and_matches_simulation(chains):
     assert simulate(order, chains).makespan_ns == order.makespan_ns
     assert Order.from_str(repr(order)) == order
     assert chains.lower_bound_ns <= order.makespan_ns <= chains.sequential_ns
+
+
+def _reference_dp(chains: Chains) -> Order:
+    """The DP of the paper written out state by state: every state, every one of the 15 masks in order; a mask
+    wins only if strictly better, so ties go to the first mask (the vectorised DP must rebuild the same order)."""
+    stages = [chains.get(k).stages if chains.get(k) else () for k in "FBOR"]
+    shape = [len(s) + 1 for s in stages]
+    states = list(itertools.product(*(range(n) for n in shape)))  # flat order: predecessors come first
+    best, choice = {states[0]: 0}, {}
+    for state in states[1:]:
+        for mask in range(1, 16):
+            advanced = [c for c in range(4) if (mask >> c) & 1]
+            if any(state[c] == 0 for c in advanced):
+                continue
+            before = tuple(state[c] - ((mask >> c) & 1) for c in range(4))
+            load: dict = {}
+            for c in advanced:
+                stage = stages[c][state[c] - 1]
+                load[stage.resource] = load.get(stage.resource, 0) + stage.duration_ns
+            value = best[before] + max(load.values())
+            if state not in best or value < best[state]:
+                best[state], choice[state] = value, (mask, before)
+    groups, state = [], states[-1]
+    while state != states[0]:
+        mask, before = choice[state]
+        groups.append(tuple(("FBOR"[c], state[c] - 1) for c in range(4) if (mask >> c) & 1))
+        state = before
+    return Order(tuple(reversed(groups)), makespan_ns=best[states[-1]], solver="dp")
+
+
+@given(st.one_of(random_chains(max_stages=4), random_chains(max_stages=4, max_ns=3)))  # small ns: many ties
+def test_dp_matches_the_reference_recurrence_with_its_tie_breaks(chains):
+    assert dp.solve(chains) == _reference_dp(chains)
 
 
 @given(random_chains())

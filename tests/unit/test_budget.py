@@ -196,6 +196,37 @@ def test_microbatch_out_of_range_or_not_int_raises(mb):
         a.record_backward(mb)
 
 
+def test_record_forward_returns_the_in_flight_bytes():
+    a = make()
+    assert a.record_forward(0, 300) == 300 == a.in_flight_bytes
+    assert a.record_forward(1, 250) == 550 == a.in_flight_bytes
+    a.record_backward(0)
+    assert a.record_forward(2, 100) == 350 == a.in_flight_bytes
+
+
+def test_granted_budget_is_the_one_in_force_whether_or_not_it_was_asked_for():
+    a = make()
+    for mb in range(4):
+        a.record_forward(mb, 300)
+    assert a.next_forward_budget() == 0  # peeked, then a backward frees 300: the peek is stale
+    a.record_backward(0)
+    a.record_forward(4, 300)  # recorded without asking again: granted 300, no overrun
+    assert a.overrun_microbatches == ()
+    a.record_backward(1)
+    assert a.next_forward_budget() == 300
+    a.record_forward(5, 301)
+    assert a.overrun_microbatches == (5,)
+
+
+@pytest.mark.parametrize("mb", [True, 1.0, -1, 6])
+def test_backward_checks_the_microbatch_before_freeing_anything(mb):
+    a = make()
+    a.record_forward(1, 300)  # True and 1.0 hash like 1: they must not free micro-batch 1
+    with pytest.raises(ValueError, match="microbatch must be an int"):
+        a.record_backward(mb)
+    assert a.in_flight_microbatches == (1,) and a.in_flight_bytes == 300
+
+
 @pytest.mark.parametrize("actual", [-1, 1.5, True, None])
 def test_bad_actual_bytes_raises(actual):
     a = make()

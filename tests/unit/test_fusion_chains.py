@@ -61,3 +61,19 @@ def test_build_chains_checks_hardware():
     graph = build_graph(MODEL, PARALLEL, HW)
     with pytest.raises(ValueError, match="hardware"):
         build_chains(graph, None, graph, None, hardware=presets.hardware("h100"))
+
+
+def test_chains_do_not_depend_on_what_was_built_before_from_the_same_graph():
+    """build_chains keeps per-graph parts (forward/backward chains, the empty plan's mitigation ops): any order of
+    calls on one graph object gives the chains a fresh graph gives."""
+    graph = build_graph(MODEL, PARALLEL, HW, imbalance=1.6)
+    quantized = Plan.of({"L0.expert_fc1/L0.dispatched": "QUANTIZE", "L1.qkv/L1.norm1_out": "OFFLOAD"})
+    planned = greedy.solve(graph, (graph.floor_bytes + graph.unmitigated_bytes) // 2).plan
+    other = build_graph(MODEL, PARALLEL, HW, imbalance=2.6)
+    calls = [(graph, None, graph, None), (graph, quantized, graph, quantized), (graph, Plan(), graph, Plan()),
+             (graph, planned, graph, planned), (graph, planned, other, quantized), (None, None, graph, planned),
+             (graph, quantized, None, None), (graph, None, graph, None)]
+    for fg, fp, bg, bp in calls:
+        fresh = [build_graph(MODEL, PARALLEL, HW, imbalance=g.imbalance) if g is not None else None for g in (fg, bg)]
+        assert build_chains(fg, fp, bg, bp) == build_chains(fresh[0], fp, fresh[1], bp)
+    assert build_chains(graph, None, graph, None) == build_chains(graph, Plan(), graph, Plan())

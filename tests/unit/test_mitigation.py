@@ -147,9 +147,18 @@ def test_deferred_downgrade_fits_a_spike():
     assert downgraded and again == down
     same, downgraded = plan_after_gate(planned_for, plan, budget)
     assert not downgraded and same == plan
-    moe_ops = {op.name for op in spiked.ops if op.kind in ("expert_fc1", "router", "shared_act")}
-    resolved = {k: s for k, s in down.explicit().items() if k[0] in moe_ops}
-    assert resolved and set(resolved.values()) == {Strategy.RECOMPUTE}
+    changed = {k: s for k, s in down.explicit().items() if plan.explicit().get(k) != s}
+    assert changed and set(changed.values()) == {Strategy.RECOMPUTE}
+    assert {spiked.op(op).kind for op, _ in changed} <= {"expert_fc1", "expert_act", "expert_fc2", "unpermute",
+                                                          "shared_act", "shared_fc2"}
+    # what exists at the gate stays as planned: the router's savings, the routing weights unpermute keeps
+    made_before = {(op, t) for (op, t) in spiked.decisions if spiked.tensors[t].producer is not None
+                   and spiked.op(spiked.tensors[t].producer).kind in ("router", "norm")}
+    assert all(down.explicit().get(k) == plan.explicit().get(k) for k in made_before)
+    one = downgrade_plan(spiked, plan, layers=(spiked.layers[0],))
+    assert all(spiked.op(k[0]).layer == spiked.layers[0] for k in set(one.explicit()) - set(plan.explicit()))
+    with pytest.raises(ValueError, match="not a MoE layer"):
+        downgrade_plan(spiked, plan, layers=(10_000,))
 
 
 def test_exact_keeps_the_greedy_seed_when_time_runs_out():

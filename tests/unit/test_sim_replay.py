@@ -91,3 +91,45 @@ def test_cli_bad_inputs_name_the_option(args, option):
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2, result.output
     assert option in result.output and "Traceback" not in result.output
+
+
+def test_memoised_decisions_equal_fresh_ones():
+    """Decisions share orders (by the chains the DP reads), costs and rows (by measured imbalance): each one
+    still carries what evaluating and ordering its plan from scratch gives."""
+    from bagualu2.costmodel import build_graph, evaluate
+    from bagualu2.fusion import build_chains, dp
+    from bagualu2.sim import DecisionPath
+
+    model, parallel = presets.model("glm-1041b-a35b")
+    hw = presets.hardware("paper-gpu")
+    path = DecisionPath(model, parallel, hw)
+    for chunk in (0, 1):
+        for imbalance in (1.1, 2.5):  # bucket values themselves: the decision's graph is this one
+            graph = build_graph(model, parallel, hw, imbalance=imbalance, chunk=chunk)
+            for step in range(0, 9):
+                budget = graph.floor_bytes + (graph.unmitigated_bytes - graph.floor_bytes) * step // 6
+                decision = path.forward(budget, imbalance, "steady", chunk)
+                assert decision.kept_bytes == evaluate(graph, decision.plan).activation_bytes
+                assert decision.downgraded or decision.kept_bytes <= budget
+                chains = build_chains(graph, decision.plan, graph, decision.plan, hardware=hw)
+                assert decision.order == dp.solve(chains, pipeline_degree=parallel.pp)
+
+
+def test_stage_plan_phases_are_the_assigners():
+    """The phase of each forward is a constant of the stage's schedule, hoisted out of the replay loop: it is the
+    phase Algorithm 1's assigner is in at that forward."""
+    from bagualu2.budget import BudgetAssigner, BudgetPhase
+    from bagualu2.sim import DecisionPath
+
+    model, parallel = presets.model("glm-188b-a20b")
+    memory, steps = DecisionPath(model, parallel, presets.hardware("paper-gpu"), stage=1).stage_plan()
+    assigner = BudgetAssigner(m_max_bytes=memory.m_max_bytes, m0_bytes=memory.m0_bytes,
+                              num_microbatches=len(steps) // 2, num_warmup=memory.inflight_chunks)
+    for is_forward, index, _, _, phase in steps:
+        if is_forward:
+            assert phase == assigner.phase.value
+            assigner.record_forward(index, memory.m0_bytes)
+        else:
+            assert phase == ""
+            assigner.record_backward(index)
+    assert assigner.phase is BudgetPhase.DONE and {s[4] for s in steps} == {"", "warmup", "steady"}

@@ -143,6 +143,7 @@ class BudgetAssigner:
         self._actual_bytes: dict[int, int] = {}  # micro-batch -> measured bytes of every forward recorded
         self._granted_bytes: dict[int, int] = {}  # micro-batch -> budget in force when its forward was recorded
         self._in_flight_bytes = 0
+        self._peeked: int | None = None  # what next_forward_budget returned, while nothing was recorded since
 
     # ------------------------------------------------------------ properties
     @property
@@ -211,41 +212,54 @@ class BudgetAssigner:
         remaining_bytes = self._m_max_bytes - self._in_flight_bytes
         if launched < self._num_warmup:
             remaining_bytes //= self._num_warmup - launched
-        return max(0, remaining_bytes)
+        self._peeked = budget = remaining_bytes if remaining_bytes > 0 else 0
+        return budget
 
-    def record_forward(self, microbatch: int, actual_bytes: int) -> None:
-        """Record that ``microbatch``'s forward finished keeping ``actual_bytes`` of activations in flight.
+    def record_forward(self, microbatch: int, actual_bytes: int) -> int:
+        """Record that ``microbatch``'s forward finished keeping ``actual_bytes`` of activations in flight; returns
+        the in-flight bytes after recording (``in_flight_bytes``).
 
         The in-flight total is re-based on ``actual_bytes`` (not on the budget). An actual above the budget is
         accepted (the caller may have overrun): it is noted in ``overrun_microbatches`` and later budgets shrink.
         Raises ValueError if ``microbatch`` is not an int in [0, num_microbatches), was already recorded this
         iteration, if ``actual_bytes`` is not an int >= 0, or if all forwards were already launched.
         """
-        microbatch = self._check_microbatch("record_forward", microbatch)
-        actual_bytes = _require_int_at_least("actual_bytes", actual_bytes, 0)
-        if microbatch in self._actual_bytes:
+        if type(microbatch) is not int or not 0 <= microbatch < self._num_microbatches:  # the hot path skips this
+            microbatch = self._check_microbatch("record_forward", microbatch)
+        if type(actual_bytes) is not int or actual_bytes < 0:
+            actual_bytes = _require_int_at_least("actual_bytes", actual_bytes, 0)
+        actual = self._actual_bytes
+        if microbatch in actual:
             raise ValueError(
                 f"record_forward: microbatch={microbatch} was already recorded in this iteration; "
                 f"allowed: a microbatch in [0, {self._num_microbatches}) not yet recorded"
             )
-        granted = self.next_forward_budget()
-        self._granted_bytes[microbatch] = granted
-        self._actual_bytes[microbatch] = actual_bytes
+        # the budget in force: the caller usually just asked for it (nothing was recorded since); else compute it,
+        # which cannot raise: fewer than num_microbatches were launched, as this one is in range and not recorded
+        granted = self._peeked
+        self._granted_bytes[microbatch] = granted if granted is not None else self.next_forward_budget()
+        actual[microbatch] = actual_bytes
         self._in_flight[microbatch] = actual_bytes
-        self._in_flight_bytes += actual_bytes
+        self._in_flight_bytes = held = self._in_flight_bytes + actual_bytes
+        self._peeked = None
+        return held
 
     def record_backward(self, microbatch: int) -> None:
         """Record that ``microbatch``'s backward finished, freeing its measured bytes.
 
         Raises ValueError if ``microbatch`` is not an int in [0, num_microbatches) or is not in flight.
         """
-        microbatch = self._check_microbatch("record_backward", microbatch)
-        if microbatch not in self._in_flight:
+        if type(microbatch) is not int:  # bool, float, ... would match an int key: check first
+            microbatch = self._check_microbatch("record_backward", microbatch)
+        freed = self._in_flight.pop(microbatch, None)  # only checked, in-range micro-batches are ever in flight
+        if freed is None:
+            self._check_microbatch("record_backward", microbatch)  # out of range: that error first
             raise ValueError(
                 f"record_backward: microbatch={microbatch} is not in flight; allowed: one of "
                 f"{sorted(self._in_flight)}"
             )
-        self._in_flight_bytes -= self._in_flight.pop(microbatch)
+        self._in_flight_bytes -= freed
+        self._peeked = None
         assert self._in_flight_bytes >= 0
 
     # ----------------------------------------------------------------- helpers

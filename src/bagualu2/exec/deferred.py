@@ -14,27 +14,15 @@ an over-estimate for the layers before a spike, which keep what they stored).
 
 from __future__ import annotations
 
-from bagualu2.budget import downgrade_needed
-from bagualu2.costmodel import Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, Strategy, build_graph, evaluate
-from bagualu2.costmodel.graph import MOE_KINDS
+from bagualu2.budget import downgrade_needed, downgrade_plan
+from bagualu2.costmodel import Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, build_graph, evaluate
 
 
 def downgrade_module(graph: OpGraph, plan: Plan | None, layer: int) -> Plan:
-    """``plan`` with every saving of MoE layer ``layer`` of a tensor made after its router set to RECOMPUTE.
-
-    What exists when the gate is known stays as planned — the module's input and the router's outputs (routing
-    weights and map): the ops that made them have run already, so backward could not re-run them; the module
-    restarts from them.
-    """
-    entries = dict(plan.entries) if plan is not None else {}
-    after_gate = {op.name for op in graph.ops if op.layer == layer and op.kind in MOE_KINDS and op.kind != "router"}
-    if not after_gate:
-        raise ValueError(f"layer {layer} is not a MoE layer of this graph ({graph.label})")
-    for op, saving in graph.savings:
-        if op.name in after_gate and graph.tensors[saving.tensor].producer in after_gate \
-                and (op.name, saving.tensor) not in graph.pinned:
-            entries[f"{op.name}/{saving.tensor}"] = Strategy.RECOMPUTE
-    return Plan(tuple(entries.items()))
+    """``plan`` with MoE layer ``layer`` downgraded after its gate (``budget.downgrade_plan`` of that layer):
+    every saving of a tensor the module makes after its router set to RECOMPUTE; what exists when the gate is known
+    (the module's input, the router's outputs) stays as planned, so backward restarts the module from it."""
+    return downgrade_plan(graph, plan, layers=(layer,))
 
 
 class DeferredPlanner:

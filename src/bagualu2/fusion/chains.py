@@ -14,14 +14,18 @@ compute stream and stay inside compute stages. Long copy stages are cut into pie
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
+from itertools import groupby
+from operator import itemgetter
 from typing import Iterator
 
 from ..costmodel import Hardware, OpGraph, Plan, Resource
-from ..costmodel.evaluate import mitigation_ops
+from ..costmodel.evaluate import MitigationOps, mitigation_ops
 
 CHAIN_KINDS = ("F", "B", "O", "R")
 EP_COMM_KINDS = frozenset({"dispatch", "combine"})
+COPY_RESOURCES = (Resource.D2H, Resource.H2D)
 MAX_PIECES = 16  # a copy stage is cut into at most this many pieces (bounds the DP table)
 
 
@@ -123,31 +127,20 @@ def compact(kind: str, ops: list[RawOp], *, copy_split_ns: int | None = None) ->
                                       or copy_split_ns < 1):
         raise ValueError(f"copy_split_ns must be an integer >= 1 (nanoseconds) or None, got {copy_split_ns!r}")
     stages: list[Stage] = []
-    run: list[RawOp] = []
-
-    def flush() -> None:
-        if not run:
-            return
-        resource = run[0][1]
+    for resource, run in groupby(ops, key=itemgetter(1)):
+        run = list(run)
         total = sum(op[2] for op in run)
         names = tuple(op[0] for op in run)
         pieces = 1
-        if copy_split_ns and resource in (Resource.D2H, Resource.H2D) and total > copy_split_ns:
+        if copy_split_ns and resource in COPY_RESOURCES and total > copy_split_ns:
             pieces = min(-(-total // copy_split_ns), MAX_PIECES)
         for piece in range(pieces):
             share = total // pieces + (1 if piece < total % pieces else 0)
             stages.append(Stage(f"{kind}{len(stages)}", resource, share, names))
-        run.clear()
-
-    for op in ops:
-        if run and run[-1][1] is not op[1]:
-            flush()
-        run.append(op)
-    flush()
     return Chain(kind, tuple(stages)) if stages else None
 
 
-def _stream(graph: OpGraph, kind: str) -> Resource:
+def _stream(kind: str) -> Resource:
     return Resource.COMM if kind in EP_COMM_KINDS else Resource.COMPUTE
 
 
@@ -163,34 +156,60 @@ def build_chains(forward_graph: OpGraph | None, forward_plan: Plan | None, backw
         for graph in (forward_graph, backward_graph):
             if graph is not None and graph.hardware != hardware:
                 raise ValueError("hardware differs from the hardware the graphs were built for")
-    forward_ops: list[RawOp] = []
+    forward = backward = extra = None
     offload_ops: list[RawOp] = []
     if forward_graph is not None:
-        extra = mitigation_ops(forward_graph, forward_plan)
-        casts = {}
-        for tensor, producer, cast_ns, _ in extra.quantized:
-            casts.setdefault(producer, []).append((f"cast:{tensor}", Resource.COMPUTE, cast_ns))
-        forward_ops.extend(casts.get(None, []))
-        for op in forward_graph.ops:
-            forward_ops.append((op.name, _stream(forward_graph, op.kind), op.forward_ns))
-            forward_ops.extend(casts.get(op.name, []))
+        extra = _mitigation_ops(forward_graph, forward_plan)
+        forward_ops, forward = _plain(forward_graph)[:2]
+        if extra.quantized:  # the FP8 casts run right after their producer (graph inputs' casts first)
+            casts: dict[str | None, list[RawOp]] = {}
+            for tensor, producer, cast_ns, _ in extra.quantized:
+                casts.setdefault(producer, []).append((f"cast:{tensor}", Resource.COMPUTE, cast_ns))
+            with_casts = list(casts.get(None, ()))
+            for op in forward_ops:
+                with_casts.append(op)
+                with_casts.extend(casts.get(op[0], ()))
+            forward = compact("F", with_casts)
         offload_ops = [(f"d2h:{t}:{d}", Resource.D2H, down) for t, d, _, down, _ in extra.offloads]
-    backward_ops: list[RawOp] = []
     recovery_ops: list[RawOp] = []
     if backward_graph is not None:
-        backward_ops = [(f"{op.name}.bwd", _stream(backward_graph, op.kind), op.backward_ns)
-                        for op in reversed(backward_graph.ops)]
-        extra = mitigation_ops(backward_graph, backward_plan)
+        backward = _plain(backward_graph)[2]
+        if extra is None or backward_graph is not forward_graph or backward_plan != forward_plan:
+            extra = _mitigation_ops(backward_graph, backward_plan)  # else: the same graph and plan as forward
         recovery_ops = [(f"h2d:{t}:{d}", Resource.H2D, up) for t, d, _, _, up in extra.offloads]
         recovery_ops += [(f"dequant:{t}", Resource.COMPUTE, back) for t, _, _, back in extra.quantized]
-        recovery_ops += [(f"{name}.re", _stream(backward_graph, backward_graph.op(name).kind),
-                          backward_graph.op(name).forward_ns) for name in extra.rerun]
+        rerun = [backward_graph.op(name) for name in extra.rerun]
+        recovery_ops += [(f"{op.name}.re", _stream(op.kind), op.forward_ns) for op in rerun]
     if copy_split_ns is None:
-        main_chains = [c for c in (compact("F", forward_ops), compact("B", backward_ops)) if c is not None]
-        main = sorted(stage.duration_ns for chain in main_chains for stage in chain.stages)
+        main = sorted(stage.duration_ns for chain in (forward, backward) if chain is not None
+                      for stage in chain.stages)
         copy_split_ns = max(main[len(main) // 2], 1) if main else None
     labels = [g.label for g in (forward_graph, backward_graph) if g is not None]
     label = labels[0] if len(set(labels)) == 1 else " / ".join(labels)
-    return Chains(compact("F", forward_ops), compact("B", backward_ops),
-                  compact("O", offload_ops, copy_split_ns=copy_split_ns),
+    return Chains(forward, backward, compact("O", offload_ops, copy_split_ns=copy_split_ns),
                   compact("R", recovery_ops, copy_split_ns=copy_split_ns), label=label)
+
+
+_PLAIN: "weakref.WeakKeyDictionary[OpGraph, tuple]" = weakref.WeakKeyDictionary()
+_UNMITIGATED: "weakref.WeakKeyDictionary[OpGraph, MitigationOps]" = weakref.WeakKeyDictionary()
+
+
+def _mitigation_ops(graph: OpGraph, plan: Plan | None) -> MitigationOps:
+    """``mitigation_ops(graph, plan)``; the one of a plan without entries (every saving kept) is cached per graph."""
+    if plan is not None and (not isinstance(plan, Plan) or plan.entries):
+        return mitigation_ops(graph, plan)
+    found = _UNMITIGATED.get(graph)
+    if found is None:
+        found = _UNMITIGATED[graph] = mitigation_ops(graph, plan)
+    return found
+
+
+def _plain(graph: OpGraph) -> tuple[tuple[RawOp, ...], Chain | None, Chain | None]:
+    """What does not depend on the plan (cached per graph object): the forward ops, the forward chain without
+    casts and the backward chain (the backward ops of y in reverse program order)."""
+    found = _PLAIN.get(graph)
+    if found is None:
+        forward_ops = tuple((op.name, _stream(op.kind), op.forward_ns) for op in graph.ops)
+        backward_ops = [(f"{op.name}.bwd", _stream(op.kind), op.backward_ns) for op in reversed(graph.ops)]
+        found = _PLAIN[graph] = (forward_ops, compact("F", list(forward_ops)), compact("B", backward_ops))
+    return found

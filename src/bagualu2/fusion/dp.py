@@ -3,14 +3,17 @@
 ``best[i, j, k, l]`` is the shortest time to run the first i, j, k, l stages of F, B, O, R. A transition runs one
 group: the next stage of any non-empty subset of the chains, started together behind a barrier; its time ``T`` is
 the busiest resource of the group (stages on the same resource serialise, different resources overlap). The
-recorded transfer points rebuild the order; a transition only extends prefixes, so no chain is ever permuted.
+transfer points rebuild the order; a transition only extends prefixes, so no chain is ever permuted.
 
-After compaction there are ``(|F|+1)(|B|+1)(|O|+1)(|R|+1)`` states and 15 transitions each; the states are
-processed by anti-diagonal level (a transition lowers the level by 1 to 4) with numpy, one vector step per level.
+After compaction there are ``(|F|+1)(|B|+1)(|O|+1)(|R|+1)`` states and up to 15 transitions each (only those
+advancing non-empty chains); the states are laid out and processed by anti-diagonal level (a transition lowers
+the level by 1 to 4) with numpy, one vector step per level. The transfer points are not stored: walking back from
+the last state, each state's first minimising transition is recomputed from the table of best times.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from functools import lru_cache
 
@@ -22,41 +25,63 @@ from .order import Order
 from .simulate import simulate
 
 RESOURCES = tuple(Resource)
+RESOURCE_INDEX = {r: i for i, r in enumerate(RESOURCES)}
 INF = np.int64(1) << 62
 MASKS = tuple(range(1, 16))  # bit c set: chain CHAIN_KINDS[c] advances by one stage
 
 
 @lru_cache(maxsize=256)
 def _levels(shape: tuple[int, int, int, int]):
-    """Per level: flat state indices and, per mask, the predecessor index (the sentinel ``size`` if invalid)."""
-    size = int(np.prod(shape))
-    coords = np.stack(np.unravel_index(np.arange(size), shape), axis=1)  # (size, 4)
-    strides = np.array([int(np.prod(shape[c + 1:])) for c in range(4)], dtype=np.int64)
-    level = coords.sum(axis=1)
-    prev = np.full((len(MASKS), size), size, dtype=np.int64)
-    for m, mask in enumerate(MASKS):
-        bits = np.array([(mask >> c) & 1 for c in range(4)], dtype=np.int64)
-        valid = np.all(coords >= bits, axis=1)
-        prev[m, valid] = np.arange(size)[valid] - int(bits @ strides)
-    order = [np.flatnonzero(level == lv) for lv in range(1, int(level.max()) + 1)] if size > 1 else []
-    return coords, order, prev, size
+    """The state grid of ``shape`` laid out by level (a position per state, level by level, each level in flat
+    index order) and the masks that can ever apply (those advancing only non-empty chains; any other mask has no
+    valid predecessor anywhere, so dropping it changes neither the minimum nor the first mask reaching it).
+
+    Returns ``(masks, coords, levels, prev)``: ``coords[c, p]`` chain c's prefix length at position p; ``levels``
+    a list of ``(lo, hi, prev[:, lo:hi])`` for levels 1, 2, ...; ``prev[m, p]`` the position before mask
+    ``masks[m]`` ran (``size`` if invalid).
+    """
+    size = math.prod(shape)
+    masks = tuple(mask for mask in MASKS if all(shape[c] > 1 for c in range(4) if (mask >> c) & 1))
+    flat = np.indices(shape, dtype=np.int64).reshape(4, size)  # (4, size): prefix lengths in flat index order
+    level = flat.sum(axis=0)
+    order = np.argsort(level, kind="stable")  # position -> flat index
+    position = np.empty(size + 1, dtype=np.int64)
+    position[order] = np.arange(size)
+    position[size] = size  # the sentinel stays the sentinel
+    coords = flat[:, order]
+    bits = np.array([[(mask >> c) & 1 for c in range(4)] for mask in masks], dtype=np.int64).reshape(-1, 4)
+    strides = np.array([math.prod(shape[c + 1:]) for c in range(4)], dtype=np.int64)
+    valid = np.ones((len(masks), size), dtype=bool)  # (masks, size): every chain the mask advances has begun
+    for c in range(4):
+        valid &= coords[c] >= bits[:, c, None]
+    prev = np.where(valid, position[np.where(valid, order - (bits @ strides)[:, None], size)], size)
+    counts = np.bincount(level, minlength=1)
+    bounds = np.cumsum(counts).tolist()
+    levels = [(lo, hi, prev[:, lo:hi]) for lo, hi in zip(bounds, bounds[1:])]
+    for array in (coords, prev):
+        array.flags.writeable = False
+    return masks, coords, levels, prev
 
 
-def _group_times(chains: Chains, coords: np.ndarray) -> np.ndarray:
-    """``T[m, s]``: time of the group that runs, for each chain in mask m, the stage ending at state s."""
-    size = coords.shape[0]
-    loads = np.zeros((len(MASKS), len(RESOURCES), size), dtype=np.int64)
-    for c, kind in enumerate(CHAIN_KINDS):
-        chain = chains.get(kind)
+def _group_times(chains: Chains, masks: tuple[int, ...], coords: np.ndarray) -> np.ndarray:
+    """``T[m, p]``: time of the group that runs, for each chain in ``masks[m]``, the stage ending at position p."""
+    size = coords.shape[1]
+    per_chain: dict[int, np.ndarray] = {}  # chain -> (resource, position) load of its stage ending there
+    for c, chain in enumerate((chains.forward, chains.backward, chains.offload, chains.recovery)):
         if chain is None:
             continue
-        duration = np.array([0] + [s.duration_ns for s in chain.stages], dtype=np.int64)
-        resource = np.array([0] + [RESOURCES.index(s.resource) for s in chain.stages], dtype=np.int64)
-        d, r = duration[coords[:, c]], resource[coords[:, c]]
-        for m, mask in enumerate(MASKS):
-            if (mask >> c) & 1:
-                np.add.at(loads[m], (r, np.arange(size)), d)
-    return loads.max(axis=1)
+        table = np.zeros((len(RESOURCES), len(chain.stages) + 1), dtype=np.int64)
+        for i, stage in enumerate(chain.stages, start=1):
+            table[RESOURCE_INDEX[stage.resource], i] = stage.duration_ns
+        per_chain[c] = table.take(coords[c], axis=1)
+    loads: dict[int, np.ndarray] = {}
+    times = np.empty((len(masks), size), dtype=np.int64)
+    for m, mask in enumerate(masks):  # a mask's loads extend those of the mask without its lowest chain
+        low = (mask & -mask).bit_length() - 1
+        rest = mask & (mask - 1)
+        loads[mask] = per_chain[low] + loads[rest] if rest else per_chain[low]
+        np.maximum.reduce(loads[mask], axis=0, out=times[m])
+    return times
 
 
 def solve(chains: Chains, *, hardware: Hardware | None = None, pipeline_degree: int | None = None) -> Order:
@@ -76,26 +101,33 @@ def solve(chains: Chains, *, hardware: Hardware | None = None, pipeline_degree: 
                           "micro-batch; using the sequential order", RuntimeWarning, stacklevel=2)
             return sequential(chains)
     shape = tuple(n + 1 for n in chains.counts())
-    coords, levels, prev, size = _levels(shape)
-    times = _group_times(chains, coords)
+    masks, coords, levels, prev = _levels(shape)
+    size = coords.shape[1]
+    times = _group_times(chains, masks, coords)
     best = np.full(size + 1, INF, dtype=np.int64)
     best[0] = 0
-    choice = np.zeros(size, dtype=np.int64)
-    for states in levels:
-        candidates = best[prev[:, states]] + times[:, states]
-        pick = candidates.argmin(axis=0)
-        best[states] = candidates[pick, np.arange(len(states))]
-        choice[states] = pick
+    add, minimum = np.add, np.minimum.reduce
+    for lo, hi, before in levels:  # best of one level from the levels below
+        minimum(add(best[before], times[:, lo:hi]), axis=0, out=best[lo:hi])
+    return Order(_rebuild(best.tolist(), times, masks, shape), barriers=True, makespan_ns=int(best[size - 1]),
+                 solver="dp")
+
+
+def _rebuild(best: list[int], times: np.ndarray, masks: tuple[int, ...], shape: tuple[int, int, int, int]
+             ) -> tuple[tuple[tuple[str, int], ...], ...]:
+    """The groups on the way back from the last state: at each state the first mask (in ``masks`` order)
+    reaching its best time, i.e. the transfer point of the recurrence (argmin's first minimum)."""
+    _, coords, _, prev = _levels(shape)
     groups = []
-    state = size - 1
-    strides = [int(np.prod(shape[c + 1:])) for c in range(4)]
-    while state > 0:
-        mask = MASKS[int(choice[state])]
-        position = coords[state]
-        groups.append(tuple((kind, int(position[c]) - 1) for c, kind in enumerate(CHAIN_KINDS) if (mask >> c) & 1))
-        state -= sum(strides[c] for c in range(4) if (mask >> c) & 1)
-    order = Order(tuple(reversed(groups)), barriers=True, makespan_ns=int(best[size - 1]), solver="dp")
-    return order
+    position = len(best) - 2
+    while position > 0:
+        before = prev[:, position].tolist()
+        candidates = [best[q] + t for q, t in zip(before, times[:, position].tolist())]
+        m = candidates.index(min(candidates))
+        mask, at = masks[m], coords[:, position].tolist()
+        groups.append(tuple((kind, at[c] - 1) for c, kind in enumerate(CHAIN_KINDS) if (mask >> c) & 1))
+        position = before[m]
+    return tuple(reversed(groups))
 
 
 def check(order: Order, chains: Chains) -> Order:

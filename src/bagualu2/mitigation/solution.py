@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import numbers
+import weakref
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
@@ -56,8 +57,22 @@ def floor_plan(graph: OpGraph) -> Plan:
 
 def make_solution(graph: OpGraph, plan: Plan, status: SolveStatus, solver: str, started_s: float, now_s: float,
                   stats: Mapping[str, Any] | None = None, reason: str = "") -> Solution:
-    return Solution(status=status, plan=plan, cost=evaluate(graph, plan), solver=solver,
+    return Solution(status=status, plan=plan, cost=_evaluate(graph, plan), solver=solver,
                     solve_time_s=now_s - started_s, stats=MappingProxyType(dict(stats or {})), reason=reason)
+
+
+_UNMITIGATED: "weakref.WeakKeyDictionary[OpGraph, PlanCost]" = weakref.WeakKeyDictionary()
+
+
+def _evaluate(graph: OpGraph, plan: Plan) -> PlanCost:
+    """``evaluate(graph, plan)``; the cost of the empty plan (every budget above the unmitigated bytes) is
+    cached per graph object."""
+    if plan.entries:
+        return evaluate(graph, plan)
+    found = _UNMITIGATED.get(graph)
+    if found is None:
+        found = _UNMITIGATED[graph] = evaluate(graph, plan)
+    return found
 
 
 def infeasible(graph: OpGraph, budget_bytes: int, solver: str, started_s: float, now_s: float) -> Solution:

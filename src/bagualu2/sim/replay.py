@@ -89,21 +89,22 @@ def replay_iteration(model: ModelConfig, parallel: ParallelConfig, hardware: Har
     raw = []
     peak = 0
     forward, record_forward, record_backward = path.forward, assigner.record_forward, assigner.record_backward
+    next_budget, keep = assigner.next_forward_budget, raw.append
     started = time.perf_counter()
-    for is_forward, index, microbatch, chunk in steps:  # the timed hot path: budget, decision, re-basing
+    for is_forward, index, microbatch, chunk, phase in steps:  # the timed hot path: budget, decision, re-basing
         if not is_forward:
             record_backward(index)
             continue
-        phase = assigner.phase.value
-        budget = assigner.next_forward_budget()
+        budget = next_budget()
         decision = forward(budget, imbalances[microbatch], phase, chunk)
-        record_forward(index, decision.kept_bytes)
-        held = assigner.in_flight_bytes
-        peak = held if held > peak else peak
-        raw.append((microbatch, chunk, phase, budget, decision, held))
+        held = record_forward(index, decision.kept_bytes)  # the in-flight bytes after it
+        if held > peak:
+            peak = held
+        keep((budget, decision, held))
     elapsed = time.perf_counter() - started
+    forwards = [(mb, chunk, phase) for is_forward, _, mb, chunk, phase in steps if is_forward]
     decisions = [ForwardDecision(i, mb, chunk, phase, imbalances[mb], budget, d.kept_bytes, d.overhead_s,
                                  len(d.plan), d.downgraded, held, d.order.makespan_s)
-                 for i, (mb, chunk, phase, budget, d, held) in enumerate(raw)]
+                 for i, ((mb, chunk, phase), (budget, d, held)) in enumerate(zip(forwards, raw))]
     return IterationReplay(tuple(decisions), memory.m_max_bytes, memory.m0_bytes, peak, path.hits - hits,
                            path.misses - misses, elapsed)
