@@ -51,6 +51,27 @@ def _fail(message: str, quiet: bool = False) -> NoReturn:
     raise SystemExit(EXIT_USAGE)
 
 
+def check_host_memory(model_config, activation_bytes: int, *, processes: int = 1, option: str = "--preset") -> None:
+    """``ValueError`` (one line) when the model's weights, gradients and one micro-batch's activations, in every
+    process, would not fit this machine's available memory: a clear error instead of the kernel's OOM killer."""
+    import os
+
+    from bagualu2.costmodel.graph import ITEM_BYTES
+    from bagualu2.costmodel.memory import num_parameters
+
+    total, _ = num_parameters(model_config)
+    need = processes * (2 * total * ITEM_BYTES[model_config.dtype] + 2 * activation_bytes)
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not on Linux: no check
+        return
+    if need > 0.8 * available:
+        raise ValueError(f"{option}: the reference model needs about {need / 2**30:.1f} GiB here ({total:,} "
+                         f"parameters with gradients and activations, {processes} process(es)) but "
+                         f"{available / 2**30:.1f} GiB are available; use tiny-moe / tiny-dense or a shorter "
+                         "--seq-length")
+
+
 def measure(preset: str, *, imbalance: float = 1.0, plan: str = "none", seq_length: int | None = None,
             seed: int = 0, ep: int = 1, budget_bytes: int | None = None, dtype: str | None = None) -> dict[str, Any]:
     """Run one micro-batch and return the JSON-able record (``ValueError`` on an unsupported request).
@@ -112,6 +133,7 @@ def measure(preset: str, *, imbalance: float = 1.0, plan: str = "none", seq_leng
         evaluate(graph, plan_obj)
     except ValueError as exc:
         raise ValueError(f"--plan: {exc}") from None
+    check_host_memory(model_config, graph.unmitigated_bytes, processes=ep)
 
     torch.manual_seed(seed)
     model = GLMMoEModel(model_config, ep_group=group)  # the same weights on every rank (experts: its slice)

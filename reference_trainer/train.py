@@ -50,6 +50,7 @@ def train(preset: str = "tiny-moe", *, steps: int = 20, lr: float = 1e-2, seed: 
     from bagualu2.exec import ActivationTracker, DeferredPlanner, apply_plan
     from bagualu2.mitigation import PlanCache
 
+    from .measure import check_host_memory
     from .model import GLMMoEModel
 
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
@@ -65,6 +66,7 @@ def train(preset: str = "tiny-moe", *, steps: int = 20, lr: float = 1e-2, seed: 
         raise ValueError(f"--memory-fraction must lie in [{floor / (micro * graph.unmitigated_bytes):.3f}, 1] "
                          f"(full recompute of every micro-batch must fit), got {memory_fraction!r}")
     limit = int(memory_fraction * micro * graph.unmitigated_bytes)
+    check_host_memory(model_config, micro * graph.unmitigated_bytes)
     torch.manual_seed(seed)
     model = GLMMoEModel(model_config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)

@@ -140,7 +140,9 @@ def test_cli_prints_json():
 
 
 @pytest.mark.parametrize("args", [("--imbalance", "2"), ("--plan", "expert_act=SOMETIMES"),
-                                  ("--imbalance", "0.5"), ("--preset", "nope")])
+                                  ("--imbalance", "0.5"), ("--preset", "nope"),
+                                  ("--preset", "glm-188b-a20b"),  # far too large for this machine: refused
+                                  ("--budget-bytes", "-1"), ("--dtype", "fp64")])
 def test_cli_errors_are_one_line_exit_2(args):
     base = {"--preset": "tiny-dense", "--imbalance": "1", "--plan": "none"}
     base[args[0]] = args[1]
