@@ -1,48 +1,30 @@
 """Apply a plan (KEEP / OFFLOAD / QUANTIZE / RECOMPUTE) to a model's forward through saved-tensor hooks.
 
-Usage (one micro-batch at a time, several may be in flight)::
-
-    executor = apply_plan(graph, plan, exclude=[model])
-    with executor.micro_batch("mb0"):
-        loss = model(tokens)...                                # the forward of micro-batch "mb0"
-    executor.device_bytes("mb0"), executor.host_bytes("mb0")   # compare with evaluate(graph, plan)
+    executor = apply_plan(model_or_graph, plan)                 # ValueError on an invalid plan
+    with executor.micro_batch("mb0") as record:                # the forward of micro-batch "mb0"
+        loss = model(tokens)...
+    record.device_bytes, record.host_bytes                     # compare with evaluate(graph, plan)
     executor.prefetch("mb0")                                   # optional: start reloading its host copies
     loss.backward()
     executor.release("mb0")
 
-The model runs its ops through :func:`run_op` (``run_op("L0.qkv", fn, x)``: the cost-model op name, a function
-and its arguments; a plain call unless a micro-batch is being recorded). The pack hook takes the op from the scope
-and names the saved tensor by its *storage*: a storage seen before in this micro-batch keeps its name; a new one
-gets the first saving of the current op (graph order) with the same dtype and exactly its expected bytes
-(``numel * itemsize``), else, for a routed-expert tensor (one storage per expert, any imbalance), the first routed
-saving of that dtype. Where size and dtype are ambiguous (core attention's q/o, k/v) the model names the storages
-(``run_op(..., names={...})``). The strategy is ``resolve(graph, plan)[(op, tensor)]``, applied in this order:
-
-1. ``KEEP``      the tensor itself is kept (device bytes: its storage, once per storage);
-2. ``OFFLOAD``   one host copy of the whole storage (pinned, from a reusable pool, on a side CUDA stream; see
-                 :mod:`.packing`), shared by every consumer that offloads it; unpack copies it back (or takes the
-                 copy :meth:`PlanExecutor.prefetch` started) (host bytes);
-3. ``QUANTIZE``  one FP8 e4m3 copy of the whole storage with one per-tensor FP32 scale ``amax / 448``, shared by
-                 the consumers that quantise it; unpack dequantises to the original dtype and view (device bytes:
-                 one byte per element; the 4-byte scale is reported as ``scale_bytes``, not counted);
-4. ``RECOMPUTE`` nothing is stored; backward regenerates the tensor by re-running its producer (the ops of the
-                 plan's least re-run closure become replays; see :mod:`.recompute`).
-
-Savings that cannot be named (no op scope, an op the graph does not know, no matching saving) are kept, counted in
-the device bytes and reported as ``unknown``. Parameters and buffers of the modules in ``exclude`` (or of the
-given tracker) are not activations. With a ``tracker``, its cap applies to the device bytes.
-
-Deferred planning (``deferred=``, :class:`~bagualu2.exec.deferred.DeferredPlanner`): the model calls
-:func:`after_gate` after each router; when the planner says the routed tokens do not fit the micro-batch's budget,
-every later saving of that MoE module switches to RECOMPUTE (full recompute of the module from its input).
+The model runs its ops through :func:`~bagualu2.exec.ops.run_op`. The pack hook names each saved tensor by its
+storage (a storage seen before keeps its name; a new one gets the current op's first saving of the same dtype and
+exactly its expected bytes, or, routed, any size; ambiguous ones are named by the op) and applies
+``resolve(graph, plan)[(op, tensor)]`` in this order: KEEP the tensor; OFFLOAD one host copy per storage through
+the :class:`~bagualu2.exec.packing.CopyEngine` (side CUDA streams, pinned pool; synchronous on CPU); QUANTIZE one
+FP8 e4m3 copy per storage with a per-tensor scale; RECOMPUTE nothing, regenerated in backward by replaying the
+plan's re-run closure (:mod:`bagualu2.exec.recompute`). Unnamed savings are kept and reported as ``unknown``.
+Device bytes (kept storages + FP8 copies) are what the tracker's cap applies to. With a
+:class:`~bagualu2.exec.deferred.DeferredPlanner`, a MoE module whose routed tokens do not fit switches to full
+recompute after its gate. docs/exec.md has the details and the measurements.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -52,65 +34,11 @@ from bagualu2.costmodel.graph import ITEM_BYTES, OpGraph
 from bagualu2.costmodel.plan import Plan
 from bagualu2.costmodel.strategy import Strategy
 
-from .packing import SCALE_BYTES, CopyEngine, HostCopy, Offloaded, Quantized, View, flat_storage, quantize_fp8, unpack
 from .ops import _ACTIVE, _RECORDING, OP_HINTS, OP_SCOPE
+from .packing import CopyEngine, HostCopy, Offloaded, Quantized, View, flat_storage, quantize_fp8, unpack
+from .record import TORCH_TO_NAME, MicroBatchRecord
 from .recompute import Regenerated, Replay, Source, Stored
-from .tracker import ActivationOutOfMemoryError, ActivationTracker, MicroBatchBytes, _storage_key
-
-TORCH_TO_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "int32",
-                 torch.int64: "int64", torch.bool: "bool"}
-
-
-@dataclass
-class MicroBatchRecord:
-    """What one micro-batch stored. Bytes are deduplicated per storage (host: per storage and dtype)."""
-
-    name: str
-    plan: Plan
-    strategies: dict[tuple[str, str], Strategy]                 # resolved plan in force (changes on a downgrade)
-    rerun: frozenset[str]                                       # ops that become replays
-    device: MicroBatchBytes = field(default_factory=MicroBatchBytes)  # shared with the tracker
-    host: dict[int, int] = field(default_factory=dict)          # storage id -> host bytes
-    scales: set[int] = field(default_factory=set)               # storage ids with an FP8 copy
-    unknown: dict[int, int] = field(default_factory=dict)       # storage id -> bytes kept without a name
-    unknown_count: int = 0                                      # pack calls that could not be named
-    storages: dict[tuple[str, int], Stored] = field(default_factory=dict)
-    used: dict[tuple[str, str], int] = field(default_factory=dict)  # (op, tensor) -> bytes named so far
-    applied: dict[tuple[str, str], Strategy] = field(default_factory=dict)  # what the hook applied
-    replays: list[Replay] = field(default_factory=list)
-    host_copies: list = field(default_factory=list)
-    downgraded: list[int] = field(default_factory=list)         # MoE layers downgraded after their gate
-    active: Replay | None = None                                # the replayable op running now
-    forward_gate: Callable[[str], None] | None = None           # called before each op (dual-batch executor)
-    backward_gate: Callable[[str], None] | None = None          # called before each op's backward
-    pending_offloads: dict[str, list[Stored]] = field(default_factory=dict)  # tensor -> deferred host copies
-    named: dict[str, list[Stored]] = field(default_factory=dict)    # tensor -> the storages named so
-    producers: dict[str, tuple[Replay, int]] = field(default_factory=dict)  # tensor -> (replay, output) making it
-
-    def stored_as(self, name: str, engine) -> torch.Tensor | None:
-        """A stored storage named ``name`` (any precision), flat, or None."""
-        for entry in self.named.get(name, ()):
-            flat = entry.flat(entry.device, entry.dtype, engine)
-            if flat is not None:
-                return flat
-        return None
-
-    @property
-    def device_bytes(self) -> int:
-        return self.device.nbytes
-
-    @property
-    def host_bytes(self) -> int:
-        return sum(self.host.values())
-
-    @property
-    def unknown_bytes(self) -> int:
-        return sum(self.unknown.values())
-
-    @property
-    def scale_bytes(self) -> int:
-        return SCALE_BYTES * len(self.scales)
-
+from .tracker import ActivationOutOfMemoryError, ActivationTracker, _storage_key
 
 class PlanExecutor:
     """Saved-tensor hooks that apply ``plan`` to micro-batches of ``graph``'s ops (see the module docstring)."""

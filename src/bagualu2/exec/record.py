@@ -1,0 +1,69 @@
+"""What the executor records per micro-batch: bytes by storage, the storages it named, replays, host copies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from bagualu2.costmodel.plan import Plan
+from bagualu2.costmodel.strategy import Strategy
+
+from .packing import SCALE_BYTES
+from .recompute import Replay, Stored
+from .tracker import MicroBatchBytes
+
+TORCH_TO_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "int32",
+                 torch.int64: "int64", torch.bool: "bool"}
+
+
+@dataclass
+class MicroBatchRecord:
+    """What one micro-batch stored. Bytes are deduplicated per storage (host: per storage and dtype)."""
+
+    name: str
+    plan: Plan
+    strategies: dict[tuple[str, str], Strategy]                 # resolved plan in force (changes on a downgrade)
+    rerun: frozenset[str]                                       # ops that become replays
+    device: MicroBatchBytes = field(default_factory=MicroBatchBytes)  # shared with the tracker
+    host: dict[int, int] = field(default_factory=dict)          # storage id -> host bytes
+    scales: set[int] = field(default_factory=set)               # storage ids with an FP8 copy
+    unknown: dict[int, int] = field(default_factory=dict)       # storage id -> bytes kept without a name
+    unknown_count: int = 0                                      # pack calls that could not be named
+    storages: dict[tuple[str, int], Stored] = field(default_factory=dict)
+    used: dict[tuple[str, str], int] = field(default_factory=dict)  # (op, tensor) -> bytes named so far
+    applied: dict[tuple[str, str], Strategy] = field(default_factory=dict)  # what the hook applied
+    replays: list[Replay] = field(default_factory=list)
+    host_copies: list = field(default_factory=list)
+    downgraded: list[int] = field(default_factory=list)         # MoE layers downgraded after their gate
+    active: Replay | None = None                                # the replayable op running now
+    forward_gate: Callable[[str], None] | None = None           # called before each op (dual-batch executor)
+    backward_gate: Callable[[str], None] | None = None          # called before each op's backward
+    pending_offloads: dict[str, list[Stored]] = field(default_factory=dict)  # tensor -> deferred host copies
+    named: dict[str, list[Stored]] = field(default_factory=dict)    # tensor -> the storages named so
+    producers: dict[str, tuple[Replay, int]] = field(default_factory=dict)  # tensor -> (replay, output) making it
+
+    def stored_as(self, name: str, engine) -> torch.Tensor | None:
+        """A stored storage named ``name`` (any precision), flat, or None."""
+        for entry in self.named.get(name, ()):
+            flat = entry.flat(entry.device, entry.dtype, engine)
+            if flat is not None:
+                return flat
+        return None
+
+    @property
+    def device_bytes(self) -> int:
+        return self.device.nbytes
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(self.host.values())
+
+    @property
+    def unknown_bytes(self) -> int:
+        return sum(self.unknown.values())
+
+    @property
+    def scale_bytes(self) -> int:
+        return SCALE_BYTES * len(self.scales)
