@@ -170,12 +170,15 @@ class PlanExecutor:
     # ---- recompute ------------------------------------------------------------------------------------------
     def _replayable(self, record: MicroBatchRecord, name: str, fn, args) -> Any:
         sources = []
+        inputs = list(self.graph.op(name).inputs) if self.graph.has_op(name) else []
+        lookup = lambda tensor_name: record.stored_as(tensor_name, self.engine)  # noqa: E731
         for arg in args:
             if isinstance(arg, torch.Tensor) and not self.tracker.excludes(arg):
                 stored = self._storage(record, arg, _storage_key(arg))
                 if stored.producer is not None:
                     stored.producer[0].pending += 1
-                sources.append(Source(stored, View.of(arg), arg.requires_grad))
+                # the op's graph input of its size and dtype, if one: where to look for a copy in another precision
+                sources.append(Source(stored, View.of(arg), arg.requires_grad, lookup, self._input_name(inputs, arg)))
             else:
                 sources.append(arg)
         replay = Replay(name, fn, tuple(sources), self.engine)
@@ -194,6 +197,15 @@ class PlanExecutor:
                     record.producers.setdefault(names[index], (replay, index))
         record.replays.append(replay)
         return outputs
+
+    def _input_name(self, inputs: list[str], tensor: torch.Tensor) -> str | None:
+        dtype = TORCH_TO_NAME.get(tensor.dtype)
+        for candidate in inputs:
+            spec = self.graph.tensors[candidate]
+            if spec.dtype == dtype and spec.numel == tensor.numel():
+                inputs.remove(candidate)
+                return candidate
+        return None
 
     # ---- the hook -------------------------------------------------------------------------------------------
     def _charge(self, record: MicroBatchRecord, key, nbytes: int) -> None:
@@ -229,7 +241,9 @@ class PlanExecutor:
                 if (hint is not None and tensor != hint) or saved_dtype != dtype:
                     continue
                 used = record.used.get((op, tensor), 0)
-                fits = self.graph.tensors[tensor].routed if partial else (used == 0 and entry.nbytes == expected)
+                fits = self.graph.tensors[tensor].routed if partial else (  # one storage per name and dtype
+                    used == 0 and entry.nbytes == expected
+                    and all(e.dtype != entry.dtype for e in record.named.get(tensor, ())))
                 if fits:
                     record.used[(op, tensor)] = used + entry.nbytes
                     entry.name = tensor

@@ -61,22 +61,34 @@ class Stored:
         return None
 
 
+def flat_as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The flat storage of ``tensor``; a flat cast copy when ``dtype`` differs (a saving kept in another precision
+    than its producer made it, e.g. the router's FP32 copy of a BF16 input)."""
+    return flat_storage(tensor) if tensor.dtype == dtype else tensor.contiguous().reshape(-1).to(dtype)
+
+
 @dataclass
 class Source:
-    """A tensor argument of a replayed op: its storage record, view and ``requires_grad``."""
+    """A tensor argument of a replayed op: its storage record, view and ``requires_grad``; ``lookup(name)`` finds a
+    copy of the same tensor stored in another precision (the router's FP32 copy of a BF16 input)."""
 
     stored: Stored
     view: View
     requires_grad: bool
+    lookup: Callable[[str], torch.Tensor | None] | None = None
+    name: str | None = None  # the op's graph input this argument is (for ``lookup``)
 
     def value(self, engine) -> torch.Tensor:
         flat = self.stored.flat(self.view.device, self.view.dtype, engine)
+        if flat is None and self.stored.producer is not None:
+            flat = flat_storage(self.stored.producer[0].output(self.stored.producer[1]))
+        name = self.stored.name or self.name
+        if flat is None and self.lookup is not None and name is not None:
+            found = self.lookup(name)
+            flat = None if found is None else flat_as(found, self.view.dtype)
         if flat is None:
-            producer = self.stored.producer
-            if producer is None:
-                raise RuntimeError(f"cannot regenerate {self.stored.name or 'an input'}: it is neither stored nor "
-                                   "produced by an op the plan re-runs")
-            flat = flat_storage(producer[0].output(producer[1]))
+            raise RuntimeError(f"cannot regenerate {self.stored.name or 'an input'}: it is neither stored nor "
+                               "produced by an op the plan re-runs")
         tensor = self.view.rebuild(flat).detach()
         return tensor.requires_grad_(self.requires_grad) if self.requires_grad else tensor
 
@@ -135,12 +147,6 @@ class Replay:
         self.pending -= 1
         if self.pending <= 0:
             self._outputs = self._saves = None
-
-
-def flat_as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The flat storage of ``tensor``; a flat cast copy when ``dtype`` differs (a saving kept in another precision
-    than its producer made it, e.g. the router's FP32 copy of a BF16 input)."""
-    return flat_storage(tensor) if tensor.dtype == dtype else tensor.contiguous().reshape(-1).to(dtype)
 
 
 @dataclass
