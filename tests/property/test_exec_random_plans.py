@@ -1,6 +1,6 @@
 """Random per-saving plans on the reference model: the executor keeps exactly what the evaluator charges.
 
-tiny-moe in FP32 and BF16 (the router's FP32 copy of a BF16 input). Any mix of KEEP / RECOMPUTE / OFFLOAD /
+tiny-moe in FP32 and BF16 (the router's FP32 copy of a BF16 input), tiny-dense in BF16. Any mix of KEEP / RECOMPUTE / OFFLOAD /
 QUANTIZE per saving (conflicting ones included: a tensor kept at one
 consumer and recomputed or offloaded at another) must give measured device and host bytes equal to
 ``evaluate(graph, plan)``, backward FLOPs added equal to ``recompute_flops``, and — without QUANTIZE — gradients
@@ -18,6 +18,7 @@ from bagualu2.exec import apply_plan, flop_counter
 from reference_trainer.model import GLMMoEModel
 
 CONFIGS = {dtype: presets.model("tiny-moe")[0].replace(seq_length=16, dtype=dtype) for dtype in ("fp32", "bf16")}
+CONFIGS["dense-bf16"] = presets.model("tiny-dense")[0].replace(seq_length=16, dtype="bf16")
 GRAPHS = {dtype: build_graph(config, ParallelConfig(), presets.hardware("cpu")) for dtype, config in CONFIGS.items()}
 
 
