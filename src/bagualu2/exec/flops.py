@@ -13,24 +13,33 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 
-def _attention_flops(query_shape, key_shape, value_shape, *args, out_shape=None, is_causal: bool = False,
-                     **kwargs) -> int:
-    """``QK^T`` + ``PV`` of ``(b, h, s_q, d)`` queries over ``s_k`` keys; half when causal."""
-    if len(args) >= 2 and isinstance(args[1], bool):  # (dropout_p, is_causal, ...) given positionally
-        is_causal = args[1]
-    b, h, s_q, d = query_shape
-    s_k, d_v = key_shape[-2], value_shape[-1]
-    flops = 2 * b * h * s_q * s_k * d + 2 * b * h * s_q * s_k * d_v
-    return flops // 2 if is_causal else flops
+def _attention_formula(causal_index: int):
+    """A counter formula for a kernel whose ``is_causal`` is extra argument ``causal_index`` after q, k, v."""
+
+    def flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+        """``QK^T`` + ``PV`` of ``(b, h, s_q, d)`` queries over ``s_k`` keys; half when causal."""
+        is_causal = kwargs.get("is_causal", args[causal_index] if len(args) > causal_index else False)
+        b, h, s_q, d = query_shape
+        s_k, d_v = key_shape[-2], value_shape[-1]
+        total = 2 * b * h * s_q * s_k * d + 2 * b * h * s_q * s_k * d_v
+        return total // 2 if is_causal is True else total
+
+    return flops
 
 
-def _attention_ops() -> list:
+# is_causal's position among the arguments after (q, k, v), per kernel (aten schemas)
+_ATTENTION_KERNELS = {"_scaled_dot_product_flash_attention_for_cpu": 1,  # dropout_p, is_causal
+                      "_scaled_dot_product_flash_attention": 1,          # dropout_p, is_causal
+                      "_scaled_dot_product_efficient_attention": 3,      # attn_bias, compute_lse, dropout_p, ...
+                      "_scaled_dot_product_cudnn_attention": 3}          # attn_bias, compute_lse, dropout_p, ...
+
+
+def _attention_ops() -> dict:
     aten = torch.ops.aten
-    names = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
-             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
-    return [getattr(aten, name) for name in names if hasattr(aten, name)]
+    return {getattr(aten, name): _attention_formula(index) for name, index in _ATTENTION_KERNELS.items()
+            if hasattr(aten, name)}
 
 
 def flop_counter() -> FlopCounterMode:
     """A silent ``FlopCounterMode`` with the cost model's attention convention (see the module docstring)."""
-    return FlopCounterMode(display=False, custom_mapping={op: _attention_flops for op in _attention_ops()})
+    return FlopCounterMode(display=False, custom_mapping=_attention_ops())

@@ -90,9 +90,11 @@ class CopyEngine:
         cuda = torch.cuda.is_available()
         self.d2h = torch.cuda.Stream() if cuda else None
         self.h2d = torch.cuda.Stream() if cuda else None
+        self.num_offloads = self.num_reloads = 0  # copies started (device->host, host->device)
 
     def offload(self, flat: torch.Tensor) -> "HostCopy":
         """Start copying the flat device storage ``flat`` into a host buffer from the pool."""
+        self.num_offloads += 1
         host = self.pool.take(flat.numel(), flat.dtype)
         if flat.device.type != "cuda" or self.d2h is None:
             host.copy_(flat)
@@ -107,6 +109,7 @@ class CopyEngine:
 
     def reload(self, copy: "HostCopy", device: torch.device) -> tuple[torch.Tensor, object]:
         """Start copying ``copy`` back to ``device``; returns ``(flat device tensor, event or None)``."""
+        self.num_reloads += 1
         if device.type != "cuda" or self.h2d is None:
             return copy.host.to(device, copy=True), None
         with torch.cuda.stream(self.h2d):
@@ -126,6 +129,8 @@ class HostCopy:
     device: torch.device | None = None  # where the storage came from (and goes back to)
     pending: torch.Tensor | None = None  # the device storage of a deferred offload, not copied yet
     name: str | None = None              # the cost-model tensor (set by the executor)
+    users: int = 0                       # consumers' handles that will unpack it
+    cached: torch.Tensor | None = None   # the device copy, shared by the consumers until the last one unpacked
     prefetched: tuple[torch.Tensor, object] | None = None  # (device copy, event) issued before backward
     last_read: object = None  # event of the latest host->device copy (the buffer is busy until it completed)
 
@@ -134,13 +139,21 @@ class HostCopy:
         offload that never ran still has its device storage)."""
         if self.pending is not None:
             return self.pending
-        flat, event = self.prefetched if self.prefetched is not None else engine.reload(self, device)
-        self.prefetched = None
-        if event is not None:
-            self.last_read = event
-            torch.cuda.current_stream(device).wait_event(event)
-            flat.record_stream(torch.cuda.current_stream(device))
-        return flat
+        if self.cached is None:
+            flat, event = self.prefetched if self.prefetched is not None else engine.reload(self, device)
+            self.prefetched = None
+            if event is not None:
+                self.last_read = event
+                torch.cuda.current_stream(device).wait_event(event)
+                flat.record_stream(torch.cuda.current_stream(device))
+            self.cached = flat
+        return self.cached
+
+    def used(self) -> None:
+        """One consumer unpacked: the device copy is dropped after the last one."""
+        self.users -= 1
+        if self.users <= 0:
+            self.cached = None
 
 
 @dataclass
@@ -152,7 +165,9 @@ class Offloaded:
     view: View
 
     def unpack(self) -> torch.Tensor:
-        return self.view.rebuild(self.copy.to_device(self.engine, self.view.device))
+        tensor = self.view.rebuild(self.copy.to_device(self.engine, self.view.device))
+        self.copy.used()
+        return tensor
 
 
 @dataclass

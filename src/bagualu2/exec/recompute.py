@@ -26,6 +26,7 @@ op runs once per backward. Re-running deterministic kernels on equal inputs give
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -37,7 +38,12 @@ from .packing import HostCopy, View, dequantize_fp8, flat_storage
 
 @dataclass
 class Stored:
-    """What one micro-batch stores of one storage (filled by the pack hook)."""
+    """What one micro-batch stores of one storage (filled by the pack hook).
+
+    The device copies (the kept tensor, the FP8 copy) are held *weakly*: autograd's saved tensors own them and free
+    them as backward proceeds. They are held strongly only once something else will read them in backward
+    (``hold``: a replay's input, a RECOMPUTE saving that another consumer stores), until ``release``.
+    """
 
     sid: int
     ref: StorageWeakRef
@@ -45,19 +51,65 @@ class Stored:
     dtype: torch.dtype
     device: torch.device
     name: str | None = None
-    kept: torch.Tensor | None = None                              # a KEEP saving holds the storage on device
     host: HostCopy | None = None                                  # an OFFLOAD saving's host copy
-    fp8: tuple[torch.Tensor, torch.Tensor] | None = None          # a QUANTIZE saving's FP8 copy and scale
     producer: tuple["Replay", int] | None = None                  # (replay, output index) that can regenerate it
+    readers: int = 0                                              # handles and replays that will read a copy
+    _kept: Any = None                                             # the kept tensor (strong) or a weakref to it
+    _fp8: Any = None                                              # (FP8 data or weakref, scale)
+
+    @staticmethod
+    def _get(slot):
+        return slot() if isinstance(slot, weakref.ref) else slot
+
+    @property
+    def kept(self) -> torch.Tensor | None:
+        return self._get(self._kept)
+
+    @property
+    def fp8(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self._fp8 is None:
+            return None
+        data = self._get(self._fp8[0])
+        return None if data is None else (data, self._fp8[1])
+
+    def keep(self, tensor: torch.Tensor) -> None:
+        if self._kept is None or self.kept is None:
+            self._kept = tensor if self.readers else weakref.ref(tensor)
+
+    def keep_fp8(self, data: torch.Tensor, scale: torch.Tensor) -> None:
+        self._fp8 = (data if self.readers else weakref.ref(data), scale)
+
+    def hold(self) -> None:
+        """Something will read this storage's copy in backward: hold the copies strongly from now on."""
+        self.readers += 1
+        if isinstance(self._kept, weakref.ref):
+            self._kept = self._kept()
+        if self._fp8 is not None and isinstance(self._fp8[0], weakref.ref):
+            self._fp8 = (self._fp8[0](), self._fp8[1])
+
+    def unhold(self) -> None:
+        """A reader is done: after the last one, hold the copies weakly again (autograd frees them)."""
+        self.readers -= 1
+        if self.readers <= 0:
+            if isinstance(self._kept, torch.Tensor):
+                self._kept = weakref.ref(self._kept)
+            if self._fp8 is not None and isinstance(self._fp8[0], torch.Tensor):
+                self._fp8 = (weakref.ref(self._fp8[0]), self._fp8[1])
+
+    def drop(self) -> None:
+        self._kept = self._fp8 = self.producer = None
+        self.host = None
 
     def flat(self, device: torch.device, dtype: torch.dtype, engine) -> torch.Tensor | None:
         """The flat storage from a stored copy, or None when nothing stores it."""
-        if self.kept is not None:
-            return flat_storage(self.kept)
+        kept = self.kept
+        if kept is not None:
+            return flat_storage(kept)
         if self.host is not None:
             return self.host.to_device(engine, device)
-        if self.fp8 is not None:
-            return dequantize_fp8(self.fp8[0], self.fp8[1], dtype)
+        fp8 = self.fp8
+        if fp8 is not None:
+            return dequantize_fp8(fp8[0], fp8[1], dtype)
         return None
 
 
@@ -112,6 +164,7 @@ class Replay:
         for arg in self.args:
             if isinstance(arg, Source):
                 args.append(arg.value(self.engine))
+                arg.stored.unhold()
                 if arg.stored.producer is not None:  # counted in the producer's pending when registered
                     arg.stored.producer[0].done_with()
             else:
@@ -119,14 +172,17 @@ class Replay:
         saves: list[torch.Tensor] = []
 
         def capture(tensor: torch.Tensor) -> torch.Tensor:
-            saves.append(tensor)
-            return tensor
+            # detached: a saved *output* packed as itself would tie the replay's (never run) graph into a
+            # reference cycle through C++ that keeps every tensor of it alive
+            detached = tensor.detach()
+            saves.append(detached)
+            return detached
 
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(capture, lambda t: t):
             outputs = self.fn(*args)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         self._outputs = tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outputs)
-        self._saves = [s.detach() for s in saves]
+        self._saves = saves
         self.runs += 1
         if len(saves) != self.num_saves:
             raise RuntimeError(f"re-running {self.op} saved {len(saves)} tensors, the forward saved "
@@ -141,6 +197,10 @@ class Replay:
         if self._saves is None:
             self._run()
         return self._saves[index]
+
+    def drop(self) -> None:
+        self._outputs = self._saves = None
+        self.args = ()
 
     def done_with(self) -> None:
         """One handle or dependent replay used the cache; drop it after the last one."""
@@ -179,4 +239,5 @@ class Regenerated:
                                "re-run its producer")
         if self.replay is not None:
             self.replay.done_with()
+        self.stored.unhold()
         return self.view.rebuild(flat)

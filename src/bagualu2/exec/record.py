@@ -43,6 +43,38 @@ class MicroBatchRecord:
     pending_offloads: dict[str, list[Stored]] = field(default_factory=dict)  # tensor -> deferred host copies
     named: dict[str, list[Stored]] = field(default_factory=dict)    # tensor -> the storages named so
     producers: dict[str, tuple[Replay, int]] = field(default_factory=dict)  # tensor -> (replay, output) making it
+    held_names: set[tuple[str, torch.dtype]] = field(default_factory=set)  # (name, reader dtype) looked up
+
+    def hold_name(self, name: str | None, dtype: torch.dtype) -> None:
+        """Backward will look ``name`` up for a reader of ``dtype``: hold its copies in *other* precisions (the
+        router's FP32 copy of a BF16 input) until release."""
+        if name is None or (name, dtype) in self.held_names:
+            return
+        self.held_names.add((name, dtype))
+        for entry in self.named.get(name, ()):
+            if entry.dtype != dtype:
+                entry.hold()
+
+    def named_as(self, entry: Stored, name: str) -> None:
+        self.named.setdefault(name, []).append(entry)
+        if any(held == name and dtype != entry.dtype for held, dtype in self.held_names):
+            entry.hold()
+
+    def clear(self) -> None:
+        """Drop every reference to the micro-batch's tensors (after its backward)."""
+        for entries in self.named.values():
+            for entry in entries:
+                entry.drop()
+        for replay in self.replays:
+            replay.drop()
+        for copy in self.host_copies:
+            copy.cached = copy.prefetched = copy.pending = None
+        self.named.clear()
+        self.producers.clear()
+        self.pending_offloads.clear()
+        self.replays.clear()
+        self.host_copies.clear()
+        self.held_names.clear()
 
     def stored_as(self, name: str, engine) -> torch.Tensor | None:
         """A stored storage named ``name`` (any precision), flat, or None."""

@@ -118,7 +118,7 @@ class ActivationTracker:
                     f"{self.cap_bytes} bytes")
             record.storages[key] = nbytes
             self.peak_bytes = max(self.peak_bytes, self.in_flight_bytes)
-        return tensor
+        return tensor.detach()  # an alias: packing a saved output as itself would form a leaking reference cycle
 
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:
