@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from bagualu2.costmodel import ParallelConfig, build_graph, evaluate, presets
 from bagualu2.costmodel.evaluate import mitigation_ops
 from bagualu2.exec import apply_plan, flop_counter
+from exec_run import run_plan
 from reference_trainer.model import GLMMoEModel
 
 SEQ = 32
@@ -45,24 +46,9 @@ def _plan(graph, plan: str) -> str:
     return ",".join(f"{op}/{tensor}=RECOMPUTE" for op, tensor in graph.decisions)
 
 
-def _step(config, graph, plan, *, count_flops=False):
-    torch.manual_seed(0)
-    model = GLMMoEModel(config)
-    x = torch.randn(config.micro_batch_size, config.seq_length, config.hidden_size,
-                    dtype=next(model.parameters()).dtype, requires_grad=True)
-    record = None
-    if plan is None:
-        out = model.forward_layers(x)
-    else:
-        executor = apply_plan(graph, plan, exclude=[model])
-        with executor.micro_batch("mb0") as record:
-            out = model.forward_layers(x)
-    loss = out.float().pow(2).mean()
-    with flop_counter() as counter:
-        loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    grads["input"] = x.grad.clone()
-    return loss.detach(), grads, record, counter.get_total_flops()
+def _step(config, graph, plan):
+    record, loss, grads, flops = run_plan(config, graph, plan)
+    return loss, grads, record, flops
 
 
 @pytest.mark.parametrize("preset", ["tiny-moe", "tiny-dense", "tiny-moe-bf16"])

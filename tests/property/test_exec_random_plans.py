@@ -14,8 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bagualu2.costmodel import ParallelConfig, Plan, Strategy, build_graph, evaluate, presets
-from bagualu2.exec import apply_plan, flop_counter
-from reference_trainer.model import GLMMoEModel
+from exec_run import run_plan
 
 CONFIGS = {dtype: presets.model("tiny-moe")[0].replace(seq_length=16, dtype=dtype) for dtype in ("fp32", "bf16")}
 CONFIGS["dense-bf16"] = presets.model("tiny-dense")[0].replace(seq_length=16, dtype="bf16")
@@ -23,22 +22,8 @@ GRAPHS = {dtype: build_graph(config, ParallelConfig(), presets.hardware("cpu")) 
 
 
 def _run(dtype, plan):
-    config, graph = CONFIGS[dtype], GRAPHS[dtype]
-    torch.manual_seed(0)
-    model = GLMMoEModel(config)
-    x = torch.randn(config.micro_batch_size, config.seq_length, config.hidden_size,
-                    dtype=next(model.parameters()).dtype, requires_grad=True)
-    record = None
-    if plan is None:
-        out = model.forward_layers(x)
-    else:
-        executor = apply_plan(graph, plan, exclude=[model])
-        with executor.micro_batch("mb") as record:
-            out = model.forward_layers(x)
-    with flop_counter() as counter:
-        out.float().pow(2).mean().backward()
-    grads = [x.grad] + [p.grad for p in model.parameters() if p.grad is not None]
-    return record, grads, counter.get_total_flops()
+    record, _, grads, flops = run_plan(CONFIGS[dtype], GRAPHS[dtype], plan)
+    return record, list(grads.values()), flops
 
 
 PLAIN: dict = {}
