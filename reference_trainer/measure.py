@@ -173,10 +173,10 @@ def measure(preset: str, *, imbalance: float = 1.0, plan: str = "none", seq_leng
             graph = build_graph(model_config, parallel, hardware, imbalance=realised[0])
         record_fields = {"requested_imbalance": float(requested), "realised_imbalance": realised[0],
                          "picks_per_rank": picks}
-    planned_bytes = evaluate(graph, plan_obj).activation_bytes
     cost = evaluate(graph, effective)
     predicted = cost.activation_bytes
     if budget_bytes is not None:
+        planned_bytes = evaluate(graph, plan_obj).activation_bytes  # what the plan made before the gate would keep
         record_fields.update(budget_bytes=budget_bytes, downgraded_layers=list(record.downgraded),
                              planned_bytes=int(planned_bytes), effective_plan=str(effective),
                              peak_bytes=int(executor.tracker.peak_bytes))
@@ -225,6 +225,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if world != args.ep:
         _fail(f"--ep: {args.ep} needs exactly {args.ep} processes (torchrun --nproc_per_node={args.ep}); "
               f"running {world}", quiet)
+    import torch  # after the argument checks: a usage error does not wait for torch
+
     if world > 1:
         import torch.distributed as dist
 
@@ -239,11 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not message.startswith("--"):
                 message = f"--preset: {message}"  # the only other library call that raises: presets.model
             _fail(message, quiet)
-        except Exception as exc:  # ActivationOutOfMemoryError (a torch.OutOfMemoryError) over --budget-bytes
-            import torch
-
-            if not isinstance(exc, torch.OutOfMemoryError):
-                raise
+        except torch.OutOfMemoryError as exc:  # ActivationOutOfMemoryError over --budget-bytes
             if not quiet:
                 sys.stderr.write(f"error: out of memory: {' '.join(str(exc).split())}\n")
             raise SystemExit(1) from None

@@ -46,11 +46,6 @@ def _plan(graph, plan: str) -> str:
     return ",".join(f"{op}/{tensor}=RECOMPUTE" for op, tensor in graph.decisions)
 
 
-def _step(config, graph, plan):
-    record, loss, grads, flops = run_plan(config, graph, plan)
-    return loss, grads, record, flops
-
-
 @pytest.mark.parametrize("preset", ["tiny-moe", "tiny-dense", "tiny-moe-bf16"])
 @pytest.mark.parametrize("plan", [*RECOMPUTE_PLANS, FULL])
 def test_recompute_bytes_gradients_and_flops(preset, plan):
@@ -60,8 +55,8 @@ def test_recompute_bytes_gradients_and_flops(preset, plan):
         cost = evaluate(graph, plan)
     except ValueError:
         pytest.skip("the plan names ops of the other preset")
-    loss0, grads0, _, flops0 = _step(config, graph, None)
-    loss1, grads1, record, flops1 = _step(config, graph, plan)
+    _, loss0, grads0, flops0 = run_plan(config, graph, None)
+    record, loss1, grads1, flops1 = run_plan(config, graph, plan)
     assert record.unknown_count == 0
     assert record.device_bytes == cost.activation_bytes, (record.device_bytes, cost.activation_bytes)
     assert record.host_bytes == cost.host_bytes
@@ -85,7 +80,7 @@ def test_recompute_bytes_gradients_and_flops(preset, plan):
 def test_full_recompute_reaches_the_floor():
     config, graph = _setup("tiny-moe")
     plan = _plan(graph, FULL)
-    _, _, record, _ = _step(config, graph, plan)
+    record, _, _, _ = run_plan(config, graph, plan)
     assert record.device_bytes == graph.floor_bytes == evaluate(graph, plan).activation_bytes
 
 

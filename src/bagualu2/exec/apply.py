@@ -101,13 +101,7 @@ class PlanExecutor:
     def prefetch(self, name: str) -> int:
         """Start the host->device copies of micro-batch ``name``'s offloaded storages (before its backward, on
         the copy stream on CUDA; on CPU the copies run now). Returns how many were started."""
-        started = 0
-        for copy in self.record(name).host_copies:
-            if copy.prefetched is None and copy.host is not None:
-                copy.prefetched = self.engine.reload(copy, copy.device)
-                copy.last_read = copy.prefetched[1]
-                started += 1
-        return started
+        return sum(copy.prefetch(self.engine) for copy in self.record(name).host_copies)
 
     def offload_now(self, name: str, tensors: Iterable[str] | None = None) -> int:
         """Start the deferred device->host copies of micro-batch ``name`` (of ``tensors``, default all); returns
@@ -126,12 +120,7 @@ class PlanExecutor:
         replays of ``ops`` now (cached until backward uses them). Returns how many actions started."""
         record = self.record(name)
         wanted, rerun = set(tensors), set(ops)
-        started = 0
-        for copy in record.host_copies:
-            if copy.name in wanted and copy.host is not None and copy.prefetched is None:
-                copy.prefetched = self.engine.reload(copy, copy.device)
-                copy.last_read = copy.prefetched[1]
-                started += 1
+        started = sum(copy.prefetch(self.engine) for copy in record.host_copies if copy.name in wanted)
         for replay in record.replays:
             if replay.op in rerun and replay.runs == 0:
                 replay.output(0)
@@ -250,12 +239,9 @@ class PlanExecutor:
             for tensor, saved_dtype, expected in savings:
                 if (hint is not None and tensor != hint) or saved_dtype != dtype:
                     continue
-                used = record.used.get((op, tensor), 0)
                 fits = self.graph.tensors[tensor].routed if partial else (  # one storage per name and dtype
-                    used == 0 and entry.nbytes == expected
-                    and all(e.dtype != entry.dtype for e in record.named.get(tensor, ())))
+                    entry.nbytes == expected and all(e.dtype != entry.dtype for e in record.named.get(tensor, ())))
                 if fits:
-                    record.used[(op, tensor)] = used + entry.nbytes
                     entry.name = tensor
                     record.named_as(entry, tensor)
                     return tensor

@@ -134,6 +134,14 @@ class HostCopy:
     prefetched: tuple[torch.Tensor, object] | None = None  # (device copy, event) issued before backward
     last_read: object = None  # event of the latest host->device copy (the buffer is busy until it completed)
 
+    def prefetch(self, engine: CopyEngine) -> bool:
+        """Start copying back to the device now (before backward); False if there is nothing to start."""
+        if self.host is None or self.prefetched is not None or self.cached is not None:
+            return False
+        self.prefetched = engine.reload(self, self.device)
+        self.last_read = self.prefetched[1]
+        return True
+
     def to_device(self, engine: CopyEngine, device: torch.device) -> torch.Tensor:
         """The flat storage on ``device``: the prefetched copy if there is one, else a reload now (a deferred
         offload that never ran still has its device storage)."""

@@ -32,7 +32,6 @@ class MicroBatchRecord:
     unknown: dict[int, int] = field(default_factory=dict)       # storage id -> bytes kept without a name
     unknown_count: int = 0                                      # pack calls that could not be named
     storages: dict[tuple[str, int], Stored] = field(default_factory=dict)
-    used: dict[tuple[str, str], int] = field(default_factory=dict)  # (op, tensor) -> bytes named so far
     applied: dict[tuple[str, str], Strategy] = field(default_factory=dict)  # what the hook applied
     replays: list[Replay] = field(default_factory=list)
     host_copies: list = field(default_factory=list)
@@ -43,21 +42,21 @@ class MicroBatchRecord:
     pending_offloads: dict[str, list[Stored]] = field(default_factory=dict)  # tensor -> deferred host copies
     named: dict[str, list[Stored]] = field(default_factory=dict)    # tensor -> the storages named so
     producers: dict[str, tuple[Replay, int]] = field(default_factory=dict)  # tensor -> (replay, output) making it
-    held_names: set[tuple[str, torch.dtype]] = field(default_factory=set)  # (name, reader dtype) looked up
+    held_names: dict[str, set[torch.dtype]] = field(default_factory=dict)  # name -> dtypes of its readers
 
     def hold_name(self, name: str | None, dtype: torch.dtype) -> None:
         """Backward will look ``name`` up for a reader of ``dtype``: hold its copies in *other* precisions (the
         router's FP32 copy of a BF16 input) until release."""
-        if name is None or (name, dtype) in self.held_names:
+        if name is None or dtype in self.held_names.get(name, ()):
             return
-        self.held_names.add((name, dtype))
+        self.held_names.setdefault(name, set()).add(dtype)
         for entry in self.named.get(name, ()):
             if entry.dtype != dtype:
                 entry.hold()
 
     def named_as(self, entry: Stored, name: str) -> None:
         self.named.setdefault(name, []).append(entry)
-        if any(held == name and dtype != entry.dtype for held, dtype in self.held_names):
+        if self.held_names.get(name, set()) - {entry.dtype}:  # a reader in another precision will look it up
             entry.hold()
 
     def clear(self) -> None:
