@@ -69,7 +69,7 @@ def test_ep_rejects_imbalance_above_ep_and_wrong_world_size():
 
 
 EQUIVALENCE = textwrap.dedent("""
-    import torch, torch.distributed as dist
+    import sys, torch, torch.distributed as dist
     from bagualu2.costmodel import presets
     from reference_trainer.model import GLMMoEModel
     dist.init_process_group("gloo")
@@ -89,7 +89,8 @@ EQUIVALENCE = textwrap.dedent("""
     torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-5, atol=1e-6)
     assert all(torch.isfinite(p.grad).all() for p in ep_model.parameters() if p.grad is not None)
     dist.destroy_process_group()
-    print("ok", rank)
+    sys.stdout.write(f"ok {rank}\n")  # one write: the two ranks' lines must not interleave
+    sys.stdout.flush()
 """)
 
 
@@ -99,7 +100,7 @@ def test_ep_forward_backward_matches_ep1(tmp_path):
     script.write_text(EQUIVALENCE)
     proc = _torchrun(2, str(script))
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert sorted(proc.stdout.split()) == ["0", "1", "ok", "ok"]
+    assert sorted(line for line in proc.stdout.splitlines() if line.startswith("ok")) == ["ok 0", "ok 1"]
 
 
 def test_recompute_plan_under_ep_is_exact_and_bitwise():
