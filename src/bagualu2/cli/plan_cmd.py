@@ -9,8 +9,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from bagualu2.costmodel import OpGraph, Strategy, build_graph, resolve
-from bagualu2.costmodel.graph import FLOAT_DTYPES, ITEM_BYTES
-from bagualu2.costmodel.strategy import offload_ns, quantize_ns
+from bagualu2.costmodel.graph import ITEM_BYTES
+from bagualu2.costmodel.strategy import tensor_offload_ns, tensor_quantize_ns
 from bagualu2.mitigation import Solution, check_conflicts, exact, greedy
 
 from .common import (GIB, HARDWARE_HELP, IMBALANCE_HELP, JSON_HELP, MIB, MODEL_HELP, CliError, console,
@@ -43,10 +43,10 @@ def plan_rows(graph: OpGraph, solution: Solution) -> list[dict[str, Any]]:
         saved = sum(spec.numel * ITEM_BYTES[d] for d in dtypes)
         added_ns: int | None = None
         if strategy is Strategy.OFFLOAD:
-            added_ns = sum(sum(offload_ns(spec.numel * ITEM_BYTES[d], hw)) for d in dtypes)
+            added_ns = sum(sum(tensor_offload_ns(spec, d, hw)) for d in dtypes)
         elif strategy is Strategy.QUANTIZE:
             saved -= spec.numel  # one FP8 byte per element stays on the device
-            added_ns = sum(quantize_ns(spec.numel, spec.dtype if spec.dtype in FLOAT_DTYPES else "bf16", hw))
+            added_ns = sum(tensor_quantize_ns(spec, hw))
         rows.append({"tensor": tensor, "consumers": [op for op, _ in users], "strategy": strategy.value,
                      "saved_bytes": saved, "added_s": None if added_ns is None else added_ns * 1e-9})
     return rows

@@ -181,7 +181,7 @@ class _Builder:
     def moe(self, layer: int, x_mid: str) -> str:
         m, p = self.m, self.p
         h, K, tokens = m.hidden_size, m.top_k, self.sp_tokens
-        routed_tokens = int(round(tokens * K * self.r))
+        routed_tokens = int(round(tokens * K * self.r))  # = OpGraph.routed_tokens(r)
         (n2,) = self.op(layer, "norm2", "norm", (x_mid,), {"norm2_out": (tokens * h, self.dt)},
                         saves=((x_mid, self.dt),), flops=5 * tokens * h)
         router = f"L{layer}.router"
@@ -260,4 +260,5 @@ def build_graph(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware
     return OpGraph(ops=tuple(builder.ops), tensors=builder.tensors, hardware=hardware,
                    pinned=frozenset(builder.pinned), imbalance=imbalance,
                    label=f"stage {stage} chunk {chunk} layers {layers[0]}-{layers[-1]}",
-                   activation_dtype=model.dtype)
+                   activation_dtype=model.dtype,
+                   mean_routed_tokens=builder.sp_tokens * model.top_k if model.num_experts else 0)

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Mapping
+from typing import Callable, Collection, Mapping
 
-from .graph import FLOAT_DTYPES, ITEM_BYTES, MATMUL_KINDS, OpGraph, Resource, Saving
+from .graph import ITEM_BYTES, MATMUL_KINDS, OpGraph, Resource, Saving
 from .plan import Plan
-from .strategy import Strategy, offload_ns, quantize_ns
+from .strategy import Strategy, tensor_offload_ns, tensor_quantize_ns
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,15 @@ class PlanCost:
     num_recomputed_ops: int
     unavailable: tuple[str, ...] = ()
     recompute_flops: int = 0  # matrix-product and attention FLOPs of the re-run ops (``graph.MATMUL_KINDS``)
+    routed_bytes: int = 0  # the part of ``activation_bytes`` held by routed-expert tensors (scales with imbalance)
+
+    def activation_bytes_at(self, graph: OpGraph, imbalance: float) -> int:
+        """``activation_bytes`` of the same plan on ``graph`` rebuilt at ``imbalance``, exactly: routed tensors
+        hold ``graph.routed_tokens(r)`` token copies each, so their bytes are proportional to it."""
+        built = graph.routed_tokens(graph.imbalance)
+        if not self.routed_bytes or not built:
+            return self.activation_bytes
+        return self.activation_bytes - self.routed_bytes + self.routed_bytes // built * graph.routed_tokens(imbalance)
 
     @property
     def overhead_ns(self) -> int:
@@ -144,26 +153,30 @@ def evaluate_resolved(graph: OpGraph, strategies: Mapping[tuple[str, str], Strat
     hardware = graph.hardware
     tensors = graph.tensors
     device, host, quantized, recomputed = _classify(graph, strategies)
-    activation_bytes = sum(tensors[t].numel * ITEM_BYTES[d] for t, dtypes in device.items() for d in dtypes)
-    activation_bytes += sum(tensors[t].numel for t in quantized)  # one FP8 byte per element
+    activation_bytes = routed_bytes = 0
+    for name, dtypes in device.items():
+        nbytes = sum(tensors[name].numel * ITEM_BYTES[d] for d in dtypes)
+        activation_bytes += nbytes
+        routed_bytes += nbytes if tensors[name].routed else 0
+    for name in quantized:  # one FP8 byte per element
+        activation_bytes += tensors[name].numel
+        routed_bytes += tensors[name].numel if tensors[name].routed else 0
     host_bytes = 0
     d2h_ns = h2d_ns = 0
     for name, dtypes in host.items():
         for dtype in dtypes:
-            nbytes = tensors[name].numel * ITEM_BYTES[dtype]
-            host_bytes += nbytes
-            down, up = offload_ns(nbytes, hardware)
+            host_bytes += tensors[name].numel * ITEM_BYTES[dtype]
+            down, up = tensor_offload_ns(tensors[name], dtype, hardware)
             d2h_ns += down
             h2d_ns += up
     quant_fwd_ns = quant_bwd_ns = 0
     for name in quantized:
-        spec = tensors[name]
-        fwd, bwd = quantize_ns(spec.numel, spec.dtype if spec.dtype in FLOAT_DTYPES else "bf16", hardware)
+        fwd, bwd = tensor_quantize_ns(tensors[name], hardware)
         quant_fwd_ns += fwd
         quant_bwd_ns += bwd
 
     stored = device.keys() | host.keys() | quantized
-    rerun, unavailable = _recompute_closure(graph, recomputed - stored, stored)
+    rerun, unavailable = graph_closure(graph, recomputed - stored, stored)
     recompute_by_resource = {Resource.COMPUTE: 0, Resource.COMM: 0}
     recompute_flops = 0
     for op_name in rerun:
@@ -193,6 +206,7 @@ def evaluate_resolved(graph: OpGraph, strategies: Mapping[tuple[str, str], Strat
         num_recomputed_ops=len(rerun),
         unavailable=tuple(sorted(unavailable)),
         recompute_flops=recompute_flops,
+        routed_bytes=routed_bytes,
     )
 
 
@@ -235,35 +249,47 @@ def mitigation_ops(graph: OpGraph, plan: Plan | None) -> MitigationOps:
     offloads = []
     for name in sorted(host, key=order.__getitem__):
         for dtype in sorted(host[name]):
-            nbytes = graph.tensors[name].numel * ITEM_BYTES[dtype]
-            offloads.append((name, dtype, nbytes, *offload_ns(nbytes, graph.hardware)))
+            spec = graph.tensors[name]
+            offloads.append((name, dtype, spec.numel * ITEM_BYTES[dtype],
+                             *tensor_offload_ns(spec, dtype, graph.hardware)))
     casts = []
     for name in sorted(quantized, key=order.__getitem__):
         spec = graph.tensors[name]
-        casts.append((name, spec.producer,
-                      *quantize_ns(spec.numel, spec.dtype if spec.dtype in FLOAT_DTYPES else "bf16", graph.hardware)))
+        casts.append((name, spec.producer, *tensor_quantize_ns(spec, graph.hardware)))
     stored = device.keys() | host.keys() | quantized
-    rerun, _ = _recompute_closure(graph, recomputed - stored, stored)
+    rerun, _ = graph_closure(graph, recomputed - stored, stored)
     return MitigationOps(tuple(offloads), tuple(casts), tuple(op.name for op in graph.ops if op.name in rerun))
 
 
-def _recompute_closure(graph: OpGraph, missing: set[str], stored: set[str]) -> tuple[set[str], set[str]]:
-    """Least set of ops to re-run so every tensor in ``missing`` is regenerated from stored tensors."""
-    rerun: set[str] = set()
+def recompute_closure(missing: Collection[str], is_stored: Callable[[str], bool],
+                      producer_of: Callable[[str], str | None], inputs_of: Callable[[str], tuple[str, ...]],
+                      rerun: Collection[str] = ()) -> tuple[set[str], set[str]]:
+    """The least set of ops to re-run (beyond the ops in ``rerun``, already re-run) so that every tensor in
+    ``missing`` is regenerated: its producer re-runs, and so, transitively, do the producers of its inputs that
+    are not stored. Returns ``(new ops, unavailable graph inputs)``. The one recompute closure: the evaluator and
+    the solvers call it."""
+    new: set[str] = set()
     unavailable: set[str] = set()
     needed = set(missing)
     work = list(missing)
     while work:
         name = work.pop()
-        producer = graph.tensors[name].producer
+        producer = producer_of(name)
         if producer is None:
             unavailable.add(name)
             continue
-        if producer in rerun:
+        if producer in rerun or producer in new:
             continue
-        rerun.add(producer)
-        for source in graph.op(producer).inputs:
-            if source not in stored and source not in needed:
+        new.add(producer)
+        for source in inputs_of(producer):
+            if source not in needed and not is_stored(source):
                 needed.add(source)
                 work.append(source)
-    return rerun, unavailable
+    return new, unavailable
+
+
+def graph_closure(graph: OpGraph, missing: set[str], stored: Collection[str]) -> tuple[set[str], set[str]]:
+    """:func:`recompute_closure` on ``graph`` with the stored tensors ``stored``."""
+    tensors = graph.tensors
+    return recompute_closure(missing, stored.__contains__, lambda t: tensors[t].producer,
+                             lambda op: graph.op(op).inputs)

@@ -104,6 +104,7 @@ class OpGraph:
     imbalance: float = 1.0
     label: str = ""
     activation_dtype: str = "bf16"
+    mean_routed_tokens: int = 0  # routed token copies per MoE layer at imbalance 1 (tokens * top-k); 0: dense
     _index: Mapping[str, int] = field(init=False, repr=False)
     _consumers: Mapping[str, tuple[tuple[str, str], ...]] = field(init=False, repr=False)
 
@@ -174,26 +175,31 @@ class OpGraph:
         """The ``(op, tensor)`` pairs a plan may mitigate (every saving except the pinned ones)."""
         return tuple((op.name, s.tensor) for op, s in self.savings if (op.name, s.tensor) not in self.pinned)
 
+    def copies_bytes(self, copies) -> int:
+        """Device bytes of distinct stored copies ``{(tensor, dtype)}`` (the evaluator's KEEP rule)."""
+        tensors = self.tensors
+        return sum(tensors[t].numel * ITEM_BYTES[d] for t, d in copies)
+
     @cached_property
     def unmitigated_bytes(self) -> int:
-        """Activation bytes kept with every saving ``KEEP``."""
-        from .evaluate import evaluate
+        """Activation bytes kept with every saving ``KEEP``: one copy per tensor and stored precision."""
+        return self.copies_bytes({(s.tensor, s.dtype) for _, s in self.savings})
 
-        return evaluate(self, None).activation_bytes
+    def routed_tokens(self, imbalance: float) -> int:
+        """Routed token copies one MoE layer's experts receive at ``imbalance`` (``round(T*K*r)``, as built)."""
+        return int(round(self.mean_routed_tokens * imbalance))
 
     @cached_property
     def floor_bytes(self) -> int:
         """M0: bytes kept when everything but the pinned block inputs is mitigated (full recompute); a pinned
         tensor counts once per precision its consumers store it in (they all keep it in a conflict-free plan)."""
         pinned = {tensor for _, tensor in self.pinned}  # every consumer of a pinned tensor keeps it (conflict rules)
-        copies = {(s.tensor, s.dtype) for _, s in self.savings if s.tensor in pinned}
-        return sum(self.tensors[t].numel * ITEM_BYTES[d] for t, d in copies)
+        return self.copies_bytes({(s.tensor, s.dtype) for _, s in self.savings if s.tensor in pinned})
 
     @cached_property
     def routed_bytes(self) -> int:
         """Bytes of routed-expert tensors kept with no mitigation (the part that scales with imbalance)."""
-        seen = {(s.tensor, s.dtype) for _, s in self.savings if self.tensors[s.tensor].routed}
-        return sum(self.tensors[t].numel * ITEM_BYTES[d] for t, d in seen)
+        return self.copies_bytes({(s.tensor, s.dtype) for _, s in self.savings if self.tensors[s.tensor].routed})
 
     @cached_property
     def forward_ns(self) -> int:

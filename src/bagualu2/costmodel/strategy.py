@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .config import Hardware
-from .graph import ITEM_BYTES, Op
+from .graph import FLOAT_DTYPES, ITEM_BYTES, Op, TensorSpec
 
 
 class Strategy(str, enum.Enum):
@@ -72,6 +72,17 @@ def quantize_ns(numel: int, dtype: str, hardware: Hardware) -> tuple[int, int]:
     launch, bw = hardware.kernel_launch_s, hardware.hbm_bytes_per_s
     return (seconds_to_ns(2 * launch + (2 * nbytes + numel) / bw),
             seconds_to_ns(launch + (numel + nbytes) / bw))
+
+
+def tensor_offload_ns(spec: TensorSpec, dtype: str, hardware: Hardware) -> tuple[int, int]:
+    """(d2h, h2d) nanoseconds of the host copy of ``spec`` stored in ``dtype`` — one copy per stored precision;
+    the copy-cost rule every caller (evaluator, solvers, CLI) uses."""
+    return offload_ns(spec.numel * ITEM_BYTES[dtype], hardware)
+
+
+def tensor_quantize_ns(spec: TensorSpec, hardware: Hardware) -> tuple[int, int]:
+    """(cast, dequantise) nanoseconds of the one FP8 copy of ``spec`` (non-floating tensors cost as BF16)."""
+    return quantize_ns(spec.numel, spec.dtype if spec.dtype in FLOAT_DTYPES else "bf16", hardware)
 
 
 @dataclass(frozen=True, slots=True)

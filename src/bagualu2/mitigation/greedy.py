@@ -24,7 +24,8 @@ import time
 import weakref
 from dataclasses import dataclass
 
-from ..costmodel import OpGraph, Strategy
+from ..costmodel import OpGraph, Plan, Strategy, resolve
+from ..costmodel.evaluate import recompute_closure
 from .solution import Solution, SolveStatus, check_budget, infeasible, make_solution
 from .space import Space, TensorChoice, decision_space
 
@@ -64,10 +65,12 @@ def _standalone_ns(choice: TensorChoice, strategy: Strategy) -> int:
 
 
 class _State:
-    """Tensor-level assignment with its freed bytes, overhead and the ops re-run in backward."""
+    """Tensor-level assignment with its freed bytes, overhead and the ops re-run in backward. ``movable``: the
+    tensors the solver may change (None: all)."""
 
-    def __init__(self, space: Space):
+    def __init__(self, space: Space, movable: frozenset | None = None):
         self.space = space
+        self.movable = movable
         self.chosen: dict[str, Strategy] = {}
         self.rerun: set[str] = set()
         self.freed = 0
@@ -79,22 +82,10 @@ class _State:
 
     def recompute_ops(self, start: str) -> frozenset | None:
         """Ops to add to the re-run set if ``start`` is recomputed; None if it cannot be regenerated."""
-        space, chosen, rerun = self.space, self.chosen, self.rerun
-        producer_of, inputs_of, pinned, saved = space.producer, space.inputs, space.pinned, space.saved
-        new: set[str] = set()
-        stack = [start]
-        while stack:
-            producer = producer_of[stack.pop()]
-            if producer is None:
-                return None
-            if producer in rerun or producer in new:
-                continue
-            new.add(producer)
-            for source in inputs_of[producer]:
-                if source == start or (source not in pinned and
-                                       (source not in saved or chosen.get(source) is RECOMPUTE)):
-                    stack.append(source)
-        return frozenset(new)
+        space = self.space
+        new, unavailable = recompute_closure((start,), self.stored, space.producer.__getitem__,
+                                             space.inputs.__getitem__, self.rerun)
+        return None if unavailable else frozenset(new)
 
     def move(self, choice: TensorChoice, strategy: Strategy) -> Delta | None:
         """Delta of moving ``choice`` from its current strategy to ``strategy``; None when the candidate
@@ -111,32 +102,19 @@ class _State:
         return freed, added + sum(forward_ns[o] for o in ops), ops
 
     def closure(self) -> set[str]:
-        """Least set of ops backward re-runs to regenerate every recomputed tensor (as the evaluator does)."""
-        space, chosen = self.space, self.chosen
-        producer_of, inputs_of, pinned, saved = space.producer, space.inputs, space.pinned, space.saved
-        rerun: set[str] = set()
-        seen: set[str] = set()
-        stack = [t for t, s in chosen.items() if s is RECOMPUTE]
-        while stack:
-            tensor = stack.pop()
-            if tensor in seen:
-                continue
-            seen.add(tensor)
-            producer = producer_of[tensor]
-            if producer is None or producer in rerun:
-                continue
-            rerun.add(producer)
-            for source in inputs_of[producer]:
-                if source not in seen and source not in pinned and \
-                        (source not in saved or chosen.get(source) is RECOMPUTE):
-                    stack.append(source)
-        return rerun
+        """Least set of ops backward re-runs to regenerate every recomputed tensor (the evaluator's closure)."""
+        space = self.space
+        missing = [t for t, s in self.chosen.items() if s is RECOMPUTE]
+        return recompute_closure(missing, self.stored, space.producer.__getitem__, space.inputs.__getitem__)[0]
 
     def apply(self, choice: TensorChoice, strategy: Strategy, delta: Delta) -> None:
         self.chosen[choice.tensor] = strategy
         self.freed += delta[0]
         self.overhead_ns += delta[1]
         self.rerun |= delta[2]
+
+    def may_move(self, tensor: str) -> bool:
+        return self.movable is None or tensor in self.movable
 
 
 def rerun_ops(space: Space, chosen: dict[str, Strategy]) -> set[str]:
@@ -146,8 +124,48 @@ def rerun_ops(space: Space, chosen: dict[str, Strategy]) -> set[str]:
     return state.closure()
 
 
-def solve(graph: OpGraph, budget_bytes: int, *, config: GreedyConfig | None = None) -> Solution:
-    """Plan that keeps at most ``budget_bytes`` of activations for ``graph``, by greedy selection."""
+def tensor_strategies(graph: OpGraph, plan: Plan | None) -> dict[str, Strategy]:
+    """``plan`` as one strategy per mitigated tensor (KEEP omitted); ``ValueError`` if two consumers of one tensor
+    disagree (such a plan is not in the solvers' conflict-free space)."""
+    found: dict[str, Strategy] = {}
+    for (op_name, tensor), strategy in resolve(graph, plan).items():
+        if (op_name, tensor) in graph.pinned:
+            continue
+        if found.setdefault(tensor, strategy) is not strategy:
+            raise ValueError(f"fixed plan gives the consumers of tensor {tensor!r} different strategies "
+                             f"({found[tensor].value}, {strategy.value}); allowed: one strategy per tensor")
+    return {tensor: strategy for tensor, strategy in found.items() if strategy is not KEEP}
+
+
+def _start(space: Space, graph: OpGraph, fixed: Plan | None, free) -> _State:
+    """The state the solver starts from: ``fixed``'s strategies on the tensors outside ``free``, KEEP elsewhere."""
+    movable = None if free is None else frozenset(free)
+    state = _State(space, movable)
+    if fixed is None:
+        return state
+    strategies = tensor_strategies(graph, fixed)
+    for choice in space.choices:
+        strategy = strategies.get(choice.tensor)
+        if strategy is None or (movable is not None and choice.tensor in movable):
+            continue
+        state.chosen[choice.tensor] = strategy
+        state.freed += choice.keep_bytes - _bytes(choice, strategy)
+        state.overhead_ns += _standalone_ns(choice, strategy)
+    state.rerun = state.closure()
+    state.overhead_ns += sum(space.forward_ns[o] for o in state.rerun)
+    if movable is None:
+        state.movable = frozenset()  # everything is fixed
+    return state
+
+
+def solve(graph: OpGraph, budget_bytes: int, *, config: GreedyConfig | None = None, fixed: Plan | None = None,
+          free=None) -> Solution:
+    """Plan that keeps at most ``budget_bytes`` of activations for ``graph``, by greedy selection.
+
+    A partial solve (the runtime's re-plan after the MoE gate): ``free`` names the tensors the solver may change,
+    starting from KEEP; every other tensor keeps its strategy in ``fixed`` (default KEEP; one strategy per tensor,
+    else ``ValueError``). With ``fixed`` alone nothing may change: the result is ``fixed`` if it fits.
+    """
     started = time.perf_counter()
     budget_bytes = check_budget(budget_bytes)
     config = config or GreedyConfig()
@@ -156,8 +174,8 @@ def solve(graph: OpGraph, budget_bytes: int, *, config: GreedyConfig | None = No
         return infeasible(graph, budget_bytes, name, started, time.perf_counter())
     space = decision_space(graph)
     need = graph.unmitigated_bytes - budget_bytes
-    state = _State(space)
-    if need > 0:
+    state = _start(space, graph, fixed, free)
+    if need > state.freed:
         state = _paper(state, space, need) if config.variant == "paper" else _improved(state, space, need)
         if config.prune and state.freed >= need:
             _prune(state, space, need)
@@ -166,7 +184,7 @@ def solve(graph: OpGraph, budget_bytes: int, *, config: GreedyConfig | None = No
         return make_solution(graph, space.plan(state.chosen), SolveStatus.INFEASIBLE, name, started,
                              time.perf_counter(), stats, reason="no conflict-free candidate is left and the "
                              f"plan still keeps {graph.unmitigated_bytes - state.freed} > {budget_bytes} bytes")
-    status = SolveStatus.OPTIMAL if need <= 0 else SolveStatus.FEASIBLE
+    status = SolveStatus.OPTIMAL if need <= 0 and not state.chosen else SolveStatus.FEASIBLE
     return make_solution(graph, space.plan(state.chosen), status, name, started, time.perf_counter(), stats)
 
 
@@ -183,7 +201,7 @@ def _improved(state: _State, space: Space, need: int) -> _State:
 
     def push(choice: TensorChoice, strategy: Strategy) -> None:
         nonlocal counter
-        if state.chosen.get(choice.tensor) in FINAL:
+        if state.chosen.get(choice.tensor) in FINAL or not state.may_move(choice.tensor):
             return
         delta = state.move(choice, strategy)
         if delta is None or delta[0] <= 0:
@@ -192,13 +210,15 @@ def _improved(state: _State, space: Space, need: int) -> _State:
         heappush(heap, (-delta[0] / max(delta[1], 1), -delta[0], counter, choice, strategy,
                         version[choice.tensor], epoch, delta))
 
-    initial = _INITIAL.get(space)
+    initial = _INITIAL.get(space) if state.movable is None else None
     if initial is None:  # the all-KEEP start is the same for every budget: build its candidates once
         heap: list = []
         for choice in space.choices:
             for strategy in choice.strategies:
                 push(choice, strategy)
-        _INITIAL[space] = initial = list(heap)
+        initial = list(heap)
+        if state.movable is None:
+            _INITIAL[space] = initial
     heap = list(initial)
     counter = len(heap)
     history: list[tuple[TensorChoice, Strategy, Delta]] = []
@@ -230,16 +250,29 @@ def _improved(state: _State, space: Space, need: int) -> _State:
                 for produced in space.produces.get(op, ()):
                     push(by_name[produced], RECOMPUTE)
     if best_end is not None and (state.freed < need or best_end[0] < state.overhead_ns):
-        state = _State(space)
+        state = _restart(state, history)
         for move in history[:best_end[1]]:
             state.apply(*move)
         state.apply(*best_end[2])
     return state
 
 
+def _restart(state: _State, history: list) -> _State:
+    """``state`` as it was before its first move (movable tensors start at KEEP; the fixed ones never move)."""
+    fresh = _State(state.space, state.movable)
+    moved = {choice.tensor for choice, _, _ in history}
+    fresh.chosen = {t: s for t, s in state.chosen.items() if t not in moved}
+    fresh.freed = state.freed - sum(d[0] for _, _, d in history)
+    fresh.overhead_ns = state.overhead_ns - sum(d[1] for _, _, d in history)
+    fresh.rerun = fresh.closure()
+    return fresh
+
+
 def _paper(state: _State, space: Space, need: int) -> _State:
     roofline = {}
     for choice in space.choices:  # the time-minimising strategy for this tensor's size
+        if not state.may_move(choice.tensor):
+            continue
         options = [(delta[1] / delta[0], strategy) for strategy in choice.strategies
                    if (delta := state.move(choice, strategy)) is not None and delta[0] > 0]
         if options:
@@ -255,7 +288,7 @@ def _paper(state: _State, space: Space, need: int) -> _State:
                 best = (choice, strategy, delta)
         if best is None:  # roofline candidates exhausted: recompute what is still kept
             for choice in space.choices:
-                if state.chosen.get(choice.tensor) not in FINAL \
+                if state.may_move(choice.tensor) and state.chosen.get(choice.tensor) not in FINAL \
                         and (delta := state.move(choice, RECOMPUTE)) is not None and delta[0] > 0:
                     state.apply(choice, RECOMPUTE, delta)
                     if state.freed >= need:
@@ -268,7 +301,8 @@ def _paper(state: _State, space: Space, need: int) -> _State:
 def _prune(state: _State, space: Space, need: int) -> None:
     """Revert moves (most expensive first) while the budget still holds and the overhead drops."""
     by_name = {c.tensor: c for c in space.choices}
-    order = sorted(state.chosen, key=lambda t: -_standalone_ns(by_name[t], state.chosen[t]))
+    order = sorted((t for t in state.chosen if state.may_move(t)),
+                   key=lambda t: -_standalone_ns(by_name[t], state.chosen[t]))
     closures_left = MAX_PRUNE_CLOSURES
     for tensor in order:
         choice, strategy = by_name[tensor], state.chosen[tensor]

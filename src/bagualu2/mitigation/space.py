@@ -11,8 +11,8 @@ import weakref
 from dataclasses import dataclass
 
 from ..costmodel import OpGraph, Plan, Strategy
-from ..costmodel.graph import FLOAT_DTYPES, ITEM_BYTES
-from ..costmodel.strategy import offload_ns, quantize_ns
+from ..costmodel.graph import ITEM_BYTES
+from ..costmodel.strategy import tensor_offload_ns, tensor_quantize_ns
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,8 +78,8 @@ def _build(graph: OpGraph) -> Space:
         strategies = [Strategy.RECOMPUTE, Strategy.OFFLOAD]
         if all(graph.quantizable(s) for _, s in users):
             strategies.append(Strategy.QUANTIZE)
-        off = sum(sum(offload_ns(spec.numel * ITEM_BYTES[d], hw)) for d in dtypes)
-        quant = sum(quantize_ns(spec.numel, spec.dtype if spec.dtype in FLOAT_DTYPES else "bf16", hw))
+        off = sum(sum(tensor_offload_ns(spec, d, hw)) for d in dtypes)
+        quant = sum(tensor_quantize_ns(spec, hw))
         choices.append(TensorChoice(tensor, tuple((op.name, tensor) for op, _ in users), tuple(strategies),
                                     keep, spec.numel, off, quant))
     produces: dict[str, list[str]] = {}

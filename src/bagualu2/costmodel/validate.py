@@ -1,0 +1,54 @@
+"""The one validation helper of the project: integers and finite numbers with a range, one-line ``ValueError``s
+naming the field and what is allowed. ``bool`` is never a number here; numpy scalars are accepted and returned as
+plain Python values."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+
+def _range_text(low, high, low_open: bool, high_open: bool) -> str:
+    if low is not None and high is not None:
+        return f" in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    if low is not None:
+        return f" {'>' if low_open else '>='} {low}"
+    if high is not None:
+        return f" {'<' if high_open else '<='} {high}"
+    return ""
+
+
+def require_int(name: str, value: Any, low: int | None = None, high: int | None = None, *,
+                high_open: bool = True) -> int:
+    """``value`` as an ``int`` if it is an integer in ``[low, high)`` (``[low, high]`` with ``high_open=False``);
+    else ``ValueError("<name> must be an integer >= low, got ...")``."""
+    if type(value) is not int:  # the hot path skips the generic checks
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(f"{name} must be an integer{_range_text(low, high, False, high_open)}, got {value!r}")
+        value = int(value)
+    if (low is not None and value < low) or (high is not None and (value >= high if high_open else value > high)):
+        raise ValueError(f"{name} must be an integer{_range_text(low, high, False, high_open)}, got {value!r}")
+    return value
+
+
+def require_number(name: str, value: Any, low: float | None = None, high: float | None = None, *,
+                   low_open: bool = False, high_open: bool = False) -> float:
+    """``value`` as a ``float`` if it is a finite real number in the range (closed unless ``*_open``); else
+    ``ValueError("<name> must be a finite number > 0, got ...")``."""
+    allowed = _range_text(low, high, low_open, high_open)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a finite number{allowed}, got {value!r}")
+    number = float(value)
+    if not math.isfinite(number) or (low is not None and (number <= low if low_open else number < low)) \
+            or (high is not None and (number >= high if high_open else number > high)):
+        raise ValueError(f"{name} must be a finite number{allowed}, got {value!r}")
+    return number
+
+
+def check_solver_options(time_limit_s: Any, num_workers: Any, seed: Any) -> None:
+    """Options of the CP-SAT solvers: a finite time limit > 0, workers in [1, 1024], a seed in [0, 2**31)
+    (CP-SAT's ``random_seed`` is a 32-bit signed integer)."""
+    require_number("time_limit_s", time_limit_s, 0, low_open=True)
+    require_int("num_workers", num_workers, 1, 1024, high_open=False)
+    require_int("seed", seed, 0, 2 ** 31)
