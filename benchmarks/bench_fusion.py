@@ -6,9 +6,9 @@ import gc
 import pytest
 
 from bagualu2.costmodel import build_graph, presets
-from bagualu2.fusion import OrderCache, build_chains, dp
+from bagualu2.fusion import build_chains, dp
 from bagualu2.mitigation import greedy
-from bagualu2.sim import DecisionPath, replay_iteration, spike_trace
+from bagualu2.runtime import DecisionPath, OrderCache, replay_iteration, spike_trace
 
 MODEL, PARALLEL = presets.model("glm-1041b-a35b")
 HW = presets.hardware("paper-gpu")

@@ -3,7 +3,8 @@
 import pytest
 
 from bagualu2.costmodel import build_graph, presets
-from bagualu2.mitigation import PlanCache, exact, greedy
+from bagualu2.mitigation import exact, greedy
+from bagualu2.runtime import PlanCache
 
 MODEL, PARALLEL = presets.model("glm-1041b-a35b")
 HW = presets.hardware("paper-gpu")

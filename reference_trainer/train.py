@@ -48,7 +48,7 @@ def train(preset: str = "tiny-moe", *, steps: int = 20, lr: float = 1e-2, seed: 
     from bagualu2.budget import BudgetAssigner
     from bagualu2.costmodel import ParallelConfig, build_graph, evaluate, presets
     from bagualu2.exec import ActivationTracker, DeferredPlanner, apply_plan
-    from bagualu2.mitigation import PlanCache
+    from bagualu2.runtime import PlanCache
 
     from .measure import check_host_memory
     from .model import GLMMoEModel

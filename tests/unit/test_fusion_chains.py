@@ -4,7 +4,8 @@ import pytest
 
 from bagualu2.costmodel import Plan, Resource, build_graph, evaluate, presets
 from bagualu2.costmodel.evaluate import mitigation_ops
-from bagualu2.fusion import OrderCache, build_chains, dp, simulate
+from bagualu2.fusion import build_chains, dp, simulate
+from bagualu2.runtime import OrderCache
 from bagualu2.mitigation import greedy
 
 HW = presets.hardware("paper-gpu")

@@ -2,9 +2,10 @@
 
 import pytest
 
-from bagualu2.budget import downgrade_needed, downgrade_plan, plan_after_gate
+from bagualu2.budget import downgrade_needed
 from bagualu2.costmodel import Plan, Strategy, build_graph, evaluate, presets
-from bagualu2.mitigation import PlanCache, SolveStatus, check_conflicts, exact, greedy
+from bagualu2.mitigation import SolveStatus, check_conflicts, exact, greedy
+from bagualu2.runtime import PlanCache, after_gate, downgrade_plan
 from bagualu2.mitigation.greedy import GreedyConfig
 
 HW = presets.hardware("paper-gpu")
@@ -143,10 +144,10 @@ def test_deferred_downgrade_fits_a_spike():
     down = downgrade_plan(spiked, plan)
     assert evaluate(spiked, down).activation_bytes <= budget
     assert check_conflicts(spiked, down) == []
-    again, downgraded = plan_after_gate(spiked, plan, budget)
-    assert downgraded and again == down
-    same, downgraded = plan_after_gate(planned_for, plan, budget)
-    assert not downgraded and same == plan
+    again = after_gate(spiked, plan, budget, downgrade="paper")
+    assert again.changed and again.plan == down
+    same = after_gate(planned_for, plan, budget, downgrade="paper")
+    assert not same.changed and same.plan == plan
     changed = {k: s for k, s in down.explicit().items() if plan.explicit().get(k) != s}
     assert changed and set(changed.values()) == {Strategy.RECOMPUTE}
     assert {spiked.op(op).kind for op, _ in changed} <= {"expert_fc1", "expert_act", "expert_fc2", "unpermute",

@@ -69,7 +69,8 @@ def test_knees_and_fit():
         fit_knee([1, 1], [1, 2])
 
 
-PURE = ["bagualu2.costmodel", "bagualu2.budget", "bagualu2.mitigation", "bagualu2.fusion", "bagualu2.sim"]
+PURE = ["bagualu2.costmodel", "bagualu2.budget", "bagualu2.mitigation", "bagualu2.fusion", "bagualu2.runtime",
+        "bagualu2.sim"]
 
 
 def test_pure_packages_import_without_torch():

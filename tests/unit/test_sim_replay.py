@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 
 from bagualu2.cli import app
 from bagualu2.costmodel import presets
-from bagualu2.sim import replay_iteration, spike_trace
+from bagualu2.runtime import replay_iteration, spike_trace
 
 
 @pytest.mark.parametrize("name", ["glm-1041b-a35b", "glm-423b-a30b", "glm-188b-a20b"])
@@ -19,11 +19,12 @@ def test_replay_with_spikes_fits_and_downgrades_spikes(name):
     replay = replay_iteration(model, parallel, hw, trace)
     assert replay.fits and replay.peak_in_flight_bytes <= replay.m_max_bytes
     assert len(replay.decisions) == parallel.num_microbatches * parallel.vp
-    for decision in replay.decisions:
-        assert decision.kept_bytes <= decision.budget_bytes
+    for decision in replay.decisions:  # only warmup absorbs an overrun (paper §V-A)
+        assert decision.kept_bytes <= decision.budget_bytes or (decision.action == "absorb"
+                                                                and decision.phase == "warmup")
         assert decision.budget_bytes >= replay.m0_bytes
     spiked = [d for d in replay.decisions if d.imbalance == 2.6]
-    assert spiked and all(d.downgraded or d.kept_bytes <= d.budget_bytes for d in spiked)
+    assert spiked and all(d.downgraded or d.kept_bytes <= d.budget_bytes or d.action == "absorb" for d in spiked)
     assert replay.cache_hits > replay.cache_misses
 
 
@@ -50,27 +51,27 @@ def test_demo_command():
 
 def test_decision_path_caches_and_keeps_decisions_safe():
     from bagualu2.costmodel import build_graph, evaluate
-    from bagualu2.sim import DecisionPath
+    from bagualu2.runtime import DecisionPath
 
     model, parallel = presets.model("glm-1041b-a35b")
     hw = presets.hardware("paper-gpu")
-    path = DecisionPath(model, parallel, hw)
+    path = DecisionPath(model, parallel, hw, planned_imbalance=1.2, imbalance_step=0.1)
     graph = build_graph(model, parallel, hw, imbalance=1.3)
     budget = (graph.floor_bytes + graph.unmitigated_bytes) // 2
     first = path.forward(budget, 1.25, "steady", 0)
     again = path.forward(budget + 1024, 1.21, "steady", 0)  # same buckets
-    assert again is first and (path.hits, path.misses) == (1, 1)
+    assert again.plan == first.plan and again.order is first.order and (path.hits, path.misses) == (1, 1)
     # the decision made for the bucket's upper imbalance fits the real one
     assert evaluate(build_graph(model, parallel, hw, imbalance=1.21), first.plan).activation_bytes <= budget
     assert first.kept_bytes <= budget and first.order.makespan_ns > 0
     # every budget above what the micro-batch keeps unmitigated shares one decision
     big = path.forward(10 * graph.unmitigated_bytes, 1.25, "steady", 0)
-    assert path.forward(20 * graph.unmitigated_bytes, 1.25, "steady", 0) is big and len(big.plan) == 0
+    assert path.forward(20 * graph.unmitigated_bytes, 1.25, "steady", 0) == big and len(big.plan) == 0
 
 
 def test_decision_path_never_shares_a_bucket_below_the_floor():
     from bagualu2.costmodel import build_graph
-    from bagualu2.sim import DecisionPath
+    from bagualu2.runtime import DecisionPath
 
     model, parallel = presets.model("glm-188b-a20b")
     hw = presets.hardware("paper-gpu")
@@ -98,7 +99,7 @@ def test_memoised_decisions_equal_fresh_ones():
     still carries what evaluating and ordering its plan from scratch gives."""
     from bagualu2.costmodel import build_graph, evaluate
     from bagualu2.fusion import build_chains, dp
-    from bagualu2.sim import DecisionPath
+    from bagualu2.runtime import DecisionPath
 
     model, parallel = presets.model("glm-1041b-a35b")
     hw = presets.hardware("paper-gpu")
@@ -119,7 +120,7 @@ def test_stage_plan_phases_are_the_assigners():
     """The phase of each forward is a constant of the stage's schedule, hoisted out of the replay loop: it is the
     phase Algorithm 1's assigner is in at that forward."""
     from bagualu2.budget import BudgetAssigner, BudgetPhase
-    from bagualu2.sim import DecisionPath
+    from bagualu2.runtime import DecisionPath
 
     model, parallel = presets.model("glm-188b-a20b")
     memory, steps = DecisionPath(model, parallel, presets.hardware("paper-gpu"), stage=1).stage_plan()

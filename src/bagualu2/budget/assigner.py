@@ -42,9 +42,10 @@ between only increases ``R``.
 bytes were >= M_0 (true on hardware: M_0 is the full-recompute floor). By (1), ``in_flight <= M_max`` after the
 previous forward; the backward frees ``a_y >= M_0`` bytes, so ``budget = M_max - in_flight >= a_y >= M_0``.
 
-Deferred planning (§V-A): the MoE imbalance is only known after the gate; :func:`downgrade_needed` tells the caller
-to switch that micro-batch's MoE module to full recompute before the experts run, and an overrun that still happens
-is recorded as measured, so later budgets shrink ("deferring provisioning to the next micro-batch").
+Deferred planning (§V-A): the MoE imbalance is only known after the gate; ``bagualu2.runtime.after_gate`` decides
+what the micro-batch runs then. In warmup an overrun up to :meth:`BudgetAssigner.absorb_limit_bytes` is accepted:
+it is recorded as measured and later budgets shrink ("deferring provisioning to the next micro-batch"), never
+below ``M_0`` (the limit leaves ``M_0`` for each later warmup forward, so invariant (2) holds again from there).
 """
 
 from __future__ import annotations
@@ -214,6 +215,17 @@ class BudgetAssigner:
             remaining_bytes //= self._num_warmup - launched
         self._peeked = budget = remaining_bytes if remaining_bytes > 0 else 0
         return budget
+
+    def absorb_limit_bytes(self) -> int:
+        """The most the next forward may keep (deferred planning, §V-A): in warmup, what still leaves ``M_0`` for
+        every later not-yet-launched warmup forward — an overrun of the budget up to it is absorbed by the next
+        budgets shrinking, and those stay >= ``M_0``; in the steady phase the budget itself (no absorption)."""
+        budget = self.next_forward_budget()
+        launched = len(self._actual_bytes)
+        if launched >= self._num_warmup:
+            return budget
+        later = self._num_warmup - launched - 1
+        return max(budget, self._m_max_bytes - self._in_flight_bytes - later * self._m0_bytes)
 
     def record_forward(self, microbatch: int, actual_bytes: int) -> int:
         """Record that ``microbatch``'s forward finished keeping ``actual_bytes`` of activations in flight; returns

@@ -12,7 +12,7 @@ import typer
 from rich.table import Table
 
 from bagualu2.costmodel import check_imbalance, stage_memory
-from bagualu2.sim import replay_iteration, spike_trace
+from bagualu2.runtime import replay_iteration, spike_trace
 
 from .common import (GIB, HARDWARE_HELP, JSON_HELP, MODEL_HELP, CliError, blame, console, echo_json,
                      handle_errors, load_hardware, load_model)

@@ -147,9 +147,9 @@ class PlanExecutor:
                       if torch.distributed.get_backend(group) == "nccl" else torch.device("cpu"))
             flag = torch.tensor([int(downgrade)], device=device)
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
-            if flag.item() and not downgrade:
-                plan = self.deferred.downgrade(record.plan, layer)
             downgrade = bool(flag.item())
+            if downgrade:  # ranks may have decided differently: all run the same full downgrade (same re-runs)
+                plan = self.deferred.downgrade(record.plan, layer)
         if downgrade:
             record.plan = plan
             record.strategies = resolve(self.graph, plan)

@@ -1,25 +1,28 @@
-"""Deferred planning after the MoE gate, in the running model (§V-A).
+"""Deferred planning after the MoE gate, in the running model (§V-A): ``exec`` asks ``bagualu2.runtime`` what to
+do; it does not decide itself.
 
 The plan of a micro-batch is chosen before its forward, for the imbalance expected then. After each MoE router
 the model calls :func:`bagualu2.exec.after_gate` with the routed copies this rank's experts will receive; the
-executor asks its :class:`DeferredPlanner` whether the plan in force still fits the micro-batch's budget at the
-imbalance that routing realised. If not, the rest of that MoE module runs under full recompute: every later
-saving of a tensor the module makes after its router (permute, dispatch, experts, combine, shared expert) becomes
-RECOMPUTE, so backward restarts the module from its input and the routing (both exist already and stay).
+executor asks its :class:`DeferredPlanner`, which builds the chunk's graph at the realised imbalance and calls
+:func:`bagualu2.runtime.after_gate` with the tensors this MoE module makes after its router (and those of the
+later layers) still free: keep, graded re-plan of that part, or the full MoE-module downgrade
+(``downgrade="paper"``: keep or downgrade only). What exists when the gate is known (the module's input, the
+router's outputs, earlier layers) stays as planned.
 
-The prediction is ``costmodel.evaluate`` of the plan in force on the chunk's graph built at the realised
-imbalance of this layer, i.e. assuming every MoE layer of the chunk routes like this one (exact when they do;
-an over-estimate for the layers before a spike, which keep what they stored).
+The prediction is ``costmodel.evaluate`` on the chunk's graph built at the realised imbalance of this layer, i.e.
+assuming every MoE layer of the chunk routes like this one (exact when they do; an over-estimate for the layers
+before a spike, which keep what they stored).
 """
 
 from __future__ import annotations
 
-from bagualu2.budget import downgrade_needed, downgrade_plan
 from bagualu2.costmodel import Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, build_graph, evaluate
+from bagualu2.costmodel.validate import require_int
+from bagualu2.runtime import after_gate, check_downgrade, downgrade_plan
 
 
 def downgrade_module(graph: OpGraph, plan: Plan | None, layer: int) -> Plan:
-    """``plan`` with MoE layer ``layer`` downgraded after its gate (``budget.downgrade_plan`` of that layer):
+    """``plan`` with MoE layer ``layer`` downgraded after its gate (``runtime.downgrade_plan`` of that layer):
     every saving of a tensor the module makes after its router set to RECOMPUTE; what exists when the gate is known
     (the module's input, the router's outputs) stays as planned, so backward restarts the module from it."""
     return downgrade_plan(graph, plan, layers=(layer,))
@@ -29,13 +32,14 @@ class DeferredPlanner:
     """After-gate decisions for micro-batches of one chunk with a budget of ``budget_bytes`` each."""
 
     def __init__(self, model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, *, budget_bytes: int,
-                 stage: int = 0, chunk: int = 0):
-        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
-            raise ValueError(f"budget_bytes must be a non-negative integer, got {budget_bytes!r}")
+                 stage: int = 0, chunk: int = 0, downgrade: str = "graded"):
+        self.budget_bytes = require_int("budget_bytes", budget_bytes, 0)
+        self.mode = check_downgrade(downgrade)
         self.model, self.parallel, self.hardware = model, parallel, hardware
-        self.budget_bytes, self.stage, self.chunk = budget_bytes, stage, chunk
+        self.stage, self.chunk = stage, chunk
         self._graphs: dict[float, OpGraph] = {}
-        self.decisions: list[tuple[int, float, int, bool]] = []  # (layer, imbalance, predicted bytes, downgraded)
+        # (layer, imbalance, predicted bytes of the plan in force, plan changed)
+        self.decisions: list[tuple[int, float, int, bool]] = []
 
     def graph(self, imbalance: float = 1.0) -> OpGraph:
         found = self._graphs.get(imbalance)
@@ -46,18 +50,19 @@ class DeferredPlanner:
 
     def imbalance(self, layer: int, received_tokens: int) -> float:
         """Realised imbalance: routed copies received over the mean (``T*K`` per rank), at least 1."""
-        if isinstance(received_tokens, bool) or not isinstance(received_tokens, int) or received_tokens < 0:
-            raise ValueError(f"received_tokens must be a non-negative integer, got {received_tokens!r}")
-        mean = self.graph().tensors[f"L{layer}.permuted"].numel // self.model.hidden_size
-        return max(received_tokens / mean, 1.0)
+        received_tokens = require_int("received_tokens", received_tokens, 0)
+        return max(received_tokens / self.graph().mean_routed_tokens, 1.0)
 
     def after_gate(self, plan: Plan, layer: int, received_tokens: int) -> Plan | None:
-        """The downgraded plan if ``plan`` does not fit the budget at the realised imbalance, else None."""
+        """The plan to switch to after layer ``layer``'s gate, or None to keep ``plan``."""
         imbalance = self.imbalance(layer, received_tokens)
-        predicted = evaluate(self.graph(imbalance), plan).activation_bytes
-        downgrade = downgrade_needed(predicted, self.budget_bytes)
-        self.decisions.append((layer, imbalance, predicted, downgrade))
-        return self.downgrade(plan, layer) if downgrade else None
+        graph = self.graph(imbalance)
+        later = sorted({op.layer for op in graph.ops if op.kind == "router" and op.layer >= layer})
+        decision = after_gate(graph, plan, self.budget_bytes, downgrade=self.mode, layers=later)
+        predicted = evaluate(graph, plan).activation_bytes
+        self.decisions.append((layer, imbalance, predicted, decision.changed))
+        return decision.plan if decision.changed else None
 
     def downgrade(self, plan: Plan, layer: int) -> Plan:
+        """The full downgrade of ``layer`` (what every EP rank runs when any rank had to change its plan)."""
         return downgrade_module(self.graph(), plan, layer)

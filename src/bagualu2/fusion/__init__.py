@@ -1,13 +1,23 @@
 """Fused dual-batch execution (paper §V-B): chains of one scheduling point, stage compaction, the DP over chain
-prefixes, an exact CP-SAT baseline, baseline orders, a discrete-event simulator and an order cache.
+prefixes, an exact CP-SAT baseline, baseline orders, and a discrete-event simulator (the order cache
+is in ``bagualu2.runtime``).
 Pure Python (numpy; OR-Tools for the exact baseline): never imports torch."""
 
-from . import baselines, dp, exact
+import importlib
+
+from . import baselines, dp
 from .baselines import megatron_core, megatron_kwai, sequential
-from .cache import OrderCache
 from .chains import CHAIN_KINDS, Chain, Chains, Stage, build_chains, compact
 from .order import Order
 from .simulate import Event, Timeline, simulate
 
-__all__ = ["CHAIN_KINDS", "Chain", "Chains", "Event", "Order", "OrderCache", "Stage", "Timeline", "baselines",
+
+
+def __getattr__(name: str):
+    if name == "exact":  # the CP-SAT baseline needs OR-Tools: imported on first use only
+        return importlib.import_module(f"{__name__}.exact")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["CHAIN_KINDS", "Chain", "Chains", "Event", "Order", "Stage", "Timeline", "baselines",
            "build_chains", "compact", "dp", "exact", "megatron_core", "megatron_kwai", "sequential", "simulate"]

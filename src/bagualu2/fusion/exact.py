@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from ..costmodel import Resource
-from ..costmodel.buckets import check_solver_options
+from ..costmodel.validate import check_solver_options
 from .chains import CHAIN_KINDS, Chains
 from .order import Order
 

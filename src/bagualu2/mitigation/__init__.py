@@ -1,11 +1,19 @@
-"""Mitigation planning (paper §V-A): plan IR, conflict checker, greedy (Algorithm 2), exact CP-SAT, brute force,
-plan cache. Pure Python (OR-Tools for the exact baseline): never imports torch."""
+"""Mitigation planning (paper §V-A): plan IR, conflict checker, greedy (Algorithm 2), exact CP-SAT, brute force.
+Pure Python (OR-Tools for the exact baseline, imported on first use): never imports torch."""
+
+import importlib
 
 from ..costmodel.plan import Plan
-from . import brute, exact, greedy
-from .cache import PlanCache
+from . import brute, greedy
 from .conflicts import RULES, Violation, check_conflicts
 from .solution import Solution, SolveStatus, check_budget, floor_plan
 
-__all__ = ["Plan", "PlanCache", "RULES", "Solution", "SolveStatus", "Violation", "brute", "check_budget",
+
+def __getattr__(name: str):
+    if name == "exact":  # the CP-SAT baseline needs OR-Tools: imported on first use only
+        return importlib.import_module(f"{__name__}.exact")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["Plan", "RULES", "Solution", "SolveStatus", "Violation", "brute", "check_budget",
            "check_conflicts", "exact", "floor_plan", "greedy"]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from ..costmodel import OpGraph, Strategy
-from ..costmodel.buckets import check_solver_options
+from ..costmodel.validate import check_solver_options
 from . import greedy
 from .solution import Solution, SolveStatus, check_budget, floor_plan, infeasible, make_solution
 from .space import Space, decision_space

@@ -1,7 +1,6 @@
-"""Iteration-level simulation on top of the pure packages: spike traces and the per-micro-batch decision path
-(Algorithm 1 budget -> cached greedy plan -> deferred MoE downgrade after the gate). Never imports torch."""
+"""The paper-scale simulator (issue [sim]). Until it lands, the decision path's names that used to live here are
+re-exported from :mod:`bagualu2.runtime` for one release. Never imports torch."""
 
-from .replay import ForwardDecision, IterationReplay, replay_iteration, spike_trace
-from .runtime import Decision, DecisionPath
+from ..runtime import Decision, DecisionPath, ForwardDecision, IterationReplay, replay_iteration, spike_trace
 
 __all__ = ["Decision", "DecisionPath", "ForwardDecision", "IterationReplay", "replay_iteration", "spike_trace"]

@@ -1,0 +1,134 @@
+"""The one after-gate decision (§V-A "Deferred Planning"): what a micro-batch runs once its MoE gate has measured
+the imbalance. The decision path of the simulator, the trainer and ``exec``'s deferred planner all call
+:func:`after_gate`; nothing else decides.
+
+What exists when the gate is known stays as planned: every tensor made before the router (attention, norms) and
+the router's own outputs and savings — their ops have run. What the MoE module makes *after* its router (permute,
+dispatch, experts, combine, unpermute, shared expert) is still free. With the graph built at the measured
+imbalance:
+
+* ``keep``      the plan in force fits the budget and nothing after the router is cheaper;
+* ``absorb``    (warmup only, when the caller passes ``limit_bytes``) the plan in force overruns the budget but
+                keeps at most ``limit_bytes`` (what still leaves ``M0`` for every not-yet-launched warmup
+                batch): accepted, the next budgets shrink (paper §V-A);
+* ``replan``    graded re-planning: greedy over the tensors made after the router, the rest fixed, at the
+                measured imbalance — the cheapest plan of that part that fits;
+* ``downgrade`` the paper's full MoE-module recompute (every tensor made after the router RECOMPUTE): the
+                fallback when nothing cheaper fits, and the only option with ``downgrade="paper"``.
+
+Among the options that fit, the cheapest (``PlanCost.overhead_ns``) wins, so a re-plan never costs more than the
+full downgrade and fits whenever it does. When nothing fits the full downgrade is returned (an overrun the caller
+records). ``downgrade="paper"`` is the behaviour before graded re-planning: keep if it fits, else downgrade.
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from dataclasses import dataclass
+
+from ..costmodel import OpGraph, Plan, PlanCost, Strategy, evaluate
+from ..costmodel.graph import MOE_KINDS
+from ..costmodel.validate import require_int
+from ..mitigation import greedy
+
+DOWNGRADES = ("graded", "paper")
+
+
+class GateAction(str, enum.Enum):
+    KEEP = "keep"
+    ABSORB = "absorb"
+    REPLAN = "replan"
+    DOWNGRADE = "downgrade"
+
+
+@dataclass(frozen=True)
+class GateDecision:
+    """The plan a micro-batch runs after its gate, why, and its cost on the graph it was decided on."""
+
+    plan: Plan
+    action: GateAction
+    cost: PlanCost
+
+    @property
+    def changed(self) -> bool:
+        """Did the gate change the plan in force (a re-plan or a downgrade)?"""
+        return self.action in (GateAction.REPLAN, GateAction.DOWNGRADE)
+
+
+def check_downgrade(downgrade: str) -> str:
+    if downgrade not in DOWNGRADES:
+        raise ValueError(f"downgrade must be one of {', '.join(DOWNGRADES)}, got {downgrade!r}")
+    return downgrade
+
+
+_AFTER: "weakref.WeakKeyDictionary[OpGraph, dict]" = weakref.WeakKeyDictionary()
+
+
+def after_router_tensors(graph: OpGraph, layers=None) -> frozenset[str]:
+    """Tensors made by MoE ops after the router (of ``layers``, default all): what the gate may still re-plan.
+    ``ValueError`` for a layer with no MoE module."""
+    memo = _AFTER.setdefault(graph, {})
+    key = None if layers is None else tuple(sorted(set(layers)))
+    found = memo.get(key)
+    if found is None:
+        moe_layers = {op.layer for op in graph.ops if op.kind == "router"}
+        if key is not None:
+            for layer in key:
+                if layer not in moe_layers:
+                    raise ValueError(f"layer {layer} is not a MoE layer of this graph ({graph.label})")
+        wanted = moe_layers if key is None else set(key)
+        makers = {op.name for op in graph.ops if op.kind in MOE_KINDS and op.kind != "router" and op.layer in wanted}
+        found = memo[key] = frozenset(name for name, spec in graph.tensors.items() if spec.producer in makers)
+    return found
+
+
+def downgrade_plan(graph: OpGraph, plan: Plan | None = None, *, layers=None) -> Plan:
+    """``plan`` with the MoE modules of ``layers`` (default: all) downgraded after their gate: every saving of a
+    tensor made by a MoE op after the router set to RECOMPUTE (pinned savings stay)."""
+    after = after_router_tensors(graph, layers)
+    entries = dict(plan.entries) if plan is not None else {}
+    for op, saving in graph.savings:
+        if saving.tensor in after and (op.name, saving.tensor) not in graph.pinned:
+            entries[f"{op.name}/{saving.tensor}"] = Strategy.RECOMPUTE
+    return Plan(tuple(entries.items()))
+
+
+def after_gate(graph: OpGraph, plan: Plan | None, budget_bytes: int, *, limit_bytes: int | None = None,
+               downgrade: str = "graded", layers=None) -> GateDecision:
+    """The plan to run once the gate has routed this micro-batch (see the module docstring).
+
+    ``graph`` is built at the measured imbalance; ``plan`` is the plan in force; ``budget_bytes`` the micro-batch's
+    budget; ``limit_bytes`` (warmup only) the most an overrun may keep; ``layers`` the MoE layers whose
+    after-router part may still change (default all: the gate of the chunk's first MoE layer).
+    """
+    budget_bytes = require_int("budget_bytes", budget_bytes, 0)
+    if limit_bytes is not None:
+        limit_bytes = require_int("limit_bytes", limit_bytes, 0)
+    check_downgrade(downgrade)
+    plan = plan if plan is not None else Plan()
+    in_force = evaluate(graph, plan)
+    fits = in_force.activation_bytes <= budget_bytes
+    if downgrade == "paper":
+        if fits:
+            return GateDecision(plan, GateAction.KEEP, in_force)
+        full = downgrade_plan(graph, plan, layers=layers)
+        return GateDecision(full, GateAction.DOWNGRADE, evaluate(graph, full))
+    if not fits and limit_bytes is not None and in_force.activation_bytes <= limit_bytes:
+        return GateDecision(plan, GateAction.ABSORB, in_force)
+    full = downgrade_plan(graph, plan, layers=layers)
+    options = [GateDecision(full, GateAction.DOWNGRADE, evaluate(graph, full))]
+    try:
+        replanned = greedy.solve(graph, budget_bytes, fixed=plan, free=after_router_tensors(graph, layers))
+    except ValueError:  # the plan in force is not one strategy per tensor: only the full downgrade applies
+        replanned = None
+    if replanned is not None and replanned.ok:
+        options.append(GateDecision(replanned.plan, GateAction.REPLAN, replanned.cost))
+    if fits:
+        options.append(GateDecision(plan, GateAction.KEEP, in_force))
+    fitting = [o for o in options if o.cost.activation_bytes <= budget_bytes]
+    if not fitting:
+        return options[0]
+    # cheapest first; on a tie prefer keeping, then the re-plan, then the downgrade
+    rank = {GateAction.KEEP: 0, GateAction.REPLAN: 1, GateAction.DOWNGRADE: 2}
+    return min(fitting, key=lambda o: (o.cost.overhead_ns, rank[o.action]))
