@@ -75,6 +75,7 @@ class _State:
         self.rerun: set[str] = set()
         self.freed = 0
         self.overhead_ns = 0
+        self.start_key = None  # what identifies the start state (its candidates are cached by it)
 
     def stored(self, tensor: str) -> bool:
         space = self.space
@@ -137,9 +138,28 @@ def tensor_strategies(graph: OpGraph, plan: Plan | None) -> dict[str, Strategy]:
     return {tensor: strategy for tensor, strategy in found.items() if strategy is not KEEP}
 
 
+_STARTS: "weakref.WeakKeyDictionary[Space, dict]" = weakref.WeakKeyDictionary()
+
+
 def _start(space: Space, graph: OpGraph, fixed: Plan | None, free) -> _State:
-    """The state the solver starts from: ``fixed``'s strategies on the tensors outside ``free``, KEEP elsewhere."""
+    """The state the solver starts from: ``fixed``'s strategies on the tensors outside ``free``, KEEP elsewhere
+    (built once per space and start; each solve works on a copy)."""
+    if fixed is None and free is None:
+        return _State(space)
     movable = None if free is None else frozenset(free)
+    key = (None if fixed is None else fixed.entries, movable)
+    memo = _STARTS.setdefault(space, {})
+    found = memo.get(key)
+    if found is None:
+        found = memo[key] = _fixed_start(space, graph, fixed, movable)
+        found.start_key = key
+    state = _State(space, found.movable)
+    state.chosen, state.rerun = dict(found.chosen), set(found.rerun)
+    state.freed, state.overhead_ns, state.start_key = found.freed, found.overhead_ns, key
+    return state
+
+
+def _fixed_start(space: Space, graph: OpGraph, fixed: Plan | None, movable: frozenset | None) -> _State:
     state = _State(space, movable)
     if fixed is None:
         return state
@@ -188,7 +208,8 @@ def solve(graph: OpGraph, budget_bytes: int, *, config: GreedyConfig | None = No
     return make_solution(graph, space.plan(state.chosen), status, name, started, time.perf_counter(), stats)
 
 
-_INITIAL: "weakref.WeakKeyDictionary[Space, list]" = weakref.WeakKeyDictionary()
+# per space: the candidates of a start, by start (None: all KEEP; else the fixed plan's entries and the free set)
+_INITIAL: "weakref.WeakKeyDictionary[Space, dict]" = weakref.WeakKeyDictionary()
 
 
 def _improved(state: _State, space: Space, need: int) -> _State:
@@ -210,15 +231,14 @@ def _improved(state: _State, space: Space, need: int) -> _State:
         heappush(heap, (-delta[0] / max(delta[1], 1), -delta[0], counter, choice, strategy,
                         version[choice.tensor], epoch, delta))
 
-    initial = _INITIAL.get(space) if state.movable is None else None
-    if initial is None:  # the all-KEEP start is the same for every budget: build its candidates once
+    starts = _INITIAL.setdefault(space, {})
+    initial = starts.get(state.start_key)
+    if initial is None:  # a start is the same for every budget: build its candidates once
         heap: list = []
         for choice in space.choices:
             for strategy in choice.strategies:
                 push(choice, strategy)
-        initial = list(heap)
-        if state.movable is None:
-            _INITIAL[space] = initial
+        initial = starts[state.start_key] = list(heap)
     heap = list(initial)
     counter = len(heap)
     history: list[tuple[TensorChoice, Strategy, Delta]] = []

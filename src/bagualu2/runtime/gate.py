@@ -2,17 +2,18 @@
 the imbalance. The decision path of the simulator, the trainer and ``exec``'s deferred planner all call
 :func:`after_gate`; nothing else decides.
 
-What exists when the gate is known stays as planned: every tensor made before the router (attention, norms) and
-the router's own outputs and savings — their ops have run. What the MoE module makes *after* its router (permute,
-dispatch, experts, combine, unpermute, shared expert) is still free. With the graph built at the measured
-imbalance:
+What exists before the MoE module (attention, the module input) stays as planned. The module itself is still free:
+what it makes after its router (permute, dispatch, experts, combine, unpermute, shared expert) has not been
+made yet, and what its norm and router made can still be re-run in backward from the module input. With the graph
+built at the measured imbalance:
 
 * ``keep``      the plan in force fits the budget and nothing after the router is cheaper;
 * ``absorb``    (warmup only, when the caller passes ``limit_bytes``) the plan in force overruns the budget but
                 keeps at most ``limit_bytes`` (what still leaves ``M0`` for every not-yet-launched warmup
                 batch): accepted, the next budgets shrink (paper §V-A);
-* ``replan``    graded re-planning: greedy over the tensors made after the router, the rest fixed, at the
-                measured imbalance — the cheapest plan of that part that fits;
+* ``replan``    graded re-planning: greedy over the tensors of the MoE module (:func:`gate_free_tensors`: made
+                by the norm feeding the router, the router and after it), the rest fixed, at the measured
+                imbalance — the cheapest plan of that part that fits;
 * ``downgrade`` the paper's full MoE-module recompute (every tensor made after the router RECOMPUTE): the
                 fallback when nothing cheaper fits, and the only option with ``downgrade="paper"``.
 
@@ -83,6 +84,30 @@ def after_router_tensors(graph: OpGraph, layers=None) -> frozenset[str]:
     return found
 
 
+def gate_free_tensors(graph: OpGraph, layers=None) -> frozenset[str]:
+    """What the graded re-plan may change after the gate of ``layers`` (default all MoE layers): the tensors of the
+    whole MoE module — made by the norm that feeds the router, by the router and after it. Their ops either have
+    not run yet or have just run and can still be re-run in backward from the module input (the paper's "full
+    recompute of the MoE module" restarts from there); ``exec`` holds the savings of the norm and the router
+    provisionally until the gate settles them."""
+    memo = _AFTER.setdefault(graph, {})
+    key = ("module", None if layers is None else tuple(sorted(set(layers))))
+    found = memo.get(key)
+    if found is None:
+        after = after_router_tensors(graph, layers)
+        wanted = {graph.op(spec.producer).layer for spec in graph.tensors.values()
+                  if spec.producer is not None and spec.name in after}
+        module = set()
+        for op in graph.ops:
+            if op.kind == "router" and op.layer in wanted:
+                module.add(op.name)
+                module.update(graph.tensors[t].producer for t in op.inputs
+                              if graph.tensors[t].producer is not None
+                              and graph.op(graph.tensors[t].producer).kind == "norm")
+        found = memo[key] = after | frozenset(name for name, spec in graph.tensors.items() if spec.producer in module)
+    return found
+
+
 def downgrade_plan(graph: OpGraph, plan: Plan | None = None, *, layers=None) -> Plan:
     """``plan`` with the MoE modules of ``layers`` (default: all) downgraded after their gate: every saving of a
     tensor made by a MoE op after the router set to RECOMPUTE (pinned savings stay)."""
@@ -95,31 +120,33 @@ def downgrade_plan(graph: OpGraph, plan: Plan | None = None, *, layers=None) -> 
 
 
 def after_gate(graph: OpGraph, plan: Plan | None, budget_bytes: int, *, limit_bytes: int | None = None,
-               downgrade: str = "graded", layers=None) -> GateDecision:
+               downgrade: str = "graded", layers=None, cost=None) -> GateDecision:
     """The plan to run once the gate has routed this micro-batch (see the module docstring).
 
     ``graph`` is built at the measured imbalance; ``plan`` is the plan in force; ``budget_bytes`` the micro-batch's
     budget; ``limit_bytes`` (warmup only) the most an overrun may keep; ``layers`` the MoE layers whose
-    after-router part may still change (default all: the gate of the chunk's first MoE layer).
+    after-router part may still change (default all: the gate of the chunk's first MoE layer); ``cost``, optional,
+    a memo of ``evaluate(graph, ·)`` (the runtime's cache; it must return exactly what ``evaluate`` does).
     """
     budget_bytes = require_int("budget_bytes", budget_bytes, 0)
     if limit_bytes is not None:
         limit_bytes = require_int("limit_bytes", limit_bytes, 0)
     check_downgrade(downgrade)
     plan = plan if plan is not None else Plan()
-    in_force = evaluate(graph, plan)
+    cost = cost if cost is not None else (lambda candidate: evaluate(graph, candidate))
+    in_force = cost(plan)
     fits = in_force.activation_bytes <= budget_bytes
     if downgrade == "paper":
         if fits:
             return GateDecision(plan, GateAction.KEEP, in_force)
         full = downgrade_plan(graph, plan, layers=layers)
-        return GateDecision(full, GateAction.DOWNGRADE, evaluate(graph, full))
+        return GateDecision(full, GateAction.DOWNGRADE, cost(full))
     if not fits and limit_bytes is not None and in_force.activation_bytes <= limit_bytes:
         return GateDecision(plan, GateAction.ABSORB, in_force)
     full = downgrade_plan(graph, plan, layers=layers)
-    options = [GateDecision(full, GateAction.DOWNGRADE, evaluate(graph, full))]
+    options = [GateDecision(full, GateAction.DOWNGRADE, cost(full))]
     try:
-        replanned = greedy.solve(graph, budget_bytes, fixed=plan, free=after_router_tensors(graph, layers))
+        replanned = greedy.solve(graph, budget_bytes, fixed=plan, free=gate_free_tensors(graph, layers))
     except ValueError:  # the plan in force is not one strategy per tensor: only the full downgrade applies
         replanned = None
     if replanned is not None and replanned.ok:

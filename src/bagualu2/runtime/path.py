@@ -2,29 +2,34 @@
 
 Per chunk-forward, ``DecisionPath.forward(budget, imbalance, phase, chunk)``:
 
-1. **pre-gate plan** — what the micro-batch runs before its gate is known. A budget that covers the unmitigated
-   bytes at balanced load (r = 1) commits nothing: the gate can always make room after the router (the full
-   downgrade keeps only the part before it). A tighter budget is planned by greedy on the graph at the *planned*
-   imbalance, the smallest imbalance the last ``window`` gates of this chunk measured (a low estimate: mitigation
-   committed before the gate cannot be undone, the part after the router can still grow).
-2. **gate** — the measured imbalance: a budget covering the unmitigated bytes at it runs the empty plan; in
-   warmup an overrun within ``limit_bytes`` is absorbed; otherwise :func:`~.gate.after_gate` keeps, re-plans the
-   part after the router, or downgrades it (``downgrade="paper"``: keep or full downgrade only).
-3. **order** — the fused dual-batch order of the plan (``fusion.dp``).
+1. **covered** — a budget at or above the unmitigated bytes at the measured imbalance (exact, not bucketed) runs
+   the empty plan. Such a budget also covers balanced load, so nothing was committed before the gate (step 2).
+2. **pre-gate plan** — what runs before the gate: a budget covering the unmitigated bytes at balanced load
+   (r = 1) commits nothing (the gate can always make room in the MoE module); a tighter one is planned by greedy
+   on the graph at the *planned* imbalance — the smallest the last ``window`` gates of this chunk measured (a low
+   estimate: what is committed before the gate cannot be undone, the MoE module can still be re-planned).
+3. **gate** — in warmup, an overrun of the pre-gate plan within ``limit_bytes`` is absorbed (the next budgets
+   shrink, never below M0); otherwise :func:`~.gate.after_gate` at the measured imbalance: keep, graded re-plan
+   of the MoE module, or the full downgrade (``downgrade="paper"``: keep or full downgrade only).
+4. **order** — the fused dual-batch order of the plan (``fusion.dp``).
 
-Caches (a hit is safe for every request of its key): rows by (measured imbalance, chunk) -> the ceiling bucket
-of the imbalance with its graph; pre-gate plans by (budget level, planned bucket, chunk); gate decisions by
-(pre-gate plan, budget level, imbalance bucket, chunk); orders by what the DP reads. A budget level floors the
-budget to ``budget_quantum_bytes`` (default 1/1024 of the stage's unmitigated bytes at balanced load), imbalance
-buckets ceil to ``imbalance_step`` — so every cached plan was decided for a budget no larger and an imbalance no
-smaller than the request's. Kept bytes are reported exactly at the measured imbalance (routed tensors scale with
-the routed token count; ``PlanCost.activation_bytes_at``).
+Caches, each hit safe for every request of its key: measured imbalance -> its *ceiling* bucket (``imbalance_step``,
+``spike_step`` above ``spike_threshold``) with the bucket's graph; pre-gate plans by (need level, planned bucket,
+chunk); gate decisions by (pre-gate plan, need level, imbalance bucket, chunk); orders by what the DP reads. The
+*need* of a decision is ``unmitigated bytes - budget``; its level rounds it *up* on a geometric grid (ratio
+``1 + need_step`` from one ``budget_quantum_bytes``), so a decision frees at least what is needed, finely for
+small needs and coarsely for the large, rare needs of spikes; a decision made for a need up to
+``reuse_levels`` levels larger is reused (it fits too). Kept bytes are reported exactly at the measured imbalance
+(routed tensors scale with the routed token count; ``PlanCost.activation_bytes_at``); ``overhead_s`` is the
+plan's on the bucket's graph. docs/runtime.md has the measured quality.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..budget import BudgetPhase
 from ..costmodel import (Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, PlanCost, StageMemory, build_graph,
@@ -39,10 +44,10 @@ from .gate import GateAction, after_gate, check_downgrade
 MAX_ROWS = 4096  # measured imbalance values whose bucket is remembered
 NO_PLAN = Plan()
 WARMUP = BudgetPhase.WARMUP.value
+COVERED, ABSORBED = "covered", "absorbed"  # decision keys of the two outcomes that keep the plan in force
 
 
-@dataclass(frozen=True)
-class Decision:
+class Decision(NamedTuple):
     """What the runtime runs for one chunk-forward. ``kept_bytes`` is exact at the measured imbalance;
     ``overhead_s`` is the plan's on the imbalance bucket's graph (an upper bound)."""
 
@@ -55,19 +60,27 @@ class Decision:
 
 
 @dataclass(frozen=True)
-class _Row:
-    bucket: float
-    graph: OpGraph
-    empty: PlanCost  # the unmitigated cost on the bucket's graph
+class _Outcome:
+    """A cached decision: the plan, and its bytes as ``fixed + per_token * routed tokens`` (exact at any
+    imbalance; ``PlanCost.activation_bytes_at``)."""
+
+    plan: Plan
+    action: GateAction
+    changed: bool
+    overhead_s: float
+    fixed_bytes: int
+    per_token_bytes: int
+    order: Order
+    activation_bytes: int  # at the bucket's imbalance
 
 
 @dataclass(frozen=True)
-class _Outcome:
-    plan: Plan
-    cost: PlanCost
+class _Row:
+    bucket: float
     graph: OpGraph
-    action: GateAction
-    order: Order
+    unmitigated_bytes: int   # on the bucket's graph ...
+    fixed_bytes: int         # ... = fixed + per_token * routed tokens, exact at any imbalance
+    per_token_bytes: int
 
 
 class DecisionPath:
@@ -77,26 +90,42 @@ class DecisionPath:
       downgrade             ``"graded"`` (default) or ``"paper"`` (keep or full MoE-module downgrade, no absorption).
       planned_imbalance     None (default): follow the gates (min of the last ``window``); a number: constant.
       window                gates remembered per chunk for the planned imbalance (>= 1).
-      budget_quantum_bytes  budget level width; None: 1/1024 of the stage's unmitigated bytes at r = 1.
-      imbalance_step        imbalance bucket width (> 0).
+      budget_quantum_bytes  first step of the need grid; None: 1/1024 of the smallest chunk's unmitigated bytes at
+                            r = 1.
+      imbalance_step        imbalance bucket width up to ``spike_threshold`` (> 0).
+      spike_threshold       imbalances above it (spikes: rare, each a new value) are bucketed by ``spike_step``.
+      spike_step            bucket width of spikes (> 0).
+      need_step             ratio - 1 of the need grid (in (0, 1]).
+      reuse_levels          larger need levels whose decision is reused (>= 0).
+
+    ``hits`` / ``misses`` count the decisions found in / added to the caches.
     """
 
     def __init__(self, model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, *, stage: int = 0,
                  downgrade: str = "graded", planned_imbalance: float | None = None, window: int = 16,
-                 budget_quantum_bytes: int | None = None, imbalance_step: float = 0.02):
+                 budget_quantum_bytes: int | None = None, imbalance_step: float = 0.02,
+                 spike_threshold: float = 1.2, spike_step: float = 0.2, need_step: float = 0.05,
+                 reuse_levels: int = 8):
         self.model, self.parallel, self.hardware = model, parallel, hardware
         self.stage = require_int("stage", stage, 0, parallel.pp)
         self.downgrade = check_downgrade(downgrade)
         self.planned_imbalance = None if planned_imbalance is None else check_imbalance(planned_imbalance)
         self.window = require_int("window", window, 1)
         self.step = require_number("imbalance_step", imbalance_step, 0, 10, low_open=True)
+        self.spike_threshold = check_imbalance(spike_threshold)
+        self.spike_step = require_number("spike_step", spike_step, 0, 10, low_open=True)
         self._graphs: dict[tuple[int, float], OpGraph] = {}
         if budget_quantum_bytes is None:
             budget_quantum_bytes = max(min(self.graph(c, 1.0).unmitigated_bytes for c in range(parallel.vp)) >> 10, 1)
         self.quantum = require_int("budget_quantum_bytes", budget_quantum_bytes, 1)
+        self.need_step = require_number("need_step", need_step, 0, 1, low_open=True)
+        self.reuse_levels = require_int("reuse_levels", reuse_levels, 0)
+        self._need_ratio = 1.0 + self.need_step
+        self._log_need = math.log1p(self.need_step)
         self._seen: dict[int, deque] = {}      # chunk -> the last `window` measured imbalances
         self._planned: dict[int, float] = {}   # chunk -> planned bucket (floored min of the window)
-        self._rows: dict[tuple[float, int], _Row] = {}
+        self._lowest: dict[int, float] = {}    # chunk -> min of the window
+        self._rows: dict[tuple[float, int], list] = {}
         self._balanced: dict[int, int] = {}    # chunk -> unmitigated bytes at r = 1
         self._buckets: dict[tuple[float, int], _Row] = {}
         self._costs: dict[tuple, PlanCost] = {}
@@ -145,8 +174,20 @@ class DecisionPath:
         seen = self._seen.get(chunk)
         if seen is None:
             seen = self._seen[chunk] = deque(maxlen=self.window)
+            self._lowest[chunk] = imbalance
+        evicted = seen[0] if len(seen) == self.window else None
         seen.append(imbalance)
-        self._planned[chunk] = floor_bucket(min(seen), self.step)
+        lowest = self._lowest[chunk]
+        if imbalance < lowest:
+            lowest = imbalance
+        elif evicted == lowest and imbalance != lowest:
+            lowest = min(seen)
+            if lowest == self._lowest[chunk]:
+                return
+        else:
+            return
+        self._lowest[chunk] = lowest
+        self._planned[chunk] = floor_bucket(lowest, self.step)
 
     # ---- the hot path ---------------------------------------------------------------------------------------------
     def forward(self, budget_bytes: int, imbalance: float, phase: str, chunk: int, *,
@@ -157,48 +198,50 @@ class DecisionPath:
         ``BudgetAssigner.absorb_limit_bytes()``) is absorbed instead of re-planned."""
         if type(budget_bytes) is not int or budget_bytes < 0:
             budget_bytes = require_int("budget_bytes", budget_bytes, 0)
-        row = self._rows.get((imbalance, chunk))
-        if row is None:
-            row = self._row(imbalance, chunk)
-        planned = self.planned(chunk)
+        seen = self._rows.get((imbalance, chunk))
+        if seen is None:
+            seen = self._seen_row(imbalance, chunk)
+        row, tokens, unmitigated, covered = seen
+        planned = self._planned.get(chunk, 1.0) if self.planned_imbalance is None else self.planned(chunk)
         self.observe(chunk, imbalance)
-        if budget_bytes >= row.empty.activation_bytes_at(row.graph, imbalance):
-            outcome = self._outcome(NO_PLAN, -1, row, chunk, budget_bytes)  # covered: the empty plan
-        else:
-            level = budget_bytes // self.quantum
-            floor = row.graph.floor_bytes
-            decided = level * self.quantum if level * self.quantum >= floor else budget_bytes
-            if decided != level * self.quantum:
-                level = ("exact", budget_bytes)  # the level's floor is below M0: decide for this budget alone
-            pre = self._pre_gate(budget_bytes, level, decided, planned, chunk)
-            outcome = None
-            if limit_bytes is not None and phase == WARMUP and self.downgrade == "graded":
-                cost = self._cost(pre, row.bucket, chunk)
-                kept = cost.activation_bytes_at(row.graph, imbalance)
-                if budget_bytes < kept <= limit_bytes:  # absorbed: the next warmup budgets shrink
-                    outcome = self._outcome(pre, ("absorb", level), row, chunk, decided, GateAction.ABSORB)
-            if outcome is None:
-                outcome = self._outcome(pre, level, row, chunk, decided)
-        return Decision(outcome.plan, outcome.cost.activation_bytes_at(outcome.graph, imbalance),
-                        outcome.cost.overhead_s, outcome.action in (GateAction.REPLAN, GateAction.DOWNGRADE),
-                        outcome.order, outcome.action)
+        if budget_bytes >= unmitigated:
+            # covered at the measured imbalance, so at r = 1 too: nothing was committed before the gate
+            self.hits += 1
+            if covered is None:
+                outcome = self._outcome(NO_PLAN, COVERED, row, chunk, budget_bytes)
+                covered = seen[3] = Decision(outcome.plan, unmitigated, outcome.overhead_s, False, outcome.order,
+                                             outcome.action)
+            return covered
+        pre = self._pre_gate(budget_bytes, planned, chunk)
+        outcome = None
+        if limit_bytes is not None and phase == WARMUP and self.downgrade == "graded":
+            cost = self._cost(pre, row.bucket, chunk)
+            if budget_bytes < cost.activation_bytes_at(row.graph, imbalance) <= limit_bytes:
+                outcome = self._outcome(pre, ABSORBED, row, chunk, budget_bytes)  # the next budgets shrink
+        if outcome is None:
+            level, decided = self._need_level(row.unmitigated_bytes, row.graph.floor_bytes, budget_bytes)
+            outcome = self._outcome(pre, level, row, chunk, decided)
+        return Decision(outcome.plan, outcome.fixed_bytes + outcome.per_token_bytes * tokens, outcome.overhead_s,
+                        outcome.changed, outcome.order, outcome.action)
 
-    def _covers_balanced(self, budget_bytes: int, chunk: int) -> bool:
-        balanced = self._balanced.get(chunk)
-        if balanced is None:
-            balanced = self._balanced[chunk] = self.graph(chunk, 1.0).unmitigated_bytes
-        return budget_bytes >= balanced
+    def _seen_row(self, imbalance: float, chunk: int) -> list:
+        """``[row, routed tokens, exact unmitigated bytes, covered decision]`` of a measured imbalance."""
+        row = self._row(imbalance, chunk)
+        tokens = row.graph.routed_tokens(imbalance)
+        if len(self._rows) >= MAX_ROWS:  # measured imbalances may be continuous: bound the memo of their buckets
+            self._rows.clear()
+        seen = self._rows[(imbalance, chunk)] = [row, tokens, row.fixed_bytes + row.per_token_bytes * tokens, None]
+        return seen
 
     def _row(self, imbalance: float, chunk: int) -> _Row:
         """The ceiling bucket of a measured imbalance, with its graph and unmitigated cost."""
-        bucket = ceil_bucket(check_imbalance(imbalance), self.step)
+        imbalance = check_imbalance(imbalance)
+        bucket = ceil_bucket(imbalance, self.step if imbalance <= self.spike_threshold else self.spike_step)
         row = self._buckets.get((bucket, chunk))
         if row is None:
             graph = self.graph(chunk, bucket)
-            row = self._buckets[(bucket, chunk)] = _Row(bucket, graph, self._cost(NO_PLAN, bucket, chunk))
-        if len(self._rows) >= MAX_ROWS:  # measured imbalances may be continuous: bound the memo of their buckets
-            self._rows.clear()
-        self._rows[(imbalance, chunk)] = row
+            fixed, per_token = self._split(graph, self._cost(NO_PLAN, bucket, chunk))
+            row = self._buckets[(bucket, chunk)] = _Row(bucket, graph, graph.unmitigated_bytes, fixed, per_token)
         return row
 
     def _cost(self, plan: Plan, imbalance: float, chunk: int) -> PlanCost:
@@ -208,36 +251,82 @@ class DecisionPath:
             found = self._costs[key] = evaluate(self.graph(chunk, imbalance), plan)
         return found
 
-    def _pre_gate(self, budget_bytes: int, level, decided: int, planned: float, chunk: int) -> Plan:
+    def _need_level(self, unmitigated_bytes: int, floor_bytes: int, budget_bytes: int) -> tuple:
+        """A decision's key and the budget it is made for: the bytes to free (``unmitigated - budget``) rounded
+        *up* on a geometric grid of ratio ``1 + need_step`` starting at one quantum — fine for small needs,
+        coarse for the large, rare ones of spikes; the decision frees at least what is needed."""
+        need = unmitigated_bytes - budget_bytes
+        quantum = self.quantum
+        level = 0 if need <= quantum else math.ceil(math.log(need / quantum) / self._log_need)
+        rounded = math.ceil(quantum * self._need_ratio ** level)
+        if rounded < need:  # floating point at a grid point
+            level += 1
+            rounded = math.ceil(quantum * self._need_ratio ** level)
+        decided = unmitigated_bytes - rounded
+        if decided < floor_bytes:
+            return ("exact", budget_bytes), budget_bytes  # the grid point is below M0: decide for this budget
+        return level, decided
+
+    def _pre_gate(self, budget_bytes: int, planned: float, chunk: int) -> Plan:
         """The plan in force before the gate (step 1 of the module docstring)."""
-        if self._covers_balanced(budget_bytes, chunk):
+        balanced = self._balanced.get(chunk)
+        if balanced is None:
+            balanced = self._balanced[chunk] = self.graph(chunk, 1.0).unmitigated_bytes
+        if budget_bytes >= balanced:
             return NO_PLAN
+        graph = self.graph(chunk, planned)
+        level, decided = self._need_level(graph.unmitigated_bytes, graph.floor_bytes, budget_bytes)
         key = (level, planned, chunk)
         found = self._pregate.get(key)
+        if found is None and type(level) is int:  # a plan made for a somewhat larger need fits too
+            for larger in range(level + 1, level + 1 + self.reuse_levels):
+                found = self._pregate.get((larger, planned, chunk))
+                if found is not None:
+                    self._pregate[key] = found
+                    break
         if found is None:
-            graph = self.graph(chunk, planned)
             solution = greedy.solve(graph, decided)
             if not solution.ok:  # below M0 nothing fits: the least the micro-batch can keep (full recompute)
                 solution = greedy.solve(graph, graph.floor_bytes)
             found = self._pregate[key] = solution.plan
         return found
 
-    def _outcome(self, pre: Plan, level, row: _Row, chunk: int, decided: int,
-                 absorbed: GateAction | None = None) -> _Outcome:
+    def _outcome(self, pre: Plan, level, row: _Row, chunk: int, decided: int) -> _Outcome:
         key = (pre.entries, level, row.bucket, chunk)
-        found = self._outcomes.get(key)
+        outcomes = self._outcomes
+        found = outcomes.get(key)
+        if found is None and type(level) is int:
+            # a decision made for a somewhat larger need fits this one too (it frees more): reuse it
+            for larger in range(level + 1, level + 1 + self.reuse_levels):
+                found = outcomes.get((pre.entries, larger, row.bucket, chunk))
+                if found is not None:
+                    outcomes[key] = found
+                    break
         if found is not None:
             self.hits += 1
             return found
         self.misses += 1
-        if level == -1 or absorbed is not None:
-            plan, action = pre, absorbed or GateAction.KEEP
-            cost = self._cost(plan, row.bucket, chunk)
+        if level == COVERED or level == ABSORBED:
+            plan, action = pre, GateAction.KEEP if level == COVERED else GateAction.ABSORB
         else:
-            gate = after_gate(row.graph, pre, decided, downgrade=self.downgrade)
-            plan, action, cost = gate.plan, gate.action, gate.cost
-        found = self._outcomes[key] = _Outcome(plan, cost, row.graph, action, self._order(row.graph, plan, chunk))
+            gate = after_gate(row.graph, pre, decided, downgrade=self.downgrade,
+                              cost=lambda plan: self._cost(plan, row.bucket, chunk))
+            plan, action = gate.plan, gate.action
+        found = self._outcomes[key] = self._outcome_of(row.graph, plan, action, chunk)
         return found
+
+    @staticmethod
+    def _split(graph: OpGraph, cost: PlanCost) -> tuple[int, int]:
+        """``cost``'s bytes as ``(fixed, per routed token)``: routed tensors hold ``routed_tokens(r)`` copies."""
+        built = graph.routed_tokens(graph.imbalance)
+        per_token = cost.routed_bytes // built if built else 0
+        return cost.activation_bytes - per_token * built, per_token
+
+    def _outcome_of(self, graph: OpGraph, plan: Plan, action: GateAction, chunk: int) -> _Outcome:
+        cost = self._cost(plan, graph.imbalance, chunk)
+        fixed, per_token = self._split(graph, cost)
+        return _Outcome(plan, action, action in (GateAction.REPLAN, GateAction.DOWNGRADE), cost.overhead_s,
+                        fixed, per_token, self._order(graph, plan, chunk), cost.activation_bytes)
 
     def _order(self, graph: OpGraph, plan: Plan, chunk: int) -> Order:
         key = (plan.entries, graph.imbalance, chunk)  # the chains depend on the plan and graph only
