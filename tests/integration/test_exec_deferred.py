@@ -114,3 +114,36 @@ def test_spike_under_expert_parallelism_is_downgraded():
     assert record["peak_bytes"] <= budget
     assert "L1.dispatch" in record["replayed_ops"]  # backward re-ran the all-to-all on both ranks
     assert record["grads_sha256"] == measure()["grads_sha256"]  # bitwise the unmitigated gradients
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 4, 5])
+def test_graded_gate_replans_the_module_and_keeps_bytes_and_gradients(step):
+    """The graded re-plan may change what the router and its norm saved (held provisionally until the gate):
+    whatever it chose, the bytes kept are ``evaluate`` of the plan in force and the gradients are bitwise."""
+    config, hardware, graph = _setup()
+    floor = evaluate(graph, _all_moe_downgraded(graph, config)).activation_bytes
+    budget = graph.floor_bytes + (graph.unmitigated_bytes - graph.floor_bytes) * step // 6
+    planner = DeferredPlanner(config, ParallelConfig(), hardware, budget_bytes=budget)
+    record, grads, peak = _run(config, graph, "none", cap=max(budget, floor), deferred=planner)
+    assert record.device_bytes == evaluate(graph, record.plan).activation_bytes
+    assert record.device_bytes <= budget or record.device_bytes <= floor
+    assert not record.provisional and not record.standby  # every gate settled what it held
+    _, grads0, _ = _run(config, graph, "none")
+    for name, g0 in grads0.items():
+        assert torch.equal(g0, grads[name]), name
+
+
+def test_graded_gate_changes_savings_made_before_it():
+    """At some budget the cheapest plan after the gate re-runs the MoE norm (its output's FP32 copy, kept by the
+    router before the gate, is then dropped): the provisional path is what makes that exact."""
+    config, hardware, graph = _setup()
+    router_made = {t for t, spec in graph.tensors.items() if spec.producer is not None
+                   and graph.op(spec.producer).kind in ("router", "norm") and spec.producer.endswith(("router", "norm2"))}
+    changed = False
+    for step in range(1, 6):
+        budget = graph.floor_bytes + (graph.unmitigated_bytes - graph.floor_bytes) * step // 6
+        planner = DeferredPlanner(config, ParallelConfig(), hardware, budget_bytes=budget)
+        record, _, _ = _run(config, graph, "none", deferred=planner)
+        changed = changed or any(key.partition("/")[2] in router_made for key, _ in record.plan.entries)
+        assert record.device_bytes == evaluate(graph, record.plan).activation_bytes
+    assert changed

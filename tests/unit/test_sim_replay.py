@@ -105,7 +105,7 @@ def test_memoised_decisions_equal_fresh_ones():
     hw = presets.hardware("paper-gpu")
     path = DecisionPath(model, parallel, hw)
     for chunk in (0, 1):
-        for imbalance in (1.1, 2.5):  # bucket values themselves: the decision's graph is this one
+        for imbalance in (1.1, 2.6):  # bucket values themselves: the decision's graph is this one
             graph = build_graph(model, parallel, hw, imbalance=imbalance, chunk=chunk)
             for step in range(0, 9):
                 budget = graph.floor_bytes + (graph.unmitigated_bytes - graph.floor_bytes) * step // 6

@@ -33,12 +33,13 @@ from bagualu2.costmodel.evaluate import mitigation_ops, resolve
 from bagualu2.costmodel.graph import ITEM_BYTES, OpGraph
 from bagualu2.costmodel.plan import Plan
 from bagualu2.costmodel.strategy import Strategy
+from bagualu2.runtime import after_router_tensors, gate_free_tensors
 
-from .ops import _ACTIVE, _RECORDING, OP_HINTS, OP_SCOPE
+from .ops import ACTIVE, OP_HINTS, OP_SCOPE, RECORDING
 from .packing import CopyEngine, HostCopy, Offloaded, Quantized, View, flat_storage, quantize_fp8, unpack
 from .record import TORCH_TO_NAME, MicroBatchRecord
 from .recompute import Regenerated, Replay, Source, Stored
-from .tracker import ActivationOutOfMemoryError, ActivationTracker, _storage_key
+from .tracker import ActivationOutOfMemoryError, ActivationTracker, storage_key
 
 class PlanExecutor:
     """Saved-tensor hooks that apply ``plan`` to micro-batches of ``graph``'s ops (see the module docstring)."""
@@ -53,6 +54,9 @@ class PlanExecutor:
         if tracker is not None:
             self.tracker.exclude(*exclude)
         self.deferred = deferred
+        # ops before a MoE gate whose outputs the gate may still re-plan (graded deferred planning): they run as
+        # standby replays and what they save of those outputs is held provisionally until the gate settles it
+        self.standby, self._provisional = standby_ops(graph, deferred)
         self.engine = engine or CopyEngine()
         self.stage_hooks = False    # gate backward per op (set by the dual-batch executor)
         self.defer_offloads = False  # OFFLOAD copies wait for offload_now() (the dual-batch executor's O stages)
@@ -70,18 +74,19 @@ class PlanExecutor:
             raise ValueError(f"micro-batch {name!r} is already in flight")
         record = self._records[name] = MicroBatchRecord(name, self.plan, self.strategies, self.rerun,
                                                         self.tracker.open(name))
-        token = _ACTIVE.set((self, record))
-        _RECORDING[0] += 1
+        token = ACTIVE.set((self, record))
+        RECORDING[0] += 1
         try:
             with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(record, t), unpack):
                 yield record
+                self._settle(record, None)  # layers whose gate was never reported: the plan in force
         except BaseException:
             self._records.pop(name, None)
             self.tracker.drop(name)
             raise
         finally:
-            _RECORDING[0] -= 1
-            _ACTIVE.reset(token)
+            RECORDING[0] -= 1
+            ACTIVE.reset(token)
             record.storages.clear()  # naming is per forward; the packed copies live in autograd's graph
 
     def record(self, name: str) -> MicroBatchRecord:
@@ -139,42 +144,85 @@ class PlanExecutor:
         return record
 
     # ---- deferred planning ------------------------------------------------------------------------------------
-    def _after_gate(self, record: MicroBatchRecord, layer: int, received_tokens: int, group) -> bool:
+    def gate(self, record: MicroBatchRecord, layer: int, received_tokens: int, group) -> bool:
+        """MoE layer ``layer``'s gate has routed ``received_tokens`` copies here: ask the deferred planner which
+        plan runs now (under EP all ranks agree), then settle what the layer held provisionally. Returns whether
+        the plan changed."""
         plan = self.deferred.after_gate(record.plan, layer, received_tokens)
-        downgrade = plan is not None
+        changed = plan is not None
         if group is not None:
             device = (torch.device("cuda", torch.cuda.current_device())
                       if torch.distributed.get_backend(group) == "nccl" else torch.device("cpu"))
-            flag = torch.tensor([int(downgrade)], device=device)
+            flag = torch.tensor([int(changed)], device=device)
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
-            downgrade = bool(flag.item())
-            if downgrade:  # ranks may have decided differently: all run the same full downgrade (same re-runs)
+            changed = bool(flag.item())
+            if changed:  # ranks may have decided differently: all run the same full downgrade (same re-runs)
                 plan = self.deferred.downgrade(record.plan, layer)
-        if downgrade:
+        if changed:
             record.plan = plan
             record.strategies = resolve(self.graph, plan)
             record.rerun = frozenset(mitigation_ops(self.graph, plan).rerun)
             record.downgraded.append(layer)
-        return downgrade
+        self._settle(record, layer)
+        return changed
+
+    def _settle(self, record: MicroBatchRecord, layer: int | None) -> None:
+        """Apply the plan in force to what ``layer`` (None: every layer) held for its gate: standby replays are
+        activated if the plan re-runs them, else forgotten; provisional savings are packed under the plan."""
+        graph = self.graph
+        mine = (lambda op: True) if layer is None else (lambda op: graph.op(op).layer == layer)
+        for replay in [r for r in record.standby if mine(r.op)]:
+            record.standby.remove(replay)
+            if replay.op in record.rerun:
+                for stored, hold_name, dtype in replay.inactive:
+                    if stored.producer is not None:
+                        stored.producer[0].pending += 1
+                    stored.hold()
+                    record.hold_name(hold_name, dtype)
+                replay.inactive = None
+            else:
+                for entry in record.storages.values():
+                    if entry.producer is not None and entry.producer[0] is replay:
+                        entry.producer = None
+                for name in [n for n, made in record.producers.items() if made[0] is replay]:
+                    del record.producers[name]
+                record.replays.remove(replay)
+                replay.drop()
+        for held in [h for h in record.provisional if mine(h.op)]:
+            record.provisional.remove(held)
+            strategy = record.strategies.get((held.op, held.name), Strategy.KEEP)
+            record.applied[(held.op, held.name)] = strategy
+            active = held.replay if held.replay is not None and held.replay.inactive is None \
+                and held.replay in record.replays else None
+            held.inner = self._apply(record, held.tensor, held.entry, held.name, strategy, active, held.index)
+            held.tensor = None
+        if layer is not None:
+            record.gated.add(layer)
 
     # ---- recompute ------------------------------------------------------------------------------------------
-    def _replayable(self, record: MicroBatchRecord, name: str, fn, args) -> Any:
+    def replayable(self, record: MicroBatchRecord, name: str, fn, args, *, active: bool = True) -> Any:
+        """Run op ``name`` as ``fn(*args)`` recording it as a :class:`Replay` backward can re-run. A standby
+        replay (``active=False``) takes no holds until the gate activates it."""
         sources = []
+        holds = []
         inputs = list(self.graph.op(name).inputs) if self.graph.has_op(name) else []
         lookup = lambda tensor_name: record.stored_as(tensor_name, self.engine)  # noqa: E731
         for arg in args:
             if isinstance(arg, torch.Tensor) and not self.tracker.excludes(arg):
-                stored = self._storage(record, arg, _storage_key(arg))
-                if stored.producer is not None:
-                    stored.producer[0].pending += 1
+                stored = self._storage(record, arg, storage_key(arg))
                 # the op's graph input of its size and dtype, if one: where to look for a copy in another precision
                 input_name = self._input_name(inputs, arg)
-                stored.hold()
-                record.hold_name(stored.name or input_name, arg.dtype)
+                if active:
+                    if stored.producer is not None:
+                        stored.producer[0].pending += 1
+                    stored.hold()
+                    record.hold_name(stored.name or input_name, arg.dtype)
+                else:
+                    holds.append((stored, stored.name or input_name, arg.dtype))
                 sources.append(Source(stored, View.of(arg), arg.requires_grad, lookup, input_name))
             else:
                 sources.append(arg)
-        replay = Replay(name, fn, tuple(sources), self.engine)
+        replay = Replay(name, fn, tuple(sources), self.engine, inactive=None if active else holds)
         previous, record.active = record.active, replay
         try:
             outputs = fn(*args)
@@ -184,17 +232,19 @@ class PlanExecutor:
         makes = False
         for index, out in enumerate(outputs if isinstance(outputs, tuple) else (outputs,)):
             if isinstance(out, torch.Tensor):
-                stored = self._storage(record, out, _storage_key(out))
+                stored = self._storage(record, out, storage_key(out))
                 if stored.producer is None:
                     stored.producer = (replay, index)
                     makes = makes or index < len(names) or not names  # an activation output of its own
                 if index < len(names):
                     record.producers.setdefault(names[index], (replay, index))
-        if not makes:  # an identity (dispatch at EP=1): its outputs are its inputs, regenerated by their makers
+        if not makes and active:  # an identity (dispatch at EP=1): its outputs are its inputs, made by their makers
             for source in sources:
                 if isinstance(source, Source) and source.stored.producer is not None:
                     source.stored.producer[0].pending -= 1
         record.replays.append(replay)
+        if not active:
+            record.standby.append(replay)
         return outputs
 
     def _input_name(self, inputs: list[str], tensor: torch.Tensor) -> str | None:
@@ -252,7 +302,7 @@ class PlanExecutor:
         if record.active is not None:  # the k-th saving of a replayable op (matched again on re-run)
             index = record.active.num_saves
             record.active.num_saves += 1
-        key = _storage_key(tensor)
+        key = storage_key(tensor)
         if self.tracker.excludes(tensor):
             return tensor
         entry = self._storage(record, tensor, key)
@@ -262,8 +312,18 @@ class PlanExecutor:
             record.unknown_count += 1
             record.unknown[entry.sid] = entry.nbytes
             return self._keep(record, tensor, entry)
+        if op in self.standby and name in self._provisional and self.graph.op(op).layer not in record.gated:
+            held = Provisional(tensor.detach(), op, name, entry, record.active, index)
+            record.provisional.append(held)  # the gate decides how it is stored
+            return held
         strategy = record.strategies.get((op, name), Strategy.KEEP)
         record.applied[(op, name)] = strategy
+        return self._apply(record, tensor, entry, name, strategy, record.active, index)
+
+    def _apply(self, record: MicroBatchRecord, tensor: torch.Tensor, entry: Stored, name: str, strategy: Strategy,
+               active: Replay | None, index: int | None):
+        """Pack one named saving under ``strategy``; ``active`` is the replay of the op that saved it, if any
+        (its ``index``-th saving)."""
         if strategy is Strategy.KEEP or (entry.nbytes == 0 and strategy is not Strategy.RECOMPUTE):
             # an empty RECOMPUTE saving is still regenerated: under EP every rank must re-run the same
             # collectives in backward, whatever its experts received
@@ -291,13 +351,13 @@ class PlanExecutor:
         # RECOMPUTE: an earlier replay's output, else this replayable op's own k-th saving, else (not re-run:
         # another consumer stores it) read from that copy on unpack
         entry.hold()  # another consumer may store this storage: unpack reads that copy first
-        if entry.producer is not None and entry.producer[0] is not record.active:
+        if entry.producer is not None and entry.producer[0] is not active:
             replay, output = entry.producer
             replay.pending += 1
             return Regenerated(entry, View.of(tensor), self.engine, replay, output=output)
-        if record.active is not None:
-            record.active.pending += 1
-            return Regenerated(entry, View.of(tensor), self.engine, record.active, save=index)
+        if active is not None:
+            active.pending += 1
+            return Regenerated(entry, View.of(tensor), self.engine, active, save=index)
         if name in record.producers:  # a copy in another precision of a tensor a replay makes
             replay, output = record.producers[name]
             replay.pending += 1
@@ -314,6 +374,32 @@ class PlanExecutor:
         kept = tensor.detach()
         entry.keep(kept)
         return kept
+
+
+class Provisional:
+    """A saving held as it is until its MoE layer's gate settles it (then packed as the plan in force says)."""
+
+    __slots__ = ("tensor", "op", "name", "entry", "replay", "index", "inner")
+
+    def __init__(self, tensor, op, name, entry, replay, index):
+        self.tensor, self.op, self.name, self.entry, self.replay, self.index = tensor, op, name, entry, replay, index
+        self.inner = None
+
+    def unpack(self) -> torch.Tensor:
+        if self.tensor is not None:
+            raise RuntimeError(f"saving {self.op}/{self.name} was never settled by its MoE gate")
+        return unpack(self.inner)
+
+
+def standby_ops(graph: OpGraph, deferred) -> tuple[frozenset[str], frozenset[str]]:
+    """Under graded deferred planning: the ops that run before a MoE gate and make tensors the gate may re-plan
+    (the router and the norm feeding it), and those tensors; empty without a deferred planner or with
+    ``downgrade="paper"`` (the gate then only changes what is made after the router)."""
+    if deferred is None or getattr(deferred, "mode", "paper") != "graded":
+        return frozenset(), frozenset()
+    free = gate_free_tensors(graph)
+    ops = frozenset(graph.tensors[t].producer for t in free - after_router_tensors(graph))
+    return ops, frozenset(t for t in free if graph.tensors[t].producer in ops)
 
 
 def apply_plan(target: OpGraph | torch.nn.Module, plan: Plan | str | None, *,

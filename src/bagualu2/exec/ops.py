@@ -8,23 +8,19 @@ the plan's re-run closure into replays, and ``after_gate`` consults the deferred
 from __future__ import annotations
 
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
-from .tracker import _storage_key
-
-if TYPE_CHECKING:
-    from .apply import MicroBatchRecord, PlanExecutor
+from .tracker import storage_key
 
 #: The cost-model op running now (set by :class:`op_scope`, read by the pack hook).
 OP_SCOPE: ContextVar[str | None] = ContextVar("bagualu2_op_scope", default=None)
 #: Names the current op gives to some of its inputs' storages (``{storage key: tensor name}``).
 OP_HINTS: ContextVar[dict | None] = ContextVar("bagualu2_op_hints", default=None)
-#: The executor and micro-batch being recorded in this context (set by ``micro_batch``).
-_ACTIVE: ContextVar[tuple["PlanExecutor", "MicroBatchRecord"] | None] = ContextVar("bagualu2_active",
-                                                                                   default=None)
-_RECORDING = [0]  # micro-batches being recorded right now (op_scope does nothing when 0)
+#: The executor and micro-batch being recorded in this context (set by ``PlanExecutor.micro_batch``).
+ACTIVE: ContextVar[tuple[Any, Any] | None] = ContextVar("bagualu2_active", default=None)
+RECORDING = [0]  # micro-batches being recorded right now (op_scope does nothing when 0)
 
 
 class op_scope:
@@ -42,8 +38,8 @@ class op_scope:
         self._tokens = None
 
     def __enter__(self) -> None:
-        if _RECORDING[0]:
-            hints = ({_storage_key(t): n for n, t in self.names.items()} if self.names else None)
+        if RECORDING[0]:
+            hints = ({storage_key(t): n for n, t in self.names.items()} if self.names else None)
             self._tokens = (OP_SCOPE.set(self.name), OP_HINTS.set(hints))
 
     def __exit__(self, *exc) -> None:
@@ -62,19 +58,24 @@ def run_op(name: str, fn: Callable[..., Any], *args: Any, names: dict[str, torch
     they are.
     """
     with op_scope(name, names):
-        active = _ACTIVE.get()
+        active = ACTIVE.get()
         if active is None:
             return fn(*args)
         executor, record = active
         if record.forward_gate is not None:
             record.forward_gate(name)  # the dual-batch executor lets this op's stage run
-        outputs = executor._replayable(record, name, fn, args) if name in record.rerun else fn(*args)
+        if name in record.rerun:
+            outputs = executor.replayable(record, name, fn, args)
+        elif name in executor.standby:  # the gate may still decide to re-run it: a replay, activated if so
+            outputs = executor.replayable(record, name, fn, args, active=False)
+        else:
+            outputs = fn(*args)
         if executor.stage_hooks:
             _hook_outputs(record, name, outputs)
         return outputs
 
 
-def _hook_outputs(record: "MicroBatchRecord", name: str, outputs: Any) -> None:
+def _hook_outputs(record: Any, name: str, outputs: Any) -> None:
     """Gate the backward of op ``name``: a hook on its differentiable outputs runs before its backward."""
     def gate(_grad, op=name):
         if record.backward_gate is not None:
@@ -92,7 +93,7 @@ def after_gate(layer: int, received_tokens: int, group: Any = None) -> bool:
     With an EP ``group`` the decision is all-reduced (any rank downgrades -> all do), so the re-run collectives in
     backward match on every rank.
     """
-    active = _ACTIVE.get()
+    active = ACTIVE.get()
     if active is None or active[0].deferred is None:
         return False
-    return active[0]._after_gate(active[1], layer, received_tokens, group)
+    return active[0].gate(active[1], layer, received_tokens, group)

@@ -156,6 +156,7 @@ class Replay:
     num_saves: int = 0                  # savings of the original forward (the k of internal handles)
     pending: int = 0                    # handles and dependent replays that still need the cache
     runs: int = 0
+    inactive: list | None = None        # holds to take if the gate activates it (standby replays)
     _outputs: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
     _saves: list[torch.Tensor] | None = field(default=None, repr=False)
 

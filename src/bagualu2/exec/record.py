@@ -43,6 +43,9 @@ class MicroBatchRecord:
     named: dict[str, list[Stored]] = field(default_factory=dict)    # tensor -> the storages named so
     producers: dict[str, tuple[Replay, int]] = field(default_factory=dict)  # tensor -> (replay, output) making it
     held_names: dict[str, set[torch.dtype]] = field(default_factory=dict)  # name -> dtypes of its readers
+    provisional: list = field(default_factory=list)  # savings held until their layer's gate settles them
+    standby: list[Replay] = field(default_factory=list)  # replays the gate may still activate
+    gated: set[int] = field(default_factory=set)     # MoE layers whose gate has fired
 
     def hold_name(self, name: str | None, dtype: torch.dtype) -> None:
         """Backward will look ``name`` up for a reader of ``dtype``: hold its copies in *other* precisions (the
@@ -70,6 +73,8 @@ class MicroBatchRecord:
             copy.cached = copy.prefetched = copy.pending = None
         self.named.clear()
         self.producers.clear()
+        self.provisional.clear()
+        self.standby.clear()
         self.pending_offloads.clear()
         self.replays.clear()
         self.host_copies.clear()

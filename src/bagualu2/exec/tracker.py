@@ -54,10 +54,10 @@ class ActivationTracker:
         """Do not count the parameters and buffers of ``modules`` as activations."""
         for module in modules:
             for tensor in [*module.parameters(), *module.buffers()]:
-                self._excluded.add(_storage_key(tensor))
+                self._excluded.add(storage_key(tensor))
 
     def excludes(self, tensor: torch.Tensor) -> bool:
-        return _storage_key(tensor) in self._excluded
+        return storage_key(tensor) in self._excluded
 
     def open(self, name: str) -> MicroBatchBytes:
         """Start the accounting of micro-batch ``name`` (for hooks that do their own packing, e.g. plans)."""
@@ -109,7 +109,7 @@ class ActivationTracker:
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         record = self._current
-        key = _storage_key(tensor)
+        key = storage_key(tensor)
         if record is not None and key not in self._excluded and key not in record.storages:
             nbytes = storage_bytes(tensor)
             if self.cap_bytes is not None and self.in_flight_bytes + nbytes > self.cap_bytes:
@@ -125,7 +125,7 @@ def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
+def storage_key(tensor: torch.Tensor) -> tuple[str, int]:
     """Identity of the storage behind ``tensor`` (shared by its views), also for empty storages (null data)."""
     return str(tensor.device), tensor.untyped_storage()._cdata
 
