@@ -101,7 +101,7 @@ def test_chains_have_all_four_kinds():
 
 @pytest.mark.parametrize("solver", ["dp", "sequential", "megatron_core", "megatron_kwai"])
 def test_solver_orders(solver):
-    order = dp.solve(CHAINS, hardware=HARDWARE) if solver == "dp" else getattr(baselines, solver)(CHAINS)
+    order = dp.solve(CHAINS) if solver == "dp" else getattr(baselines, solver)(CHAINS)
     result = _check(order)
     assert result.forward_ops[0] == "L0.norm1" and result.forward_ops[-1] == "L3.residual2"
 
@@ -152,4 +152,4 @@ def test_invalid_orders_are_refused():
         dual.run(swapped, CHAINS, forward=("x", lambda: None), backward=("y", torch.zeros(())), offload="a",
                  recovery="b")
     with pytest.raises(ValueError, match="no micro-batch was given"):
-        dual.run(dp.solve(CHAINS, hardware=HARDWARE), CHAINS, forward=("x", lambda: None))
+        dual.run(dp.solve(CHAINS), CHAINS, forward=("x", lambda: None))

@@ -8,7 +8,8 @@ tokens (``Tsp``); routed-expert tensors hold ``Tsp*K*r`` tokens.
 
 from __future__ import annotations
 
-import math
+from .validate import require_int, require_number
+
 
 from .config import Hardware, ModelConfig, ParallelConfig, check_compatible
 from .graph import COMM_KINDS, ITEM_BYTES, Op, OpGraph, Resource, Saving, TensorSpec
@@ -218,20 +219,16 @@ class _Builder:
 
 def chunk_layers(model: ModelConfig, parallel: ParallelConfig, *, stage: int = 0, chunk: int = 0) -> range:
     """Global layer indices of virtual chunk ``chunk`` on pipeline stage ``stage`` (Megatron interleaving)."""
-    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < parallel.pp:
-        raise ValueError(f"stage must be an integer in [0, pp={parallel.pp}), got {stage!r}")
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or not 0 <= chunk < parallel.vp:
-        raise ValueError(f"chunk must be an integer in [0, vp={parallel.vp}), got {chunk!r}")
+    require_int("stage", stage, 0, parallel.pp)
+    require_int("chunk", chunk, 0, parallel.vp)
     per_chunk = model.num_layers // (parallel.pp * parallel.vp)
     first = (chunk * parallel.pp + stage) * per_chunk
     return range(first, first + per_chunk)
 
 
 def check_imbalance(imbalance: float) -> float:
-    if isinstance(imbalance, bool) or not isinstance(imbalance, (int, float)) or not math.isfinite(imbalance) \
-            or imbalance < 1:
-        raise ValueError(f"imbalance must be a finite number >= 1 (max/mean device load), got {imbalance!r}")
-    return float(imbalance)
+    """``imbalance`` (max/mean device load) as a float: a finite number >= 1."""
+    return require_number("imbalance", imbalance, 1)
 
 
 def build_graph(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, *, imbalance: float = 1.0,

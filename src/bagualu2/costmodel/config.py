@@ -6,9 +6,10 @@ All three are keyword-only, frozen and validated in ``__post_init__``; every inv
 
 from __future__ import annotations
 
+from .validate import require_int, require_number
+
 import dataclasses
 import json
-import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,17 +20,11 @@ NORMALIZATIONS = ("rmsnorm", "layernorm")
 
 def _check_int(obj: Any, name: str, *, minimum: int = 1) -> None:
     value = getattr(obj, name)
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    object.__setattr__(obj, name, int(value))  # numpy integers become plain ints
+    object.__setattr__(obj, name, require_int(name, value, minimum))  # numpy integers become plain ints
 
 
 def _check_positive_float(obj: Any, name: str, *, allow_zero: bool = False) -> None:
-    value = getattr(obj, name)
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
-    if not ok or value < 0 or (value == 0 and not allow_zero) or value == float("inf"):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
+    require_number(name, getattr(obj, name), 0, low_open=not allow_zero)
 
 
 def _check_choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:
@@ -100,8 +95,7 @@ class ModelConfig:
         _check_choice(self, "normalization", NORMALIZATIONS)
         for name in ("hidden_dropout", "attention_dropout"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-                raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
+            require_number(name, value, 0, 1, high_open=True)
         for name in ("flash_attention", "tie_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")

@@ -8,6 +8,8 @@ giving a micro-batch more bytes.
 
 from __future__ import annotations
 
+from .validate import require_int
+
 from dataclasses import dataclass
 from typing import Sequence, Union
 
@@ -24,8 +26,7 @@ class Action:
 
 
 def _check_stage(parallel: ParallelConfig, stage: int) -> None:
-    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < parallel.pp:
-        raise ValueError(f"stage must be an integer in [0, pp={parallel.pp}), got {stage!r}")
+    require_int("stage", stage, 0, parallel.pp)
 
 
 def num_warmup(parallel: ParallelConfig, stage: int = 0) -> int:

@@ -10,6 +10,8 @@ for the device allocator; on CUDA the real allocator is also reported (``allocat
 
 from __future__ import annotations
 
+from bagualu2.costmodel.validate import require_int
+
 import contextlib
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
@@ -40,9 +42,8 @@ class ActivationTracker:
     """
 
     def __init__(self, *, cap_bytes: int | None = None, exclude: Iterable[torch.nn.Module] = ()):
-        if cap_bytes is not None and (isinstance(cap_bytes, bool) or not isinstance(cap_bytes, int)
-                                      or cap_bytes < 0):
-            raise ValueError(f"cap_bytes must be a non-negative integer or None, got {cap_bytes!r}")
+        if cap_bytes is not None:
+            cap_bytes = require_int("cap_bytes", cap_bytes, 0)
         self.cap_bytes = cap_bytes
         self._excluded: set[tuple[str, int]] = set()
         self.exclude(*exclude)

@@ -14,6 +14,8 @@ compute stream and stay inside compute stages. Long copy stages are cut into pie
 
 from __future__ import annotations
 
+from ..costmodel.validate import require_int
+
 import weakref
 from dataclasses import dataclass
 from itertools import groupby
@@ -46,8 +48,7 @@ class Stage:
                 allowed = ", ".join(r.value for r in Resource)
                 raise ValueError(f"stage {self.name!r} has unknown resource {self.resource!r}; "
                                  f"allowed: {allowed}") from None
-        if isinstance(self.duration_ns, bool) or not isinstance(self.duration_ns, int) or self.duration_ns < 0:
-            raise ValueError(f"stage {self.name!r} has a negative or non-integer duration_ns: {self.duration_ns!r}")
+        require_int(f"duration_ns of stage {self.name!r}", self.duration_ns, 0)
 
 
 @dataclass(frozen=True)
@@ -123,9 +124,8 @@ RawOp = tuple[str, Resource, int]
 def compact(kind: str, ops: list[RawOp], *, copy_split_ns: int | None = None) -> Chain | None:
     """Merge consecutive same-resource ops into stages; cut copy stages longer than ``copy_split_ns`` (into at
     most ``MAX_PIECES`` pieces)."""
-    if copy_split_ns is not None and (isinstance(copy_split_ns, bool) or not isinstance(copy_split_ns, int)
-                                      or copy_split_ns < 1):
-        raise ValueError(f"copy_split_ns must be an integer >= 1 (nanoseconds) or None, got {copy_split_ns!r}")
+    if copy_split_ns is not None:
+        require_int("copy_split_ns", copy_split_ns, 1)
     stages: list[Stage] = []
     for resource, run in groupby(ops, key=itemgetter(1)):
         run = list(run)

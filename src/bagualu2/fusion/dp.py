@@ -19,10 +19,10 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..costmodel import Hardware, Resource
+from ..costmodel import Resource
+from ..costmodel.validate import require_int
 from .chains import CHAIN_KINDS, Chains
 from .order import Order
-from .simulate import simulate
 
 RESOURCES = tuple(Resource)
 RESOURCE_INDEX = {r: i for i, r in enumerate(RESOURCES)}
@@ -84,17 +84,14 @@ def _group_times(chains: Chains, masks: tuple[int, ...], coords: np.ndarray) -> 
     return times
 
 
-def solve(chains: Chains, *, hardware: Hardware | None = None, pipeline_degree: int | None = None) -> Order:
+def solve(chains: Chains, *, pipeline_degree: int | None = None) -> Order:
     """The fastest barrier-group order of ``chains`` (see module docstring).
 
     ``pipeline_degree`` <= 2 means x - y <= 2, where the offload and recovery targets coincide: the DP does not
-    apply and the sequential order is returned with a warning. ``hardware`` is accepted for symmetry with the
-    other solvers; durations are already in the chains.
+    apply and the sequential order is returned with a warning. Durations are in the chains.
     """
     if pipeline_degree is not None:
-        if isinstance(pipeline_degree, bool) or not isinstance(pipeline_degree, int) or pipeline_degree < 1:
-            raise ValueError(f"pipeline_degree must be an integer >= 1, got {pipeline_degree!r}")
-        if pipeline_degree <= 2:
+        if require_int("pipeline_degree", pipeline_degree, 1) <= 2:
             from .baselines import sequential
 
             warnings.warn(f"pipeline degree {pipeline_degree} <= 2: offload and recovery would target the same "
@@ -128,9 +125,3 @@ def _rebuild(best: list[int], times: np.ndarray, masks: tuple[int, ...], shape: 
         groups.append(tuple((kind, at[c] - 1) for c, kind in enumerate(CHAIN_KINDS) if (mask >> c) & 1))
         position = before[m]
     return tuple(reversed(groups))
-
-
-def check(order: Order, chains: Chains) -> Order:
-    """``order`` with its makespan recomputed by :func:`simulate` (used by tests and baselines)."""
-    timeline = simulate(order, chains)
-    return Order(order.groups, barriers=order.barriers, makespan_ns=timeline.makespan_ns, solver=order.solver)

@@ -6,6 +6,8 @@ costs nothing. Both charts take the :class:`~bagualu2.fusion.simulate.Timeline` 
 
 from __future__ import annotations
 
+from ..costmodel.validate import require_int
+
 import contextlib
 import errno
 import io
@@ -59,8 +61,7 @@ def gantt_text(timeline: Timeline, chains: Chains | None = None, *, width: int =
     """A text Gantt chart: a header, one ``|...|`` row per resource (compute, comm, d2h, h2d) of ``width`` cells
     holding the chain letter (F, B, O, R) of the stage that fills most of the cell or '.' when idle, a time axis
     in ms and a legend (stage counts from ``chains`` when given, else from the timeline's events)."""
-    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
-        raise ValueError(f"width must be an integer >= 1, got {width!r}")
+    require_int("width", width, 1)
     makespan_ms = timeline.makespan_ns * 1e-6
     lines = [f"makespan {makespan_ms:.3f} ms, exposed mitigation {timeline.exposed_mitigation_ns * 1e-6:.3f} ms "
              f"({width} columns of {makespan_ms / width:.4g} ms)"]

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from ..costmodel.validate import require_int
+
 import enum
-import numbers
 import weakref
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -42,9 +43,7 @@ class Solution:
 
 def check_budget(budget_bytes: Any) -> int:
     """Budgets are non-negative integers of bytes; anything else is a ``ValueError``."""
-    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, numbers.Integral) or budget_bytes < 0:
-        raise ValueError(f"budget_bytes must be a non-negative integer number of bytes, got {budget_bytes!r}")
-    return int(budget_bytes)
+    return require_int("budget_bytes", budget_bytes, 0)
 
 
 def floor_plan(graph: OpGraph) -> Plan:

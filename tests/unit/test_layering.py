@@ -1,0 +1,70 @@
+"""The layering of DESIGN.md, enforced: import-linter's contracts (pyproject.toml), no import cycle between any two
+modules (grimp's graph), no module importing another module's private name, the pure packages without torch."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import grimp
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("bagualu2", "reference_trainer")
+
+
+def test_import_linter_contracts_hold():
+    linter = Path(sys.executable).with_name("lint-imports")
+    result = subprocess.run([str(linter)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "0 broken" in result.stdout, result.stdout[-3000:] + result.stderr[-2000:]
+
+
+def import_cycles(*packages: str) -> list[tuple[str, str]]:
+    """Pairs ``(a, b)``: ``a`` imports ``b`` and ``b`` reaches ``a`` back through imports."""
+    graph = grimp.build_graph(*packages)
+    return [(module, imported) for module in sorted(graph.modules)
+            for imported in graph.find_modules_directly_imported_by(module)
+            if imported != module and graph.chain_exists(imported=module, importer=imported)]
+
+
+def test_no_import_cycle_between_modules():
+    assert import_cycles(*PACKAGES) == []
+
+
+def test_the_cycle_check_finds_a_cycle(tmp_path, monkeypatch):
+    package = tmp_path / "cyclic_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from . import b\n")
+    (package / "b.py").write_text("from .a import x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert ("cyclic_pkg.a", "cyclic_pkg.b") in import_cycles("cyclic_pkg")
+
+
+def _sources():
+    for package in PACKAGES:
+        base = ROOT / "src" / package if (ROOT / "src" / package).exists() else ROOT / package
+        yield from sorted(base.rglob("*.py"))
+
+
+def test_no_module_imports_a_private_name_of_another():
+    offenders = []
+    for path in _sources():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                for alias in node.names:
+                    if alias.name.startswith("_") and not alias.name.startswith("__"):
+                        offenders.append(f"{path.relative_to(ROOT)}: from {node.module} import {alias.name}")
+    assert offenders == []
+
+
+@pytest.mark.parametrize("module", ["bagualu2.runtime", "bagualu2.sim"])
+def test_runtime_imports_with_torch_blocked(module):
+    code = ("import sys; sys.modules['torch'] = None\n"
+            f"import {module}\n"
+            "assert sys.modules['torch'] is None\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
