@@ -40,13 +40,15 @@ def _collect_garbage():
     gc.collect()
 
 
-def test_decision_path_per_iteration(benchmark):
-    """Budget + plan + gate downgrade + fused order for every forward of stage 0, amortised over 100 iterations
-    of a trace with 2.9% spikes up to 2.6x (first iterations fill the caches)."""
+@pytest.mark.parametrize("downgrade", ["graded", "paper"])
+def test_decision_path_per_iteration(benchmark, downgrade):
+    """Budget + pre-gate plan + gate decision + fused order for every forward of stage 0, amortised over 100
+    iterations of a trace with 2.9% spikes up to 2.6x (first iterations fill the caches); ``paper``: the gate only
+    keeps or fully downgrades (no absorption, no re-plan)."""
     trace = spike_trace(100 * PARALLEL.num_microbatches, spike_rate=0.029, max_imbalance=2.6, seed=0)
 
     def hundred_iterations():
-        path = DecisionPath(MODEL, PARALLEL, HW)
+        path = DecisionPath(MODEL, PARALLEL, HW, downgrade=downgrade)
         spent = 0.0
         for it in range(100):
             window = trace[it * PARALLEL.num_microbatches:(it + 1) * PARALLEL.num_microbatches]
@@ -59,5 +61,5 @@ def test_decision_path_per_iteration(benchmark):
     per_iteration_s, path = benchmark.pedantic(hundred_iterations, setup=_collect_garbage, rounds=1, iterations=1)
     benchmark.extra_info["amortised_ms_per_iteration"] = per_iteration_s * 1e3
     benchmark.extra_info["decision_cache"] = f"{path.hits} hits / {path.misses} misses"
-    print(f"\namortised decision path: {per_iteration_s * 1e3:.2f} ms/iteration "
+    print(f"\namortised decision path ({downgrade}): {per_iteration_s * 1e3:.2f} ms/iteration "
           f"({path.hits} hits, {path.misses} misses)")

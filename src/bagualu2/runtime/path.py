@@ -18,8 +18,9 @@ Caches, each hit safe for every request of its key: measured imbalance -> its *c
 chunk); gate decisions by (pre-gate plan, need level, imbalance bucket, chunk); orders by what the DP reads. The
 *need* of a decision is ``unmitigated bytes - budget``; its level rounds it *up* on a geometric grid (ratio
 ``1 + need_step`` from one ``budget_quantum_bytes``), so a decision frees at least what is needed, finely for
-small needs and coarsely for the large, rare needs of spikes; a decision made for a need up to
-``reuse_levels`` levels larger is reused (it fits too). Kept bytes are reported exactly at the measured imbalance
+small needs and coarsely for the large, rare needs of spikes. On a miss, a decision of a nearby need level (up to
+``reuse_levels`` away) stands in when it is as good: a smaller-need one that fits this budget at the measured
+imbalance, or a larger-need one that costs at most ``1 + need_step`` times the smaller-need one. Kept bytes are reported exactly at the measured imbalance
 (routed tensors scale with the routed token count; ``PlanCost.activation_bytes_at``); ``overhead_s`` is the
 plan's on the bucket's graph. docs/runtime.md has the measured quality.
 """
@@ -96,7 +97,7 @@ class DecisionPath:
       spike_threshold       imbalances above it (spikes: rare, each a new value) are bucketed by ``spike_step``.
       spike_step            bucket width of spikes (> 0).
       need_step             ratio - 1 of the need grid (in (0, 1]).
-      reuse_levels          larger need levels whose decision is reused (>= 0).
+      reuse_levels          how many need levels away a cached decision may stand in (>= 0).
 
     ``hits`` / ``misses`` count the decisions found in / added to the caches.
     """
@@ -105,7 +106,7 @@ class DecisionPath:
                  downgrade: str = "graded", planned_imbalance: float | None = None, window: int = 16,
                  budget_quantum_bytes: int | None = None, imbalance_step: float = 0.02,
                  spike_threshold: float = 1.2, spike_step: float = 0.2, need_step: float = 0.05,
-                 reuse_levels: int = 8):
+                 reuse_levels: int = 16):
         self.model, self.parallel, self.hardware = model, parallel, hardware
         self.stage = require_int("stage", stage, 0, parallel.pp)
         self.downgrade = check_downgrade(downgrade)
@@ -220,7 +221,7 @@ class DecisionPath:
                 outcome = self._outcome(pre, ABSORBED, row, chunk, budget_bytes)  # the next budgets shrink
         if outcome is None:
             level, decided = self._need_level(row.unmitigated_bytes, row.graph.floor_bytes, budget_bytes)
-            outcome = self._outcome(pre, level, row, chunk, decided)
+            outcome = self._outcome(pre, level, row, chunk, decided, budget_bytes, tokens)
         return Decision(outcome.plan, outcome.fixed_bytes + outcome.per_token_bytes * tokens, outcome.overhead_s,
                         outcome.changed, outcome.order, outcome.action)
 
@@ -291,17 +292,13 @@ class DecisionPath:
             found = self._pregate[key] = solution.plan
         return found
 
-    def _outcome(self, pre: Plan, level, row: _Row, chunk: int, decided: int) -> _Outcome:
+    def _outcome(self, pre: Plan, level, row: _Row, chunk: int, decided: int, budget_bytes: int = 0,
+                 tokens: int = 0) -> _Outcome:
         key = (pre.entries, level, row.bucket, chunk)
         outcomes = self._outcomes
         found = outcomes.get(key)
         if found is None and type(level) is int:
-            # a decision made for a somewhat larger need fits this one too (it frees more): reuse it
-            for larger in range(level + 1, level + 1 + self.reuse_levels):
-                found = outcomes.get((pre.entries, larger, row.bucket, chunk))
-                if found is not None:
-                    outcomes[key] = found
-                    break
+            found = self._nearby(pre, level, row, chunk, budget_bytes, tokens)  # valid for this request only
         if found is not None:
             self.hits += 1
             return found
@@ -321,6 +318,27 @@ class DecisionPath:
         built = graph.routed_tokens(graph.imbalance)
         per_token = cost.routed_bytes // built if built else 0
         return cost.activation_bytes - per_token * built, per_token
+
+    def _nearby(self, pre: Plan, level: int, row: _Row, chunk: int, budget_bytes: int, tokens: int):
+        """A cached decision of a nearby need level that is as good here (the greedy's cost grows with the need):
+        the nearest smaller-need decision if it fits this budget at the measured imbalance, else the nearest
+        larger-need one if it fits and costs at most ``1 + need_step`` times the smaller-need one."""
+        outcomes, entries, bucket = self._outcomes, pre.entries, row.bucket
+        lower = None
+        for smaller in range(level - 1, max(level - 1 - self.reuse_levels, -1), -1):
+            lower = outcomes.get((entries, smaller, bucket, chunk))
+            if lower is not None:
+                if lower.fixed_bytes + lower.per_token_bytes * tokens <= budget_bytes:
+                    return lower
+                break
+        if lower is None:
+            return None
+        for larger in range(level + 1, level + 1 + self.reuse_levels):
+            higher = outcomes.get((entries, larger, bucket, chunk))
+            if higher is not None:
+                fits = higher.fixed_bytes + higher.per_token_bytes * tokens <= budget_bytes
+                return higher if fits and higher.overhead_s <= lower.overhead_s * self._need_ratio + 1e-6 else None
+        return None
 
     def _outcome_of(self, graph: OpGraph, plan: Plan, action: GateAction, chunk: int) -> _Outcome:
         cost = self._cost(plan, graph.imbalance, chunk)
