@@ -309,6 +309,7 @@ class DecisionPath:
             gate = after_gate(row.graph, pre, decided, downgrade=self.downgrade,
                               cost=lambda plan: self._cost(plan, row.bucket, chunk))
             plan, action = gate.plan, gate.action
+            self._costs.setdefault((plan.entries, row.bucket, chunk), gate.cost)  # the evaluator's, once
         found = self._outcomes[key] = self._outcome_of(row.graph, plan, action, chunk)
         return found
 
