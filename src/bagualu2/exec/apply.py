@@ -33,9 +33,9 @@ from bagualu2.costmodel.evaluate import mitigation_ops, resolve
 from bagualu2.costmodel.graph import ITEM_BYTES, OpGraph
 from bagualu2.costmodel.plan import Plan
 from bagualu2.costmodel.strategy import Strategy
-from bagualu2.runtime import after_router_tensors, gate_free_tensors
 
 from .ops import ACTIVE, OP_HINTS, OP_SCOPE, RECORDING
+from .provisional import Provisional, settle, standby_ops
 from .packing import CopyEngine, HostCopy, Offloaded, Quantized, View, flat_storage, quantize_fp8, unpack
 from .record import TORCH_TO_NAME, MicroBatchRecord
 from .recompute import Regenerated, Replay, Source, Stored
@@ -167,37 +167,7 @@ class PlanExecutor:
         return changed
 
     def _settle(self, record: MicroBatchRecord, layer: int | None) -> None:
-        """Apply the plan in force to what ``layer`` (None: every layer) held for its gate: standby replays are
-        activated if the plan re-runs them, else forgotten; provisional savings are packed under the plan."""
-        graph = self.graph
-        mine = (lambda op: True) if layer is None else (lambda op: graph.op(op).layer == layer)
-        for replay in [r for r in record.standby if mine(r.op)]:
-            record.standby.remove(replay)
-            if replay.op in record.rerun:
-                for stored, hold_name, dtype in replay.inactive:
-                    if stored.producer is not None:
-                        stored.producer[0].pending += 1
-                    stored.hold()
-                    record.hold_name(hold_name, dtype)
-                replay.inactive = None
-            else:
-                for entry in record.storages.values():
-                    if entry.producer is not None and entry.producer[0] is replay:
-                        entry.producer = None
-                for name in [n for n, made in record.producers.items() if made[0] is replay]:
-                    del record.producers[name]
-                record.replays.remove(replay)
-                replay.drop()
-        for held in [h for h in record.provisional if mine(h.op)]:
-            record.provisional.remove(held)
-            strategy = record.strategies.get((held.op, held.name), Strategy.KEEP)
-            record.applied[(held.op, held.name)] = strategy
-            active = held.replay if held.replay is not None and held.replay.inactive is None \
-                and held.replay in record.replays else None
-            held.inner = self._apply(record, held.tensor, held.entry, held.name, strategy, active, held.index)
-            held.tensor = None
-        if layer is not None:
-            record.gated.add(layer)
+        settle(record, self.graph, layer, self._apply)
 
     # ---- recompute ------------------------------------------------------------------------------------------
     def replayable(self, record: MicroBatchRecord, name: str, fn, args, *, active: bool = True) -> Any:
@@ -374,32 +344,6 @@ class PlanExecutor:
         kept = tensor.detach()
         entry.keep(kept)
         return kept
-
-
-class Provisional:
-    """A saving held as it is until its MoE layer's gate settles it (then packed as the plan in force says)."""
-
-    __slots__ = ("tensor", "op", "name", "entry", "replay", "index", "inner")
-
-    def __init__(self, tensor, op, name, entry, replay, index):
-        self.tensor, self.op, self.name, self.entry, self.replay, self.index = tensor, op, name, entry, replay, index
-        self.inner = None
-
-    def unpack(self) -> torch.Tensor:
-        if self.tensor is not None:
-            raise RuntimeError(f"saving {self.op}/{self.name} was never settled by its MoE gate")
-        return unpack(self.inner)
-
-
-def standby_ops(graph: OpGraph, deferred) -> tuple[frozenset[str], frozenset[str]]:
-    """Under graded deferred planning: the ops that run before a MoE gate and make tensors the gate may re-plan
-    (the router and the norm feeding it), and those tensors; empty without a deferred planner or with
-    ``downgrade="paper"`` (the gate then only changes what is made after the router)."""
-    if deferred is None or getattr(deferred, "mode", "paper") != "graded":
-        return frozenset(), frozenset()
-    free = gate_free_tensors(graph)
-    ops = frozenset(graph.tensors[t].producer for t in free - after_router_tensors(graph))
-    return ops, frozenset(t for t in free if graph.tensors[t].producer in ops)
 
 
 def apply_plan(target: OpGraph | torch.nn.Module, plan: Plan | str | None, *,

@@ -27,8 +27,6 @@ plan's on the bucket's graph. docs/runtime.md has the measured quality.
 
 from __future__ import annotations
 
-import math
-from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -39,8 +37,9 @@ from ..costmodel.build import check_imbalance
 from ..costmodel.validate import require_int, require_number
 from ..fusion import Order, build_chains, dp
 from ..mitigation import greedy
-from .buckets import ceil_bucket, floor_bucket
+from .buckets import ceil_bucket
 from .gate import GateAction, after_gate, check_downgrade
+from .keys import NeedGrid, PlannedImbalance
 
 MAX_ROWS = 4096  # measured imbalance values whose bucket is remembered
 NO_PLAN = Plan()
@@ -111,21 +110,15 @@ class DecisionPath:
         self.stage = require_int("stage", stage, 0, parallel.pp)
         self.downgrade = check_downgrade(downgrade)
         self.planned_imbalance = None if planned_imbalance is None else check_imbalance(planned_imbalance)
-        self.window = require_int("window", window, 1)
         self.step = require_number("imbalance_step", imbalance_step, 0, 10, low_open=True)
+        self._planner = PlannedImbalance(window, self.step, self.planned_imbalance)
         self.spike_threshold = check_imbalance(spike_threshold)
         self.spike_step = require_number("spike_step", spike_step, 0, 10, low_open=True)
         self._graphs: dict[tuple[int, float], OpGraph] = {}
         if budget_quantum_bytes is None:
             budget_quantum_bytes = max(min(self.graph(c, 1.0).unmitigated_bytes for c in range(parallel.vp)) >> 10, 1)
-        self.quantum = require_int("budget_quantum_bytes", budget_quantum_bytes, 1)
-        self.need_step = require_number("need_step", need_step, 0, 1, low_open=True)
+        self.needs = NeedGrid(budget_quantum_bytes, need_step)
         self.reuse_levels = require_int("reuse_levels", reuse_levels, 0)
-        self._need_ratio = 1.0 + self.need_step
-        self._log_need = math.log1p(self.need_step)
-        self._seen: dict[int, deque] = {}      # chunk -> the last `window` measured imbalances
-        self._planned: dict[int, float] = {}   # chunk -> planned bucket (floored min of the window)
-        self._lowest: dict[int, float] = {}    # chunk -> min of the window
         self._rows: dict[tuple[float, int], list] = {}
         self._balanced: dict[int, int] = {}    # chunk -> unmitigated bytes at r = 1
         self._buckets: dict[tuple[float, int], _Row] = {}
@@ -166,29 +159,11 @@ class DecisionPath:
 
     def planned(self, chunk: int) -> float:
         """The imbalance the pre-gate plan of ``chunk`` is made for (a bucket, rounded down)."""
-        if self.planned_imbalance is not None:
-            return floor_bucket(self.planned_imbalance, self.step)
-        return self._planned.get(chunk, 1.0)
+        return self._planner.get(chunk)
 
     def observe(self, chunk: int, imbalance: float) -> None:
         """Remember a gate's measurement (``forward`` does it for the imbalance it is given)."""
-        seen = self._seen.get(chunk)
-        if seen is None:
-            seen = self._seen[chunk] = deque(maxlen=self.window)
-            self._lowest[chunk] = imbalance
-        evicted = seen[0] if len(seen) == self.window else None
-        seen.append(imbalance)
-        lowest = self._lowest[chunk]
-        if imbalance < lowest:
-            lowest = imbalance
-        elif evicted == lowest and imbalance != lowest:
-            lowest = min(seen)
-            if lowest == self._lowest[chunk]:
-                return
-        else:
-            return
-        self._lowest[chunk] = lowest
-        self._planned[chunk] = floor_bucket(lowest, self.step)
+        self._planner.observe(chunk, imbalance)
 
     # ---- the hot path ---------------------------------------------------------------------------------------------
     def forward(self, budget_bytes: int, imbalance: float, phase: str, chunk: int, *,
@@ -203,8 +178,9 @@ class DecisionPath:
         if seen is None:
             seen = self._seen_row(imbalance, chunk)
         row, tokens, unmitigated, covered = seen
-        planned = self._planned.get(chunk, 1.0) if self.planned_imbalance is None else self.planned(chunk)
-        self.observe(chunk, imbalance)
+        planner = self._planner
+        planned = planner.get(chunk)
+        planner.observe(chunk, imbalance)
         if budget_bytes >= unmitigated:
             # covered at the measured imbalance, so at r = 1 too: nothing was committed before the gate
             self.hits += 1
@@ -220,7 +196,7 @@ class DecisionPath:
             if budget_bytes < cost.activation_bytes_at(row.graph, imbalance) <= limit_bytes:
                 outcome = self._outcome(pre, ABSORBED, row, chunk, budget_bytes)  # the next budgets shrink
         if outcome is None:
-            level, decided = self._need_level(row.unmitigated_bytes, row.graph.floor_bytes, budget_bytes)
+            level, decided = self.needs.level(row.unmitigated_bytes, row.graph.floor_bytes, budget_bytes)
             outcome = self._outcome(pre, level, row, chunk, decided, budget_bytes, tokens)
         return Decision(outcome.plan, outcome.fixed_bytes + outcome.per_token_bytes * tokens, outcome.overhead_s,
                         outcome.changed, outcome.order, outcome.action)
@@ -252,22 +228,6 @@ class DecisionPath:
             found = self._costs[key] = evaluate(self.graph(chunk, imbalance), plan)
         return found
 
-    def _need_level(self, unmitigated_bytes: int, floor_bytes: int, budget_bytes: int) -> tuple:
-        """A decision's key and the budget it is made for: the bytes to free (``unmitigated - budget``) rounded
-        *up* on a geometric grid of ratio ``1 + need_step`` starting at one quantum — fine for small needs,
-        coarse for the large, rare ones of spikes; the decision frees at least what is needed."""
-        need = unmitigated_bytes - budget_bytes
-        quantum = self.quantum
-        level = 0 if need <= quantum else math.ceil(math.log(need / quantum) / self._log_need)
-        rounded = math.ceil(quantum * self._need_ratio ** level)
-        if rounded < need:  # floating point at a grid point
-            level += 1
-            rounded = math.ceil(quantum * self._need_ratio ** level)
-        decided = unmitigated_bytes - rounded
-        if decided < floor_bytes:
-            return ("exact", budget_bytes), budget_bytes  # the grid point is below M0: decide for this budget
-        return level, decided
-
     def _pre_gate(self, budget_bytes: int, planned: float, chunk: int) -> Plan:
         """The plan in force before the gate (step 1 of the module docstring)."""
         balanced = self._balanced.get(chunk)
@@ -276,7 +236,7 @@ class DecisionPath:
         if budget_bytes >= balanced:
             return NO_PLAN
         graph = self.graph(chunk, planned)
-        level, decided = self._need_level(graph.unmitigated_bytes, graph.floor_bytes, budget_bytes)
+        level, decided = self.needs.level(graph.unmitigated_bytes, graph.floor_bytes, budget_bytes)
         key = (level, planned, chunk)
         found = self._pregate.get(key)
         if found is None and type(level) is int:  # a plan made for a somewhat larger need fits too
@@ -338,7 +298,7 @@ class DecisionPath:
             higher = outcomes.get((entries, larger, bucket, chunk))
             if higher is not None:
                 fits = higher.fixed_bytes + higher.per_token_bytes * tokens <= budget_bytes
-                return higher if fits and higher.overhead_s <= lower.overhead_s * self._need_ratio + 1e-6 else None
+                return higher if fits and higher.overhead_s <= lower.overhead_s * self.needs.ratio + 1e-6 else None
         return None
 
     def _outcome_of(self, graph: OpGraph, plan: Plan, action: GateAction, chunk: int) -> _Outcome:
