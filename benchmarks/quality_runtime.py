@@ -35,9 +35,9 @@ except ImportError:  # the tree before the runtime package
 PRESETS = ("glm-188b-a20b", "glm-423b-a30b", "glm-1041b-a35b")
 
 
-def replay(model, parallel, hardware, stage: int, trace, iterations: int, downgrade: str):
+def replay(model, parallel, hardware, stage: int, trace, iterations: int, downgrade: str, extra=None):
     """``(forward rows, peak in-flight bytes, M_max, decision seconds)`` of ``iterations`` replayed iterations."""
-    options = {"downgrade": downgrade} if NEW else {}
+    options = {"downgrade": downgrade, **(extra or {})} if NEW else {}
     path = DecisionPath(model, parallel, hardware, stage=stage, **options)
     memory, steps = path.stage_plan()
     rows, peak, spent = [], 0, 0.0
@@ -95,7 +95,13 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--presets", nargs="+", default=list(PRESETS))
     parser.add_argument("--downgrade", default="graded", choices=["graded", "paper"])
+    parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                        help="a DecisionPath keyword, e.g. spike_step=0.1 (repeatable)")
     args = parser.parse_args()
+    extra = {}
+    for item in args.option:
+        key, _, value = item.partition("=")
+        extra[key] = int(value) if value.isdigit() else float(value)
     hardware = presets.hardware(args.hardware)
     print("| preset | stages | forwards | wasted (share) | overhead / clairvoyant | peak / M_max | decision ms/it |")
     print("|---|---|---|---|---|---|---|")
@@ -110,7 +116,7 @@ def main() -> None:
                                     max_imbalance=2.6, base_imbalance=1.1, base_jitter=0.1, seed=seed) \
                     if NEW else _old_trace(args.iterations * parallel.num_microbatches, seed)
                 rows, peak, m_max, seconds = replay(model, parallel, hardware, stage, trace, args.iterations,
-                                                    args.downgrade)
+                                                    args.downgrade, extra)
                 for i, value in enumerate(score(model, parallel, hardware, stage, rows)):
                     totals[i] += value
                 worst = max(worst, peak / m_max)
