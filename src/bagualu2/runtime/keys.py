@@ -3,6 +3,7 @@
 * :class:`NeedGrid` — a decision's *need* is ``unmitigated bytes - budget``; its level rounds it *up* on a
   geometric grid of ratio ``1 + step`` starting at ``quantum`` bytes, so a decision made for a level frees at least
   what every request of that level needs: finely for small needs, coarsely for the large, rare ones of spikes.
+* :func:`chunk_aliases` — virtual chunks whose graphs are the same up to layer numbering share one set of caches.
 * :class:`PlannedImbalance` — the imbalance a chunk's pre-gate plan is made for: the smallest of the last
   ``window`` gate measurements, floored to the imbalance bucket grid (a low estimate: what is mitigated before the
   gate cannot be undone, the MoE module can still be re-planned after it), or a constant.
@@ -11,8 +12,10 @@
 from __future__ import annotations
 
 import math
+import re
 from collections import deque
 
+from ..costmodel import OpGraph, Plan
 from ..costmodel.validate import require_int, require_number
 from .buckets import floor_bucket
 
@@ -75,3 +78,47 @@ class PlannedImbalance:
             return
         self._lowest[chunk] = lowest
         self._planned[chunk] = floor_bucket(lowest, self.step)
+
+
+_LAYER = re.compile(r"^L(\d+)\.")
+
+
+def _shift(name: str, offset: int) -> str:
+    return _LAYER.sub(lambda m: f"L{int(m.group(1)) + offset}.", name, count=1)
+
+
+def shift_plan(plan: Plan, offset: int) -> Plan:
+    """``plan`` with every ``L{i}.`` op and tensor name moved by ``offset`` layers (kind policies unchanged)."""
+    if not offset or not plan.entries:
+        return plan
+    return Plan(tuple((key if "/" not in key else "/".join(_shift(part, offset) for part in key.split("/", 1)),
+                       strategy) for key, strategy in plan.entries))
+
+
+def _signature(graph: OpGraph, offset: int) -> tuple:
+    """Everything a decision reads of ``graph``, with names moved by ``offset`` layers."""
+    ops = tuple((_shift(op.name, offset), op.kind, op.resource, tuple(_shift(t, offset) for t in op.inputs),
+                 tuple(_shift(t, offset) for t in op.outputs),
+                 tuple((_shift(s.tensor, offset), s.dtype) for s in op.saves), op.flops, op.moved_bytes,
+                 op.forward_ns, op.backward_ns) for op in graph.ops)
+    tensors = tuple(sorted((_shift(t.name, offset), t.numel, t.dtype, t.producer and _shift(t.producer, offset),
+                            t.routed) for t in graph.tensors.values()))
+    pinned = tuple(sorted((_shift(op, offset), _shift(t, offset)) for op, t in graph.pinned))
+    return ops, tensors, pinned, graph.activation_dtype, graph.mean_routed_tokens
+
+
+def chunk_aliases(graphs: dict[int, OpGraph]) -> dict[int, tuple[int, int]]:
+    """``{chunk: (canonical chunk, layer offset)}``: a chunk whose graph is an earlier chunk's with every layer
+    moved by the same offset decides exactly like it (same bytes, times and order), so it shares its caches and
+    only its plans' names are moved."""
+    aliases: dict[int, tuple[int, int]] = {}
+    for chunk in sorted(graphs):
+        graph = graphs[chunk]
+        for canonical in sorted(c for c, (base, _) in aliases.items() if base == c):
+            offset = graph.layers[0] - graphs[canonical].layers[0]
+            if _signature(graphs[canonical], offset) == _signature(graph, 0):
+                aliases[chunk] = (canonical, offset)
+                break
+        else:
+            aliases[chunk] = (chunk, 0)
+    return aliases

@@ -13,7 +13,8 @@ Per chunk-forward, ``DecisionPath.forward(budget, imbalance, phase, chunk)``:
    of the MoE module, or the full downgrade (``downgrade="paper"``: keep or full downgrade only).
 4. **order** — the fused dual-batch order of the plan (``fusion.dp``).
 
-Caches, each hit safe for every request of its key: measured imbalance -> its *ceiling* bucket (``imbalance_step``,
+Chunks whose graphs are the same up to layer numbering (the virtual chunks of a stage, usually) share one set of
+caches; only the names in their plans differ. Caches, each hit safe for every request of its key: measured imbalance -> its *ceiling* bucket (``imbalance_step``,
 ``spike_step`` above ``spike_threshold``) with the bucket's graph; pre-gate plans by (need level, planned bucket,
 chunk); gate decisions by (pre-gate plan, need level, imbalance bucket, chunk); orders by what the DP reads. The
 *need* of a decision is ``unmitigated bytes - budget``; its level rounds it *up* on a geometric grid (ratio
@@ -39,7 +40,7 @@ from ..fusion import Order, build_chains, dp
 from ..mitigation import greedy
 from .buckets import ceil_bucket
 from .gate import GateAction, after_gate, check_downgrade
-from .keys import NeedGrid, PlannedImbalance
+from .keys import NeedGrid, PlannedImbalance, chunk_aliases, shift_plan
 
 MAX_ROWS = 4096  # measured imbalance values whose bucket is remembered
 NO_PLAN = Plan()
@@ -118,6 +119,9 @@ class DecisionPath:
         if budget_quantum_bytes is None:
             budget_quantum_bytes = max(min(self.graph(c, 1.0).unmitigated_bytes for c in range(parallel.vp)) >> 10, 1)
         self.needs = NeedGrid(budget_quantum_bytes, need_step)
+        # chunks that are the same graph up to layer numbering share the caches of the first such chunk
+        self._alias = chunk_aliases({c: self.graph(c, 1.0) for c in range(parallel.vp)})
+        self._shifted: dict[tuple, Plan] = {}
         self.reuse_levels = require_int("reuse_levels", reuse_levels, 0)
         self._rows: dict[tuple[float, int], list] = {}
         self._balanced: dict[int, int] = {}    # chunk -> unmitigated bytes at r = 1
@@ -174,13 +178,17 @@ class DecisionPath:
         ``BudgetAssigner.absorb_limit_bytes()``) is absorbed instead of re-planned."""
         if type(budget_bytes) is not int or budget_bytes < 0:
             budget_bytes = require_int("budget_bytes", budget_bytes, 0)
+        alias = self._alias.get(chunk)
+        if alias is None:
+            raise ValueError(f"chunk must be an integer in [0, vp={self.parallel.vp}), got {chunk!r}")
+        planner = self._planner
+        planned = planner.get(chunk)
+        planner.observe(chunk, imbalance)
+        chunk, offset = alias  # from here on the canonical chunk; plans are moved back by ``offset`` layers
         seen = self._rows.get((imbalance, chunk))
         if seen is None:
             seen = self._seen_row(imbalance, chunk)
         row, tokens, unmitigated, covered = seen
-        planner = self._planner
-        planned = planner.get(chunk)
-        planner.observe(chunk, imbalance)
         if budget_bytes >= unmitigated:
             # covered at the measured imbalance, so at r = 1 too: nothing was committed before the gate
             self.hits += 1
@@ -198,7 +206,11 @@ class DecisionPath:
         if outcome is None:
             level, decided = self.needs.level(row.unmitigated_bytes, row.graph.floor_bytes, budget_bytes)
             outcome = self._outcome(pre, level, row, chunk, decided, budget_bytes, tokens)
-        return Decision(outcome.plan, outcome.fixed_bytes + outcome.per_token_bytes * tokens, outcome.overhead_s,
+        plan = outcome.plan
+        if offset and plan.entries:
+            key = (plan.entries, offset)
+            plan = self._shifted.get(key) or self._shifted.setdefault(key, shift_plan(plan, offset))
+        return Decision(plan, outcome.fixed_bytes + outcome.per_token_bytes * tokens, outcome.overhead_s,
                         outcome.changed, outcome.order, outcome.action)
 
     def _seen_row(self, imbalance: float, chunk: int) -> list:
