@@ -59,8 +59,10 @@ class PlannedImbalance:
     def get(self, chunk: int) -> float:
         return self.constant if self.constant is not None else self._planned.get(chunk, 1.0)
 
-    def observe(self, chunk: int, imbalance: float) -> None:
-        """Remember a gate's measurement (amortised O(1): the minimum is recomputed only when it leaves)."""
+    def observe(self, chunk: int, imbalance: float) -> float:
+        """Remember a gate's measurement; returns the planned imbalance *before* it (amortised O(1): the minimum
+        is recomputed only when it leaves the window)."""
+        planned = self.constant if self.constant is not None else self._planned.get(chunk, 1.0)
         seen = self._seen.get(chunk)
         if seen is None:
             seen = self._seen[chunk] = deque(maxlen=self.window)
@@ -73,11 +75,12 @@ class PlannedImbalance:
         elif evicted == lowest and imbalance != lowest:
             lowest = min(seen)
             if lowest == self._lowest[chunk]:
-                return
+                return planned
         else:
-            return
+            return planned
         self._lowest[chunk] = lowest
         self._planned[chunk] = floor_bucket(lowest, self.step)
+        return planned
 
 
 _LAYER = re.compile(r"^L(\d+)\.")

@@ -11,7 +11,8 @@ Per chunk-forward, ``DecisionPath.forward(budget, imbalance, phase, chunk)``:
 3. **gate** — in warmup, an overrun of the pre-gate plan within ``limit_bytes`` is absorbed (the next budgets
    shrink, never below M0); otherwise :func:`~.gate.after_gate` at the measured imbalance: keep, graded re-plan
    of the MoE module, or the full downgrade (``downgrade="paper"``: keep or full downgrade only).
-4. **order** — the fused dual-batch order of the plan (``fusion.dp``).
+4. **order** — the fused dual-batch order of the forward's scheduling point (``fusion.dp``): F_x B_y (with O and
+   R) in the steady phase; F_x and the offload of x−1 in warmup, where no backward runs.
 
 Chunks whose graphs are the same up to layer numbering (the virtual chunks of a stage, usually) share one set of
 caches; only the names in their plans differ. Caches, each hit safe for every request of its key: measured imbalance -> its *ceiling* bucket (``imbalance_step``,
@@ -71,7 +72,7 @@ class _Outcome:
     overhead_s: float
     fixed_bytes: int
     per_token_bytes: int
-    order: Order
+    graph: OpGraph         # the bucket's, on which it was decided (its order is solved there)
     activation_bytes: int  # at the bucket's imbalance
 
 
@@ -181,21 +182,21 @@ class DecisionPath:
         alias = self._alias.get(chunk)
         if alias is None:
             raise ValueError(f"chunk must be an integer in [0, vp={self.parallel.vp}), got {chunk!r}")
-        planner = self._planner
-        planned = planner.get(chunk)
-        planner.observe(chunk, imbalance)
+        planned = self._planner.observe(chunk, imbalance)  # the estimate before this gate
         chunk, offset = alias  # from here on the canonical chunk; plans are moved back by ``offset`` layers
         seen = self._rows.get((imbalance, chunk))
         if seen is None:
             seen = self._seen_row(imbalance, chunk)
-        row, tokens, unmitigated, covered = seen
+        row, tokens, unmitigated = seen[0], seen[1], seen[2]
         if budget_bytes >= unmitigated:
             # covered at the measured imbalance, so at r = 1 too: nothing was committed before the gate
             self.hits += 1
+            warm = phase == WARMUP
+            covered = seen[3 + warm]
             if covered is None:
                 outcome = self._outcome(NO_PLAN, COVERED, row, chunk, budget_bytes)
-                covered = seen[3] = Decision(outcome.plan, unmitigated, outcome.overhead_s, False, outcome.order,
-                                             outcome.action)
+                covered = seen[3 + warm] = Decision(outcome.plan, unmitigated, outcome.overhead_s, False,
+                                                    self._order(row.graph, NO_PLAN, chunk, warm), outcome.action)
             return covered
         pre = self._pre_gate(budget_bytes, planned, chunk)
         outcome = None
@@ -210,16 +211,19 @@ class DecisionPath:
         if offset and plan.entries:
             key = (plan.entries, offset)
             plan = self._shifted.get(key) or self._shifted.setdefault(key, shift_plan(plan, offset))
+        order = self._order(outcome.graph, outcome.plan, chunk, phase == WARMUP)
         return Decision(plan, outcome.fixed_bytes + outcome.per_token_bytes * tokens, outcome.overhead_s,
-                        outcome.changed, outcome.order, outcome.action)
+                        outcome.changed, order, outcome.action)
 
     def _seen_row(self, imbalance: float, chunk: int) -> list:
-        """``[row, routed tokens, exact unmitigated bytes, covered decision]`` of a measured imbalance."""
+        """``[row, routed tokens, exact unmitigated bytes, covered decision (steady), (warmup)]`` of a measured
+        imbalance."""
         row = self._row(imbalance, chunk)
         tokens = row.graph.routed_tokens(imbalance)
         if len(self._rows) >= MAX_ROWS:  # measured imbalances may be continuous: bound the memo of their buckets
             self._rows.clear()
-        seen = self._rows[(imbalance, chunk)] = [row, tokens, row.fixed_bytes + row.per_token_bytes * tokens, None]
+        seen = self._rows[(imbalance, chunk)] = [row, tokens, row.fixed_bytes + row.per_token_bytes * tokens, None,
+                                                  None]
         return seen
 
     def _row(self, imbalance: float, chunk: int) -> _Row:
@@ -317,13 +321,17 @@ class DecisionPath:
         cost = self._cost(plan, graph.imbalance, chunk)
         fixed, per_token = self._split(graph, cost)
         return _Outcome(plan, action, action in (GateAction.REPLAN, GateAction.DOWNGRADE), cost.overhead_s,
-                        fixed, per_token, self._order(graph, plan, chunk), cost.activation_bytes)
+                        fixed, per_token, graph, cost.activation_bytes)
 
-    def _order(self, graph: OpGraph, plan: Plan, chunk: int) -> Order:
-        key = (plan.entries, graph.imbalance, chunk)  # the chains depend on the plan and graph only
+    def _order(self, graph: OpGraph, plan: Plan, chunk: int, warmup: bool) -> Order:
+        """The fused order of the scheduling point of a forward running ``plan``: in the steady phase F_x B_y
+        with the same graph and plan for x and y (and O, R from them); in warmup no backward runs, so F_x with
+        the offload of x-1 only."""
+        key = (plan.entries, graph.imbalance, chunk, warmup)  # the chains depend on the plan and graph only
         order = self._orders.get(key)
         if order is None:
-            chains = build_chains(graph, plan, graph, plan, hardware=self.hardware)
+            chains = (build_chains(graph, plan, None, None, hardware=self.hardware) if warmup
+                      else build_chains(graph, plan, graph, plan, hardware=self.hardware))
             # the DP reads only each chain's stage resources and durations: plans that differ elsewhere share it
             solved = tuple(None if chain is None else tuple((s.resource, s.duration_ns) for s in chain.stages)
                            for chain in (chains.forward, chains.backward, chains.offload, chains.recovery))
