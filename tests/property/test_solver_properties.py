@@ -110,3 +110,40 @@ def _unregenerable(graph) -> bool:
     pinned = {t for _, t in graph.pinned}
     return any(spec.producer is None and name not in pinned and graph.consumers(name)
                for name, spec in graph.tensors.items())
+
+
+@given(random_graphs(), budget_fraction, st.data())
+def test_partial_greedy_keeps_the_fixed_part_and_is_never_better_than_brute_force(graph, fraction, data):
+    """``greedy.solve(fixed=, free=)`` (the runtime's re-plan after the gate) against an enumeration of the free
+    tensors' strategies with the rest fixed."""
+    import itertools
+
+    from bagualu2.mitigation.greedy import tensor_strategies
+    from bagualu2.mitigation.space import decision_space
+
+    space = decision_space(graph)
+    tensors = [c.tensor for c in space.choices]
+    free = set(data.draw(st.lists(st.sampled_from(tensors), unique=True), label="free")) if tensors else set()
+    fixed_choice = {c.tensor: data.draw(st.sampled_from([c.strategies[1], c.strategies[0]]), label=c.tensor)
+                    for c in space.choices if c.tensor not in free and data.draw(st.booleans())}
+    fixed = space.plan(fixed_choice)
+    assume(not evaluate(graph, fixed).unavailable)  # a fixed part that can be regenerated (as the runtime's are)
+    budget = _budget(graph, fraction)
+    partial = greedy.solve(graph, budget, fixed=fixed, free=free)
+    assert partial.cost == evaluate(graph, partial.plan)
+    got = tensor_strategies(graph, partial.plan)
+    assert {t: s for t, s in got.items() if t not in free} == fixed_choice  # the fixed part stays as it was
+    best = None
+    movable = [c for c in space.choices if c.tensor in free]
+    for combo in itertools.product(*[(None, *c.strategies) for c in movable]):
+        chosen = dict(fixed_choice)
+        chosen.update({c.tensor: s for c, s in zip(movable, combo) if s is not None})
+        cost = evaluate(graph, space.plan(chosen))
+        if cost.activation_bytes <= budget and not cost.unavailable and (best is None or cost.overhead_ns < best):
+            best = cost.overhead_ns
+    if best is not None:
+        assert partial.ok and partial.cost.activation_bytes <= budget and partial.cost.overhead_ns >= best
+    if partial.ok:
+        assert partial.cost.activation_bytes <= budget and check_conflicts(graph, partial.plan) == []
+    full = greedy.solve(graph, budget)
+    assert greedy.solve(graph, budget, free=tensors).plan == full.plan  # everything free = the full solve
