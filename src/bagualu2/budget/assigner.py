@@ -51,7 +51,8 @@ below ``M_0`` (the limit leaves ``M_0`` for each later warmup forward, so invari
 from __future__ import annotations
 
 import enum
-import numbers
+
+from ..costmodel.validate import require_int
 
 __all__ = ["BudgetAssigner", "BudgetPhase", "downgrade_needed"]
 
@@ -64,22 +65,6 @@ class BudgetPhase(enum.Enum):
     DONE = "done"
 
 
-def _require_int(name: str, value: object, allowed: str) -> int:
-    """``value`` as an ``int`` if it is an integer (numpy integers too; ``bool`` rejected); else a ValueError."""
-    if type(value) is int:  # the hot path
-        return value
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an int {allowed}, got {value!r} ({type(value).__name__})")
-    return int(value)
-
-
-def _require_int_at_least(name: str, value: object, low: int) -> int:
-    value = _require_int(name, value, f">= {low}")
-    if value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value}")
-    return value
-
-
 def downgrade_needed(routed_bytes: int, budget: int) -> bool:
     """Deferred planning: should this micro-batch's MoE module downgrade to full recompute?
 
@@ -87,8 +72,8 @@ def downgrade_needed(routed_bytes: int, budget: int) -> bool:
     current plan would keep given those tokens; ``budget`` is the bytes it was granted (both ints >= 0). Returns True
     when ``routed_bytes > budget``.
     """
-    routed_bytes = _require_int_at_least("routed_bytes", routed_bytes, 0)
-    budget = _require_int_at_least("budget", budget, 0)
+    routed_bytes = require_int("routed_bytes", routed_bytes, 0)
+    budget = require_int("budget", budget, 0)
     return routed_bytes > budget
 
 
@@ -111,20 +96,10 @@ class BudgetAssigner:
             num_microbatches: forwards in this iteration (paper ``B``), int >= 1.
             num_warmup: forwards that stack before the first backward (paper ``B_w``), int in [1, num_microbatches].
         """
-        m_max_bytes = _require_int("m_max_bytes", m_max_bytes, ">= num_warmup * m0_bytes")
-        m0_bytes = _require_int("m0_bytes", m0_bytes, ">= 0")
-        num_microbatches = _require_int("num_microbatches", num_microbatches, ">= 1")
-        num_warmup = _require_int("num_warmup", num_warmup, "in [1, num_microbatches]")
-        if m0_bytes < 0:
-            raise ValueError(f"m0_bytes must be an int >= 0, got {m0_bytes}")
-        if m_max_bytes < 0:
-            raise ValueError(f"m_max_bytes must be an int >= 0, got {m_max_bytes}")
-        if num_microbatches < 1:
-            raise ValueError(f"num_microbatches must be an int >= 1, got {num_microbatches}")
-        if not 1 <= num_warmup <= num_microbatches:
-            raise ValueError(
-                f"num_warmup must be an int in [1, num_microbatches={num_microbatches}], got {num_warmup}"
-            )
+        m_max_bytes = require_int("m_max_bytes", m_max_bytes, 0)
+        m0_bytes = require_int("m0_bytes", m0_bytes, 0)
+        num_microbatches = require_int("num_microbatches", num_microbatches, 1)
+        num_warmup = require_int("num_warmup", num_warmup, 1, num_microbatches, high_open=False)
         floor_bytes = num_warmup * m0_bytes
         if m_max_bytes < floor_bytes:
             raise ValueError(
@@ -239,7 +214,7 @@ class BudgetAssigner:
         if type(microbatch) is not int or not 0 <= microbatch < self._num_microbatches:  # the hot path skips this
             microbatch = self._check_microbatch("record_forward", microbatch)
         if type(actual_bytes) is not int or actual_bytes < 0:
-            actual_bytes = _require_int_at_least("actual_bytes", actual_bytes, 0)
+            actual_bytes = require_int("actual_bytes", actual_bytes, 0)
         actual = self._actual_bytes
         if microbatch in actual:
             raise ValueError(
@@ -276,15 +251,7 @@ class BudgetAssigner:
 
     # ----------------------------------------------------------------- helpers
     def _check_microbatch(self, where: str, microbatch: object) -> int:
-        if isinstance(microbatch, bool) or not isinstance(microbatch, int):
-            raise ValueError(
-                f"{where}: microbatch must be an int in [0, {self._num_microbatches}), got {microbatch!r}"
-            )
-        if not 0 <= microbatch < self._num_microbatches:
-            raise ValueError(
-                f"{where}: microbatch must be an int in [0, {self._num_microbatches}), got {microbatch}"
-            )
-        return microbatch
+        return require_int(f"{where}: microbatch", microbatch, 0, self._num_microbatches)
 
     def __repr__(self) -> str:
         return (
