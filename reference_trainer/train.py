@@ -53,10 +53,10 @@ def train(preset: str = "tiny-moe", *, steps: int = 20, lr: float = 1e-2, seed: 
     from .measure import check_host_memory
     from .model import GLMMoEModel
 
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"--steps must be an integer >= 1, got {steps!r}")
-    if not lr > 0:
-        raise ValueError(f"--lr must be > 0, got {lr!r}")
+    from bagualu2.costmodel.validate import require_int, require_number
+
+    require_int("--steps", steps, 1)
+    require_number("--lr", lr, 0, 3.0e38, low_open=True)  # the optimizer casts it to the parameters' float32
     model_config, parallel = presets.model(preset)
     micro = parallel.num_microbatches
     hardware, layout = presets.hardware("cpu"), ParallelConfig()
