@@ -236,6 +236,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             record = measure(args.preset, imbalance=args.imbalance, plan=args.plan, seq_length=args.seq_length,
                              seed=args.seed, ep=args.ep, budget_bytes=args.budget_bytes,
                              dtype=args.dtype)
+            if world > 1:  # nobody tears gloo down while a peer still talks to it (a C++ terminate at exit)
+                dist.barrier()
         except ValueError as exc:
             message = str(exc)
             if not message.startswith("--"):
