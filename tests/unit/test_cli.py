@@ -62,7 +62,7 @@ def test_memory_default_table() -> None:
 
 @pytest.mark.parametrize(("preset", "hw", "imbalance", "plan"), [
     ("tiny-moe", "cpu", 1.0, None),
-    ("tiny-moe", "cpu", 1.5, "expert_act=RECOMPUTE,core_attn=OFFLOAD"),
+    ("tiny-moe", "cpu", 1.0, "expert_act=RECOMPUTE,core_attn=OFFLOAD"),  # ep=1: imbalance 1 only
     ("glm-188b-a20b", "h100", 2.0, "expert_fc1=R"),
 ])
 def test_memory_json_matches_costmodel(preset: str, hw: str, imbalance: float, plan: str | None) -> None:

@@ -62,16 +62,17 @@ def test_table() -> None:
     assert f"DP / lower bound {reference / chains.lower_bound_ns:.3f}" in out
 
 
-@pytest.mark.parametrize(("model", "hardware", "budget"), [(MODEL, HARDWARE, None), (MODEL, HARDWARE, 0.5),
-                                                           ("tiny-moe", "cpu", None)])  # cpu: offloads (O, R)
-def test_json_matches_the_solvers(model: str, hardware: str, budget: float | None) -> None:
-    graph, budget_bytes, chains = build(model, hardware, 1.5, budget)
+@pytest.mark.parametrize(("model", "hardware", "budget", "rate"), [
+    (MODEL, HARDWARE, None, 1.5), (MODEL, HARDWARE, 0.5, 1.5),
+    ("tiny-moe", "cpu", None, 1.0)])  # cpu: offloads (O, R); tiny-moe has ep=1, so imbalance 1 only
+def test_json_matches_the_solvers(model: str, hardware: str, budget: float | None, rate: float) -> None:
+    graph, budget_bytes, chains = build(model, hardware, rate, budget)
     extra = [] if budget is None else ["--budget-gib", str(budget)]
-    result = run("--model", model, "--hardware", hardware, "--imbalance", "1.5", "--json", *extra)
+    result = run("--model", model, "--hardware", hardware, "--imbalance", str(rate), "--json", *extra)
     assert result.exit_code == 0, result.stdout + result.stderr
     data = json.loads(result.stdout)
     assert data["inputs"] == {"model": model, "hardware": hardware, "stage": 0, "chunk": 0, "layers": graph.label,
-                              "imbalance": 1.5, "budget_gib": budget_bytes / GIB, "budget_bytes": budget_bytes,
+                              "imbalance": rate, "budget_gib": budget_bytes / GIB, "budget_bytes": budget_bytes,
                               "time_limit_s": 2.0}
     assert data["counts"] == dict(zip("FBOR", chains.counts()))
     assert list(data["orders"]) == list(ORDERS)

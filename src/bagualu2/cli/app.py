@@ -8,8 +8,9 @@ import typer
 
 from bagualu2 import __version__
 
-from . import demo_cmd, memory_cmd, plan_cmd, presets_cmd
+from . import budget_cmd, compare_cmd, curve_cmd, demo_cmd, memory_cmd, plan_cmd, presets_cmd
 from . import schedule_cmd
+from .usage import OneLineErrors
 
 app = typer.Typer(
     name="bagualu2",
@@ -17,6 +18,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    cls=OneLineErrors,  # typer's parse errors as one line, exit code 2
 )
 
 # ---- commands (one line each) ----------------------------------------
@@ -25,6 +27,9 @@ app.command("memory")(memory_cmd.memory)
 app.command("plan")(plan_cmd.plan)
 app.command("schedule")(schedule_cmd.schedule)
 app.command("demo")(demo_cmd.demo)
+app.command("budget")(budget_cmd.budget)
+app.command("curve")(curve_cmd.curve)
+app.command("compare")(compare_cmd.compare)
 
 
 def _version(value: bool) -> None:

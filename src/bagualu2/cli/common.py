@@ -2,7 +2,9 @@
 
 Every user-facing error is ONE line on stderr, ``error: --option: message``, with exit code 2 and never a
 traceback. Wrap a command with :func:`handle_errors` and the library calls that consume an option in
-``with blame("--option"):`` so a ``ValueError`` / ``OSError`` raised inside names that option.
+``with blame("--option"):`` so a ``ValueError`` / ``OSError`` raised inside names that option. Numbers are checked
+against what the computation can take where they enter (an imbalance is at most the expert-parallel degree ``ep``;
+op durations stay within the integer solvers' range, :func:`check_graph`).
 """
 
 from __future__ import annotations
@@ -12,20 +14,26 @@ import functools
 import json
 import math
 import os
+import stat
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
 
-from bagualu2.costmodel import Hardware, ModelConfig, ParallelConfig, Plan, presets
+from bagualu2.costmodel import Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, presets
 from bagualu2.costmodel.build import check_imbalance
+
+from .files import atomic_write_bytes, atomic_write_text, check_output_path  # noqa: F401 (re-exported)
 
 GIB = float(1 << 30)
 MIB = float(1 << 20)
 EXIT_USAGE = 2
+MAX_LINE_CHARS = 400          # an error line longer than this is cut
+MAX_JSON_FILE_BYTES = 1 << 20  # a hardware JSON file is a few hundred bytes
+MAX_CHUNK_NS = 10**15          # one micro-batch's forward + backward of one chunk (~11.6 days): int64-safe
+MAX_CHUNK_BYTES = 1 << 50      # activation bytes of one micro-batch of one chunk
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -51,7 +59,10 @@ def _one_line(exc: BaseException) -> str:
 def fail(message: str, option: str | None = None) -> NoReturn:
     """Print ``error: [option: ]message`` as one line on stderr and exit with code 2."""
     prefix = f"{option}: " if option else ""
-    typer.echo(f"error: {prefix}{' '.join(message.split())}", err=True)
+    line = f"error: {prefix}{' '.join(message.split())}"
+    if len(line) > MAX_LINE_CHARS:
+        line = line[:MAX_LINE_CHARS - 3] + "..."
+    typer.echo(line, err=True)
     raise typer.Exit(code=EXIT_USAGE)
 
 
@@ -77,6 +88,10 @@ def handle_errors(func: F) -> F:
             fail(str(exc), exc.option)
         except (ValueError, OSError) as exc:
             fail(_one_line(exc))
+        except RecursionError:
+            fail("input nested too deeply")
+        except OverflowError as exc:  # a number that passed its check but not the arithmetic: a missing check
+            fail(f"a number is out of range ({exc}); use realistic values")
 
     return wrapper  # type: ignore[return-value]
 
@@ -89,25 +104,73 @@ def load_model(name: str) -> tuple[str, ModelConfig, ParallelConfig]:
     return name.lower(), model, parallel
 
 
+def read_json_file(value: str, option: str) -> str:
+    """The text of the JSON file ``value`` of ``option``: a regular file (never a FIFO or device) of at most
+    ``MAX_JSON_FILE_BYTES``."""
+    with blame(option):
+        info = os.stat(value)
+        if not stat.S_ISREG(info.st_mode):
+            raise CliError(f"{value!r} is not a regular file", option)
+        if info.st_size > MAX_JSON_FILE_BYTES:
+            raise CliError(f"{value!r} is {info.st_size} bytes; a JSON file of at most {MAX_JSON_FILE_BYTES} "
+                           "bytes is allowed", option)
+        return Path(value).read_text(encoding="utf-8")
+
+
 def load_hardware(value: str) -> Hardware:
     """``--hardware``: a preset name, or a path ending in ``.json`` read with ``Hardware.from_json``."""
     if value.lower().endswith(".json"):
+        text = read_json_file(value, "--hardware")
         with blame("--hardware"):
-            return Hardware.from_json(Path(value).read_text(encoding="utf-8"))
+            try:
+                return Hardware.from_json(text)
+            except (TypeError, RecursionError, OverflowError) as exc:  # never expected: keep it one line
+                raise ValueError(f"invalid hardware JSON: {exc}") from None
     try:
         return presets.hardware(value)
     except ValueError as exc:
         raise CliError(f"{exc} (or a path to a .json file)", "--hardware") from None
 
 
-def parse_imbalance(text: str) -> float:
-    """``--imbalance``: a finite number >= 1 (max/mean device load)."""
+def check_rate(value: float, parallel: ParallelConfig | None, option: str = "--imbalance") -> float:
+    """An imbalance (max/mean device load) from ``option``: finite, >= 1 and, for ``parallel``, <= its ``ep``."""
+    ep = None if parallel is None else parallel.ep
+    try:
+        return check_imbalance(value, ep=ep)
+    except (ValueError, OverflowError):
+        allowed = (">= 1 (max/mean device load)" if ep is None else
+                   f"in [1, {ep}] (max/mean device load: at most the expert-parallel degree ep={ep})")
+        raise CliError(f"must be a finite number {allowed}, got {value!r}", option) from None
+
+
+def parse_imbalance(text: str, parallel: ParallelConfig | None = None, option: str = "--imbalance") -> float:
+    """``--imbalance``: a finite number >= 1 (max/mean device load), at most ``parallel.ep`` when given."""
     try:
         value = float(text)
     except ValueError:
-        raise CliError(f"must be a number >= 1 (max/mean device load), got {text!r}", "--imbalance") from None
-    with blame("--imbalance"):
-        return check_imbalance(value)
+        raise CliError(f"must be a number >= 1 (max/mean device load), got {text!r}", option) from None
+    return check_rate(value, parallel, option)
+
+
+def check_index(value: int, count: int, option: str, what: str) -> int:
+    """``value`` in ``[0, count)``, else one line naming ``option`` (``what``: e.g. ``"pp=8 for glm"``)."""
+    if not 0 <= value < count:
+        raise CliError(f"must be in [0, {count}) ({what}), got {value}", option)
+    return value
+
+
+def check_graph(graph: OpGraph) -> OpGraph:
+    """``graph`` if its durations and bytes are within what the solvers take (int64 nanoseconds for CP-SAT and
+    the DP); else one line blaming ``--hardware`` (too slow a device) or ``--model``."""
+    total_ns = sum(op.forward_ns + op.backward_ns for op in graph.ops)
+    if total_ns > MAX_CHUNK_NS:
+        raise CliError(f"{graph.label} of one micro-batch would take {total_ns * 1e-9:.3g} s (at most "
+                       f"{MAX_CHUNK_NS * 1e-9:g} s allowed): raise peak_flops x matmul_efficiency or the "
+                       "bandwidths, or lower kernel_launch_s", "--hardware")
+    if graph.unmitigated_bytes > MAX_CHUNK_BYTES:
+        raise CliError(f"{graph.label} keeps {graph.unmitigated_bytes} bytes per micro-batch (at most "
+                       f"{MAX_CHUNK_BYTES} allowed)", "--model")
+    return graph
 
 
 def parse_number(text: str, option: str, *, minimum: float, strict: bool = False, what: str = "",
@@ -150,28 +213,17 @@ def echo_json(obj: Any) -> None:
     typer.echo(json.dumps(obj, indent=2))
 
 
-# ---- files -------------------------------------------------------------------------------------------------
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
-    """Write ``data`` to ``path`` via a temp file in the same directory + ``os.replace`` (never half-written)."""
-    target = Path(path)
-    directory = target.parent
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            umask = os.umask(0)
-            os.umask(umask)
-            os.fchmod(handle.fileno(), 0o666 & ~umask)
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return target
+# ---- files: see files.py (its atomic writes are re-exported here) ----------------------------------------------
+
+def output_path(value: str | None, option: str = "--png") -> Path | None:
+    """Fail fast, before any work, when ``option``'s path cannot be written (see :func:`check_output_path`)."""
+    if value is None:
+        return None
+    with blame(option):
+        return check_output_path(value)
 
 
-def atomic_write_text(path: str | os.PathLike[str], text: str, *, encoding: str = "utf-8") -> Path:
-    """Text version of :func:`atomic_write_bytes`."""
-    return atomic_write_bytes(path, text.encode(encoding))
+def write_output(path: Path, data: bytes, option: str = "--png") -> Path:
+    """Write ``data`` to ``path`` atomically; errors name ``option``."""
+    with blame(option):
+        return atomic_write_bytes(path, data)

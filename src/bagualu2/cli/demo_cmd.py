@@ -6,16 +6,17 @@ spike downgrades the MoE module to full recompute; the table shows every forward
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
-from bagualu2.costmodel import check_imbalance, stage_memory
-from bagualu2.runtime import replay_iteration, spike_trace
+from bagualu2.costmodel import stage_memory
+from bagualu2.runtime import replay_iteration
 
-from .common import (GIB, HARDWARE_HELP, JSON_HELP, MODEL_HELP, CliError, blame, console, echo_json,
-                     handle_errors, load_hardware, load_model)
+from .common import GIB, HARDWARE_HELP, JSON_HELP, MODEL_HELP, console, echo_json, handle_errors
+from .iteration import MAX_IMBALANCE_HELP, SEED_HELP, SPIKE_RATE_HELP, prepare
 
 
 @handle_errors
@@ -23,27 +24,17 @@ def demo(
     model: Annotated[str, typer.Option("--model", "-m", help=MODEL_HELP)] = "glm-1041b-a35b",
     hardware: Annotated[str, typer.Option("--hardware", "-H", help=HARDWARE_HELP)] = "paper-gpu",
     stage: Annotated[int, typer.Option("--stage", "-s", help="Pipeline stage (0-based).")] = 0,
-    spike_rate: Annotated[float, typer.Option(help="Share of micro-batches with an imbalance spike.")] = 0.05,
-    max_imbalance: Annotated[float, typer.Option(help="Largest spike (max/mean device load).")] = 2.6,
-    seed: Annotated[int, typer.Option(help="Seed of the spike trace.")] = 0,
+    spike_rate: Annotated[float, typer.Option(help=SPIKE_RATE_HELP)] = 0.05,
+    max_imbalance: Annotated[Optional[float], typer.Option(help=MAX_IMBALANCE_HELP)] = None,
+    seed: Annotated[int, typer.Option(help=SEED_HELP)] = 0,
     json_output: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
 ) -> None:
     """Replay one iteration of one stage: per-forward budget, plan and deferred MoE downgrade on spikes."""
-    name, model_config, parallel = load_model(model)
-    hw = load_hardware(hardware)
-    if not 0 <= stage < parallel.pp:
-        raise CliError(f"must be in [0, {parallel.pp}) for {name} (pp={parallel.pp}), got {stage}", "--stage")
-    with blame("--max-imbalance"):
-        check_imbalance(max_imbalance)
-    with blame("--spike-rate"):
-        trace = spike_trace(parallel.num_microbatches, spike_rate=spike_rate, max_imbalance=max_imbalance,
-                            seed=seed)
-    unmitigated = stage_memory(model_config, parallel, hw, stage=stage, imbalance=max(trace))
-    if unmitigated.m_max_bytes < unmitigated.inflight_chunks * unmitigated.m0_bytes:
-        raise CliError(f"{name} does not fit {hw.name} even under full recompute (static memory "
-                       f"{unmitigated.static_bytes / GIB:.1f} GiB of {hw.hbm_bytes / GIB:.1f} GiB); pick a larger "
-                       "device or model parallelism", "--hardware")
-    replay = replay_iteration(model_config, parallel, hw, trace, stage=stage)
+    run = prepare(model=model, hardware=hardware, stage=stage, seed=seed, spike_rate=spike_rate,
+                  max_imbalance=max_imbalance)
+    name, hw, trace = run.name, run.hardware, run.trace
+    unmitigated = stage_memory(run.model, run.parallel, hw, stage=stage, imbalance=max(trace))
+    replay = replay_iteration(run.model, run.parallel, hw, trace, stage=stage)
     if json_output:
         echo_json({"model": name, "hardware": hw.name, "stage": stage, "trace": list(trace),
                    "m_max_bytes": replay.m_max_bytes, "m0_bytes": replay.m0_bytes,
@@ -54,7 +45,7 @@ def demo(
                    "forwards": [d.__dict__ for d in replay.decisions]})
         return
     out = console()
-    out.print(f"[bold]{name}[/bold] on {hw.name}, stage {stage}: activation capacity M_max "
+    out.print(f"[bold]{escape(name)}[/bold] on {escape(hw.name)}, stage {stage}: activation capacity M_max "
               f"{replay.m_max_bytes / GIB:.2f} GiB, floor M0 {replay.m0_bytes / GIB:.3f} GiB per chunk; "
               f"a static plan sized for the worst spike ({max(trace):g}x) would need "
               f"{unmitigated.activation_peak_bytes / GIB:.2f} GiB unmitigated.")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from bagualu2.costmodel import Hardware, ModelConfig, ParallelConfig, Plan, StageMemory, stage_memory
@@ -66,7 +67,7 @@ def memory(
     """
     name, model_config, parallel = load_model(model)
     hw = load_hardware(hardware)
-    rate = parse_imbalance(imbalance)
+    rate = parse_imbalance(imbalance, parallel)
     mitigation = parse_plan(plan)
     if stage is not None and not 0 <= stage < parallel.pp:
         raise CliError(f"must be in [0, {parallel.pp}) for {name} (pp={parallel.pp}), got {stage}", "--stage")
@@ -78,6 +79,7 @@ def memory(
                    "stages": [stage_json(s, mem) for s, mem in rows]})
         return
     oom = sum(not mem.fits for _, mem in rows)
-    title = (f"memory per stage: {name} on {hw.name}, imbalance {rate:g}, plan {mitigation} "
+    title = (f"memory per stage: {escape(name)} on {escape(hw.name)}, imbalance {rate:g}, "
+             f"plan {escape(str(mitigation))} "
              f"({'all fit' if not oom else f'{oom} OOM'})")
     console().print(_table(title, rows))

@@ -13,8 +13,8 @@ from bagualu2.costmodel.graph import ITEM_BYTES
 from bagualu2.costmodel.strategy import tensor_offload_ns, tensor_quantize_ns
 from bagualu2.mitigation import Solution, check_conflicts, exact, greedy
 
-from .common import (GIB, HARDWARE_HELP, IMBALANCE_HELP, JSON_HELP, MIB, MODEL_HELP, CliError, console,
-                     echo_json, handle_errors, load_hardware, load_model, parse_imbalance, parse_number)
+from .common import (GIB, HARDWARE_HELP, IMBALANCE_HELP, JSON_HELP, MIB, MODEL_HELP, CliError, check_graph,
+                     console, echo_json, handle_errors, load_hardware, load_model, parse_imbalance, parse_number)
 
 DEFAULT_MODEL = "glm-423b-a30b"
 DEFAULT_HARDWARE = "paper-gpu"
@@ -74,7 +74,7 @@ def _print(graph: OpGraph, solution: Solution, rows: list[dict[str, Any]], viola
             table.add_column(name, justify=justify)  # type: ignore[arg-type]
         for row in rows:
             added = "-" if row["added_s"] is None else _ms(row["added_s"])
-            table.add_row(row["tensor"], ", ".join(row["consumers"]), row["strategy"],
+            table.add_row(escape(row["tensor"]), escape(", ".join(row["consumers"])), row["strategy"],
                           f"{row['saved_bytes'] / MIB:.2f}", added)
         if rows:
             out.print(table)
@@ -132,7 +132,7 @@ def plan(
         raise CliError("is required: the activation budget in GiB, a finite number >= 0", "--budget-gib")
     name, model_config, parallel = load_model(model)
     hw = load_hardware(hardware)
-    rate = parse_imbalance(imbalance)
+    rate = parse_imbalance(imbalance, parallel)
     budget = int(parse_number(budget_gib, "--budget-gib", minimum=0.0, what=" (GiB)", maximum=2.0**30) * GIB)
     if solver.lower() not in SOLVERS:
         raise CliError(f"must be one of {', '.join(SOLVERS)}, got {solver!r}", "--solver")
@@ -141,7 +141,7 @@ def plan(
         raise CliError(f"must be in [0, {parallel.pp}) for {name} (pp={parallel.pp}), got {stage}", "--stage")
     if not 0 <= chunk < parallel.vp:
         raise CliError(f"must be in [0, {parallel.vp}) for {name} (vp={parallel.vp}), got {chunk}", "--chunk")
-    graph = build_graph(model_config, parallel, hw, imbalance=rate, stage=stage, chunk=chunk)
+    graph = check_graph(build_graph(model_config, parallel, hw, imbalance=rate, stage=stage, chunk=chunk))
     solution = _solve(graph, budget, solver.lower(), limit)
     rows = plan_rows(graph, solution) if solution.ok else []
     violations = check_conflicts(graph, solution.plan)

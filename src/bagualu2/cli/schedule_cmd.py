@@ -13,27 +13,16 @@ from rich.table import Table
 from bagualu2.costmodel import build_graph
 from bagualu2.fusion import CHAIN_KINDS, Chains, Order, Timeline, build_chains, dp, exact, simulate
 from bagualu2.fusion.baselines import BASELINES
-from bagualu2.fusion.gantt import gantt_png, gantt_text
+from bagualu2.fusion.gantt import gantt_png_bytes, gantt_text
 from bagualu2.mitigation import greedy
 
-from .common import (GIB, HARDWARE_HELP, IMBALANCE_HELP, JSON_HELP, MODEL_HELP, CliError, blame, console,
-                     echo_json, handle_errors, load_hardware, load_model, parse_imbalance, parse_number)
+from .common import (GIB, HARDWARE_HELP, IMBALANCE_HELP, JSON_HELP, MODEL_HELP, CliError, check_graph, console,
+                     echo_json, handle_errors, load_hardware, load_model, output_path, parse_imbalance, parse_number,
+                     write_output)
 
 DEFAULT_MODEL = "glm-1041b-a35b"
 DEFAULT_HARDWARE = "paper-gpu"
 GANTT_WIDTH = 100
-
-
-def _check_png(value: str | None) -> Path | None:
-    """Fail fast, before any solving, when ``--png`` cannot be written."""
-    if value is None:
-        return None
-    path = Path(value)
-    if not path.parent.is_dir():
-        raise CliError(f"directory {str(path.parent)!r} does not exist", "--png")
-    if path.is_dir():
-        raise CliError(f"{value!r} is a directory; give a file path such as gantt.png", "--png")
-    return path
 
 
 def solve_orders(chains: Chains, time_limit_s: float) -> dict[str, Order]:
@@ -41,7 +30,7 @@ def solve_orders(chains: Chains, time_limit_s: float) -> dict[str, Order]:
     dp_order = dp.solve(chains)
     try:
         exact_order = exact.solve(chains, time_limit_s=time_limit_s, hint=dp_order)
-    except RuntimeError as exc:
+    except RuntimeError as exc:  # only a search stopped by the time limit (an invalid model is a ValueError)
         raise CliError(str(exc), "--time-limit") from None
     orders = {"dp": dp_order, "exact": exact_order}
     orders.update((name, baseline(chains)) for name, baseline in BASELINES.items())
@@ -93,7 +82,7 @@ def schedule(
     time_limit: Annotated[str, typer.Option("--time-limit", metavar="S", help="Seconds for the exact CP-SAT "
                           "schedule (> 0).")] = "10",
     png: Annotated[Optional[str], typer.Option("--png", metavar="PATH", help="Also write the DP order's "
-                   "Gantt chart as a PNG file (written atomically).")] = None,
+                   "Gantt chart as a PNG file (written atomically; never onto anything but a regular file).")] = None,
     json_output: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
 ) -> None:
     """Fused dual-batch order of one steady-state scheduling point F_x B_y (paper §V-B).
@@ -106,7 +95,7 @@ def schedule(
     """
     name, model_config, parallel = load_model(model)
     hw = load_hardware(hardware)
-    rate = parse_imbalance(imbalance)
+    rate = parse_imbalance(imbalance, parallel)
     requested = None if budget_gib is None else parse_number(budget_gib, "--budget-gib", minimum=0.0, what=" (GiB)",
                                                                 maximum=2.0**30)
     limit = parse_number(time_limit, "--time-limit", minimum=0.0, strict=True, what=" (seconds)")
@@ -114,8 +103,8 @@ def schedule(
         raise CliError(f"must be in [0, {parallel.pp}) for {name} (pp={parallel.pp}), got {stage}", "--stage")
     if not 0 <= chunk < parallel.vp:
         raise CliError(f"must be in [0, {parallel.vp}) for {name} (vp={parallel.vp}), got {chunk}", "--chunk")
-    png_path = _check_png(png)
-    graph = build_graph(model_config, parallel, hw, imbalance=rate, stage=stage, chunk=chunk)
+    png_path = output_path(png)
+    graph = check_graph(build_graph(model_config, parallel, hw, imbalance=rate, stage=stage, chunk=chunk))
     budget = (graph.floor_bytes + graph.unmitigated_bytes) // 2 if requested is None else int(requested * GIB)
     if budget < graph.floor_bytes:
         raise CliError(f"{requested:g} GiB is below the floor M0 (full recompute) of "
@@ -127,9 +116,8 @@ def schedule(
     orders = solve_orders(chains, limit)
     timelines = {key: simulate(order, chains) for key, order in orders.items()}
     if png_path is not None:
-        with blame("--png"):
-            gantt_png(timelines["dp"], png_path, title=f"DP order: {name} on {hw.name}, {graph.label}, "
-                      f"imbalance {rate:g}, budget {_gib(budget)} GiB")
+        write_output(png_path, gantt_png_bytes(timelines["dp"], title=f"DP order: {name} on {hw.name}, "
+                     f"{graph.label}, imbalance {rate:g}, budget {_gib(budget)} GiB"))
     counts = dict(zip(CHAIN_KINDS, chains.counts()))
     if json_output:
         result: dict[str, Any] = {

@@ -226,9 +226,12 @@ def chunk_layers(model: ModelConfig, parallel: ParallelConfig, *, stage: int = 0
     return range(first, first + per_chunk)
 
 
-def check_imbalance(imbalance: float) -> float:
-    """``imbalance`` (max/mean device load) as a float: a finite number >= 1."""
-    return require_number("imbalance", imbalance, 1)
+def check_imbalance(imbalance: float, *, ep: int | None = None) -> float:
+    """``imbalance`` (max/mean device load) as a float: a finite number >= 1, and with ``ep`` (the expert-parallel
+    degree) at most ``ep``: the busiest of ``ep`` devices holds at most all the load, ``ep`` times the mean."""
+    if ep is None:
+        return require_number("imbalance", imbalance, 1)
+    return require_number("imbalance", imbalance, 1, require_int("ep", ep, 1))
 
 
 def build_graph(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, *, imbalance: float = 1.0,

@@ -16,15 +16,31 @@ from typing import Any
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 ACTIVATIONS = ("swiglu", "gelu")
 NORMALIZATIONS = ("rmsnorm", "layernorm")
+# Physical ranges of the Hardware fields: wide enough for any real device, narrow enough that op durations (integer
+# nanoseconds for the solvers) and byte counts stay far from int64 / float overflow.
+HARDWARE_RANGES = {
+    "peak_flops": (1e9, 1e18), "hbm_bytes": (1 << 20, 1 << 50), "hbm_bytes_per_s": (1e6, 1e15),
+    "h2d_bytes_per_s": (1e6, 1e15), "d2h_bytes_per_s": (1e6, 1e15), "intra_node_bytes_per_s": (1e6, 1e15),
+    "inter_node_bytes_per_s": (1e6, 1e15), "devices_per_node": (1, 1 << 16), "kernel_launch_s": (0.0, 1.0),
+    "matmul_efficiency": (0.01, 1.0),
+}
+HARDWARE_UNITS = {"peak_flops": "FLOP/s", "hbm_bytes": "bytes", "devices_per_node": "devices",
+                  "kernel_launch_s": "seconds", "matmul_efficiency": "fraction of peak_flops",
+                  **{name: "bytes/s" for name in HARDWARE_RANGES if name.endswith("_bytes_per_s")}}
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters (error messages stay one short line)."""
+    try:
+        text = repr(value)
+    except (RecursionError, ValueError):  # a very deep list, an int too long to print
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _check_int(obj: Any, name: str, *, minimum: int = 1) -> None:
     value = getattr(obj, name)
     object.__setattr__(obj, name, require_int(name, value, minimum))  # numpy integers become plain ints
-
-
-def _check_positive_float(obj: Any, name: str, *, allow_zero: bool = False) -> None:
-    require_number(name, getattr(obj, name), 0, low_open=not allow_zero)
 
 
 def _check_choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:
@@ -218,6 +234,9 @@ class Hardware:
       devices_per_node          devices sharing the intra-node fabric.
       kernel_launch_s           fixed cost of one kernel or copy launch.
       matmul_efficiency         achievable fraction of ``peak_flops`` for GEMMs (roofline ceiling).
+
+    Every number must lie in its physical range, ``HARDWARE_RANGES`` (e.g. ``peak_flops`` in [1e9, 1e18],
+    bandwidths in [1e6, 1e15] bytes/s, ``kernel_launch_s`` in [0, 1], ``matmul_efficiency`` in [0.01, 1]).
     """
 
     name: str = "custom"
@@ -233,17 +252,19 @@ class Hardware:
     matmul_efficiency: float = 1.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"name must be a non-empty string, got {self.name!r}")
-        _check_int(self, "hbm_bytes")
-        _check_int(self, "devices_per_node")
-        for name in ("peak_flops", "hbm_bytes_per_s", "h2d_bytes_per_s", "d2h_bytes_per_s",
-                     "intra_node_bytes_per_s", "inter_node_bytes_per_s"):
-            _check_positive_float(self, name)
-        _check_positive_float(self, "kernel_launch_s", allow_zero=True)
-        _check_positive_float(self, "matmul_efficiency")
-        if self.matmul_efficiency > 1:
-            raise ValueError(f"matmul_efficiency must be in (0, 1], got {self.matmul_efficiency}")
+        if not isinstance(self.name, str) or not self.name or len(self.name) > 200:
+            raise ValueError(f"name must be a non-empty string of at most 200 characters, got {_short(self.name)}")
+        for name, (low, high) in HARDWARE_RANGES.items():
+            value = getattr(self, name)
+            try:
+                if name in ("hbm_bytes", "devices_per_node"):
+                    object.__setattr__(self, name, require_int(name, value, low, high, high_open=False))
+                else:
+                    require_number(name, value, low, high)
+            except (ValueError, OverflowError):  # OverflowError: an int too large for a float
+                kind = "an integer" if name in ("hbm_bytes", "devices_per_node") else "a finite number"
+                raise ValueError(f"{name} must be {kind} in [{low:g}, {high:g}] ({HARDWARE_UNITS[name]}), "
+                                 f"got {_short(value)}") from None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -254,12 +275,15 @@ class Hardware:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ValueError(f"hardware JSON is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise ValueError("hardware JSON is nested too deeply (expected one object of Hardware fields)") from None
         if not isinstance(data, dict):
             raise ValueError("hardware JSON must be an object of Hardware fields")
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - fields)
         if unknown:
-            raise ValueError(f"unknown hardware field(s) {', '.join(unknown)}; allowed: {', '.join(sorted(fields))}")
+            raise ValueError(f"unknown hardware field(s) {_short(', '.join(unknown))}; "
+                             f"allowed: {', '.join(sorted(fields))}")
         missing = sorted(f.name for f in dataclasses.fields(cls)
                          if f.name not in data and f.default is dataclasses.MISSING)
         if missing:

@@ -71,6 +71,9 @@ def solve(chains: Chains, *, time_limit_s: float = 10.0, num_workers: int = 1, s
     solver.parameters.num_workers = num_workers
     solver.parameters.random_seed = seed
     code = solver.solve(built.model)
+    if code == cp_model.MODEL_INVALID:  # e.g. durations beyond CP-SAT's integer range: the input, not the limit
+        raise ValueError(f"CP-SAT rejected the schedule model (stage durations out of its integer range?): "
+                         f"{' '.join(built.model.validate().split())[:200]}")
     if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise RuntimeError(f"CP-SAT found no schedule ({solver.status_name(code)}); raise time_limit_s")
     starts = sorted(built.start, key=lambda key: (solver.value(built.start[key]), solver.value(built.end[key]),

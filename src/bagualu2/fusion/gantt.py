@@ -12,6 +12,7 @@ import contextlib
 import errno
 import io
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -78,8 +79,15 @@ def gantt_text(timeline: Timeline, chains: Chains | None = None, *, width: int =
 
 
 def _write_atomic(target: Path, data: bytes) -> None:
-    """Temp file in the same folder + ``os.replace``: the target is either the old file or the complete new one."""
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    """Temp file in the same folder + ``os.replace``: the target is either the old file or the complete new one.
+
+    Refuses to replace anything but a regular file (a directory, symlink, FIFO or device node stays as it is); the
+    temp name is short, so any legal target name works."""
+    with contextlib.suppress(FileNotFoundError):
+        mode = os.lstat(target).st_mode
+        if not stat.S_ISREG(mode):
+            raise OSError(errno.EEXIST, "exists and is not a regular file; refusing to replace it", str(target))
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name[:32]}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
@@ -93,17 +101,11 @@ def _write_atomic(target: Path, data: bytes) -> None:
         raise
 
 
-def gantt_png(timeline: Timeline, path: str | os.PathLike[str], *, title: str = "") -> Path:
-    """Write a PNG Gantt chart of ``timeline`` to ``path`` (atomically) and return the path.
+def gantt_png_bytes(timeline: Timeline, *, title: str = "") -> bytes:
+    """The PNG Gantt chart of ``timeline`` as bytes (no file is touched).
 
     One row per resource, one ``broken_barh`` per chain and resource, a colour per chain, a legend, x in ms.
-    ``OSError`` (e.g. ``FileNotFoundError``) when the folder does not exist or ``path`` is a folder.
     """
-    target = Path(path)
-    if not target.parent.is_dir():
-        raise FileNotFoundError(errno.ENOENT, "no such directory", str(target.parent))
-    if target.is_dir():
-        raise IsADirectoryError(errno.EISDIR, "is a directory", str(target))
     from matplotlib.figure import Figure  # lazy: no pyplot, no global backend state (Agg canvas by default)
 
     resources = list(Resource)
@@ -128,5 +130,19 @@ def gantt_png(timeline: Timeline, path: str | os.PathLike[str], *, title: str = 
     figure.tight_layout()
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", bbox_inches="tight")
-    _write_atomic(target, buffer.getvalue())
+    return buffer.getvalue()
+
+
+def gantt_png(timeline: Timeline, path: str | os.PathLike[str], *, title: str = "") -> Path:
+    """Write :func:`gantt_png_bytes` of ``timeline`` to ``path`` (atomically) and return the path.
+
+    ``OSError`` (e.g. ``FileNotFoundError``) when the folder does not exist, or ``path`` exists and is not a
+    regular file (a folder, symlink, FIFO or device node is never replaced).
+    """
+    target = Path(path)
+    if not target.parent.is_dir():
+        raise FileNotFoundError(errno.ENOENT, "no such directory", str(target.parent))
+    if target.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "is a directory", str(target))
+    _write_atomic(target, gantt_png_bytes(timeline, title=title))
     return target

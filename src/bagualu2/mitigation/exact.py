@@ -160,9 +160,9 @@ def _break_layer_symmetry(exact: ExactModel, groups: list[list[int]]) -> int:
 def solve(graph: OpGraph, budget_bytes: int, *, time_limit_s: float = 10.0, num_workers: int = 1,
           seed: int = 0, hint: bool = True) -> Solution:
     """Optimal plan under ``budget_bytes`` (OPTIMAL), best found at the time limit (FEASIBLE), or none (TIMEOUT)."""
+    check_solver_options(time_limit_s, num_workers, seed)  # before anything else: bad options never half-run
     started = time.perf_counter()
     budget_bytes = check_budget(budget_bytes)
-    check_solver_options(time_limit_s, num_workers, seed)
     if budget_bytes < graph.floor_bytes:
         return infeasible(graph, budget_bytes, "exact", started, time.perf_counter())
     exact = build_model(graph, min(budget_bytes, graph.unmitigated_bytes))  # CP-SAT constants fit int64

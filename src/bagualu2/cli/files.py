@@ -1,0 +1,80 @@
+"""Output files of the CLI (``--png``): checked before any work, written atomically, never onto a non-file.
+
+:func:`check_output_path` refuses, with one line naming the option, a path whose folder is missing or not
+writable, whose name is too long, or that exists and is not a regular file (a directory, symlink, FIFO or device
+node is never replaced). :func:`atomic_write_bytes` writes a temp file in the same folder (short name, so any legal
+target name works), fsyncs it and ``os.replace``-s it onto the target: the target is the old file or the new one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+TEMP_NAME_CHARS = 32  # of the target's name in the temp file's name
+
+
+def _refuse_non_file(target: Path) -> None:
+    """``OSError`` if ``target`` exists (as a link or anything) and is not a regular file."""
+    try:
+        mode = os.lstat(target).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(mode):
+        return
+    kind = ("a symlink" if stat.S_ISLNK(mode) else "a directory" if stat.S_ISDIR(mode) else
+            "a FIFO" if stat.S_ISFIFO(mode) else "a device node" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+    raise OSError(errno.EEXIST, f"exists and is {kind}; give the path of a regular file (never replaced otherwise)",
+                  str(target))
+
+
+def check_output_path(value: str, what: str = "file.png") -> Path:
+    """``value`` as the :class:`Path` of a file that :func:`atomic_write_bytes` can write; ``OSError`` or
+    ``ValueError`` (one line) otherwise."""
+    if not value or value.endswith(("/", os.sep)) or "\0" in value:
+        raise ValueError(f"must be a file path such as {what}, got {value!r}")
+    target = Path(value)
+    folder = target.parent
+    if not folder.is_dir():
+        raise ValueError(f"folder {str(folder)!r} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"folder {str(folder)!r} is not writable")
+    with contextlib.suppress(OSError, ValueError):
+        limit = os.pathconf(folder, "PC_NAME_MAX")
+        if len(os.fsencode(target.name)) > limit:
+            raise ValueError(f"file name is {len(os.fsencode(target.name))} bytes long; at most {limit} allowed")
+    _refuse_non_file(target)
+    return target
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
+    """Write ``data`` to ``path`` via a temp file in the same directory + ``os.replace`` (never half-written);
+    ``OSError`` when ``path`` exists and is not a regular file."""
+    target = Path(path)
+    _refuse_non_file(target)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name[:TEMP_NAME_CHARS]}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.fchmod(handle.fileno(), 0o666 & ~umask)
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        _refuse_non_file(target)  # made meanwhile? leave it alone
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return target
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str, *, encoding: str = "utf-8") -> Path:
+    """Text version of :func:`atomic_write_bytes`."""
+    return atomic_write_bytes(path, text.encode(encoding))

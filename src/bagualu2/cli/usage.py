@@ -1,0 +1,99 @@
+"""Typer's own parse errors (a bad ``-s abc``, an unknown option or command, an extra argument) as ONE line.
+
+The app's group class runs click in non-standalone mode and turns every ``click.ClickException`` into
+``error: --option: message`` on stderr with exit code 2, like the commands' own errors; ``--help`` and a bare
+``bagualu2`` (which prints the help) are unchanged. It covers ``bagualu2``, ``python -m bagualu2.cli`` and
+``typer.testing.CliRunner`` alike, since they all call the group's ``main``. Typer vendors click, so the exception
+classes are recognised by name (``ClickException``, ``UsageError``, ...), never imported from a private module.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import typer
+from typer.core import TyperGroup
+
+from .common import EXIT_USAGE, MAX_LINE_CHARS
+
+
+def kinds(exc: BaseException) -> set[str]:
+    """The names of ``exc``'s classes (``{"NoSuchOption", "UsageError", "ClickException", ...}``)."""
+    return {cls.__name__ for cls in type(exc).__mro__}
+
+
+def _option_name(param: Any) -> str | None:
+    if param is None:
+        return None
+    opts = [o for o in getattr(param, "opts", ()) if o.startswith("--")] or list(getattr(param, "opts", ()))
+    return max(opts, key=len) if opts else param.human_readable_name
+
+
+def _long_name(ctx: Any, name: str) -> str:
+    """The longest spelling (``--imbalance``) of the option ``name`` (``-r``) of ``ctx``'s command."""
+    if ctx is not None:
+        for param in ctx.command.get_params(ctx):
+            if name in getattr(param, "opts", ()):
+                return _option_name(param) or name
+    return name
+
+
+def _allowed_options(ctx: Any) -> str:
+    if ctx is None:
+        return ""
+    names = sorted(o for p in ctx.command.get_params(ctx) for o in getattr(p, "opts", ()) if o.startswith("--"))
+    return f"; allowed: {', '.join(names)}" if names else ""
+
+
+def usage_line(exc: Exception) -> str:
+    """One line ``error: [--option: ]message`` for a click/typer parse error."""
+    ctx, names = getattr(exc, "ctx", None), kinds(exc)
+    if "NoSuchOption" in names:
+        text = f"{exc.option_name}: no such option"  # type: ignore[attr-defined]
+        possibilities = getattr(exc, "possibilities", None)
+        if possibilities:
+            text += f" (did you mean {', '.join(sorted(possibilities))}?)"
+        text += _allowed_options(ctx)
+    elif "BadParameter" in names:  # also MissingParameter
+        option = _option_name(getattr(exc, "param", None)) or getattr(exc, "param_hint", None)
+        message = getattr(exc, "message", "") or exc.format_message()  # type: ignore[attr-defined]
+        text = f"{option}: {message}" if option else message
+    elif "BadOptionUsage" in names:
+        text = f"{_long_name(ctx, exc.option_name)}: {exc.message}"  # type: ignore[attr-defined]
+    else:
+        text = exc.format_message()  # type: ignore[attr-defined]
+        commands = getattr(getattr(ctx, "command", None), "list_commands", None)
+        if "No such command" in text and commands is not None:
+            text += f" Commands: {', '.join(commands(ctx))}."
+        elif "UsageError" in names and ctx is not None:
+            text += f" (see '{ctx.command_path} --help')"
+    line = "error: " + " ".join(text.split())
+    return line if len(line) <= MAX_LINE_CHARS else line[:MAX_LINE_CHARS - 3] + "..."
+
+
+class OneLineErrors(TyperGroup):
+    """The ``bagualu2`` group: parse errors become one line and exit code 2 (see the module docstring)."""
+
+    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        try:
+            code = super().main(args=args, prog_name=prog_name, complete_var=complete_var, standalone_mode=False,
+                                **extra)
+        except typer.Abort:
+            typer.echo("error: aborted", err=True)
+            code = 1
+        except Exception as exc:
+            names = kinds(exc)
+            if "ClickException" not in names:
+                raise
+            if "NoArgsIsHelpError" in names:  # bare ``bagualu2``: the help, as before
+                exc.show()  # type: ignore[attr-defined]
+                code = exc.exit_code  # type: ignore[attr-defined]
+            else:
+                typer.echo(usage_line(exc), err=True)
+                code = EXIT_USAGE if "UsageError" in names else exc.exit_code  # type: ignore[attr-defined]
+        code = code if isinstance(code, int) else 0
+        if standalone_mode:
+            sys.exit(code)
+        return code

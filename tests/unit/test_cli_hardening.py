@@ -1,0 +1,257 @@
+"""Every bad input to every command is ONE line ``error: --option: ...`` with exit code 2 and no traceback:
+numbers beyond what the computation takes, hardware JSON out of its physical ranges or nested too deeply, output
+paths that are not regular files, rich markup in names, typer's own parse errors; and the library's solver
+options. A hypothesis test fuzzes the hardware JSON loader."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import given, strategies as st
+from typer.testing import CliRunner
+
+from bagualu2 import costmodel, fusion
+from bagualu2.cli import app
+from bagualu2.cli.common import CliError, atomic_write_bytes, load_hardware
+from bagualu2.costmodel import Hardware
+from bagualu2.costmodel.config import HARDWARE_RANGES
+from bagualu2.mitigation import exact, greedy
+
+runner = CliRunner(env={"COLUMNS": "200", "NO_COLOR": "1"})
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+BASE_HW = json.loads(costmodel.presets.hardware("paper-gpu").to_json())
+HW_FILES = {
+    "flops1": {"peak_flops": 1.0}, "slowcopy": {"h2d_bytes_per_s": 1e-3}, "launch": {"kernel_launch_s": 1e300},
+    "bigint": {"peak_flops": 10**400}, "noeff": {"matmul_efficiency": 1e-300},
+    # every field in range, together too slow: the duration guard, not CP-SAT's "integer overflow"
+    "slowok": {"peak_flops": 1e9, "matmul_efficiency": 0.01, "hbm_bytes_per_s": 1e6,
+               "intra_node_bytes_per_s": 1e6, "inter_node_bytes_per_s": 1e6},
+    "oops": {"name": "[/oops]"}, "red": {"name": "[red]x[/red]"},
+}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("inputs")
+    for name, changes in HW_FILES.items():
+        text = json.dumps({**BASE_HW, **changes}) if name != "bigint" else \
+            json.dumps(BASE_HW).replace('"peak_flops": 480000000000000.0', '"peak_flops": ' + "9" * 400)
+        (root / f"{name}.json").write_text(text)
+    (root / "deep.json").write_text("[" * 100_000)
+    os.mkfifo(root / "fifo.json")
+    os.mkfifo(root / "fifo.png")
+    (root / "dir.png").mkdir()
+    (root / "real.png").write_bytes(b"old")
+    (root / "link.png").symlink_to(root / "real.png")
+    return root
+
+
+def run(*args: str):
+    result = runner.invoke(app, list(args))
+    assert "Traceback" not in result.stdout + result.stderr
+    return result
+
+
+def one_line_error(stderr: str, option: str | None) -> str:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    prefix = f"error: {option}: " if option else "error: "
+    assert lines[0].startswith(prefix), stderr
+    return lines[0]
+
+
+# ---- the matrix: 40 bad inputs across the commands ----------------------------------------------------------
+BAD = [
+    (["schedule", "-r", "1e12"], "--imbalance"),
+    (["demo", "--max-imbalance", "1e12"], "--max-imbalance"),
+    (["memory", "-r", "1e298"], "--imbalance"),
+    (["plan", "-b", "1", "-r", "4e9", "--solver", "exact"], "--imbalance"),
+    (["memory", "-m", "tiny-moe", "-r", "1.5"], "--imbalance"),  # ep=1: max/mean load is 1
+    (["plan", "-b", "1", "-H", "@flops1"], "--hardware"),
+    (["schedule", "-H", "@slowcopy"], "--hardware"),
+    (["memory", "-H", "@launch"], "--hardware"),
+    (["memory", "-H", "@noeff"], "--hardware"),
+    (["memory", "-H", "@bigint"], "--hardware"),
+    (["plan", "-b", "1", "--solver", "exact", "-H", "@slowok"], "--hardware"),
+    (["schedule", "--time-limit", "1", "-H", "@slowok"], "--hardware"),
+    (["budget", "-H", "@slowok"], "--hardware"),
+    (["memory", "-H", "@deep"], "--hardware"),
+    (["memory", "-H", "@fifo.json"], "--hardware"),  # never read (it would block)
+    (["memory", "-m", "@deep"], "--model"),
+    (["budget", "--spike", "3"], "--spike"),
+    (["budget", "--spike", "3=x"], "--spike"),
+    (["budget", "--spike", "99=2"], "--spike"),
+    (["budget", "--spike", "3=500"], "--spike"),
+    (["budget", "--spike", "3=2", "--spike", "3=2.5"], "--spike"),
+    (["budget", "--downgrade", "foo"], "--downgrade"),
+    (["budget", "--seed", "-1"], "--seed"),
+    (["budget", "--stage", "8"], "--stage"),
+    (["budget", "--spike-rate", "2"], "--spike-rate"),
+    (["budget", "--max-imbalance", "0.5"], "--max-imbalance"),
+    (["curve", "--policy", "x"], "--policy"),
+    (["curve", "--png", "@fifo.png"], "--png"),
+    (["curve", "--png", "@dir.png"], "--png"),
+    (["curve", "--png", "/dev/null"], "--png"),
+    (["schedule", "--png", "@link.png"], "--png"),
+    (["schedule", "--png", "@missing/x.png"], "--png"),
+    (["curve", "--png", "@long"], "--png"),  # a 300-character name: longer than the file system allows
+    (["compare", "--budgets", "0"], "--budgets"),
+    (["compare", "-r", "200"], "--imbalance"),
+    (["compare", "--time-limit", "0"], "--time-limit"),
+    (["compare", "-m", "nope"], "--model"),
+    (["demo", "--stage", "99"], "--stage"),
+    (["demo", "-s", "abc"], "--stage"),        # typer's parse error, one line through the group's main
+    (["memory", "--bogus"], "--bogus"),
+]
+
+
+def expand(args: list[str], files: Path) -> list[str]:
+    """``@name``: a file of the ``files`` fixture (``@flops1`` = flops1.json, ``@long``: a 300-character name)."""
+    def path(key: str) -> str:
+        if key in HW_FILES or key == "deep":
+            return str(files / f"{key}.json")
+        return str(files / ("x" * 296 + ".png")) if key == "long" else str(files / key)
+    return [path(a[1:]) if a.startswith("@") else a for a in args]
+
+
+@pytest.mark.parametrize(("args", "option"), BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_is_one_line(files: Path, args: list[str], option: str) -> None:
+    result = run(*expand(args, files))
+    assert result.exit_code == 2, result.stdout + result.stderr
+    line = one_line_error(result.stderr, option)
+    assert result.stdout == ""
+    if option != "--time-limit":
+        assert "--time-limit" not in line
+
+
+def test_special_files_are_left_alone(files: Path) -> None:
+    for name in ("fifo.png", "dir.png", "link.png"):
+        assert run("curve", "--policy", "static-over", "--png", str(files / name)).exit_code == 2
+    assert stat.S_ISFIFO(os.lstat(files / "fifo.png").st_mode) and (files / "dir.png").is_dir()
+    assert (files / "link.png").is_symlink() and (files / "real.png").read_bytes() == b"old"
+    with pytest.raises(OSError, match="FIFO"):
+        atomic_write_bytes(files / "fifo.png", b"x")
+    with pytest.raises(OSError, match="not a regular file"):
+        fusion.gantt.gantt_png(fusion.Timeline((), 0, {}, 0), files / "link.png")
+    assert not [p for p in files.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_long_filename_works(tmp_path: Path) -> None:
+    target = tmp_path / ("c" * 196 + ".png")
+    result = run("curve", "--policy", "static-over", "--png", str(target))
+    assert result.exit_code == 0, result.stderr
+    assert target.read_bytes().startswith(PNG_MAGIC) and [p.name for p in tmp_path.iterdir()] == [target.name]
+    gantt = tmp_path / ("g" * 250 + ".png")
+    assert run("schedule", "--time-limit", "1", "--png", str(gantt)).exit_code == 0
+    assert gantt.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_png_replaces_a_regular_file(tmp_path: Path) -> None:
+    target = tmp_path / "old.png"
+    target.write_bytes(b"old")
+    assert run("curve", "--policy", "ideal", "--png", str(target)).exit_code == 0
+    assert target.read_bytes().startswith(PNG_MAGIC)
+
+
+# ---- markup in names is printed literally -------------------------------------------------------------------
+@pytest.mark.parametrize("args", [["memory"], ["plan", "-b", "1"], ["schedule", "--time-limit", "1"], ["demo"],
+                                  ["budget"], ["curve"], ["compare", "-m", "tiny-moe", "-r", "1", "--budgets", "1"]],
+                         ids=lambda a: a[0])
+@pytest.mark.parametrize("name", ["oops", "red"])
+def test_markup_in_hardware_name_is_literal(files: Path, args: list[str], name: str) -> None:
+    result = run(*args, "-H", str(files / f"{name}.json"))
+    assert result.exit_code == 0, result.stderr
+    assert HW_FILES[name]["name"] in result.stdout
+
+
+# ---- typer's parse errors through the real entry point ------------------------------------------------------
+@pytest.mark.parametrize(("args", "option"), [
+    (["demo", "-s", "abc"], "--stage"),
+    (["memory", "--bogus"], "--bogus"),
+    (["presets", "extra"], None),
+    (["no-such-command"], None),
+    (["plan", "--budget-gib"], "--budget-gib"),
+    (["budget", "--spike-rate", "x"], "--spike-rate"),
+])
+def test_parse_errors_from_python_dash_m(args: list[str], option: str | None) -> None:
+    done = subprocess.run([sys.executable, "-m", "bagualu2.cli", *args], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "NO_COLOR": "1"})
+    assert done.returncode == 2 and "Traceback" not in done.stderr and done.stdout == ""
+    line = one_line_error(done.stderr, option)
+    assert "╭" not in line
+
+
+def test_help_still_works() -> None:
+    done = subprocess.run([sys.executable, "-m", "bagualu2.cli", "budget", "--help"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "--spike" in done.stdout and done.stderr == ""
+
+
+# ---- the library ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_graph() -> costmodel.OpGraph:
+    model, parallel = costmodel.presets.model("tiny-moe")
+    return costmodel.build_graph(model, parallel, costmodel.presets.hardware("cpu"))
+
+
+@pytest.mark.parametrize(("options", "name"), [({"seed": 2**31}, "seed"), ({"seed": -1}, "seed"),
+                                               ({"num_workers": 10**6}, "num_workers"),
+                                               ({"time_limit_s": float("nan")}, "time_limit_s")])
+def test_exact_solvers_reject_bad_options(tiny_graph, options: dict, name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        exact.solve(tiny_graph, -1, **options)  # options first, before the (also bad) budget
+    plan = greedy.solve(tiny_graph, tiny_graph.floor_bytes).plan
+    chains = fusion.build_chains(tiny_graph, plan, tiny_graph, plan)
+    with pytest.raises(ValueError, match=name):
+        fusion.exact.solve(chains, **options)
+
+
+def test_deep_json_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="nested too deeply"):
+        Hardware.from_json("[" * 100_000)
+
+
+def test_check_imbalance_ep_bound() -> None:
+    assert costmodel.check_imbalance(128.0, ep=128) == 128.0
+    with pytest.raises(ValueError, match="imbalance"):
+        costmodel.check_imbalance(128.5, ep=128)
+    assert costmodel.check_imbalance(1e6) == 1e6  # without ep: only >= 1, as before
+
+
+# ---- fuzz: the hardware JSON loader -------------------------------------------------------------------------
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-10**400, max_value=10**400)
+    | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=20)
+    | st.sampled_from([0, 1, 1e9, 1e12, 1e15, 1e18, 1 << 30, 1 << 50, 0.5, 1e-300, "[/oops]", "[red]x[/red]"]),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=6)
+
+
+@given(changes=st.dictionaries(st.sampled_from(sorted(BASE_HW) + ["bogus"]), JSON_VALUES, max_size=4),
+       drop=st.sets(st.sampled_from(sorted(BASE_HW)), max_size=2), whole=st.none() | JSON_VALUES)
+def test_fuzz_hardware_json(changes: dict, drop: set, whole) -> None:
+    data = {k: v for k, v in {**BASE_HW, **changes}.items() if k not in drop}
+    text = json.dumps(data if whole is None else whole)
+    try:
+        hardware = Hardware.from_json(text)
+    except ValueError as exc:
+        assert "\n" not in str(exc) and len(str(exc)) < 600
+        hardware = None
+    if hardware is not None:
+        for name, (low, high) in HARDWARE_RANGES.items():
+            assert low <= getattr(hardware, name) <= high
+        assert Hardware.from_json(hardware.to_json()) == hardware
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "hw.json"
+        path.write_text(text)
+        try:
+            assert load_hardware(str(path)) == hardware
+        except CliError as exc:
+            assert hardware is None and exc.option == "--hardware" and "\n" not in str(exc)
