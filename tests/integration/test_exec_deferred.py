@@ -147,3 +147,57 @@ def test_graded_gate_changes_savings_made_before_it():
         changed = changed or any(key.partition("/")[2] in router_made for key, _ in record.plan.entries)
         assert record.device_bytes == evaluate(graph, record.plan).activation_bytes
     assert changed
+
+
+def _run_bf16(plan, deferred, monkeypatch=None, gate=True):
+    config = presets.model("tiny-moe")[0].replace(seq_length=16, dtype="bf16")
+    graph = build_graph(config, ParallelConfig(), presets.hardware("cpu"))
+    if not gate:  # a model that never reports its gates: everything held is settled when the forward ends
+        import reference_trainer.model as reference
+
+        monkeypatch.setattr(reference, "after_gate", lambda *args, **kwargs: False)
+    torch.manual_seed(0)
+    model = GLMMoEModel(config)
+    x = torch.randn(config.micro_batch_size, config.seq_length, config.hidden_size, dtype=torch.bfloat16,
+                    requires_grad=True)
+    record = None
+    if plan is None:
+        out = model.forward_layers(x)
+    else:
+        executor = apply_plan(graph, plan, tracker=ActivationTracker(exclude=[model]), deferred=deferred)
+        with executor.micro_batch("mb0") as record:
+            out = model.forward_layers(x)
+    out.float().pow(2).mean().backward()
+    return graph, record, [p.grad.clone() for p in model.parameters() if p.grad is not None] + [x.grad.clone()]
+
+
+def test_a_gate_never_reported_settles_at_the_end_and_backward_reads_the_stored_copy(monkeypatch):
+    """bf16: the router keeps an FP32 copy of the norm's output; the shared expert's BF16 saving is RECOMPUTE, so
+    nothing re-runs the norm and the standby replay is forgotten — backward must read the FP32 copy."""
+    config = presets.model("tiny-moe")[0].replace(seq_length=16, dtype="bf16")
+    planner = DeferredPlanner(config, ParallelConfig(), presets.hardware("cpu"), budget_bytes=1 << 40)
+    graph, record, grads = _run_bf16(Plan.from_str("L1.shared_fc1/L1.norm2_out=RECOMPUTE"), planner, monkeypatch,
+                                     gate=False)
+    assert record.device_bytes == evaluate(graph, record.plan).activation_bytes
+    _, _, plain = _run_bf16(None, None)
+    assert all(torch.equal(a, b) for a, b in zip(plain, grads))
+
+
+def test_replays_the_gate_drops_hold_nothing():
+    """A pre-gate plan that re-runs the router; when the gate's plan no longer does, no replay of it is left."""
+    config, hardware, graph = _setup()
+    for step in range(0, 20):
+        budget = graph.floor_bytes + (graph.unmitigated_bytes - graph.floor_bytes) * step // 20
+        planner = DeferredPlanner(config, ParallelConfig(), hardware, budget_bytes=budget)
+        record, grads, _ = _run(config, graph, "L1.router/L1.router_scores=RECOMPUTE", deferred=planner)
+        assert all(replay.op in record.rerun or replay.runs for replay in record.replays), step
+        assert record.device_bytes == evaluate(graph, record.plan).activation_bytes
+
+
+def test_paper_mode_downgrades_only_the_module_whose_gate_fired():
+    config, hardware, graph = _setup()
+    budget = evaluate(graph, downgrade_module(graph, None, 1)).activation_bytes
+    planner = DeferredPlanner(config, ParallelConfig(), hardware, budget_bytes=budget, downgrade="paper")
+    record, _, _ = _run(config, graph, "none", deferred=planner)
+    downgraded = sorted({graph.op(key.partition("/")[0]).layer for key, _ in record.plan.entries})
+    assert downgraded == record.downgraded == [1]

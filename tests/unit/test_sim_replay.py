@@ -134,3 +134,34 @@ def test_stage_plan_phases_are_the_assigners():
             assert phase == ""
             assigner.record_backward(index)
     assert assigner.phase is BudgetPhase.DONE and {s[4] for s in steps} == {"", "warmup", "steady"}
+
+
+def test_pre_gate_plans_are_never_stand_ins():
+    """What runs before the gate cannot be undone: a smaller need never gets the plan of a larger one."""
+    from bagualu2.costmodel import build_graph, evaluate
+    from bagualu2.runtime import DecisionPath
+
+    model, parallel = presets.model("glm-423b-a30b")
+    hw = presets.hardware("paper-gpu")
+    balanced = build_graph(model, parallel, hw, imbalance=1.0)
+    small = balanced.unmitigated_bytes - (balanced.unmitigated_bytes - balanced.floor_bytes) // 40
+    large = balanced.unmitigated_bytes - (balanced.unmitigated_bytes - balanced.floor_bytes) // 10
+    warm = DecisionPath(model, parallel, hw, planned_imbalance=1.0)
+    warm.forward(large, 1.0, "steady", 0)
+    fresh = DecisionPath(model, parallel, hw, planned_imbalance=1.0)
+    assert warm.forward(small, 1.0, "steady", 0).plan == fresh.forward(small, 1.0, "steady", 0).plan
+    assert evaluate(balanced, fresh.forward(small, 1.0, "steady", 0).plan).activation_bytes <= small
+
+
+def test_a_rejected_imbalance_does_not_enter_the_planned_estimate():
+    from bagualu2.runtime import DecisionPath
+
+    model, parallel = presets.model("glm-188b-a20b")
+    path = DecisionPath(model, parallel, presets.hardware("paper-gpu"))
+    path.forward(1 << 40, 1.5, "steady", 0)
+    for bad in (0.5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="imbalance"):
+            path.forward(1 << 40, bad, "steady", 0)
+    assert path.planned(0) == 1.5
+    with pytest.raises(ValueError, match="chunk"):
+        path.forward(1 << 40, 1.5, "steady", parallel.vp)

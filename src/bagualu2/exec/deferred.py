@@ -17,8 +17,8 @@ before a spike, which keep what they stored).
 from __future__ import annotations
 
 from bagualu2.costmodel import Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, build_graph, evaluate
-from bagualu2.costmodel.validate import require_int
-from bagualu2.runtime import after_gate, check_downgrade, downgrade_plan
+from bagualu2.costmodel.validate import require_int, require_number
+from bagualu2.runtime import after_gate, ceil_bucket, check_downgrade, downgrade_plan
 
 
 def downgrade_module(graph: OpGraph, plan: Plan | None, layer: int) -> Plan:
@@ -32,9 +32,10 @@ class DeferredPlanner:
     """After-gate decisions for micro-batches of one chunk with a budget of ``budget_bytes`` each."""
 
     def __init__(self, model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, *, budget_bytes: int,
-                 stage: int = 0, chunk: int = 0, downgrade: str = "graded"):
+                 stage: int = 0, chunk: int = 0, downgrade: str = "graded", imbalance_step: float = 0.02):
         self.budget_bytes = require_int("budget_bytes", budget_bytes, 0)
         self.mode = check_downgrade(downgrade)
+        self.imbalance_step = require_number("imbalance_step", imbalance_step, 0, 10, low_open=True)
         self.model, self.parallel, self.hardware = model, parallel, hardware
         self.stage, self.chunk = stage, chunk
         self._graphs: dict[float, OpGraph] = {}
@@ -54,11 +55,14 @@ class DeferredPlanner:
         return max(received_tokens / self.graph().mean_routed_tokens, 1.0)
 
     def after_gate(self, plan: Plan, layer: int, received_tokens: int) -> Plan | None:
-        """The plan to switch to after layer ``layer``'s gate, or None to keep ``plan``."""
-        imbalance = self.imbalance(layer, received_tokens)
+        """The plan to switch to after layer ``layer``'s gate, or None to keep ``plan``. The graph is built at the
+        realised imbalance rounded *up* to ``imbalance_step`` (the runtime's buckets: a conservative decision, and
+        a bounded number of graphs however continuous the measurements)."""
+        imbalance = ceil_bucket(self.imbalance(layer, received_tokens), self.imbalance_step)
         graph = self.graph(imbalance)
         later = sorted({op.layer for op in graph.ops if op.kind == "router" and op.layer >= layer})
-        decision = after_gate(graph, plan, self.budget_bytes, downgrade=self.mode, layers=later)
+        decision = after_gate(graph, plan, self.budget_bytes, downgrade=self.mode, layers=later,
+                              downgrade_layers=(layer,))
         predicted = evaluate(graph, plan).activation_bytes
         self.decisions.append((layer, imbalance, predicted, decision.changed))
         return decision.plan if decision.changed else None

@@ -64,10 +64,10 @@ def run_op(name: str, fn: Callable[..., Any], *args: Any, names: dict[str, torch
         executor, record = active
         if record.forward_gate is not None:
             record.forward_gate(name)  # the dual-batch executor lets this op's stage run
-        if name in record.rerun:
-            outputs = executor.replayable(record, name, fn, args)
-        elif name in executor.standby:  # the gate may still decide to re-run it: a replay, activated if so
+        if name in executor.standby:  # the gate decides whether it re-runs: a replay, activated if so
             outputs = executor.replayable(record, name, fn, args, active=False)
+        elif name in record.rerun:
+            outputs = executor.replayable(record, name, fn, args)
         else:
             outputs = fn(*args)
         if executor.stage_hooks:

@@ -5,7 +5,9 @@ the norm feeding the router and the router itself made before the gate was known
 recorded, those two ops run as *standby replays* (recorded like a re-run op, but taking no holds), and the router's
 savings of those tensors are packed as :class:`Provisional` handles that hold the tensor, uncharged, until the
 layer's gate. :func:`settle` then packs each under the plan in force, exactly as the pack hook would have, and
-activates each standby replay if the plan re-runs it (it takes its holds) or forgets it.
+activates each standby replay if the plan re-runs it or a handle packed before the gate already reads it (it
+then takes its holds), else forgets it. Under graded planning these ops always run as standby replays, also when
+the plan in force before the gate re-runs them: the gate may drop them from the re-run set.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def settle(record: MicroBatchRecord, graph: OpGraph, layer: int | None, apply: C
     mine = (lambda op: True) if layer is None else (lambda op: graph.op(op).layer == layer)
     for replay in [r for r in record.standby if mine(r.op)]:
         record.standby.remove(replay)
-        if replay.op in record.rerun:
+        if replay.op in record.rerun or replay.pending > 0:  # re-run by the plan, or read by a handle already
             for stored, hold_name, dtype in replay.inactive:
                 if stored.producer is not None:
                     stored.producer[0].pending += 1

@@ -157,6 +157,7 @@ class Replay:
     pending: int = 0                    # handles and dependent replays that still need the cache
     runs: int = 0
     inactive: list | None = None        # holds to take if the gate activates it (standby replays)
+    dropped: bool = False               # forgotten: its arguments are gone, it cannot run
     _outputs: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
     _saves: list[torch.Tensor] | None = field(default=None, repr=False)
 
@@ -202,6 +203,7 @@ class Replay:
     def drop(self) -> None:
         self._outputs = self._saves = None
         self.args = ()
+        self.dropped = True
 
     def done_with(self) -> None:
         """One handle or dependent replay used the cache; drop it after the last one."""
@@ -228,6 +230,8 @@ class Regenerated:
 
     def unpack(self) -> torch.Tensor:
         flat = self.stored.flat(self.view.device, self.view.dtype, self.engine)
+        if self.replay is not None and self.replay.dropped:
+            self.replay = None  # a forgotten replay: read the copy another consumer stores
         if flat is None and self.replay is not None:
             tensor = (self.replay.output(self.output) if self.output is not None
                       else self.replay.saved(self.save))

@@ -120,12 +120,14 @@ def downgrade_plan(graph: OpGraph, plan: Plan | None = None, *, layers=None) -> 
 
 
 def after_gate(graph: OpGraph, plan: Plan | None, budget_bytes: int, *, limit_bytes: int | None = None,
-               downgrade: str = "graded", layers=None, cost=None) -> GateDecision:
+               downgrade: str = "graded", layers=None, downgrade_layers=None, cost=None) -> GateDecision:
     """The plan to run once the gate has routed this micro-batch (see the module docstring).
 
     ``graph`` is built at the measured imbalance; ``plan`` is the plan in force; ``budget_bytes`` the micro-batch's
-    budget; ``limit_bytes`` (warmup only) the most an overrun may keep; ``layers`` the MoE layers whose
-    after-router part may still change (default all: the gate of the chunk's first MoE layer); ``cost``, optional,
+    budget; ``limit_bytes`` (warmup only) the most an overrun may keep; ``layers`` the MoE layers whose modules the
+    re-plan may change (default all: the gate of the chunk's first MoE layer); ``downgrade_layers`` those the full
+    downgrade covers (default ``layers``; the running model downgrades only the module whose gate fired); ``cost``,
+    optional,
     a memo of ``evaluate(graph, ·)`` (the runtime's cache; it must return exactly what ``evaluate`` does).
     """
     budget_bytes = require_int("budget_bytes", budget_bytes, 0)
@@ -139,11 +141,11 @@ def after_gate(graph: OpGraph, plan: Plan | None, budget_bytes: int, *, limit_by
     if downgrade == "paper":
         if fits:
             return GateDecision(plan, GateAction.KEEP, in_force)
-        full = downgrade_plan(graph, plan, layers=layers)
+        full = downgrade_plan(graph, plan, layers=layers if downgrade_layers is None else downgrade_layers)
         return GateDecision(full, GateAction.DOWNGRADE, cost(full))
     if not fits and limit_bytes is not None and in_force.activation_bytes <= limit_bytes:
         return GateDecision(plan, GateAction.ABSORB, in_force)
-    full = downgrade_plan(graph, plan, layers=layers)
+    full = downgrade_plan(graph, plan, layers=layers if downgrade_layers is None else downgrade_layers)
     options = [GateDecision(full, GateAction.DOWNGRADE, cost(full))]
     try:
         replanned = greedy.solve(graph, budget_bytes, fixed=plan, free=gate_free_tensors(graph, layers))

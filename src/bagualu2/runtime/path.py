@@ -182,11 +182,12 @@ class DecisionPath:
         alias = self._alias.get(chunk)
         if alias is None:
             raise ValueError(f"chunk must be an integer in [0, vp={self.parallel.vp}), got {chunk!r}")
-        planned = self._planner.observe(chunk, imbalance)  # the estimate before this gate
-        chunk, offset = alias  # from here on the canonical chunk; plans are moved back by ``offset`` layers
-        seen = self._rows.get((imbalance, chunk))
+        canonical, offset = alias  # the caches are the canonical chunk's; plans are moved back by ``offset``
+        seen = self._rows.get((imbalance, canonical))
         if seen is None:
-            seen = self._seen_row(imbalance, chunk)
+            seen = self._seen_row(imbalance, canonical)  # validates the imbalance
+        planned = self._planner.observe(chunk, imbalance)  # the estimate before this gate
+        chunk = canonical
         row, tokens, unmitigated = seen[0], seen[1], seen[2]
         if budget_bytes >= unmitigated:
             # covered at the measured imbalance, so at r = 1 too: nothing was committed before the gate
@@ -254,13 +255,7 @@ class DecisionPath:
         graph = self.graph(chunk, planned)
         level, decided = self.needs.level(graph.unmitigated_bytes, graph.floor_bytes, budget_bytes)
         key = (level, planned, chunk)
-        found = self._pregate.get(key)
-        if found is None and type(level) is int:  # a plan made for a somewhat larger need fits too
-            for larger in range(level + 1, level + 1 + self.reuse_levels):
-                found = self._pregate.get((larger, planned, chunk))
-                if found is not None:
-                    self._pregate[key] = found
-                    break
+        found = self._pregate.get(key)  # no stand-ins: what runs before the gate cannot be undone
         if found is None:
             solution = greedy.solve(graph, decided)
             if not solution.ok:  # below M0 nothing fits: the least the micro-batch can keep (full recompute)
