@@ -29,7 +29,7 @@ plan's on the bucket's graph. docs/runtime.md has the measured quality.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..budget import BudgetPhase
@@ -74,6 +74,7 @@ class _Outcome:
     per_token_bytes: int
     graph: OpGraph         # the bucket's, on which it was decided (its order is solved there)
     activation_bytes: int  # at the bucket's imbalance
+    orders: dict = field(default_factory=dict, compare=False, repr=False)  # warmup? -> its scheduling point's
 
 
 @dataclass(frozen=True)
@@ -212,7 +213,10 @@ class DecisionPath:
         if offset and plan.entries:
             key = (plan.entries, offset)
             plan = self._shifted.get(key) or self._shifted.setdefault(key, shift_plan(plan, offset))
-        order = self._order(outcome.graph, outcome.plan, chunk, phase == WARMUP)
+        warm = phase == WARMUP
+        order = outcome.orders.get(warm)
+        if order is None:
+            order = outcome.orders[warm] = self._order(outcome.graph, outcome.plan, chunk, warm)
         return Decision(plan, outcome.fixed_bytes + outcome.per_token_bytes * tokens, outcome.overhead_s,
                         outcome.changed, order, outcome.action)
 
