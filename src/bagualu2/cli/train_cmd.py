@@ -1,0 +1,79 @@
+"""``bagualu2 train``: launch the reference trainer (``python -m reference_trainer.train``) under torchrun.
+
+Every argument the command does not know is passed to the trainer unchanged (put them after ``--`` to be safe:
+``bagualu2 train --nproc-per-node 2 -- --steps 5 --json``). One node runs ``torchrun --standalone``; several
+nodes rendezvous on ``--master-addr:--master-port`` (c10d), each launched with its own ``--node-rank``. The exit
+code is the trainer's. Without torch or torchrun the command says so in one line (exit 2).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .common import CliError, handle_errors
+
+TRAINER = "reference_trainer.train"
+
+
+def torchrun_path() -> str:
+    """The ``torchrun`` of this interpreter's environment (beside ``python``), else the one on ``PATH``."""
+    beside = Path(sys.executable).with_name("torchrun")
+    if beside.is_file():
+        return str(beside)
+    found = shutil.which("torchrun")
+    if found is None:
+        raise CliError("torchrun was not found next to this Python or on PATH; it comes with torch "
+                       "(pip install torch)")
+    return found
+
+
+def command(trainer_args: list[str], *, nproc_per_node: int, nnodes: int, node_rank: int, master_addr: str,
+            master_port: int) -> list[str]:
+    """The torchrun command line that runs the trainer with ``trainer_args``."""
+    if importlib.util.find_spec("torch") is None:
+        raise CliError("torch is not installed in this environment (pip install torch; CPU: torch==2.13.0)")
+    launcher = [torchrun_path(), f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}"]
+    if nnodes == 1:
+        launcher.append("--standalone")
+    else:
+        launcher += [f"--node-rank={node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={master_addr}:{master_port}"]
+    return [*launcher, "-m", TRAINER, *trainer_args]
+
+
+@handle_errors
+def train(
+    ctx: typer.Context,
+    nproc_per_node: Annotated[int, typer.Option("--nproc-per-node", min=1, max=1024,
+                                                help="Processes (ranks) on this node.")] = 1,
+    nnodes: Annotated[int, typer.Option("--nnodes", min=1, max=4096, help="Nodes of the job.")] = 1,
+    node_rank: Annotated[int, typer.Option("--node-rank", min=0, help="This node's rank (several nodes).")] = 0,
+    master_addr: Annotated[str, typer.Option("--master-addr", help="Rendezvous host (several nodes).")]
+    = "127.0.0.1",
+    master_port: Annotated[int, typer.Option("--master-port", min=1, max=65535,
+                                             help="Rendezvous port (several nodes).")] = 29500,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the torchrun command instead of running it.")]
+    = False,
+    as_json: Annotated[bool, typer.Option("--json", help="With --dry-run: {\"command\": [...]}; else passed to "
+                                                          "the trainer (its one JSON line per run).")] = False,
+) -> None:
+    """Launch the reference trainer under torchrun; unknown arguments go to the trainer
+    (``python -m reference_trainer.train --help`` lists them)."""
+    if node_rank >= nnodes:
+        raise CliError(f"must be below --nnodes={nnodes}, got {node_rank}", "--node-rank")
+    trainer_args = list(ctx.args)
+    if as_json and not dry_run and "--json" not in trainer_args:
+        trainer_args.append("--json")
+    argv = command(trainer_args, nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
+                   master_addr=master_addr, master_port=master_port)
+    if dry_run:
+        typer.echo(json.dumps({"command": argv}) if as_json else " ".join(argv))
+        return
+    raise typer.Exit(code=subprocess.run(argv).returncode)

@@ -1,0 +1,58 @@
+"""``bagualu2 train``: torchrun around the reference trainer, its flags passed through; clear one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from bagualu2.cli import app
+from bagualu2.cli import train_cmd
+
+
+def test_dry_run_builds_the_torchrun_command():
+    result = CliRunner().invoke(app, ["train", "--nproc-per-node", "2", "--dry-run", "--json", "--", "--steps", "3"])
+    assert result.exit_code == 0, result.output
+    command = json.loads(result.stdout)["command"]
+    assert command[1:4] == ["--nnodes=1", "--nproc-per-node=2", "--standalone"]
+    assert command[-3:] == ["reference_trainer.train", "--steps", "3"]
+    nodes = CliRunner().invoke(app, ["train", "--nnodes", "2", "--node-rank", "1", "--master-port", "29511",
+                                     "--dry-run", "--json"])
+    assert "--rdzv-endpoint=127.0.0.1:29511" in json.loads(nodes.stdout)["command"]
+
+
+@pytest.mark.parametrize("args, option", [(["--node-rank", "2"], "--node-rank"),
+                                          (["--nproc-per-node", "0"], "--nproc-per-node"),
+                                          (["--master-port", "70000"], "--master-port")])
+def test_bad_launcher_options_are_one_line(args, option):
+    result = CliRunner().invoke(app, ["train", *args, "--dry-run"])
+    assert result.exit_code == 2 and option in result.output and "Traceback" not in result.output
+
+
+def test_missing_torchrun_is_one_line(monkeypatch, tmp_path):
+    monkeypatch.setattr(train_cmd.sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    result = CliRunner().invoke(app, ["train", "--dry-run"])
+    assert result.exit_code == 2
+    assert result.output.startswith("error: torchrun was not found") and len(result.output.splitlines()) == 1
+
+
+def test_missing_torch_is_one_line(monkeypatch):
+    monkeypatch.setattr(train_cmd.importlib.util, "find_spec", lambda name: None)
+    result = CliRunner().invoke(app, ["train", "--dry-run"])
+    assert result.exit_code == 2 and result.output.startswith("error: torch is not installed")
+
+
+@pytest.mark.integration
+def test_train_runs_the_trainer_under_torchrun():
+    proc = subprocess.run([sys.executable, "-m", "bagualu2.cli", "train", "--json", "--", "--steps", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    record = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    assert record["steps"] == 1 and record["max_rel_error"] == 0.0
+    bad = subprocess.run([sys.executable, "-m", "bagualu2.cli", "train", "--", "--steps", "0"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "error: --steps" in bad.stderr
