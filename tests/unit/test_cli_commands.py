@@ -156,3 +156,45 @@ def test_compare_table() -> None:
 def test_help_documents_json(command: str) -> None:
     result = run(command, "--help")
     assert result.exit_code == 0 and "JSON" in result.stdout and "--json" in result.stdout
+
+
+def test_plan_runs_on_its_defaults_with_the_midpoint_budget():
+    import json as _json
+
+    from typer.testing import CliRunner as _Runner
+
+    from bagualu2.cli import app as _app
+    from bagualu2.costmodel import build_graph, presets
+
+    result = _Runner().invoke(_app, ["plan", "--json"])
+    assert result.exit_code == 0, result.output
+    data = _json.loads(result.stdout)
+    model, parallel = presets.model(data["inputs"]["model"])
+    graph = build_graph(model, parallel, presets.hardware(data["inputs"]["hardware"]))
+    assert data["budget_bytes"] == (graph.floor_bytes + graph.unmitigated_bytes) // 2
+    assert data["status"] in ("OPTIMAL", "FEASIBLE") and data["activation_bytes"] <= data["budget_bytes"]
+
+
+def test_models_come_from_json_files(tmp_path):
+    import dataclasses
+    import json as _json
+
+    from typer.testing import CliRunner as _Runner
+
+    from bagualu2.cli import app as _app
+    from bagualu2.costmodel import presets
+
+    model, parallel = presets.model("glm-188b-a20b")
+    path = tmp_path / "mine.json"
+    path.write_text(_json.dumps({"model": dataclasses.asdict(model), "parallel": dataclasses.asdict(parallel)}))
+    assert presets.model_from_json(path.read_text()) == (model, parallel)
+    result = _Runner().invoke(_app, ["memory", "-m", str(path), "--json"])
+    assert result.exit_code == 0, result.output
+    for bad, message in [({"model": {"hidden_size": 8}}, "missing ModelConfig field"),
+                         ({"model": dataclasses.asdict(model), "parallel": {"pp": 0}}, "pp"),
+                         ({"model": dataclasses.asdict(model), "extra": 1}, "must be"),
+                         ([1, 2], "must be")]:
+        path.write_text(_json.dumps(bad))
+        out = _Runner().invoke(_app, ["plan", "-m", str(path)])
+        assert out.exit_code == 2 and out.output.startswith("error: --model:") and message in out.output, out.output
+        assert len(out.output.strip().splitlines()) == 1

@@ -131,7 +131,6 @@ def test_other_stage_and_chunk() -> None:
     (["--budget-gib", "abc"], "--budget-gib"),
     (["--budget-gib", "inf"], "--budget-gib"),
     (["--budget-gib", "nan"], "--budget-gib"),
-    ([], "--budget-gib"),
     (["--budget-gib", "1", "--solver", "foo"], "--solver"),
     (["--budget-gib", "1", "--stage", "99"], "--stage"),
     (["--budget-gib", "1", "--chunk", "7"], "--chunk"),

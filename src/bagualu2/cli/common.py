@@ -98,9 +98,17 @@ def handle_errors(func: F) -> F:
 
 # ---- option parsing ----------------------------------------------------------------------------------------
 def load_model(name: str) -> tuple[str, ModelConfig, ParallelConfig]:
-    """``(preset name, ModelConfig, ParallelConfig)`` of ``--model``."""
-    with blame("--model"):
+    """``(name, ModelConfig, ParallelConfig)`` of ``--model``: a preset name, or a path ending in ``.json`` read
+    with ``presets.model_from_json`` (``{"model": {...}, "parallel": {...}}``)."""
+    if name.lower().endswith(".json"):
+        text = read_json_file(name, "--model")
+        with blame("--model"):
+            model, parallel = presets.model_from_json(text)
+        return Path(name).stem, model, parallel
+    try:
         model, parallel = presets.model(name)
+    except ValueError as exc:
+        raise CliError(f"{exc} (or a path to a .json file)", "--model") from None
     return name.lower(), model, parallel
 
 

@@ -108,7 +108,8 @@ def _print(graph: OpGraph, solution: Solution, rows: list[dict[str, Any]], viola
 @handle_errors
 def plan(
     budget_gib: Annotated[Optional[str], typer.Option("--budget-gib", "-b", metavar="X", help="Activation budget "
-                          "of one micro-batch of the chunk, in GiB (2**30 bytes); a finite number >= 0.")] = None,
+                          "of one micro-batch of the chunk, in GiB (2**30 bytes); a finite number >= 0. Default: "
+                          "the midpoint between the floor M0 and the unmitigated bytes.")] = None,
     model: Annotated[str, typer.Option("--model", "-m", help=MODEL_HELP)] = DEFAULT_MODEL,
     hardware: Annotated[str, typer.Option("--hardware", "-H", help=HARDWARE_HELP)] = DEFAULT_HARDWARE,
     imbalance: Annotated[str, typer.Option("--imbalance", "-r", metavar="R", help=IMBALANCE_HELP)] = "1.0",
@@ -128,12 +129,12 @@ def plan(
     Exit codes: 0 a plan fits (OPTIMAL / FEASIBLE); 1 no plan (INFEASIBLE: budget below the floor M0, or TIMEOUT
     of --solver exact), the reason is printed; 2 bad input.
     """
-    if budget_gib is None:
-        raise CliError("is required: the activation budget in GiB, a finite number >= 0", "--budget-gib")
     name, model_config, parallel = load_model(model)
     hw = load_hardware(hardware)
     rate = parse_imbalance(imbalance, parallel)
-    budget = int(parse_number(budget_gib, "--budget-gib", minimum=0.0, what=" (GiB)", maximum=2.0**30) * GIB)
+    if budget_gib is not None:
+        budget_gib = parse_number(budget_gib, "--budget-gib", minimum=0.0, what=" (GiB)", maximum=2.0**30)
+        budget = int(budget_gib * GIB)
     if solver.lower() not in SOLVERS:
         raise CliError(f"must be one of {', '.join(SOLVERS)}, got {solver!r}", "--solver")
     limit = parse_number(time_limit, "--time-limit", minimum=0.0, strict=True, what=" (seconds)")
@@ -142,6 +143,9 @@ def plan(
     if not 0 <= chunk < parallel.vp:
         raise CliError(f"must be in [0, {parallel.vp}) for {name} (vp={parallel.vp}), got {chunk}", "--chunk")
     graph = check_graph(build_graph(model_config, parallel, hw, imbalance=rate, stage=stage, chunk=chunk))
+    if budget_gib is None:
+        budget = (graph.floor_bytes + graph.unmitigated_bytes) // 2
+        budget_gib = budget / GIB
     solution = _solve(graph, budget, solver.lower(), limit)
     rows = plan_rows(graph, solution) if solution.ok else []
     violations = check_conflicts(graph, solution.plan)

@@ -10,6 +10,9 @@ stage. ``num_microbatches`` (not in the paper) is set to 64.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 from .config import Hardware, ModelConfig, ParallelConfig, check_compatible
 
 GIB = 1 << 30
@@ -103,3 +106,37 @@ def hardware(name: str) -> Hardware:
     if key not in _HARDWARE:
         raise ValueError(f"unknown hardware preset {name!r}; valid: {', '.join(_HARDWARE)}")
     return _HARDWARE[key]
+
+
+def model_from_json(text: str) -> tuple[ModelConfig, ParallelConfig]:
+    """``(ModelConfig, ParallelConfig)`` from JSON ``{"model": {ModelConfig fields}, "parallel": {ParallelConfig
+    fields}}`` (``parallel`` optional: one device); ``ValueError`` in one line naming the bad field otherwise."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"model JSON is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ValueError("model JSON is nested too deeply (expected {\"model\": {...}, \"parallel\": {...}})") \
+            from None
+    if not isinstance(data, dict) or not isinstance(data.get("model"), dict) \
+            or not isinstance(data.get("parallel", {}), dict) or set(data) - {"model", "parallel"}:
+        raise ValueError('model JSON must be {"model": {ModelConfig fields}, "parallel": {ParallelConfig fields}}')
+    configs = []
+    for cls, section in ((ModelConfig, data["model"]), (ParallelConfig, data.get("parallel", {}))):
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(section) - fields)
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} field(s) {', '.join(map(str, unknown))[:200]}; "
+                             f"allowed: {', '.join(sorted(fields))}")
+        missing = sorted(f.name for f in dataclasses.fields(cls) if f.name not in section
+                         and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+        if missing:
+            raise ValueError(f"missing {cls.__name__} field(s): {', '.join(missing)}")
+        try:
+            configs.append(cls(**section))
+        except TypeError as exc:  # never expected with the checks above: keep it one line
+            raise ValueError(f"invalid {cls.__name__}: {exc}") from None
+    model_config, parallel = configs
+    check_compatible(model_config, parallel)
+    return model_config, parallel
+
