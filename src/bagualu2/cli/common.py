@@ -201,7 +201,8 @@ def parse_plan(text: str) -> Plan:
 
 
 # ---- shared option declarations (reuse in every command that takes these inputs) ----------------------------
-MODEL_HELP = "Model preset (see `bagualu2 presets`)."
+MODEL_HELP = ("Model preset (see `bagualu2 presets`), or a path to a JSON file (*.json) "
+              '{"model": {ModelConfig fields}, "parallel": {ParallelConfig fields}}.')
 HARDWARE_HELP = "Hardware preset name, or a path to a Hardware JSON file (*.json)."
 IMBALANCE_HELP = "Imbalance rate r = max/mean device load of routed tokens; a number >= 1."
 PLAN_HELP = ("Mitigation plan, e.g. expert_act=RECOMPUTE,core_attn=OFFLOAD; 'none' keeps everything. "
