@@ -57,11 +57,15 @@ def test_decision_path_per_iteration(benchmark, downgrade):
             times.append(replay.decision_time_s)
         return sum(times) / 100, sorted(times)[50], path
 
-    # a full collection pending from earlier benchmarks' garbage must not land in the timed run: collect first
-    per_iteration_s, median_s, path = benchmark.pedantic(hundred_iterations, setup=_collect_garbage, rounds=1,
-                                                         iterations=1)
+    # a full collection pending from earlier benchmarks' garbage must not land in the timed run: collect first;
+    # three rounds (fresh caches each), the median reported (this machine switches between two speeds)
+    rounds = []
+    benchmark.pedantic(lambda: rounds.append(hundred_iterations()), setup=_collect_garbage, rounds=3, iterations=1)
+    per_iteration_s, median_s, path = sorted(rounds, key=lambda r: r[0])[1]
     benchmark.extra_info["amortised_ms_per_iteration"] = per_iteration_s * 1e3
+    benchmark.extra_info["amortised_ms_per_iteration_rounds"] = [round(r[0] * 1e3, 3) for r in rounds]
     benchmark.extra_info["median_iteration_ms"] = median_s * 1e3
     benchmark.extra_info["decision_cache"] = f"{path.hits} hits / {path.misses} misses"
-    print(f"\namortised decision path ({downgrade}): {per_iteration_s * 1e3:.2f} ms/iteration, median iteration "
-          f"{median_s * 1e3:.2f} ms ({path.hits} hits, {path.misses} misses)")
+    print(f"\namortised decision path ({downgrade}): {per_iteration_s * 1e3:.2f} ms/iteration (median of 3 rounds: "
+          f"{', '.join(f'{r[0] * 1e3:.2f}' for r in rounds)}), median iteration {median_s * 1e3:.2f} ms "
+          f"({path.hits} hits, {path.misses} misses)")
