@@ -161,7 +161,8 @@ def test_png_replaces_a_regular_file(tmp_path: Path) -> None:
 
 
 # ---- markup in names is printed literally -------------------------------------------------------------------
-@pytest.mark.parametrize("args", [["memory"], ["plan", "-b", "1"], ["schedule", "--time-limit", "1"], ["demo"],
+@pytest.mark.parametrize("args", [["memory"], ["plan", "-b", "1"], ["schedule", "--time-limit", "1"],
+                                  ["demo", "--train-steps", "0"],
                                   ["budget"], ["curve"], ["compare", "-m", "tiny-moe", "-r", "1", "--budgets", "1"]],
                          ids=lambda a: a[0])
 @pytest.mark.parametrize("name", ["oops", "red"])

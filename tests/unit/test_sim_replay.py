@@ -41,10 +41,11 @@ def test_spike_trace_validates_and_is_seeded():
 @pytest.mark.filterwarnings("ignore:pipeline degree 2")  # tiny-moe has pp=2: sequential fallback, by design
 def test_demo_command():
     runner = CliRunner()
-    result = runner.invoke(app, ["demo", "--model", "tiny-moe", "--hardware", "cpu", "--json"])
+    result = runner.invoke(app, ["demo", "--model", "tiny-moe", "--hardware", "cpu", "--train-steps", "2", "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["fits"] and len(data["forwards"]) == 4
+    assert data["training"]["steps"] == 2 and data["training"]["max_rel_error"] == 0.0
     bad = runner.invoke(app, ["demo", "--spike-rate", "2"])
     assert bad.exit_code == 2 and "Traceback" not in bad.output
 

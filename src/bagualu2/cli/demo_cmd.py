@@ -1,11 +1,17 @@
-"""``bagualu2 demo``: the runtime decision path of one pipeline stage over one iteration with MoE spikes.
+"""``bagualu2 demo``: plan one pipeline stage's iteration with MoE spikes, then train the tiny model on CPU.
 
-Algorithm 1 budgets each forward, the cached greedy planner fits it, the gate reveals the actual imbalance and a
-spike downgrades the MoE module to full recompute; the table shows every forward that needed mitigation.
+Planning: Algorithm 1 budgets each forward, the pre-gate plan is committed, the gate reveals the actual imbalance
+and the runtime keeps, absorbs (warmup), re-plans the MoE module or downgrades it; a compact summary (``--details``
+lists every forward that mitigated). Training: ``python -m reference_trainer.train`` on the tiny GLM-MoE model for
+``--train-steps`` steps under an activation cap, summarised in one line (0 skips it).
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from collections import Counter
 from typing import Annotated, Optional
 
 import typer
@@ -15,7 +21,7 @@ from rich.table import Table
 from bagualu2.costmodel import stage_memory
 from bagualu2.runtime import replay_iteration
 
-from .common import GIB, HARDWARE_HELP, JSON_HELP, MODEL_HELP, console, echo_json, handle_errors
+from .common import GIB, HARDWARE_HELP, JSON_HELP, MIB, MODEL_HELP, CliError, console, echo_json, handle_errors
 from .iteration import MAX_IMBALANCE_HELP, SEED_HELP, SPIKE_RATE_HELP, prepare
 
 
@@ -27,14 +33,19 @@ def demo(
     spike_rate: Annotated[float, typer.Option(help=SPIKE_RATE_HELP)] = 0.05,
     max_imbalance: Annotated[Optional[float], typer.Option(help=MAX_IMBALANCE_HELP)] = None,
     seed: Annotated[int, typer.Option(help=SEED_HELP)] = 0,
+    train_steps: Annotated[int, typer.Option("--train-steps", min=0, max=10_000, help="Steps of the tiny CPU "
+                           "training run after the planning (0: skip it).")] = 20,
+    details: Annotated[bool, typer.Option("--details", help="List every forward that mitigated.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
 ) -> None:
-    """Replay one iteration of one stage: per-forward budget, plan and deferred MoE downgrade on spikes."""
+    """Plan one iteration of one stage with spikes (budget, plan and gate decision per forward), then train the tiny
+    reference model on CPU under an activation cap."""
     run = prepare(model=model, hardware=hardware, stage=stage, seed=seed, spike_rate=spike_rate,
                   max_imbalance=max_imbalance)
     name, hw, trace = run.name, run.hardware, run.trace
     unmitigated = stage_memory(run.model, run.parallel, hw, stage=stage, imbalance=max(trace))
     replay = replay_iteration(run.model, run.parallel, hw, trace, stage=stage)
+    training = _train(train_steps, seed) if train_steps else None
     if json_output:
         echo_json({"model": name, "hardware": hw.name, "stage": stage, "trace": list(trace),
                    "m_max_bytes": replay.m_max_bytes, "m0_bytes": replay.m0_bytes,
@@ -42,13 +53,45 @@ def demo(
                    "unmitigated_peak_bytes": unmitigated.activation_peak_bytes,
                    "cache_hits": replay.cache_hits, "cache_misses": replay.cache_misses,
                    "decision_time_s": replay.decision_time_s,
-                   "forwards": [d.__dict__ for d in replay.decisions]})
+                   "forwards": [d.__dict__ for d in replay.decisions], "training": training})
         return
     out = console()
     out.print(f"[bold]{escape(name)}[/bold] on {escape(hw.name)}, stage {stage}: activation capacity M_max "
               f"{replay.m_max_bytes / GIB:.2f} GiB, floor M0 {replay.m0_bytes / GIB:.3f} GiB per chunk; "
               f"a static plan sized for the worst spike ({max(trace):g}x) would need "
               f"{unmitigated.activation_peak_bytes / GIB:.2f} GiB unmitigated.")
+    actions = Counter(d.action for d in replay.decisions)
+    out.print("gate decisions: " + ", ".join(f"{action} {count}" for action, count in sorted(actions.items())))
+    if details:
+        out.print(_table(replay))
+    total_ms = sum(d.overhead_s for d in replay.decisions) * 1e3
+    verdict = "[green]fits[/green]" if replay.fits else "[bold red]OOM[/bold red]"
+    out.print(f"{len(replay.decisions)} forwards, peak in flight {replay.peak_in_flight_bytes / GIB:.2f} GiB of "
+              f"{replay.m_max_bytes / GIB:.2f} GiB ({verdict}); mitigation overhead {total_ms:.1f} ms (serial); "
+              f"decision cache {replay.cache_hits} hits / {replay.cache_misses} misses; decisions took "
+              f"{replay.decision_time_s * 1e3:.1f} ms.")
+    if training is not None:
+        exact = "exactly the predicted bytes" if training["max_rel_error"] == 0 else \
+            f"the predicted bytes within {100 * training['max_rel_error']:.3f}%"
+        out.print(f"trained {escape(training['preset'])} on CPU for {training['steps']} steps in "
+                  f"{training['seconds']:.1f} s: loss {training['first_loss']:.3f} -> {training['last_loss']:.3f}; "
+                  f"every micro-batch kept {exact}; peak {training['peak_bytes'] / MIB:.2f} MiB of the "
+                  f"{training['memory_limit_bytes'] / MIB:.2f} MiB cap.")
+
+
+def _train(steps: int, seed: int) -> dict:
+    """The tiny CPU training run (``python -m reference_trainer.train``), its JSON record without the step log."""
+    proc = subprocess.run([sys.executable, "-m", "reference_trainer.train", "--steps", str(steps), "--seed",
+                           str(seed), "--json"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["the trainer failed"])[-1]
+        raise CliError(last.removeprefix("error: "), "--train-steps")
+    record = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    record.pop("log", None)
+    return record
+
+
+def _table(replay) -> Table:
     table = Table(title="forwards that needed mitigation (the others keep everything)")
     for header in ("#", "µbatch", "chunk", "phase", "imbalance", "budget GiB", "kept GiB", "overhead ms",
                    "mitigated", "downgraded", "in flight GiB"):
@@ -59,10 +102,4 @@ def demo(
                           f"{d.budget_bytes / GIB:.2f}", f"{d.kept_bytes / GIB:.2f}", f"{d.overhead_s * 1e3:.2f}",
                           str(d.num_mitigated), "[red]yes[/red]" if d.downgraded else "",
                           f"{d.in_flight_bytes / GIB:.2f}")
-    out.print(table)
-    total_ms = sum(d.overhead_s for d in replay.decisions) * 1e3
-    verdict = "[green]fits[/green]" if replay.fits else "[bold red]OOM[/bold red]"
-    out.print(f"{len(replay.decisions)} forwards, peak in flight {replay.peak_in_flight_bytes / GIB:.2f} GiB of "
-              f"{replay.m_max_bytes / GIB:.2f} GiB ({verdict}); mitigation overhead {total_ms:.1f} ms (serial); "
-              f"plan cache {replay.cache_hits} hits / {replay.cache_misses} misses; decisions took "
-              f"{replay.decision_time_s * 1e3:.1f} ms.")
+    return table
