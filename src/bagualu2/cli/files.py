@@ -44,10 +44,11 @@ def check_output_path(value: str, what: str = "file.png") -> Path:
         raise ValueError(f"folder {str(folder)!r} does not exist")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ValueError(f"folder {str(folder)!r} is not writable")
-    with contextlib.suppress(OSError, ValueError):
+    limit = None
+    with contextlib.suppress(OSError, ValueError):  # no such limit on this file system: the OS will say
         limit = os.pathconf(folder, "PC_NAME_MAX")
-        if len(os.fsencode(target.name)) > limit:
-            raise ValueError(f"file name is {len(os.fsencode(target.name))} bytes long; at most {limit} allowed")
+    if limit is not None and len(os.fsencode(target.name)) > limit:
+        raise ValueError(f"file name is {len(os.fsencode(target.name))} bytes long; at most {limit} allowed")
     _refuse_non_file(target)
     return target
 
