@@ -1,0 +1,212 @@
+"""The simulator's policies (DESIGN.md "Policies"), each per pipeline stage: ``forward(chunk, imbalance, phase,
+budget, limit) -> Choice``. Every plan's bytes and time come from ``costmodel.evaluate`` (through
+:class:`~.stage.StageContext`).
+
+* ``flexible``     bagualu2: Algorithm 1's budget and the runtime :class:`~bagualu2.runtime.DecisionPath` (pre-gate
+                   plan, after-gate keep / absorb / graded re-plan / downgrade); steady pairs run the path's fused
+                   order.
+Plans fixed before training are made at ``plan_imbalance`` (default 1.0, DESIGN.md's balanced load; simulate's
+``plan_imbalance=`` changes it, e.g. 1.2 to provision for the ordinary iterations and fail on spikes only).
+
+* ``static-under`` one plan per chunk fixed before training for balanced load: ``greedy.solve(graph at r=1,
+                   M_max // in-flight count)``; fits at r=1, overruns on spikes (OOM -> restart -> static-over).
+* ``static-over``  full recompute: ``greedy.solve(graph at r=1, graph.floor_bytes)``.
+* ``kwai``         Megatron-Kwai: RECOMPUTE of norms and activation functions, plus OFFLOAD of the first
+                   ``ceil(alpha * n)`` of the n tensors that plan still keeps (every saving of each, graph order,
+                   block inputs excluded), alpha the smallest of 0, 0.05, ..., 1 that fits M_max // in-flight at
+                   r=1 (alpha = 1 if none does).
+* ``adapipe``      AdaPipe's adaptive recomputation, fixed before training at r=1, RECOMPUTE only: repeatedly
+                   recompute the kept tensor (all its savings) with the most bytes freed per added recompute-ns
+                   (``evaluate``) until the chunk fits M_max // in-flight; full recompute if it never does.
+* ``ideal``        no mitigation and unbounded memory: never an OOM; steady pairs fused like flexible's (the
+                   upper bound of throughput).
+* ``oracle``       knows each micro-batch's imbalance before planning: ``greedy.solve`` on the graph at that exact
+                   imbalance with Algorithm 1's budget (no deferred decision); steady pairs fused (``fusion.dp``).
+                   Simulator only.
+
+``FALLBACKS``: what the operator restarts with after an OOM (the paper: static-under -> static-over; the other
+plans fixed before training do the same). ``flexible``, ``oracle`` and ``static-over`` have none: their OOMs are
+counted but the run goes on (a configuration where they happen cannot train at all).
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..costmodel import OpGraph, Plan, Strategy, evaluate, resolve
+from ..mitigation import greedy
+from .stage import Choice, StageContext
+
+POLICIES = ("flexible", "static-under", "static-over", "kwai", "adapipe", "ideal", "oracle")
+FALLBACKS = {"static-under": "static-over", "kwai": "static-over", "adapipe": "static-over"}
+KWAI_BASE = Plan.uniform({"norm": Strategy.RECOMPUTE, "expert_act": Strategy.RECOMPUTE,
+                          "shared_act": Strategy.RECOMPUTE, "mlp_act": Strategy.RECOMPUTE})
+KWAI_STEPS = 20  # alpha in 0, 1/20, ..., 1
+NO_PLAN = Plan()
+STEADY = "steady"
+
+
+def check_policy(name: str) -> str:
+    if name not in POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {name!r}")
+    return name
+
+
+class StagePolicy:
+    """A policy on one stage. ``bounded``: an in-flight peak above M_max is an OOM; ``budgeted``: forwards get
+    Algorithm 1's budget (and, in warmup, its absorption limit)."""
+
+    name = ""
+    bounded = True
+    budgeted = False
+
+    def __init__(self, ctx: StageContext):
+        self.ctx = ctx
+
+    def forward(self, chunk: int, imbalance: float, phase: str, budget: int = 0, limit: int | None = None
+                ) -> Choice:
+        raise NotImplementedError
+
+
+class Static(StagePolicy):
+    """One plan per chunk, made before training at r=1; ``plan(chunk)`` says which."""
+
+    def __init__(self, ctx: StageContext, *, plan_imbalance: float = 1.0):
+        super().__init__(ctx)
+        self.plan_imbalance = plan_imbalance
+        self.plans = tuple(self.plan(chunk) for chunk in range(ctx.parallel.vp))
+
+    def design_graph(self, chunk: int) -> OpGraph:
+        """The graph the plan is made on: at ``plan_imbalance`` (default 1, balanced load)."""
+        return self.ctx.graph(chunk, self.plan_imbalance)
+
+    def plan(self, chunk: int) -> Plan:
+        raise NotImplementedError
+
+    def forward(self, chunk, imbalance, phase, budget=0, limit=None):
+        return self.ctx.choice(chunk, imbalance, self.plans[chunk])
+
+
+class StaticUnder(Static):
+    name = "static-under"
+
+    def plan(self, chunk):
+        return greedy.solve(self.design_graph(chunk), self.ctx.per_chunk_bytes).plan  # infeasible: the floor
+
+
+class StaticOver(Static):
+    name = "static-over"
+
+    def plan(self, chunk):
+        graph = self.design_graph(chunk)
+        return greedy.solve(graph, graph.floor_bytes).plan
+
+
+class Ideal(Static):
+    name = "ideal"
+    bounded = False
+
+    def plan(self, chunk):
+        return NO_PLAN
+
+    def forward(self, chunk, imbalance, phase, budget=0, limit=None):
+        return self.ctx.choice(chunk, imbalance, NO_PLAN, fused=phase == STEADY)
+
+
+def _tensor_savings(graph: OpGraph) -> dict[str, list[str]]:
+    """Mitigable tensors (block inputs excluded) in graph order, with the ``op/tensor`` keys of their savings."""
+    pinned = {tensor for _, tensor in graph.pinned}
+    out: dict[str, list[str]] = {}
+    for op, saving in graph.savings:
+        if saving.tensor not in pinned:
+            out.setdefault(saving.tensor, []).append(f"{op.name}/{saving.tensor}")
+    return out
+
+
+class Kwai(Static):
+    name = "kwai"
+
+    def __init__(self, ctx: StageContext, **options):
+        self.alphas: dict[int, float] = {}  # chunk -> the offloaded fraction chosen
+        super().__init__(ctx, **options)
+
+    def plan(self, chunk):
+        graph = self.design_graph(chunk)
+        strategies = resolve(graph, KWAI_BASE)
+        kept = [keys for keys in _tensor_savings(graph).values()
+                if all(strategies[tuple(k.split("/", 1))] is Strategy.KEEP for k in keys)]
+        plan = KWAI_BASE
+        for step in range(KWAI_STEPS + 1):
+            count = math.ceil(step * len(kept) / KWAI_STEPS)
+            plan = Plan(KWAI_BASE.entries + tuple((k, Strategy.OFFLOAD) for keys in kept[:count] for k in keys))
+            if self.ctx.cost(chunk, graph.imbalance, plan).activation_bytes <= self.ctx.per_chunk_bytes:
+                break
+        self.alphas[chunk] = step / KWAI_STEPS
+        return plan
+
+
+class AdaPipe(Static):
+    name = "adapipe"
+
+    def plan(self, chunk):
+        graph = self.design_graph(chunk)
+        target = self.ctx.per_chunk_bytes
+        plan, cost = NO_PLAN, evaluate(graph, NO_PLAN)
+        left = _tensor_savings(graph)
+        while cost.activation_bytes > target:
+            best = None
+            for tensor, keys in left.items():
+                candidate = Plan(plan.entries + tuple((k, Strategy.RECOMPUTE) for k in keys))
+                found = evaluate(graph, candidate)
+                freed = cost.activation_bytes - found.activation_bytes
+                if found.unavailable or freed <= 0:
+                    continue
+                score = freed / max(found.recompute_ns - cost.recompute_ns, 1)
+                if best is None or score > best[0]:
+                    best = (score, tensor, candidate, found)
+            if best is None:  # nothing left frees bytes: full recompute
+                return greedy.solve(graph, graph.floor_bytes).plan
+            _, tensor, plan, cost = best
+            del left[tensor]
+        return plan
+
+
+class Flexible(StagePolicy):
+    name = "flexible"
+    budgeted = True
+
+    def forward(self, chunk, imbalance, phase, budget=0, limit=None):
+        decision = self.ctx.path.forward(budget, imbalance, phase, chunk, limit_bytes=limit)
+        cost = self.ctx.cost(chunk, imbalance, decision.plan)
+        pair = decision.order.makespan_s if phase == STEADY else None
+        return Choice(decision.kept_bytes, cost.forward_s, cost.backward_s, pair)
+
+
+class Oracle(StagePolicy):
+    name = "oracle"
+    budgeted = True
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self._plans: dict[tuple, Plan] = {}
+
+    def forward(self, chunk, imbalance, phase, budget=0, limit=None):
+        graph = self.ctx.graph(chunk, imbalance)
+        if budget >= graph.unmitigated_bytes:
+            plan = NO_PLAN
+        else:
+            key = (chunk, imbalance, budget)
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = self._plans[key] = greedy.solve(graph, budget).plan  # below M0: the floor plan
+        return self.ctx.choice(chunk, imbalance, plan, fused=phase == STEADY)
+
+
+CLASSES = {cls.name: cls for cls in (Flexible, StaticUnder, StaticOver, Kwai, AdaPipe, Ideal, Oracle)}
+
+
+def make_policy(name: str, ctx: StageContext, *, plan_imbalance: float = 1.0) -> StagePolicy:
+    """Policy ``name`` (one of ``POLICIES``) on the stage of ``ctx``; the plans fixed before training (static-*,
+    kwai, adapipe) are made at ``plan_imbalance`` (DESIGN.md: balanced load, 1)."""
+    cls = CLASSES[check_policy(name)]
+    return cls(ctx, plan_imbalance=plan_imbalance) if issubclass(cls, Static) else cls(ctx)

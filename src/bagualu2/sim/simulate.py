@@ -1,0 +1,233 @@
+"""The paper-scale simulator (§VI): whole training iterations of every pipeline stage under one policy, with OOMs,
+restarts and MFU.
+
+Per iteration and stage, the stage's (interleaved) 1F1B schedule (``DecisionPath.stage_plan()``) is replayed:
+each forward asks the policy what it runs (:class:`~.stage.Choice`: bytes kept, exact at the micro-batch's
+imbalance; forward and backward seconds from ``evaluate``), in-flight bytes rise at forwards and fall at
+backwards; the peak above the stage's ``M_max`` is an OOM (never for ``ideal``).
+
+Time. A stage is busy for the sum of its steps: a forward takes its plan's ``forward_s``, a backward its plan's
+``backward_s`` (recompute, reloads and casts included); for ``flexible`` and ``oracle`` a steady forward F_x and
+the backward B_y that follows it run fused and take the pair's order makespan instead of the sum. With ``T_c``
+the mean over stages of (busy time / chunk forwards), i.e. a chunk's mean forward+backward time, and
+``T_mb = vp * T_c`` a micro-batch's forward+backward time on a stage, an iteration takes::
+
+    iteration_s = max over stages of busy_s + (pp - 1) * T_mb / vp      (Megatron's interleaved 1F1B bubble)
+
+MFU = model FLOPs per GPU per iteration / (iteration_s * peak_flops), the model FLOPs being the mean over stages
+of :meth:`~.stage.StageContext.model_flops` (3 x forward matrix-product FLOPs at balanced load).
+
+Restarts. When a policy with a fallback (``FALLBACKS``: static-under, kwai, adapipe) OOMs, the iteration is lost
+— its whole time plus ``restart_s`` (the paper's 284 s to restart from a checkpoint) is paid — and the same
+iteration is run again under the fallback (static-over), which stays in force for the rest of the run.
+
+Speed: whole iterations are memoised by (policy in force, the iteration's rates). The decision path's caches make
+a flexible iteration depend slightly on what came before (its planned imbalance follows the last gates); the memo
+keeps the first result for each rate vector.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+
+from ..budget import BudgetAssigner
+from ..costmodel import Hardware, ModelConfig, ParallelConfig
+from ..costmodel.build import check_imbalance
+from ..costmodel.validate import require_number
+from .policies import FALLBACKS, STEADY, StagePolicy, check_policy, make_policy
+from .stage import StageContext
+
+WARMUP = "warmup"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimConfig:
+    """restart_s: seconds an OOM restart costs (checkpoint reload, re-launch), a finite number >= 0.
+    plan_imbalance: the imbalance the plans fixed before training are made for (>= 1; DESIGN.md: 1)."""
+
+    restart_s: float = 284.0
+    plan_imbalance: float = 1.0
+
+    def __post_init__(self) -> None:
+        require_number("restart_s", self.restart_s, 0)
+        check_imbalance(self.plan_imbalance)
+
+
+@dataclass(frozen=True)
+class IterationResult:
+    """One iteration: wall seconds (lost time included), MFU over them, the in-flight activation peak of every
+    stage, whether it hit an OOM and was restarted, the policy it completed under, and the seconds lost."""
+
+    time_s: float
+    mfu: float
+    peak_bytes: tuple[int, ...]
+    oom: bool
+    restarted: bool
+    policy: str
+    lost_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class SimResult:
+    policy: str
+    iterations: tuple[IterationResult, ...]
+    m_max_bytes: tuple[int, ...]   # per stage
+    flops_per_iteration: float     # model FLOPs per GPU per iteration
+    tokens_per_iteration: int      # global: seq_length * micro_batch_size * num_microbatches * dp
+    peak_flops: float
+
+    @property
+    def total_time_s(self) -> float:
+        return sum(it.time_s for it in self.iterations)
+
+    @property
+    def mean_mfu(self) -> float:
+        """Time-weighted: all model FLOPs over all wall time, restarts included."""
+        return self.flops_per_iteration * len(self.iterations) / (self.total_time_s * self.peak_flops)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_iteration * len(self.iterations) / self.total_time_s
+
+    @property
+    def oom_events(self) -> int:
+        return sum(it.oom for it in self.iterations)
+
+    @property
+    def restarts(self) -> int:
+        return sum(it.restarted for it in self.iterations)
+
+    @property
+    def time_lost_s(self) -> float:
+        return sum(it.lost_s for it in self.iterations)
+
+    def summary(self) -> dict:
+        return {"policy": self.policy, "iterations": len(self.iterations), "mfu": self.mean_mfu,
+                "tokens_per_s": self.tokens_per_s, "oom_events": self.oom_events, "restarts": self.restarts,
+                "time_lost_s": self.time_lost_s, "total_time_s": self.total_time_s}
+
+
+def check_trace(trace, parallel: ParallelConfig) -> list:
+    """The trace's entries as memo keys: a float (every micro-batch at that rate) or a tuple of
+    ``num_microbatches`` floats; each rate in [1, ep]. One-line ``ValueError`` naming the entry otherwise."""
+    if isinstance(trace, (str, bytes)) or not hasattr(trace, "__len__"):
+        raise ValueError(f"trace must be a sequence of rates or of per-micro-batch rates, got {type(trace).__name__}")
+    if len(trace) == 0:
+        raise ValueError("trace must have at least one iteration")
+    keys = []
+    count = parallel.num_microbatches
+    for i, entry in enumerate(trace):
+        try:
+            if isinstance(entry, numbers.Real) and not isinstance(entry, bool):
+                keys.append(check_imbalance(entry, ep=parallel.ep))
+                continue
+            if isinstance(entry, (str, bytes)) or not hasattr(entry, "__len__") or len(entry) != count:
+                raise ValueError(f"must be a rate or {count} per-micro-batch rates, got {entry!r:.60}")
+            keys.append(tuple(check_imbalance(r, ep=parallel.ep) for r in entry))
+        except ValueError as exc:
+            raise ValueError(f"trace[{i}]: {exc}") from None
+    return keys
+
+
+def _stage_time(policy: StagePolicy, rates: tuple[float, ...]) -> tuple[float, int]:
+    """Busy seconds and in-flight peak of one stage over one iteration."""
+    ctx = policy.ctx
+    steps = ctx.steps
+    assigner = None
+    if policy.budgeted:
+        memory = ctx.memory
+        assigner = BudgetAssigner(m_max_bytes=memory.m_max_bytes, m0_bytes=memory.m0_bytes,
+                                  num_microbatches=len(steps) // 2, num_warmup=memory.inflight_chunks)
+    forward = policy.forward
+    running: dict[int, object] = {}
+    held = peak = 0
+    busy = 0.0
+    fused = False
+    last = len(steps) - 1
+    for i, (is_forward, index, microbatch, chunk, phase) in enumerate(steps):
+        if is_forward:
+            if assigner is not None:
+                budget = assigner.next_forward_budget()
+                limit = assigner.absorb_limit_bytes() if phase == WARMUP else None
+                choice = forward(chunk, rates[microbatch], phase, budget, limit)
+                assigner.record_forward(index, choice.kept_bytes)
+            else:
+                choice = forward(chunk, rates[microbatch], phase)
+            running[index] = choice
+            held += choice.kept_bytes
+            if held > peak:
+                peak = held
+            if choice.pair_s is not None and phase == STEADY and i < last and not steps[i + 1][0]:
+                busy += choice.pair_s
+                fused = True
+            else:
+                busy += choice.forward_s
+        else:
+            choice = running.pop(index)
+            held -= choice.kept_bytes
+            if assigner is not None:
+                assigner.record_backward(index)
+            if fused:
+                fused = False
+            else:
+                busy += choice.backward_s
+    return busy, peak
+
+
+class _Run:
+    """The stages of one simulation, with each policy built on first use and whole iterations memoised."""
+
+    def __init__(self, model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, config: SimConfig):
+        self.parallel, self.hardware, self.config = parallel, hardware, config
+        self.stages = [StageContext(model, parallel, hardware, s) for s in range(parallel.pp)]
+        self.flops = sum(ctx.model_flops() for ctx in self.stages) / parallel.pp
+        self._policies: dict[str, list[StagePolicy]] = {}
+        self._memo: dict[tuple, IterationResult] = {}
+
+    def iteration(self, name: str, key) -> IterationResult:
+        found = self._memo.get((name, key))
+        if found is not None:
+            return found
+        policies = self._policies.get(name)
+        if policies is None:
+            policies = self._policies[name] = [make_policy(name, ctx, plan_imbalance=self.config.plan_imbalance)
+                                                for ctx in self.stages]
+        parallel = self.parallel
+        rates = key if isinstance(key, tuple) else (key,) * parallel.num_microbatches
+        busy, peaks, oom = [], [], False
+        for policy in policies:
+            seconds, peak = _stage_time(policy, rates)
+            busy.append(seconds)
+            peaks.append(peak)
+            oom = oom or (policy.bounded and peak > policy.ctx.m_max_bytes)
+        chunk_s = sum(busy) / len(busy) / (parallel.num_microbatches * parallel.vp)
+        time_s = max(busy) + (parallel.pp - 1) * (parallel.vp * chunk_s) / parallel.vp
+        found = self._memo[(name, key)] = IterationResult(time_s, self.flops / (time_s * self.hardware.peak_flops),
+                                                          tuple(peaks), oom, False, name)
+        return found
+
+
+def simulate(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, policy: str, trace, *,
+             restart_s: float = 284.0, plan_imbalance: float = 1.0) -> SimResult:
+    """Simulate ``trace`` (one entry per iteration: a rate, or one rate per micro-batch) under ``policy`` (one of
+    ``POLICIES``); see the module docstring for what is modelled."""
+    config = SimConfig(restart_s=restart_s, plan_imbalance=plan_imbalance)
+    check_policy(policy)
+    keys = check_trace(trace, parallel)
+    run = _Run(model, parallel, hardware, config)
+    results = []
+    in_force = policy
+    for key in keys:
+        result = run.iteration(in_force, key)
+        if result.oom and in_force in FALLBACKS:
+            lost = result.time_s + config.restart_s
+            in_force = FALLBACKS[in_force]
+            redo = run.iteration(in_force, key)
+            total = lost + redo.time_s
+            result = IterationResult(total, run.flops / (total * hardware.peak_flops), redo.peak_bytes, True, True,
+                                     in_force, lost)
+        results.append(result)
+    tokens = model.seq_length * model.micro_batch_size * parallel.num_microbatches * parallel.dp
+    return SimResult(policy, tuple(results), tuple(ctx.m_max_bytes for ctx in run.stages), run.flops, tokens,
+                     hardware.peak_flops)

@@ -1,0 +1,122 @@
+"""Imbalance traces for the simulator (paper §II-B): a seeded synthetic trace with the paper's statistics, and the
+trainer's JSONL log read back.
+
+A trace is a sequence with one entry per iteration: either one imbalance rate (a float; every micro-batch of the
+iteration then gets that rate — the worst case for memory, as a spike hits every in-flight micro-batch at once) or
+a tuple with one rate per micro-batch.
+
+:func:`paper_trace` draws exactly ``round(spike_share * n)`` spike iterations (positions uniform without
+replacement), their rates uniform in ``(base_high, spike_max]``; every other iteration uniform in
+``[base_low, base_high]``. Rates are rounded to 2 decimals (spikes rounded *up*, so they stay above ``base_high``):
+the simulator memoises whole iterations by their rates, and 0.01 is below what a gate's token counts resolve on
+these models.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..costmodel.build import check_imbalance
+from ..costmodel.validate import require_int, require_number
+
+DECIMALS = 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class PaperTrace:
+    """The synthetic trace of the paper (§II-B: 97.1% of iterations at 1.0–1.2x, 2.9% spikes up to 2.6x).
+
+      num_iterations  iterations (>= 1).
+      seed            random seed (an integer >= 0).
+      spike_share     share of spike iterations, in [0, 1].
+      base_low        lowest ordinary rate (>= 1).
+      base_high       highest ordinary rate (>= base_low).
+      spike_max       highest spike rate (> base_high unless spike_share is 0).
+    """
+
+    num_iterations: int
+    seed: int = 0
+    spike_share: float = 0.029
+    base_low: float = 1.0
+    base_high: float = 1.2
+    spike_max: float = 2.6
+
+    def __post_init__(self) -> None:
+        require_int("num_iterations", self.num_iterations, 1)
+        require_int("seed", self.seed, 0)
+        require_number("spike_share", self.spike_share, 0, 1)
+        require_number("base_low", self.base_low, 1)
+        require_number("base_high", self.base_high, self.base_low)
+        require_number("spike_max", self.spike_max, self.base_high, low_open=self.spike_share > 0)
+
+    def rates(self) -> tuple[float, ...]:
+        rng = random.Random(self.seed)
+        n = self.num_iterations
+        spikes = set(rng.sample(range(n), round(self.spike_share * n)))
+        scale = 10 ** DECIMALS
+        floor = math.floor(self.base_high * scale + 1e-9) + 1  # the smallest rounded rate above base_high
+        out = []
+        for i in range(n):
+            if i in spikes:
+                drawn = math.ceil(rng.uniform(self.base_high, self.spike_max) * scale - 1e-9)
+                out.append(min(max(drawn, floor), math.floor(self.spike_max * scale + 1e-9)) / scale)
+            else:
+                drawn = round(rng.uniform(self.base_low, self.base_high), DECIMALS)
+                out.append(min(max(drawn, self.base_low), self.base_high))
+        return tuple(out)
+
+
+def paper_trace(num_iterations: int, *, seed: int = 0, spike_share: float = 0.029, base_low: float = 1.0,
+                base_high: float = 1.2, spike_max: float = 2.6) -> tuple[float, ...]:
+    """One imbalance rate per iteration with the paper's statistics (see :class:`PaperTrace`); seeded."""
+    return PaperTrace(num_iterations=num_iterations, seed=seed, spike_share=spike_share, base_low=base_low,
+                      base_high=base_high, spike_max=spike_max).rates()
+
+
+def load_trace(path: str | Path) -> tuple[tuple[float, ...], ...]:
+    """Per-iteration, per-micro-batch rates from the trainer's JSONL log: one object a line,
+    ``{"iteration": i, "microbatch": m, "imbalance": r}`` (blank lines skipped). Iterations and micro-batches
+    must each be numbered 0, 1, ... without gaps, every iteration with the same micro-batch count, no duplicate;
+    anything else is a one-line ``ValueError`` naming the line."""
+    rows: dict[int, dict[int, float]] = {}
+    where = {}
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            label = f"{path}: line {number}"
+            try:
+                row = json.loads(line)
+            except (json.JSONDecodeError, RecursionError):
+                raise ValueError(f"{label}: not valid JSON") from None
+            if not isinstance(row, dict) or set(row) != {"iteration", "microbatch", "imbalance"}:
+                raise ValueError(f'{label}: expected {{"iteration": i, "microbatch": m, "imbalance": r}}')
+            try:
+                iteration = require_int("iteration", row["iteration"], 0)
+                microbatch = require_int("microbatch", row["microbatch"], 0)
+                rate = check_imbalance(row["imbalance"])
+            except ValueError as exc:
+                raise ValueError(f"{label}: {exc}") from None
+            per = rows.setdefault(iteration, {})
+            if microbatch in per:
+                raise ValueError(f"{label}: iteration {iteration} micro-batch {microbatch} appears twice")
+            per[microbatch] = rate
+            where[iteration] = number
+    if not rows:
+        raise ValueError(f"{path}: no trace rows")
+    count = len(rows[min(rows)])
+    trace = []
+    for expected, iteration in enumerate(sorted(rows)):
+        if iteration != expected:
+            raise ValueError(f"{path}: line {where[iteration]}: iteration {iteration} follows {expected - 1} "
+                             "(iterations must be numbered 0, 1, ... without gaps)")
+        per = rows[iteration]
+        if sorted(per) != list(range(count)):
+            raise ValueError(f"{path}: line {where[iteration]}: iteration {iteration} has micro-batches "
+                             f"{sorted(per)[:8]}..., expected 0..{count - 1}")
+        trace.append(tuple(per[m] for m in range(count)))
+    return tuple(trace)

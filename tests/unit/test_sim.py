@@ -1,0 +1,181 @@
+"""The paper-scale simulator (``bagualu2.sim``): traces, policies, OOM + restart, MFU ordering, the CLI."""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+
+import pytest
+from typer.testing import CliRunner
+
+from bagualu2.cli import app
+from bagualu2.costmodel import presets
+from bagualu2.sim import POLICIES, PaperTrace, SimConfig, load_trace, paper_trace, simulate
+
+MODEL = "glm-188b-a20b"  # pp=4, vp=2: the smallest Table II layout
+HARDWARE = presets.hardware("paper-gpu")
+runner = CliRunner(env={"COLUMNS": "200", "NO_COLOR": "1"})
+
+NO_SPIKES = paper_trace(12, seed=1, spike_share=0.0)
+WITH_SPIKES = (1.1, 2.6, 1.05, 2.4, 1.2, 1.0)
+
+
+@lru_cache(maxsize=None)
+def run(policy: str, trace: tuple, restart_s: float = 284.0):
+    model, parallel = presets.model(MODEL)
+    return simulate(model, parallel, HARDWARE, policy, trace, restart_s=restart_s)
+
+
+# ---- traces ------------------------------------------------------------------------------------------------
+def test_paper_trace_is_seeded_and_has_the_papers_shares():
+    trace = paper_trace(10_000, seed=7)
+    assert trace == paper_trace(10_000, seed=7) and trace != paper_trace(10_000, seed=8)
+    spikes = [r for r in trace if r > 1.2]
+    assert len(spikes) == 290  # exactly 2.9%
+    assert all(1.2 < r <= 2.6 for r in spikes)
+    assert all(1.0 <= r <= 1.2 for r in trace if r <= 1.2)
+    assert max(spikes) > 2.4 and min(spikes) < 1.4  # spread over the spike range
+    assert paper_trace(50, spike_share=0.0) == tuple(r for r in paper_trace(50, spike_share=0.0) if r <= 1.2)
+
+
+@pytest.mark.parametrize("kwargs, field", [({"num_iterations": 0}, "num_iterations"),
+                                           ({"num_iterations": 5, "spike_share": 1.5}, "spike_share"),
+                                           ({"num_iterations": 5, "base_low": 0.5}, "base_low"),
+                                           ({"num_iterations": 5, "base_high": 0.9}, "base_high"),
+                                           ({"num_iterations": 5, "spike_max": 1.1}, "spike_max"),
+                                           ({"num_iterations": 5, "seed": -1}, "seed")])
+def test_paper_trace_rejects_bad_fields(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        PaperTrace(**kwargs)
+
+
+def write(tmp_path, lines):
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_load_trace_reads_the_trainers_log(tmp_path):
+    rows = [json.dumps({"iteration": i, "microbatch": m, "imbalance": 1.0 + i + m / 10})
+            for i in range(2) for m in range(3)]
+    assert load_trace(write(tmp_path, rows[::-1])) == ((1.0, 1.1, 1.2), (2.0, 2.1, 2.2))
+
+
+@pytest.mark.parametrize("lines, match", [
+    (['{"iteration": 0, "microbatch": 0, "imbalance": 1.0}', "not json"], "line 2: not valid JSON"),
+    (['{"iteration": 0, "microbatch": 0}'], "line 1: expected"),
+    (['{"iteration": 0, "microbatch": 0, "imbalance": 0.5}'], "line 1: imbalance"),
+    (['{"iteration": 0, "microbatch": 0, "imbalance": 1}', '{"iteration": 0, "microbatch": 0, "imbalance": 1}'],
+     "line 2: .*twice"),
+    (['{"iteration": 1, "microbatch": 0, "imbalance": 1}'], "line 1: iteration 1"),
+    ([""], "no trace rows"),
+])
+def test_load_trace_names_the_bad_line(tmp_path, lines, match):
+    with pytest.raises(ValueError, match=match):
+        load_trace(write(tmp_path, lines))
+
+
+# ---- policies --------------------------------------------------------------------------------------------
+def test_without_spikes_flexible_beats_the_static_plans():
+    flexible, over, under = (run(p, NO_SPIKES) for p in ("flexible", "static-over", "static-under"))
+    assert flexible.oom_events == 0
+    for fast, slow in zip(flexible.iterations, over.iterations):
+        assert fast.time_s <= slow.time_s
+    assert flexible.mean_mfu >= under.mean_mfu
+    assert flexible.mean_mfu >= over.mean_mfu
+
+
+def test_static_under_pays_one_restart_per_oom_then_runs_static_over():
+    under, over = run("static-under", WITH_SPIKES), run("static-over", WITH_SPIKES)
+    assert under.oom_events == under.restarts == 1
+    first = next(i for i, it in enumerate(under.iterations) if it.oom)
+    assert under.iterations[first].restarted and under.iterations[first].policy == "static-over"
+    assert all(it.policy == "static-under" for it in under.iterations[:first])
+    assert all(it.policy == "static-over" and not it.oom for it in under.iterations[first + 1:])
+    lost = under.iterations[first].lost_s
+    assert lost > 284.0 and under.time_lost_s == lost
+    assert under.iterations[first].time_s == pytest.approx(lost + over.iterations[first].time_s)
+    assert under.total_time_s > over.total_time_s
+    assert run("static-under", WITH_SPIKES, 0.0).time_lost_s == pytest.approx(lost - 284.0)
+
+
+def test_flexible_never_exceeds_any_stages_capacity():
+    result = run("flexible", WITH_SPIKES)
+    assert result.oom_events == 0
+    for it in result.iterations:
+        assert all(peak <= cap for peak, cap in zip(it.peak_bytes, result.m_max_bytes))
+    assert max(run("ideal", WITH_SPIKES).iterations[1].peak_bytes) > max(result.iterations[1].peak_bytes)
+
+
+def test_ideal_oracle_flexible_order():
+    trace = WITH_SPIKES + NO_SPIKES[:4]
+    ideal, oracle, flexible = (run(p, trace).mean_mfu for p in ("ideal", "oracle", "flexible"))
+    assert ideal >= oracle >= flexible > 0
+
+
+def test_every_policy_runs_and_summarises():
+    for policy in POLICIES:
+        result = run(policy, WITH_SPIKES)
+        summary = result.summary()
+        assert summary["policy"] == policy and summary["iterations"] == len(WITH_SPIKES)
+        assert 0 < summary["mfu"] < 1 and summary["tokens_per_s"] > 0
+        assert result.tokens_per_iteration == 4096 * 1 * 64 * 16
+    assert run("ideal", WITH_SPIKES).oom_events == 0
+
+
+def test_per_microbatch_trace_equals_the_uniform_one():
+    model, parallel = presets.model(MODEL)
+    per = ((1.1,) * parallel.num_microbatches,)
+    assert simulate(model, parallel, HARDWARE, "static-over", per).iterations == \
+        simulate(model, parallel, HARDWARE, "static-over", (1.1,)).iterations
+
+
+@pytest.mark.parametrize("kwargs, match", [({"policy": "megatron"}, "policy must be one of"),
+                                           ({"trace": (1.0, 0.5)}, r"trace\[1\]: imbalance"),
+                                           ({"trace": ((1.0, 1.1),)}, r"trace\[0\]: must be a rate or 64"),
+                                           ({"trace": ()}, "at least one"),
+                                           ({"restart_s": -1.0}, "restart_s"),
+                                           ({"plan_imbalance": 0.9}, "imbalance")])
+def test_simulate_rejects_bad_inputs(kwargs, match):
+    model, parallel = presets.model(MODEL)
+    args = {"policy": "static-over", "trace": (1.0,), **kwargs}
+    policy, trace = args.pop("policy"), args.pop("trace")
+    with pytest.raises(ValueError, match=match):
+        simulate(model, parallel, HARDWARE, policy, trace, **args)
+    with pytest.raises(ValueError, match="restart_s"):
+        SimConfig(restart_s=float("nan"))
+
+
+# ---- CLI ---------------------------------------------------------------------------------------------------
+def test_cli_json_fields():
+    result = runner.invoke(app, ["simulate", "-m", MODEL, "-n", "6", "--seed", "1", "-p", "static-over",
+                                 "-p", "flexible", "--json"])
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert [d["policy"] for d in data] == ["static-over", "flexible"]
+    for d in data:
+        assert {"policy", "mfu", "oom_events", "restarts", "tokens_per_s", "time_lost_s"} <= set(d)
+    assert data[0]["mfu"] == pytest.approx(run("static-over", paper_trace(6, seed=1)).mean_mfu)
+
+
+def test_cli_table_and_trace_file(tmp_path):
+    rows = [json.dumps({"iteration": i, "microbatch": m, "imbalance": 1.1}) for i in range(2) for m in range(64)]
+    result = runner.invoke(app, ["simulate", "-m", MODEL, "--trace", str(write(tmp_path, rows)), "-p", "ideal"])
+    assert result.exit_code == 0, result.stderr
+    assert "ideal" in result.stdout and "mean MFU" in result.stdout
+
+
+@pytest.mark.parametrize("args, option", [(["-p", "nope"], "--policy"), (["-n", "-1"], "--iterations"),
+                                          (["--restart-s", "-2"], "--restart-s"), (["--seed", "-1"], "--seed"),
+                                          (["--model", "nope"], "--model")])
+def test_cli_errors_are_one_line(args, option):
+    result = runner.invoke(app, ["simulate", *args])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {option}:"), result.stderr
+
+
+def test_cli_malformed_trace(tmp_path):
+    result = runner.invoke(app, ["simulate", "-m", MODEL, "--trace", str(write(tmp_path, ["{"]))])
+    assert result.exit_code == 2
+    assert result.stderr.strip().startswith("error: --trace:") and "line 1" in result.stderr
