@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any, NoReturn, Sequence
 
 
 def _fail(message: str) -> NoReturn:
-    sys.stderr.write(f"error: {' '.join(message.split())}\n")
+    """One line on stderr and exit code 2; under torchrun only rank 0 reports, the others exit quietly."""
+    if os.environ.get("RANK", "0") == "0":
+        sys.stderr.write(f"error: {' '.join(message.split())}\n")
     raise SystemExit(2)
 
 

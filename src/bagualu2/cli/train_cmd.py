@@ -3,17 +3,17 @@
 Every argument the command does not know is passed to the trainer unchanged (put them after ``--`` to be safe:
 ``bagualu2 train --nproc-per-node 2 -- --steps 5 --json``). One node runs ``torchrun --standalone``; several
 nodes rendezvous on ``--master-addr:--master-port`` (c10d), each launched with its own ``--node-rank``. The exit
-code is the trainer's. Without torch or torchrun the command says so in one line (exit 2).
+code is the trainer's; a failing trainer's one-line error is the only report (torchrun runs through
+``bagualu2.cli.launch``, which drops torchrun's traceback). Without torch the command says so in one line (exit 2).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
+import os
 import subprocess
 import sys
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -23,24 +23,13 @@ from .common import CliError, handle_errors
 TRAINER = "reference_trainer.train"
 
 
-def torchrun_path() -> str:
-    """The ``torchrun`` of this interpreter's environment (beside ``python``), else the one on ``PATH``."""
-    beside = Path(sys.executable).with_name("torchrun")
-    if beside.is_file():
-        return str(beside)
-    found = shutil.which("torchrun")
-    if found is None:
-        raise CliError("torchrun was not found next to this Python or on PATH; it comes with torch "
-                       "(pip install torch)")
-    return found
-
-
 def command(trainer_args: list[str], *, nproc_per_node: int, nnodes: int, node_rank: int, master_addr: str,
             master_port: int) -> list[str]:
-    """The torchrun command line that runs the trainer with ``trainer_args``."""
+    """The torchrun arguments (without the program) that run the trainer with ``trainer_args``."""
     if importlib.util.find_spec("torch") is None:
-        raise CliError("torch is not installed in this environment (pip install torch; CPU: torch==2.13.0)")
-    launcher = [torchrun_path(), f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}"]
+        raise CliError("torch (and with it torchrun) is not installed in this environment (pip install torch; "
+                       "CPU: torch==2.13.0)")
+    launcher = [f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}"]
     if nnodes == 1:
         launcher.append("--standalone")
     else:
@@ -73,7 +62,10 @@ def train(
         trainer_args.append("--json")
     argv = command(trainer_args, nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
                    master_addr=master_addr, master_port=master_port)
-    if dry_run:
-        typer.echo(json.dumps({"command": argv}) if as_json else " ".join(argv))
+    if dry_run:  # the equivalent torchrun command line
+        shown = ["torchrun", *argv]
+        typer.echo(json.dumps({"command": shown}) if as_json else " ".join(shown))
         return
-    raise typer.Exit(code=subprocess.run(argv).returncode)
+    # torchrun's main through bagualu2.cli.launch: a failed worker's one-line error is the only report
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}  # torchrun's default, unwarned
+    raise typer.Exit(code=subprocess.run([sys.executable, "-m", "bagualu2.cli.launch", *argv], env=env).returncode)

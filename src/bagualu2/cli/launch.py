@@ -1,0 +1,34 @@
+"""``python -m bagualu2.cli.launch TORCHRUN-ARGS``: torchrun's own main, but a failed worker ends the launch with the
+worker's exit code and nothing more — the worker has already reported its one-line error (rank 0 only), so
+torchrun's traceback and failure summary are not printed. Everything else is torchrun's (rendezvous, restarts,
+``--max-restarts``); its logs keep their levels except the one that repeats a worker's failure."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+
+class _NoWorkerFailure(logging.Filter):
+    """Drops the lines that only repeat a worker's failure (its exit code, the SIGTERM to its peers)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return "failed (exitcode" not in message and "closing signal" not in message
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_NoWorkerFailure())
+    try:
+        torchrun_main(sys.argv[1:] if argv is None else argv)
+    except ChildFailedError as exc:
+        codes = [failure.exitcode for failure in exc.failures.values()]
+        return next((code for code in codes if code > 0), 1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
