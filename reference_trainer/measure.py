@@ -222,6 +222,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _fail(f"--budget-bytes: must be an integer >= 0, got {args.budget_bytes}", quiet)
     if args.ep < 1:
         _fail(f"--ep: must be an integer >= 1, got {args.ep}", quiet)
+    if not 0 <= args.seed < 2**63 - 1024:  # torch.manual_seed takes a 64-bit seed; EP ranks add their rank
+        _fail(f"--seed: must be an integer in [0, 2**63 - 1024), got {args.seed}", quiet)
     if world != args.ep:
         _fail(f"--ep: {args.ep} needs exactly {args.ep} processes (torchrun --nproc_per_node={args.ep}); "
               f"running {world}", quiet)

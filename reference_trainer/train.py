@@ -59,6 +59,7 @@ def train(preset: str = "tiny-moe", *, steps: int = 20, lr: float = 1e-2, seed: 
     from bagualu2.costmodel.validate import require_int, require_number
 
     require_int("--steps", steps, 1)
+    require_int("--seed", seed, 0, 2**63)  # torch.manual_seed takes a 64-bit seed
     require_number("--lr", lr, 0, 3.0e38, low_open=True)  # the optimizer casts it to the parameters' float32
     model_config, parallel = presets.model(preset)
     micro = parallel.num_microbatches

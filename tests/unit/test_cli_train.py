@@ -56,3 +56,17 @@ def test_under_torchrun_only_rank_0_reports_one_line():
                            "--lr", "inf"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["error: --lr must be a finite number in (0, 3e+38], got inf"]
+
+
+@pytest.mark.parametrize("module, args, message", [
+    ("reference_trainer.measure", ["--preset", "tiny-moe", "--seed", str(10**30)], "error: --seed:"),
+    ("reference_trainer.measure", ["--preset", "tiny-moe", "--seed", "-1"], "error: --seed:"),
+    ("reference_trainer.train", ["--seed", "-3", "--steps", "1"], "error: --seed"),
+    ("reference_trainer.train", ["--lr", "1e300"], "error: --lr"),
+    ("reference_trainer.train", ["--lr", "inf", "--json"], "error: --lr"),
+    ("reference_trainer.train", ["--steps", "x"], "error: argument --steps"),
+])
+def test_reference_trainer_modules_reject_bad_flags_in_one_line(module, args, message):
+    proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith(message) and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
