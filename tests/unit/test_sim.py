@@ -179,3 +179,21 @@ def test_cli_malformed_trace(tmp_path):
     result = runner.invoke(app, ["simulate", "-m", MODEL, "--trace", str(write(tmp_path, ["{"]))])
     assert result.exit_code == 2
     assert result.stderr.strip().startswith("error: --trace:") and "line 1" in result.stderr
+
+
+def test_simulate_png_is_written_atomically_and_refuses_non_files(tmp_path):
+    import os
+
+    from typer.testing import CliRunner
+
+    from bagualu2.cli import app
+
+    target = tmp_path / "mfu.png"
+    result = CliRunner().invoke(app, ["simulate", "-m", "glm-188b-a20b", "-n", "20", "-p", "flexible", "-p",
+                                      "static-over", "--png", str(target)])
+    assert result.exit_code == 0, result.output
+    assert target.read_bytes().startswith(b"\x89PNG") and not list(tmp_path.glob(".*tmp"))
+    fifo = tmp_path / "fifo.png"
+    os.mkfifo(fifo)
+    bad = CliRunner().invoke(app, ["simulate", "-n", "5", "--png", str(fifo)])
+    assert bad.exit_code == 2 and bad.output.startswith("error: --png:") and fifo.exists()

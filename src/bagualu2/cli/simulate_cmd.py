@@ -12,7 +12,7 @@ from rich.table import Table
 from bagualu2.sim import POLICIES, SimResult, load_trace, paper_trace, simulate
 
 from .common import (HARDWARE_HELP, JSON_HELP, MODEL_HELP, CliError, blame, console, echo_json, handle_errors,
-                     load_hardware, load_model)
+                     load_hardware, load_model, output_path, write_output)
 
 DEFAULT_MODEL = "glm-423b-a30b"
 DEFAULT_ITERATIONS = 200
@@ -24,6 +24,31 @@ JSON_DOC = ("JSON (--json): a list, one object per policy: {policy, model, hardw
 
 def result_json(result: SimResult, model: str, hardware: str) -> dict[str, Any]:
     return {"model": model, "hardware": hardware, **result.summary()}
+
+
+def simulate_png(rates, results: list[SimResult], title: str) -> bytes:
+    """The iterations' imbalance (max over micro-batches) above, each policy's MFU per iteration below (restarts
+    show as drops), as PNG bytes (matplotlib, Agg)."""
+    import io
+
+    from matplotlib.figure import Figure  # lazy: no pyplot, no global backend state
+
+    figure = Figure(figsize=(10, 5), dpi=100)
+    top, bottom = figure.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [1, 2]})
+    steps = range(1, len(rates) + 1)
+    top.plot(steps, [max(r) if isinstance(r, (tuple, list)) else r for r in rates], color="gray", linewidth=0.8)
+    top.set_ylabel("imbalance")
+    top.set_title(title, fontsize=10)
+    for result in results:
+        bottom.plot(steps, [it.mfu for it in result.iterations[:len(rates)]], label=result.policy, linewidth=0.9)
+    bottom.set_xlabel("iteration")
+    bottom.set_ylabel("MFU")
+    bottom.set_ylim(bottom=0)
+    bottom.legend(loc="lower right", fontsize=8, ncol=4)
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    return buffer.getvalue()
 
 
 @handle_errors
@@ -39,6 +64,8 @@ def simulate_cmd(
     trace: Annotated[Optional[str], typer.Option("--trace", metavar="FILE", help="The trainer's JSONL imbalance "
                                                  'log ({"iteration", "microbatch", "imbalance"} a line) instead '
                                                  "of the paper trace.")] = None,
+    png: Annotated[Optional[str], typer.Option("--png", metavar="PATH", help="Also plot the imbalance and every "
+                                               "policy's MFU per iteration (PNG, written atomically).")] = None,
     json_output: Annotated[bool, typer.Option("--json", help=JSON_HELP + " " + JSON_DOC)] = False,
 ) -> None:
     """Mean MFU, tokens/s, OOM events, restarts and time lost per policy over a trace of iterations.
@@ -46,6 +73,7 @@ def simulate_cmd(
     The default trace has the paper's statistics (97.1% of iterations at 1.0-1.2x, 2.9% spikes up to 2.6x);
     static-under restarts as static-over after its first OOM. docs/sim.md has the formulas.
     """
+    png_path = output_path(png)
     name, model_config, parallel = load_model(model)
     hw = load_hardware(hardware)
     policies = list(dict.fromkeys(policy or POLICIES))
@@ -72,6 +100,8 @@ def simulate_cmd(
     for value in policies:
         with blame("--trace" if trace is not None else "--model"):
             results.append(simulate(model_config, parallel, hw, value, rates, restart_s=restart_s))
+    if png_path is not None:
+        write_output(png_path, simulate_png(rates, results, f"{name} on {hw.name}: {source}"))
     if json_output:
         echo_json([result_json(r, name, hw.name) for r in results])
         return
@@ -82,3 +112,5 @@ def simulate_cmd(
         table.add_row(r.policy, f"{r.mean_mfu:.4f}", f"{r.tokens_per_s:,.0f}", str(r.oom_events), str(r.restarts),
                       f"{r.time_lost_s:.1f}", f"{r.total_time_s:.1f}")
     console().print(table)
+    if png_path is not None:
+        console().print(f"wrote the MFU plot to {escape(str(png_path))}", soft_wrap=True)
