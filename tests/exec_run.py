@@ -8,9 +8,9 @@ from bagualu2.exec import apply_plan, flop_counter
 from reference_trainer.model import GLMMoEModel
 
 
-def run_plan(config, graph, plan, *, seed: int = 0):
+def run_plan(config, graph, plan, *, seed: int = 0, deferred=None):
     """``(record or None, loss, {name: grad} incl. "input", backward FLOPs)`` of one micro-batch (``plan=None``:
-    no executor at all)."""
+    no executor at all; ``deferred``: a DeferredPlanner consulted after every MoE gate)."""
     torch.manual_seed(seed)
     model = GLMMoEModel(config)
     x = torch.randn(config.micro_batch_size, config.seq_length, config.hidden_size,
@@ -19,7 +19,7 @@ def run_plan(config, graph, plan, *, seed: int = 0):
     if plan is None:
         out = model.forward_layers(x)
     else:
-        executor = apply_plan(graph, plan, exclude=[model])
+        executor = apply_plan(graph, plan, exclude=[model], deferred=deferred)
         with executor.micro_batch("mb0") as record:
             out = model.forward_layers(x)
     loss = out.float().pow(2).mean()

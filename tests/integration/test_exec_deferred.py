@@ -19,6 +19,7 @@ import torch
 
 from bagualu2.costmodel import ParallelConfig, Plan, build_graph, evaluate, presets
 from bagualu2.exec import ActivationOutOfMemoryError, ActivationTracker, DeferredPlanner, apply_plan, downgrade_module
+from exec_run import run_plan
 from reference_trainer.model import GLMMoEModel
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -156,19 +157,8 @@ def _run_bf16(plan, deferred, monkeypatch=None, gate=True):
         import reference_trainer.model as reference
 
         monkeypatch.setattr(reference, "after_gate", lambda *args, **kwargs: False)
-    torch.manual_seed(0)
-    model = GLMMoEModel(config)
-    x = torch.randn(config.micro_batch_size, config.seq_length, config.hidden_size, dtype=torch.bfloat16,
-                    requires_grad=True)
-    record = None
-    if plan is None:
-        out = model.forward_layers(x)
-    else:
-        executor = apply_plan(graph, plan, tracker=ActivationTracker(exclude=[model]), deferred=deferred)
-        with executor.micro_batch("mb0") as record:
-            out = model.forward_layers(x)
-    out.float().pow(2).mean().backward()
-    return graph, record, [p.grad.clone() for p in model.parameters() if p.grad is not None] + [x.grad.clone()]
+    record, _, grads, _ = run_plan(config, graph, plan, deferred=deferred)
+    return graph, record, list(grads.values())
 
 
 def test_a_gate_never_reported_settles_at_the_end_and_backward_reads_the_stored_copy(monkeypatch):

@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bagualu2.costmodel import ParallelConfig, Plan, Strategy, build_graph, evaluate, presets
-from bagualu2.exec import ActivationTracker, DeferredPlanner, apply_plan
+from bagualu2.exec import DeferredPlanner
 from bagualu2.mitigation.space import decision_space
-from reference_trainer.model import GLMMoEModel
+from exec_run import run_plan
 
 CONFIG = presets.model("tiny-moe")[0].replace(seq_length=16)
 HARDWARE = presets.hardware("cpu")
@@ -21,20 +21,8 @@ SPACE = decision_space(GRAPH)
 
 
 def _run(plan, deferred=None):
-    torch.manual_seed(0)
-    model = GLMMoEModel(CONFIG)
-    x = torch.randn(CONFIG.micro_batch_size, CONFIG.seq_length, CONFIG.hidden_size, requires_grad=True)
-    record = None
-    if plan is None:
-        out = model.forward_layers(x)
-    else:
-        executor = apply_plan(GRAPH, plan, tracker=ActivationTracker(exclude=[model]), deferred=deferred)
-        with executor.micro_batch("mb0") as record:
-            out = model.forward_layers(x)
-    loss = out.pow(2).mean()
-    loss.backward()
-    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None] + [x.grad.clone()]
-    return record, loss.detach(), grads
+    record, loss, grads, _ = run_plan(CONFIG, GRAPH, plan, deferred=deferred)
+    return record, loss, list(grads.values())
 
 
 PLAIN = _run(None)
