@@ -345,6 +345,8 @@ class MoE(nn.Module):
                        if m.num_shared_experts else None)
         self.layer = layer
         self.last_tokens_per_expert: torch.Tensor | None = None  # copies routed to each local expert (received)
+        self.last_counts: torch.Tensor | None = None  # this rank's routed copies per global expert (last forward)
+        self.load: torch.Tensor | None = None         # ... summed since the trainer last reset it
 
     def bias_towards(self, rank: int, picks: int) -> None:
         """Set ``expert_bias`` so that every token puts exactly ``picks`` of its top-k on EP rank ``rank``."""
@@ -408,8 +410,10 @@ class MoE(nn.Module):
         ops = self._ops
         probs, routing = run_op(ops["router"], RouterFunction.apply, tokens, self.router, self.expert_bias,
                                 self.top_k)                                                       # [router]
-        send, recv = self.exchange_counts(torch.bincount(routing.reshape(-1).long(),
-                                                         minlength=self.num_experts))
+        counts = torch.bincount(routing.reshape(-1).long(), minlength=self.num_experts)
+        self.last_counts = counts  # this rank's tokens per (global) expert: the trainer's balancing and metrics
+        self.load = counts if self.load is None else self.load + counts
+        send, recv = self.exchange_counts(counts)
         after_gate(self.layer, int(recv.sum()), self.ep_group)  # deferred planning: may downgrade this module
         permuted = run_op(ops["permute"], PermuteFunction.apply, tokens, routing)                 # [permute]
         received, counts, state = run_op(ops["dispatch"], self.dispatch, permuted, (send, recv))   # [dispatch]

@@ -18,7 +18,7 @@ Semantics (see docs/costmodel.md):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Callable, Collection, Mapping
 
@@ -43,6 +43,20 @@ class PlanCost:
     unavailable: tuple[str, ...] = ()
     recompute_flops: int = 0  # matrix-product and attention FLOPs of the re-run ops (``graph.MATMUL_KINDS``)
     routed_bytes: int = 0  # the part of ``activation_bytes`` held by routed-expert tensors (scales with imbalance)
+    routed_bytes_by_layer: Mapping[int, int] = field(default_factory=dict)  # ``routed_bytes`` per MoE layer
+
+    def activation_bytes_received(self, graph: OpGraph, received_tokens: Mapping[int, int]) -> int:
+        """``activation_bytes`` when MoE layer ``l``'s experts received ``received_tokens[l]`` routed token copies
+        (layers not listed: as ``graph`` was built), exactly: per layer, routed bytes are proportional to them."""
+        built = graph.routed_tokens(graph.imbalance)
+        if not self.routed_bytes or not built:
+            return self.activation_bytes
+        total = self.activation_bytes
+        for layer, nbytes in self.routed_bytes_by_layer.items():
+            tokens = received_tokens.get(layer)
+            if tokens is not None:
+                total += nbytes // built * tokens - nbytes
+        return total
 
     def activation_bytes_at(self, graph: OpGraph, imbalance: float) -> int:
         """``activation_bytes`` of the same plan on ``graph`` rebuilt at ``imbalance``, exactly: routed tensors
@@ -154,13 +168,20 @@ def evaluate_resolved(graph: OpGraph, strategies: Mapping[tuple[str, str], Strat
     tensors = graph.tensors
     device, host, quantized, recomputed = _classify(graph, strategies)
     activation_bytes = routed_bytes = 0
+    by_layer: dict[int, int] = {}
     for name, dtypes in device.items():
         nbytes = sum(tensors[name].numel * ITEM_BYTES[d] for d in dtypes)
         activation_bytes += nbytes
-        routed_bytes += nbytes if tensors[name].routed else 0
+        if tensors[name].routed:
+            routed_bytes += nbytes
+            layer = graph.op(tensors[name].producer).layer
+            by_layer[layer] = by_layer.get(layer, 0) + nbytes
     for name in quantized:  # one FP8 byte per element
         activation_bytes += tensors[name].numel
-        routed_bytes += tensors[name].numel if tensors[name].routed else 0
+        if tensors[name].routed:
+            routed_bytes += tensors[name].numel
+            layer = graph.op(tensors[name].producer).layer
+            by_layer[layer] = by_layer.get(layer, 0) + tensors[name].numel
     host_bytes = 0
     d2h_ns = h2d_ns = 0
     for name, dtypes in host.items():
@@ -207,6 +228,7 @@ def evaluate_resolved(graph: OpGraph, strategies: Mapping[tuple[str, str], Strat
         unavailable=tuple(sorted(unavailable)),
         recompute_flops=recompute_flops,
         routed_bytes=routed_bytes,
+        routed_bytes_by_layer=MappingProxyType(by_layer),
     )
 
 

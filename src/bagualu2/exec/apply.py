@@ -34,7 +34,7 @@ from bagualu2.costmodel.graph import ITEM_BYTES, OpGraph
 from bagualu2.costmodel.plan import Plan
 from bagualu2.costmodel.strategy import Strategy
 
-from .ops import ACTIVE, OP_HINTS, OP_SCOPE, RECORDING
+from .ops import ACTIVE, FORWARD_GATE, OP_HINTS, OP_SCOPE, RECORDING
 from .provisional import Provisional, settle, standby_ops
 from .packing import CopyEngine, HostCopy, Offloaded, Quantized, View, flat_storage, quantize_fp8, unpack
 from .record import TORCH_TO_NAME, MicroBatchRecord
@@ -65,15 +65,36 @@ class PlanExecutor:
                                    for s in op.saves] for op in graph.ops if op.saves}
         self._records: dict[str, MicroBatchRecord] = {}
         self._ids = itertools.count()
+        self._resolved: dict[tuple, tuple] = {self.plan.entries: (self.strategies, self.rerun)}
+
+    def _resolve(self, plan: Plan) -> tuple[dict, frozenset[str]]:
+        """``(strategies, re-run ops)`` of ``plan`` on this graph (memoised per plan)."""
+        found = self._resolved.get(plan.entries)
+        if found is None:
+            if len(self._resolved) > 256:
+                self._resolved.clear()
+            found = self._resolved[plan.entries] = (resolve(self.graph, plan),
+                                                    frozenset(mitigation_ops(self.graph, plan).rerun))
+        return found
 
     # ---- micro-batches ----------------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def micro_batch(self, name: str) -> Iterator[MicroBatchRecord]:
-        """Apply the plan to what autograd saves while the forward of micro-batch ``name`` runs in this block."""
+    def micro_batch(self, name: str, *, plan: Plan | str | None = None,
+                    budget_bytes: int | None = None) -> Iterator[MicroBatchRecord]:
+        """Apply the plan to what autograd saves while the forward of micro-batch ``name`` runs in this block.
+
+        ``plan`` (default: the executor's) is this micro-batch's plan before its gates; ``budget_bytes`` (default:
+        the deferred planner's) the budget its gates decide against. Under a dual-batch executor whose forward
+        records its own micro-batch, the executor's gate is picked up here (``FORWARD_GATE``)."""
         if name in self._records:
             raise ValueError(f"micro-batch {name!r} is already in flight")
-        record = self._records[name] = MicroBatchRecord(name, self.plan, self.strategies, self.rerun,
-                                                        self.tracker.open(name))
+        if isinstance(plan, str):
+            plan = Plan.from_str(plan)
+        plan = self.plan if plan is None else plan
+        strategies, rerun = self._resolve(plan)
+        record = self._records[name] = MicroBatchRecord(name, plan, strategies, rerun, self.tracker.open(name))
+        record.budget_bytes = budget_bytes
+        record.forward_gate = FORWARD_GATE.get()
         token = ACTIVE.set((self, record))
         RECORDING[0] += 1
         try:
@@ -88,6 +109,10 @@ class PlanExecutor:
             RECORDING[0] -= 1
             ACTIVE.reset(token)
             record.storages.clear()  # naming is per forward; the packed copies live in autograd's graph
+
+    def __contains__(self, name: object) -> bool:
+        """Is micro-batch ``name`` in flight here (recorded, not yet released)?"""
+        return name in self._records
 
     def record(self, name: str) -> MicroBatchRecord:
         try:
@@ -148,7 +173,8 @@ class PlanExecutor:
         """MoE layer ``layer``'s gate has routed ``received_tokens`` copies here: ask the deferred planner which
         plan runs now (under EP all ranks agree), then settle what the layer held provisionally. Returns whether
         the plan changed."""
-        plan = self.deferred.after_gate(record.plan, layer, received_tokens)
+        record.received_tokens[layer] = received_tokens
+        plan = self.deferred.after_gate(record.plan, layer, received_tokens, budget_bytes=record.budget_bytes)
         changed = plan is not None
         if group is not None:
             device = (torch.device("cuda", torch.cuda.current_device())
@@ -160,8 +186,7 @@ class PlanExecutor:
                 plan = self.deferred.downgrade(record.plan, layer)
         if changed:
             record.plan = plan
-            record.strategies = resolve(self.graph, plan)
-            record.rerun = frozenset(mitigation_ops(self.graph, plan).rerun)
+            record.strategies, record.rerun = self._resolve(plan)
             record.downgraded.append(layer)
         self._settle(record, layer)
         return changed

@@ -54,14 +54,17 @@ class DeferredPlanner:
         received_tokens = require_int("received_tokens", received_tokens, 0)
         return max(received_tokens / self.graph().mean_routed_tokens, 1.0)
 
-    def after_gate(self, plan: Plan, layer: int, received_tokens: int) -> Plan | None:
+    def after_gate(self, plan: Plan, layer: int, received_tokens: int, *,
+                   budget_bytes: int | None = None) -> Plan | None:
         """The plan to switch to after layer ``layer``'s gate, or None to keep ``plan``. The graph is built at the
         realised imbalance rounded *up* to ``imbalance_step`` (the runtime's buckets: a conservative decision, and
-        a bounded number of graphs however continuous the measurements)."""
+        a bounded number of graphs however continuous the measurements). ``budget_bytes`` overrides the
+        planner's budget for this micro-batch."""
         imbalance = ceil_bucket(self.imbalance(layer, received_tokens), self.imbalance_step)
         graph = self.graph(imbalance)
         later = sorted({op.layer for op in graph.ops if op.kind == "router" and op.layer >= layer})
-        decision = after_gate(graph, plan, self.budget_bytes, downgrade=self.mode, layers=later,
+        budget = self.budget_bytes if budget_bytes is None else require_int("budget_bytes", budget_bytes, 0)
+        decision = after_gate(graph, plan, budget, downgrade=self.mode, layers=later,
                               downgrade_layers=(layer,))
         predicted = evaluate(graph, plan).activation_bytes
         self.decisions.append((layer, imbalance, predicted, decision.changed))

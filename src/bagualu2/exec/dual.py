@@ -35,6 +35,7 @@ import torch
 from bagualu2.fusion import Chains, Order
 
 from .apply import PlanExecutor
+from .ops import FORWARD_GATE
 
 
 class _Worker:
@@ -115,41 +116,63 @@ class PointResult:
 
 
 class DualBatchExecutor:
-    """Executes scheduling points of micro-batches recorded by ``executor`` (see the module docstring)."""
+    """Executes scheduling points of micro-batches recorded by ``executors`` (see the module docstring).
 
-    def __init__(self, executor: PlanExecutor):
+    Several executors (one per virtual chunk of a pipeline stage, say) may share one dual-batch executor: each
+    micro-batch is found in the executor that records it."""
+
+    def __init__(self, executor: PlanExecutor, *others: PlanExecutor):
         self.executor = executor
-        executor.stage_hooks = True
-        executor.defer_offloads = True
+        self.executors = (executor, *others)
+        for each in self.executors:
+            each.stage_hooks = True
+            each.defer_offloads = True
 
-    def run(self, order: Order, chains: Chains, *, forward: tuple[str, Callable[[], Any]] | None = None,
-            backward: tuple[str, torch.Tensor] | None = None, offload: str | None = None,
+    def owner(self, name: str) -> PlanExecutor:
+        """The executor recording micro-batch ``name``."""
+        for each in self.executors:
+            if name in each:
+                return each
+        raise ValueError(f"micro-batch {name!r} is not in flight in any executor")
+
+    def run(self, order: Order, chains: Chains, *,
+            forward: tuple[str, Callable[[], Any]] | Callable[[], Any] | None = None,
+            backward: tuple[str, torch.Tensor | Callable[[], Any]] | None = None, offload: str | None = None,
             recovery: str | None = None) -> PointResult:
-        """Run ``order`` on ``chains``: ``forward = (x, fn)`` runs ``fn()`` as the forward of micro-batch x;
-        ``backward = (y, loss)`` runs ``loss.backward()`` for micro-batch y (recorded by this executor);
+        """Run ``order`` on ``chains``: ``forward = (x, fn)`` runs ``fn()`` as the forward of micro-batch x,
+        recorded by the first executor; a bare ``forward = fn`` records its micro-batch itself (it opens
+        ``micro_batch`` of the right executor; the gate reaches it through ``FORWARD_GATE``);
+        ``backward = (y, loss)`` runs ``loss.backward()`` (or ``loss()`` if callable) for micro-batch y;
         ``offload`` names x-1 and ``recovery`` y+1. A chain of ``chains`` needs its micro-batch and vice versa."""
         self._check(order, chains, forward, backward, offload, recovery)
         executor = self.executor
         result = PointResult()
         workers: dict[str, _Worker] = {}
         if forward is not None:
-            name, fn = forward
             workers["F"] = worker = _Worker("F", _stage_index(chains.forward), result.trace)
+            if callable(forward):
+                def run_forward(fn=forward, worker=worker):
+                    FORWARD_GATE.set(worker.gate)  # the worker thread's own context
+                    return fn()
+            else:
+                name, fn = forward
 
-            def run_forward(fn=fn, name=name, worker=worker):
-                with executor.micro_batch(name) as record:
-                    record.forward_gate = worker.gate
-                    try:
-                        return fn()
-                    finally:
-                        record.forward_gate = None
+                def run_forward(fn=fn, name=name, worker=worker):
+                    with executor.micro_batch(name) as record:
+                        record.forward_gate = worker.gate
+                        try:
+                            return fn()
+                        finally:
+                            record.forward_gate = None
 
             worker.work = run_forward
+        backward_record = None
         if backward is not None:
             name, loss = backward
-            record = executor.record(name)
-            workers["B"] = worker = _Worker("B", _stage_index(chains.backward), result.trace, loss.backward)
-            record.backward_gate = worker.gate
+            backward_record = self.owner(name).record(name)
+            work = loss if callable(loss) else loss.backward
+            workers["B"] = worker = _Worker("B", _stage_index(chains.backward), result.trace, work)
+            backward_record.backward_gate = worker.gate
         try:
             for group in order.groups:
                 for kind, index in group:
@@ -158,11 +181,11 @@ class DualBatchExecutor:
                     if kind in workers:
                         workers[kind].run_through(index)
                     elif kind == "O":
-                        executor.offload_now(offload, {op.split(":")[1] for op in stage.ops})
+                        self.owner(offload).offload_now(offload, {op.split(":")[1] for op in stage.ops})
                     else:
-                        executor.recover(recovery, tensors={op.split(":")[1] for op in stage.ops
-                                                            if op.startswith("h2d:")},
-                                         ops={op[:-3] for op in stage.ops if op.endswith(".re")})
+                        self.owner(recovery).recover(
+                            recovery, tensors={op.split(":")[1] for op in stage.ops if op.startswith("h2d:")},
+                            ops={op[:-3] for op in stage.ops if op.endswith(".re")})
             for kind, worker in workers.items():
                 value = worker.finish()
                 if kind == "F":
@@ -170,8 +193,8 @@ class DualBatchExecutor:
                 else:
                     result.backward_ops = worker.ops
         finally:
-            if backward is not None:
-                executor.record(backward[0]).backward_gate = None
+            if backward_record is not None:
+                backward_record.backward_gate = None
             for worker in workers.values():  # an error: let the others run to their end, not hang
                 if worker.started and worker.thread.is_alive():
                     worker.run_through(1 << 30)

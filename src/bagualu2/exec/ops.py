@@ -20,6 +20,8 @@ OP_SCOPE: ContextVar[str | None] = ContextVar("bagualu2_op_scope", default=None)
 OP_HINTS: ContextVar[dict | None] = ContextVar("bagualu2_op_hints", default=None)
 #: The executor and micro-batch being recorded in this context (set by ``PlanExecutor.micro_batch``).
 ACTIVE: ContextVar[tuple[Any, Any] | None] = ContextVar("bagualu2_active", default=None)
+#: The dual-batch executor's forward gate for a forward that records its own micro-batch (see ``DualBatchExecutor``).
+FORWARD_GATE: ContextVar[Callable[[str], None] | None] = ContextVar("bagualu2_forward_gate", default=None)
 RECORDING = [0]  # micro-batches being recorded right now (op_scope does nothing when 0)
 
 

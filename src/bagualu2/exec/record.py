@@ -46,6 +46,8 @@ class MicroBatchRecord:
     provisional: list = field(default_factory=list)  # savings held until their layer's gate settles them
     standby: list[Replay] = field(default_factory=list)  # replays the gate may still activate
     gated: set[int] = field(default_factory=set)     # MoE layers whose gate has fired
+    budget_bytes: int | None = None                  # what its gates decide against (None: the planner's)
+    received_tokens: dict[int, int] = field(default_factory=dict)  # MoE layer -> routed copies received here
 
     def hold_name(self, name: str | None, dtype: torch.dtype) -> None:
         """Backward will look ``name`` up for a reader of ``dtype``: hold its copies in *other* precisions (the

@@ -8,9 +8,10 @@ from .gate import (DOWNGRADES, GateAction, GateDecision, after_gate, after_route
                    gate_free_tensors,
                    downgrade_plan)
 from .path import Decision, DecisionPath
+from .point import PointOrders
 from .replay import ForwardDecision, IterationReplay, replay_iteration, spike_trace
 
 __all__ = ["COVERED", "DOWNGRADES", "BucketCache", "Buckets", "Decision", "DecisionPath", "ForwardDecision",
-           "GateAction", "GateDecision", "IterationReplay", "Lru", "OrderCache", "PlanCache", "after_gate",
+           "GateAction", "GateDecision", "IterationReplay", "Lru", "OrderCache", "PlanCache", "PointOrders", "after_gate",
            "after_router_tensors", "ceil_bucket", "check_downgrade", "downgrade_plan", "floor_bucket", "gate_free_tensors", "replay_iteration",
            "spike_trace"]

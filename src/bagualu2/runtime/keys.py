@@ -56,6 +56,10 @@ class PlannedImbalance:
         self._lowest: dict[int, float] = {}    # chunk -> min of the window
         self._planned: dict[int, float] = {}   # chunk -> its floored bucket
 
+    def seen(self) -> dict[int, tuple[float, ...]]:
+        """The measurements in each chunk's window, oldest first."""
+        return {chunk: tuple(values) for chunk, values in self._seen.items()}
+
     def get(self, chunk: int) -> float:
         return self.constant if self.constant is not None else self._planned.get(chunk, 1.0)
 

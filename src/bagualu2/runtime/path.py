@@ -169,7 +169,39 @@ class DecisionPath:
 
     def observe(self, chunk: int, imbalance: float) -> None:
         """Remember a gate's measurement (``forward`` does it for the imbalance it is given)."""
-        self._planner.observe(chunk, imbalance)
+        self._planner.observe(chunk, check_imbalance(imbalance))
+
+    def pre_gate(self, budget_bytes: int, chunk: int, *, planned: float | None = None) -> Plan:
+        """The plan a running forward of ``chunk`` starts with (step 2), at the chunk's planned imbalance or
+        ``planned`` (a value every expert-parallel rank agrees on); the gates then decide through
+        :func:`~.gate.after_gate`. A pure function of its arguments and the gates observed."""
+        budget_bytes = require_int("budget_bytes", budget_bytes, 0)
+        alias = self._alias.get(chunk)
+        if alias is None:
+            raise ValueError(f"chunk must be an integer in [0, vp={self.parallel.vp}), got {chunk!r}")
+        canonical, offset = alias
+        planned = self._planner.get(chunk) if planned is None else check_imbalance(planned)
+        plan = self._pre_gate(budget_bytes, planned, canonical)
+        if offset and plan.entries:
+            key = (plan.entries, offset)
+            plan = self._shifted.get(key) or self._shifted.setdefault(key, shift_plan(plan, offset))
+        return plan
+
+    def state_dict(self) -> dict:
+        """What decisions depend on besides the arguments (the gates remembered per chunk), JSON-able; caches are
+        not state: a hit decides as a miss would, except stand-ins of nearby need levels in ``forward``."""
+        return {"seen": {str(chunk): list(values) for chunk, values in self._planner.seen().items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (the remembered gates are replayed in order)."""
+        try:
+            seen = {int(chunk): [float(v) for v in values] for chunk, values in state["seen"].items()}
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise ValueError("runtime state must be {'seen': {chunk: [imbalance, ...]}}") from None
+        self._planner = PlannedImbalance(self._planner.window, self.step, self.planned_imbalance)
+        for chunk, values in sorted(seen.items()):
+            for value in values:
+                self._planner.observe(chunk, check_imbalance(value))
 
     # ---- the hot path ---------------------------------------------------------------------------------------------
     def forward(self, budget_bytes: int, imbalance: float, phase: str, chunk: int, *,

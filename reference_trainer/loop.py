@@ -1,0 +1,113 @@
+"""The training loop: set-up (everything that can fail on user input comes first), steps, metrics, checkpoints.
+
+Per step: every rank draws its micro-batches (``DomainBatches.micro_batch(step, dp_rank * m + i)``: the same
+data for any layout), runs them through its pipeline schedule (``pp > 1``) or the cost model's 1F1B order
+(``pp = 1``: F, B alternate), each forward provisioned by the rank's :class:`~.provision.Provisioner`; then the
+gradients are reduced (dense over dp, experts over their replicas), AdamW steps, the routers' expert biases move
+towards balance (aux-loss-free, from the routing counts summed over dp), rank 0 gathers the stages' records and
+writes one JSONL line. Gradients are scaled by 1/m after the backwards, as the pipelining schedules do.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .recipes import TrainConfig, default_cap, minimum_cap
+
+
+def prepare(config: TrainConfig) -> "Run":
+    """Validate everything that depends on user input and load the data; no collective yet."""
+    from bagualu2.costmodel import presets
+
+    from .data import DomainBatches, TokenCorpus, load_tokenizer
+
+    if config.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda needs a CUDA device; use --device cpu")
+    tokenizer = load_tokenizer()
+    corpus = TokenCorpus.from_path(config.data, tokenizer) if config.data else TokenCorpus.bundled(tokenizer)
+    if corpus.vocab_size > config.model.vocab_size:
+        raise ValueError(f"the tokenizer's {corpus.vocab_size} tokens exceed the model's vocab_size "
+                         f"{config.model.vocab_size}")
+    batches = DomainBatches(corpus, seq_length=config.model.seq_length,
+                            micro_batch_size=config.model.micro_batch_size, seed=config.seed)
+    floor = minimum_cap(config)
+    cap = config.memory_cap_bytes if config.memory_cap_bytes is not None else default_cap(config)
+    if cap < floor:
+        raise ValueError(f"--memory-cap must be at least {floor} bytes ({floor / 2**20:.2f} MiB: full recompute of "
+                         f"every in-flight chunk on the busiest stage), got {cap}")
+    if config.checkpoint_dir and os.path.exists(config.checkpoint_dir) and not os.path.isdir(config.checkpoint_dir):
+        raise ValueError(f"--checkpoint-dir {config.checkpoint_dir} exists and is not a directory")
+    if config.metrics_file:
+        parent = os.path.dirname(os.path.abspath(config.metrics_file))
+        if not os.path.isdir(parent) or (os.path.exists(config.metrics_file)
+                                         and not os.path.isfile(config.metrics_file)):
+            raise ValueError(f"--metrics-file {config.metrics_file}: not a regular file in an existing directory")
+    return Run(config=config, batches=batches, cap_bytes=cap, hardware=presets.hardware(config.hardware))
+
+
+@dataclass
+class Run:
+    config: TrainConfig
+    batches: Any
+    cap_bytes: int
+    hardware: Any
+    started: bool = False
+    state: dict = field(default_factory=dict)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            try:
+                dist.barrier()
+            finally:
+                dist.destroy_process_group()
+
+    def train(self) -> dict:
+        from .session import Session
+
+        return Session(self).train()
+
+
+def lr_at(config: TrainConfig, step: int) -> float:
+    """Linear warm-up over ``warmup_steps``, then constant."""
+    return config.lr * min(1.0, (step + 1) / max(config.warmup_steps, 1))
+
+
+def spikes_of(config: TrainConfig, step: int, group_index: int, num_microbatches: int, ep: int,
+              top_k: int) -> dict[int, tuple[int, list[int]]]:
+    """Micro-batches forced to spike in this iteration for one EP group: ``{i: (target rank, picks per source
+    rank)}``, a pure function of (seed, step, group); the imbalance is uniform in [1.2, spike_max]."""
+    from .model import imbalance_picks
+
+    if config.spike_rate <= 0:
+        return {}
+    rng = random.Random(f"{config.seed}:{step}:{group_index}")
+    found = {}
+    for index in range(num_microbatches):
+        if rng.random() < config.spike_rate:
+            rate = rng.uniform(min(1.2, config.spike_max), config.spike_max)
+            found[index] = (rng.randrange(ep), imbalance_picks(rate, ep, top_k))
+    return found
+
+
+def flops_per_token(config: TrainConfig) -> float:
+    from .metrics import model_flops_per_token
+
+    return model_flops_per_token(config.model)
+
+
+def finite(value: float) -> float | None:
+    return value if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def wall() -> float:
+    return time.perf_counter()

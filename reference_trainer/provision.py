@@ -1,0 +1,222 @@
+"""Per-micro-batch activation provisioning of one pipeline rank (all its virtual chunks), paper §V end to end.
+
+For every chunk-forward, in the schedule's order:
+
+1. **budget** — the rank's :class:`~bagualu2.budget.BudgetAssigner` (Algorithm 1; reset every iteration, phases
+   from the cost model's schedule) gives the budget and, in warmup under graded planning, the most an overrun may
+   keep (absorbed by the next budgets); the gates decide against the latter.
+2. **agreement** — under expert parallelism the ranks of an EP group must re-run the same collectives in
+   backward, so they run the same plans: one small all-reduce takes the smallest budget of the group and the
+   largest imbalance the group measured at the previous forward (the runtime's planned imbalance follows it).
+3. **pre-gate plan** — ``bagualu2.runtime.DecisionPath.pre_gate`` (greedy at the planned imbalance, memoised).
+4. **gates** — the model's MoE routers report the routed copies each rank receives; ``exec``'s deferred planner
+   asks ``bagualu2.runtime.after_gate`` (keep / re-plan / full downgrade; EP ranks agree inside ``exec``).
+5. **kept bytes** — what the activation tracker measured is recorded into the budget (re-basing) and compared
+   with the cost model's prediction for the plan that ran, at the token counts each MoE layer received
+   (``PlanCost.activation_bytes_received``); the tracker enforces the cap ``M_max``.
+6. **order** — at a fused point F_x B_y, ``bagualu2.runtime.PointOrders`` orders F_x, B_y, O_{x-1}, R_{y+1} from
+   their real plans; the ``DualBatchExecutor`` runs it. The inputs of the order are agreed values, so every EP
+   rank runs the same interleaving of its all-to-alls.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from bagualu2.budget import BudgetAssigner
+from bagualu2.costmodel import Hardware, ModelConfig, ParallelConfig, Plan, evaluate
+from bagualu2.exec import ActivationTracker, DeferredPlanner, PlanExecutor
+from bagualu2.runtime import DecisionPath, PointOrders, ceil_bucket
+
+from .parallel import agree_max
+
+WARMUP = "warmup"
+
+
+@dataclass
+class _Forward:
+    name: str
+    index: int
+    phase: str
+    budget_bytes: int
+    gate_budget_bytes: int
+    plan: Plan
+    imbalance: float | None = None  # agreed max over the EP group (after the next forward's agreement)
+
+
+class Provisioner:
+    """Budgets, plans, gates and orders of one rank's chunks (module docstring)."""
+
+    def __init__(self, model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, *, stage: int,
+                 cap_bytes: int, ep_group=None, downgrade: str = "graded", dual: bool = False,
+                 exclude=()):
+        self.stage, self.parallel, self.ep_group, self.downgrade = stage, parallel, ep_group, downgrade
+        self.path = DecisionPath(model, parallel, hardware, stage=stage, downgrade=downgrade)
+        memory, steps = self.path.stage_plan()
+        self.m0_bytes, self.inflight_chunks, self.cap_bytes = memory.m0_bytes, memory.inflight_chunks, cap_bytes
+        self._index = {(chunk, mb): (index, phase) for is_forward, index, mb, chunk, phase in steps if is_forward}
+        self.tracker = ActivationTracker(cap_bytes=cap_bytes, exclude=exclude)
+        self.executors = {
+            chunk: PlanExecutor(self.path.graph(chunk, 1.0), None, tracker=self.tracker, deferred=DeferredPlanner(
+                model, parallel, hardware, budget_bytes=0, stage=stage, chunk=chunk, downgrade=downgrade))
+            for chunk in range(parallel.vp)}
+        self.dual = None
+        if dual:
+            from bagualu2.exec import DualBatchExecutor
+
+            self.dual = DualBatchExecutor(*self.executors.values())
+        self.orders = PointOrders(hardware, pipeline_degree=parallel.pp)
+        self._costs: dict[tuple, Any] = {}
+        self._pending: tuple[int, float] | None = None  # (chunk, local imbalance) of the last forward
+        self._last: _Forward | None = None
+        self.begin_step()
+
+    # ---- iteration ----------------------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        self.assigner = BudgetAssigner(m_max_bytes=self.cap_bytes, m0_bytes=self.m0_bytes,
+                                       num_microbatches=len(self._index), num_warmup=self.inflight_chunks)
+        self._prepared: dict[tuple[int, int], _Forward] = {}
+        self._done: dict[tuple[int, int], _Forward] = {}
+        self.log: list[dict] = []
+        self.points: list[str] = []
+        self.planning_s = self.agree_s = 0.0
+        self.tracker.peak_bytes = 0
+
+    def state_dict(self) -> dict:
+        return {"path": self.path.state_dict(), "pending": list(self._pending) if self._pending else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.path.load_state_dict(state["path"])
+        pending = state.get("pending")
+        self._pending = None if pending is None else (int(pending[0]), float(pending[1]))
+
+    # ---- one forward --------------------------------------------------------------------------------------------
+    def prepare(self, chunk: int, mb: int) -> _Forward:
+        """Budget, agreement and pre-gate plan of the forward of (chunk, mb) (idempotent until it runs)."""
+        found = self._prepared.get((chunk, mb))
+        if found is not None:
+            return found
+        started = time.perf_counter()
+        index, phase = self._index[(chunk, mb)]
+        budget = self.assigner.next_forward_budget()
+        gate = self.assigner.absorb_limit_bytes() if phase == WARMUP and self.downgrade == "graded" else budget
+        pending = self._pending
+        agreed = time.perf_counter()
+        if self.ep_group is not None:
+            low_budget, low_gate, imbalance = agree_max([-budget, -gate, pending[1] if pending else 0.0],
+                                                        self.ep_group)
+            budget, gate = int(-low_budget), int(-low_gate)
+        else:
+            imbalance = pending[1] if pending else 0.0
+        agreement_s = time.perf_counter() - agreed
+        self.agree_s += agreement_s
+        if pending is not None:
+            self.path.observe(pending[0], max(imbalance, 1.0))
+            if self._last is not None:
+                self._last.imbalance = max(imbalance, 1.0)
+        self._pending = None
+        plan = self.path.pre_gate(budget, chunk)
+        found = self._prepared[(chunk, mb)] = _Forward(f"c{chunk}.m{mb}", index, phase, budget, gate, plan)
+        self.planning_s += time.perf_counter() - started - agreement_s
+        return found
+
+    def run(self, chunk: int, mb: int, layers: Callable[[Any], Any], x: Any) -> Any:
+        """Run ``layers(x)`` as the forward of (chunk, mb) under its plan (called by the chunk's module)."""
+        forward = self.prepare(chunk, mb)
+        executor = self.executors[chunk]
+        with executor.micro_batch(forward.name, plan=forward.plan, budget_bytes=forward.gate_budget_bytes) as record:
+            out = layers(x)
+        started = time.perf_counter()
+        kept = record.device_bytes
+        self.assigner.record_forward(forward.index, kept)
+        graph = executor.graph
+        mean = graph.mean_routed_tokens
+        received = dict(record.received_tokens)
+        rates = [received[layer] / mean for layer in sorted(received)] if mean else []
+        if rates:
+            self._pending = (chunk, max(max(rates), 1.0))
+        key = record.plan.entries
+        cost = self._costs.get((chunk, key))
+        if cost is None:
+            cost = self._costs[(chunk, key)] = evaluate(graph, record.plan)
+        forward.plan = record.plan
+        self._last = forward
+        del self._prepared[(chunk, mb)]
+        self._done[(chunk, mb)] = forward
+        self.log.append({"stage": self.stage + chunk * self.parallel.pp, "chunk": chunk, "microbatch": mb,
+                         "phase": forward.phase, "budget_bytes": forward.budget_bytes, "kept_bytes": kept,
+                         "predicted_bytes": cost.activation_bytes_received(graph, received), "imbalance": rates,
+                         "plan": _summary(record.plan), "action": "changed" if record.downgraded else "keep",
+                         "recompute_flops": cost.recompute_flops})
+        self.planning_s += time.perf_counter() - started
+        return out
+
+    def note_routing(self, counts) -> None:
+        """Attach the last forward's tokens per expert (this rank's, per MoE layer) as max/mean per layer."""
+        if self.log and counts:
+            self.log[-1]["expert_imbalance"] = [round(float(c.max()) / max(float(c.float().mean()), 1e-9), 4)
+                                                for c in counts if c is not None]
+
+    def backward_callback(self, chunk: int, mb: int) -> Callable[[], None]:
+        def done() -> None:
+            forward = self._done.pop((chunk, mb))
+            self.executors[chunk].release(forward.name)
+            self.assigner.record_backward(forward.index)
+        return done
+
+    # ---- fused points -------------------------------------------------------------------------------------------
+    def flush_offloads(self, keep: str | None = None) -> None:
+        """Start the deferred device->host copies of every forward in flight but ``keep``'s."""
+        if self.dual is None:
+            return
+        for (chunk, _), forward in self._done.items():
+            if forward.name != keep:
+                executor = self.executors[chunk]
+                if executor.record(forward.name).pending_offloads:
+                    executor.offload_now(forward.name)
+
+    def _batch(self, key: tuple[int, int] | None, *, running: bool = False):
+        """``(graph, plan)`` of a forward done (its agreed imbalance's bucket graph) for the chains, or None."""
+        forward = self._done.get(key) if key is not None else None
+        if forward is None:
+            return None
+        rate = forward.imbalance if forward.imbalance is not None else self.path.planned(key[0])
+        return self.path.graph(key[0], ceil_bucket(rate, self.path.step)), forward.plan
+
+    def point(self, *, forward: tuple[int, int], backward: tuple[int, int], previous, following,
+              run_forward: Callable[[], None], run_backward: Callable[[], None]) -> None:
+        """Run the fused scheduling point F_x B_y (with O_{x-1}, R_{y+1}) in the runtime's order."""
+        if self.dual is None:
+            raise RuntimeError("fused points need a provisioner made with dual=True")
+        x = self.prepare(*forward)
+        started = time.perf_counter()
+        prev = self._done.get(previous) if previous is not None and previous != backward else None
+        self.flush_offloads(keep=prev.name if prev is not None else None)
+        nxt = self._done.get(following) if following not in (None, forward, backward) else None
+        y = self._done[backward]
+        chains = self.orders.chains(
+            forward=(self.path.graph(forward[0], self.path.planned(forward[0])), x.plan),
+            backward=self._batch(backward),
+            offload=self._batch(previous) if prev is not None else None,
+            recovery=self._batch(following) if nxt is not None else None)
+        order = self.orders.order(chains)
+        self.planning_s += time.perf_counter() - started
+        self.points.append(f"F{x.name} B{y.name}: {order}")
+        self.dual.run(order, chains, forward=run_forward, backward=(y.name, run_backward),
+                      offload=prev.name if prev is not None and chains.offload is not None else None,
+                      recovery=nxt.name if nxt is not None and chains.recovery is not None else None)
+        if prev is not None and prev.name in self.executors[previous[0]]:
+            self.flush_offloads()
+
+
+def _summary(plan: Plan) -> str:
+    """``none`` or the number of mitigated savings per strategy, e.g. ``recompute=12 offload=3``."""
+    if not plan.entries:
+        return "none"
+    counts: dict[str, int] = {}
+    for _, strategy in plan.entries:
+        name = getattr(strategy, "value", str(strategy)).lower()
+        counts[name] = counts.get(name, 0) + 1
+    return " ".join(f"{name}={count}" for name, count in sorted(counts.items()))

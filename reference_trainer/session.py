@@ -1,0 +1,284 @@
+"""One training session on this rank: process groups, the model's stages, the schedule, the step loop."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from bagualu2.costmodel import ParallelConfig
+
+from . import checkpoint
+from .loop import Run, finite, flops_per_token, lr_at, spikes_of
+from .metrics import MetricsWriter, Progress, mfu, print_summary
+from .model import GLMMoEModel
+from .parallel import build_groups, is_expert_parameter, reduce_gradients
+from .pipeline import RuntimeSchedule, build_stages, plain_schedule
+from .provision import Provisioner
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class Session:
+    def __init__(self, run: Run):
+        self.run, config = run, run.config
+        self.config = config
+        if "WORLD_SIZE" in os.environ:
+            backend = "nccl" if config.device == "cuda" else "gloo"
+            if config.device == "cuda":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if config.device == "cuda"
+                       else torch.device("cpu"))
+        self.groups = groups = build_groups(pp=config.pp, dp=config.dp, ep=config.ep, device_type=config.device)
+        self.parallel = config.parallel
+        torch.manual_seed(config.seed)
+        model = GLMMoEModel(config.model, ep_group=groups.ep_group)
+        self.local_layers = [i for c in range(config.vp) for i in self._chunk_layers(c)]
+        self._prune(model)
+        self.model = model.to(self.device)
+        if config.device == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, (run.cap_bytes * 2 + 2**30) / total), self.device)
+        self.provisioner = Provisioner(config.model, self.parallel, run.hardware, stage=groups.pp_rank,
+                                       cap_bytes=run.cap_bytes, ep_group=groups.ep_group,
+                                       downgrade=config.downgrade, dual=config.schedule == "runtime"
+                                       and config.pp > 1, exclude=[model])
+        self.params = [(self._global_name(n), p) for n, p in model.named_parameters()]
+        self.optimizer = torch.optim.AdamW([p for _, p in self.params], lr=config.lr,
+                                           weight_decay=config.weight_decay)
+        self.chunks = []
+        self.schedule = None
+        if config.pp > 1:
+            stages = build_stages(model, self.parallel, pp_rank=groups.pp_rank, provisioner=self.provisioner,
+                                  device=self.device, group=groups.pp_group,
+                                  micro_batch_shape=(config.model.micro_batch_size, config.model.seq_length))
+            self.chunks = [stage.submod for stage in stages]
+            self.schedule = (RuntimeSchedule(stages, self.parallel, loss_fn=_loss, provisioner=self.provisioner)
+                             if config.schedule == "runtime" else plain_schedule(stages, self.parallel, loss_fn=_loss))
+        else:
+            from .pipeline import ChunkModule
+
+            self.chunks = [ChunkModule(model, stage_index=0, num_stages=1, chunk=0, layers=range(len(model.layers)),
+                                       provisioner=self.provisioner)]
+        self.is_last = groups.pp_rank == config.pp - 1
+        self.start_step = 0
+        self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+    # ---- model pieces -------------------------------------------------------------------------------------------
+    def _chunk_layers(self, chunk: int) -> range:
+        from bagualu2.costmodel.build import chunk_layers
+
+        return chunk_layers(self.config.model, self.parallel, stage=self.groups.pp_rank, chunk=chunk)
+
+    def _prune(self, model: GLMMoEModel) -> None:
+        """Drop what this rank does not run (after initialising the whole model: the same weights as one
+        process)."""
+        keep = set(self.local_layers)
+        for index in range(len(model.layers)):
+            if index not in keep:
+                model.layers[index] = torch.nn.Identity()
+        num_stages = self.config.pp * self.config.vp
+        stages = {c * self.config.pp + self.groups.pp_rank for c in range(self.config.vp)}
+        if 0 not in stages and not (num_stages - 1 in stages and model.output is None):
+            model.embedding = None
+        if num_stages - 1 not in stages:
+            model.final_norm = None
+            model.output = None
+
+    def _global_name(self, name: str) -> str:
+        """Parameter names with global expert ids (``...experts.<local>...`` -> the expert's global id)."""
+        if not is_expert_parameter(name):
+            return name
+        head, tail = name.split(".experts.", 1)
+        local, rest = tail.split(".", 1)
+        layer = int(head.split(".")[1])
+        moe = self.model.layers[layer].mlp
+        return f"{head}.experts.{moe.first_expert + int(local)}.{rest}"
+
+    def _moes(self):
+        return [layer.mlp for layer in self.model.layers if getattr(layer, "is_moe", False)]
+
+    # ---- checkpoint state ---------------------------------------------------------------------------------------
+    def _state(self, step: int) -> dict:
+        model_state = {name: p.data for name, p in self.params}
+        for layer in self.local_layers:
+            if getattr(self.model.layers[layer], "is_moe", False):
+                model_state[f"layers.{layer}.mlp.expert_bias"] = self.model.layers[layer].mlp.expert_bias
+        optim = {}
+        for name, p in self.params:
+            state = self.optimizer.state[p]
+            if not state:  # a fresh optimizer: AdamW's lazy initial state, so a load fills it in place
+                state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+            optim[name] = state
+        extra = {"step": step, "data": self.run.batches.state_dict(), "provisioner": self.provisioner.state_dict()}
+        return {"model": model_state, "optim": optim,
+                f"rank{self.groups.rank}": {"extra": checkpoint.pack_json(extra, size=1 << 16),
+                                            **checkpoint.rng_state()}}
+
+    def _resume(self) -> None:
+        found = checkpoint.find_latest(self.config.checkpoint_dir)
+        if found is None:
+            return
+        path, _ = found
+        state = self._state(0)
+        step = checkpoint.load(path, state)
+        mine = state[f"rank{self.groups.rank}"]
+        extra = checkpoint.unpack_json(mine.pop("extra"))
+        checkpoint.set_rng_state(mine)
+        self.run.batches.load_state_dict(extra["data"])
+        self.provisioner.load_state_dict(extra["provisioner"])
+        self.start_step = step
+
+    # ---- steps --------------------------------------------------------------------------------------------------
+    def _microbatches(self, step: int):
+        m, d = self.config.num_microbatches, self.groups.dp_rank
+        inputs, targets, domains = [], [], []
+        for i in range(m):
+            x, y, domain = self.run.batches.micro_batch(step, d * m + i)
+            inputs.append(torch.from_numpy(x))
+            targets.append(torch.from_numpy(y))
+            domains.append(domain)
+        return torch.cat(inputs).to(self.device), torch.cat(targets).to(self.device), domains
+
+    def _set_spikes(self, step: int) -> None:
+        groups = self.groups
+        spikes = spikes_of(self.config, step, groups.dp_rank // groups.ep, self.config.num_microbatches, groups.ep,
+                           self.config.model.top_k)
+        for chunk in self.chunks:
+            chunk.next_microbatch = 0
+            chunk.spikes = {i: (target, picks[groups.ep_rank]) for i, (target, picks) in spikes.items()}
+
+    def _run_step(self, step: int) -> tuple[float, int]:
+        """Forward and backward of every micro-batch; returns (sum of this rank's micro-batch losses, count)."""
+        inputs, targets, _ = self._microbatches(step)
+        m = self.config.num_microbatches
+        if self.schedule is not None:
+            losses: list = []
+            if self.groups.pp_rank == 0:
+                self.schedule.step(inputs, target=targets if self.is_last else None, losses=losses)
+            elif self.is_last:
+                self.schedule.step(target=targets, losses=losses)
+            else:
+                self.schedule.step()
+            return (sum(float(loss) for loss in losses), len(losses))
+        b = self.config.model.micro_batch_size
+        total = 0.0
+        chunk = self.chunks[0]
+        for i in range(m):  # pp = 1: the cost model's order (F_i, B_i)
+            loss = _loss(chunk(inputs[i * b:(i + 1) * b]), targets[i * b:(i + 1) * b])
+            loss.backward()
+            total += float(loss.detach())
+        for _, p in self.params:
+            if p.grad is not None:
+                p.grad.div_(m)
+        return total, m
+
+    def _balance(self) -> None:
+        """Aux-loss-free balancing: move each expert's bias towards the mean load (counts summed over dp)."""
+        rate = self.config.bias_update_rate
+        for moe in self._moes():
+            load = moe.load if moe.load is not None else torch.zeros_like(moe.expert_bias)
+            load = load.to(torch.float64)
+            if self.groups.dp_group is not None:
+                dist.all_reduce(load, group=self.groups.dp_group)
+            if rate > 0:
+                moe.expert_bias.add_(torch.sign(load.mean() - load).to(moe.expert_bias.dtype), alpha=rate)
+            moe.load = None
+
+    def _gather(self, record: dict) -> list[dict] | None:
+        if not dist.is_initialized():
+            return [record]
+        gathered = [None] * self.groups.world_size if self.groups.rank == 0 else None
+        dist.gather_object(record, gathered, dst=0)
+        return gathered
+
+    def train(self) -> dict:
+        config, groups = self.config, self.groups
+        if config.resume:
+            self._resume()
+        writer = MetricsWriter(config.metrics_file, rank=groups.rank,
+                               resume_step=self.start_step if config.resume else None)
+        progress = Progress(config.steps, rank=groups.rank, start_step=self.start_step)
+        tokens_per_step = config.global_batch_sequences * config.model.seq_length
+        flops = flops_per_token(config)
+        peak_flops = self.run.hardware.peak_flops
+        began = time.perf_counter()
+        totals = {"steps": 0, "planning_s": 0.0, "peak": 0, "recompute_flops": 0.0, "loss": None, "step_s": 0.0}
+        try:
+            for step in range(self.start_step, config.steps):
+                started = time.perf_counter()
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr_at(config, step)
+                self.provisioner.begin_step()
+                self._set_spikes(step)
+                loss_sum, count = self._run_step(step)
+                reduce_gradients(self.params, groups)
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                self._balance()
+                self.run.batches.advance()
+                step_s = time.perf_counter() - started
+                mine = {"loss_sum": loss_sum, "count": count, "peak": self.provisioner.tracker.peak_bytes,
+                        "microbatches": self.provisioner.log, "order": self.provisioner.points,
+                        "planning_s": self.provisioner.planning_s, "agree_s": self.provisioner.agree_s,
+                        "step_s": step_s}
+                gathered = self._gather(mine)
+                if config.checkpoint_every and config.checkpoint_dir and (step + 1) % config.checkpoint_every == 0:
+                    checkpoint.save(config.checkpoint_dir, step + 1, self._state(step + 1))
+                if gathered is None:
+                    continue
+                record = self._record(step, gathered, tokens_per_step, flops, peak_flops)
+                writer.write(record)
+                progress.update(step, record["loss"], record["tokens_per_s"])
+                totals["steps"] += 1
+                totals["planning_s"] += record["planning_s"]
+                totals["step_s"] += record["step_s"]
+                totals["peak"] = max(totals["peak"], record["peak_activation_bytes"])
+                totals["recompute_flops"] += record["recompute_flops"]
+                totals["loss"] = record["loss"]
+        finally:
+            progress.close()
+        elapsed = time.perf_counter() - began
+        summary = self._summary(totals, elapsed, tokens_per_step, flops, peak_flops)
+        writer.write(summary)
+        writer.close()
+        print_summary(summary, rank=groups.rank)
+        return summary
+
+    def _record(self, step: int, gathered: list[dict], tokens: int, flops: float, peak_flops: float) -> dict:
+        losses = [(r["loss_sum"], r["count"]) for r in gathered if r["count"]]
+        loss = sum(s for s, _ in losses) / sum(c for _, c in losses)
+        step_s = max(r["step_s"] for r in gathered)
+        microbatches = [mb for r in gathered for mb in r["microbatches"]]
+        recompute = sum(mb.pop("recompute_flops", 0) for mb in microbatches)
+        devices = self.groups.world_size
+        return {"step": step, "loss": loss, "tokens_per_s": tokens / step_s,
+                "mfu": mfu(flops * tokens, step_s, peak_flops=peak_flops, num_devices=devices),
+                "hfu": mfu(flops * tokens + 3 * recompute / 3, step_s, peak_flops=peak_flops, num_devices=devices),
+                "oom": False, "peak_activation_bytes": max(r["peak"] for r in gathered),
+                "microbatches": microbatches, "order": [o for r in gathered for o in r["order"]],
+                "planning_s": max(r["planning_s"] for r in gathered),
+                "agree_s": max(r["agree_s"] for r in gathered), "step_s": step_s, "recompute_flops": recompute}
+
+    def _summary(self, totals: dict, elapsed: float, tokens: int, flops: float, peak_flops: float) -> dict:
+        steps = totals["steps"]
+        seconds = max(elapsed, 1e-9)
+        done_tokens = tokens * steps
+        return {"summary": True, "steps": self.config.steps, "steps_run": steps,
+                "final_loss": finite(totals["loss"]) if totals["loss"] is not None else None,
+                "oom_events": 0, "restarts": self.restarts, "restart_s": 0.0,
+                "tokens_per_s": done_tokens / seconds,
+                "mfu": mfu(flops * done_tokens, seconds, peak_flops=peak_flops, num_devices=self.groups.world_size),
+                "hfu": mfu(flops * done_tokens + totals["recompute_flops"], seconds, peak_flops=peak_flops,
+                           num_devices=self.groups.world_size),
+                "peak_activation_bytes": totals["peak"], "memory_cap_bytes": self.run.cap_bytes,
+                "planning_fraction": totals["planning_s"] / max(totals["step_s"], 1e-9),
+                "schedule": self.config.schedule, "layout": {"pp": self.config.pp, "dp": self.config.dp,
+                                                             "ep": self.config.ep, "vp": self.config.vp}}
