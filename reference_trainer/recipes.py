@@ -117,10 +117,10 @@ class TrainConfig:
         if self.memory_cap_bytes is not None:
             require_int("--memory-cap", self.memory_cap_bytes, 1)
         self.check_layout()
-        require_number("--spike-max", self.spike_max, 1, float(self.ep) if self.spike_rate > 0 else 1e9)
         if self.spike_rate > 0 and self.ep < 2:
             raise ValueError("--spike-rate > 0 needs --ep >= 2 (a spike forces routing towards one expert-parallel "
                              "rank; with ep=1 every expert is local)")
+        require_number("--spike-max", self.spike_max, 1, float(self.ep) if self.spike_rate > 0 else 1e9)
         if self.resume and not self.checkpoint_dir:
             raise ValueError("--resume needs --checkpoint-dir")
         presets.hardware(self.hardware)
@@ -136,6 +136,8 @@ class TrainConfig:
                              f"{self.pp * self.vp}")
         if m.num_experts and m.num_experts % self.ep:
             raise ValueError(f"the model's {m.num_experts} experts must be divisible by --ep={self.ep}")
+        if self.vp > 1 and self.pp < 2:
+            raise ValueError(f"--vp={self.vp} needs --pp >= 2 (interleaved 1F1B)")
         if self.num_microbatches < self.pp:
             raise ValueError(f"--num-microbatches={self.num_microbatches} must be >= --pp={self.pp}")
         if self.vp > 1 and self.num_microbatches % self.pp:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import time
 
 import torch
@@ -125,6 +126,9 @@ class Session:
     def _resume(self) -> None:
         found = checkpoint.find_latest(self.config.checkpoint_dir)
         if found is None:
+            if self.groups.rank == 0:
+                print(f"note: no complete checkpoint in {self.config.checkpoint_dir}; starting from step 0",
+                      file=sys.stderr, flush=True)
             return
         path, _ = found
         state = self._state(0)
@@ -167,7 +171,7 @@ class Session:
                 self.schedule.step(target=targets, losses=losses)
             else:
                 self.schedule.step()
-            return (sum(float(loss) for loss in losses), len(losses))
+            return (sum(float(loss.detach()) for loss in losses), len(losses))
         b = self.config.model.micro_batch_size
         total = 0.0
         chunk = self.chunks[0]
@@ -210,7 +214,8 @@ class Session:
         flops = flops_per_token(config)
         peak_flops = self.run.hardware.peak_flops
         began = time.perf_counter()
-        totals = {"steps": 0, "planning_s": 0.0, "peak": 0, "recompute_flops": 0.0, "loss": None, "step_s": 0.0}
+        totals = {"steps": 0, "planning_s": 0.0, "peak": 0, "recompute_flops": 0.0, "loss": None, "step_s": 0.0,
+                  "first_loss": None, "error": 0.0}
         try:
             for step in range(self.start_step, config.steps):
                 started = time.perf_counter()
@@ -243,6 +248,11 @@ class Session:
                 totals["peak"] = max(totals["peak"], record["peak_activation_bytes"])
                 totals["recompute_flops"] += record["recompute_flops"]
                 totals["loss"] = record["loss"]
+                if totals["first_loss"] is None:
+                    totals["first_loss"] = record["loss"]
+                totals["error"] = max([totals["error"]] + [abs(mb["kept_bytes"] - mb["predicted_bytes"])
+                                                           / max(mb["predicted_bytes"], 1)
+                                                           for mb in record["microbatches"]])
         finally:
             progress.close()
         elapsed = time.perf_counter() - began
@@ -271,7 +281,9 @@ class Session:
         steps = totals["steps"]
         seconds = max(elapsed, 1e-9)
         done_tokens = tokens * steps
-        return {"summary": True, "steps": self.config.steps, "steps_run": steps,
+        return {"summary": True, "recipe": self.config.extra.get("recipe"), "steps": self.config.steps,
+                "steps_run": steps, "first_loss": totals["first_loss"], "max_prediction_error": totals["error"],
+                "seconds": elapsed,
                 "final_loss": finite(totals["loss"]) if totals["loss"] is not None else None,
                 "oom_events": 0, "restarts": self.restarts, "restart_s": 0.0,
                 "tokens_per_s": done_tokens / seconds,

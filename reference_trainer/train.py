@@ -62,6 +62,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, argparse
             changes[field] = kind(value, flag) if kind is parse_bytes else value
     if args.resume:
         changes["resume"] = True
+    changes["extra"] = {**config.extra, "recipe": args.recipe}
     return config.with_overrides(**changes), args
 
 

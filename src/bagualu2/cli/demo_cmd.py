@@ -2,8 +2,9 @@
 
 Planning: Algorithm 1 budgets each forward, the pre-gate plan is committed, the gate reveals the actual imbalance
 and the runtime keeps, absorbs (warmup), re-plans the MoE module or downgrades it; a compact summary (``--details``
-lists every forward that mitigated). Training: ``python -m reference_trainer.train`` on the tiny GLM-MoE model for
-``--train-steps`` steps under an activation cap, summarised in one line (0 skips it).
+lists every forward that mitigated). Training: ``python -m reference_trainer.train`` on the ``glm_moe_debug``
+recipe in one process on the bundled corpus for ``--train-steps`` steps under its activation cap, summarised in
+one line (0 skips it).
 """
 
 from __future__ import annotations
@@ -71,18 +72,21 @@ def demo(
               f"decision cache {replay.cache_hits} hits / {replay.cache_misses} misses; decisions took "
               f"{replay.decision_time_s * 1e3:.1f} ms.")
     if training is not None:
-        exact = "exactly the predicted bytes" if training["max_rel_error"] == 0 else \
-            f"the predicted bytes within {100 * training['max_rel_error']:.3f}%"
-        out.print(f"trained {escape(training['preset'])} on CPU for {training['steps']} steps in "
-                  f"{training['seconds']:.1f} s: loss {training['first_loss']:.3f} -> {training['last_loss']:.3f}; "
-                  f"every micro-batch kept {exact}; peak {training['peak_bytes'] / MIB:.2f} MiB of the "
-                  f"{training['memory_limit_bytes'] / MIB:.2f} MiB cap.")
+        exact = "exactly the predicted bytes" if training["max_prediction_error"] == 0 else \
+            f"the predicted bytes within {100 * training['max_prediction_error']:.3f}%"
+        out.print(f"trained {escape(str(training['recipe']))} on the bundled corpus (CPU, one process) for "
+                  f"{training['steps']} steps in {training['seconds']:.1f} s: loss {training['first_loss']:.3f} -> "
+                  f"{training['final_loss']:.3f}; every micro-batch kept {exact}; peak "
+                  f"{training['peak_activation_bytes'] / MIB:.2f} MiB of the "
+                  f"{training['memory_cap_bytes'] / MIB:.2f} MiB cap.")
 
 
 def _train(steps: int, seed: int) -> dict:
-    """The tiny CPU training run (``python -m reference_trainer.train``), its JSON record without the step log."""
-    proc = subprocess.run([sys.executable, "-m", "reference_trainer.train", "--steps", str(steps), "--seed",
-                           str(seed), "--json"], capture_output=True, text=True)
+    """The debug recipe trained in one process (``python -m reference_trainer.train --pp 1 --dp 1 --ep 1``), its
+    summary record."""
+    proc = subprocess.run([sys.executable, "-m", "reference_trainer.train", "--recipe", "glm_moe_debug", "--pp", "1",
+                           "--dp", "1", "--ep", "1", "--steps", str(steps), "--seed", str(seed), "--json"],
+                          capture_output=True, text=True)
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["the trainer failed"])[-1]
         raise CliError(last.removeprefix("error: "), "--train-steps")

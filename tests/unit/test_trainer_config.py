@@ -1,0 +1,100 @@
+"""The trainer's flags and recipes: every bad input is one line naming the flag (exit code 2), before any
+process group exists; the generated runtime action lists are valid 1F1B / interleaved schedules."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, strategies as st
+
+from bagualu2.costmodel import ParallelConfig, schedule
+from reference_trainer.pipeline import runtime_actions
+from reference_trainer.recipes import RECIPES, TrainConfig, default_cap, minimum_cap, parse_bytes, recipe
+from reference_trainer.train import main, parse_args
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "0"], "--steps"),
+    (["--seed", "-1"], "--seed"),
+    (["--lr", "inf"], "--lr"),
+    (["--schedule", "fast"], "argument --schedule"),
+    (["--recipe", "nope"], "--recipe must be one of glm_moe_debug"),
+    (["--pp", "3"], "divisible by --pp x --vp"),
+    (["--vp", "3", "--pp", "1"], "divisible by --pp x --vp"),
+    (["--ep", "3"], "--ep=3 must divide --dp=2"),
+    (["--memory-cap", "lots"], "--memory-cap must be a byte count"),
+    (["--memory-cap=-5MiB"], "--memory-cap must be a byte count"),
+    (["--spike-rate", "0.1", "--spike-max", "9"], "--spike-max"),
+    (["--spike-rate", "0.1", "--ep", "1"], "--spike-rate > 0 needs --ep >= 2"),
+    (["--resume"], "--resume needs --checkpoint-dir"),
+    (["--pp", "1", "--dp", "1", "--ep", "1"], None),  # fine: the world size check follows (WORLD_SIZE unset)
+    (["--num-microbatches", "1"], "--num-microbatches=1 must be >= --pp=2"),
+])
+def test_bad_flags_fail_in_one_line(argv, message, capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    if message is None:
+        config, _ = parse_args(argv)
+        assert config.world_size == 1
+        return
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--steps", "1"] if "--steps" not in argv else argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+
+
+def test_world_size_and_data_errors_before_any_collective(capsys, monkeypatch, tmp_path):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(SystemExit):
+        main(["--steps", "1"])
+    assert "world size 3 must equal --pp x --dp = 2 x 2" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(SystemExit):
+        main(["--steps", "1", "--pp", "1", "--dp", "1", "--ep", "1", "--data", str(tmp_path / "missing.txt")])
+    assert str(tmp_path / "missing.txt") in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--steps", "1", "--pp", "1", "--dp", "1", "--ep", "1", "--memory-cap", "1KiB"])
+    assert "--memory-cap must be at least" in capsys.readouterr().err
+
+
+def test_other_ranks_exit_quietly(capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "3")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--steps", "0"])
+    assert exit_info.value.code == 2 and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("text, value", [("48MiB", 48 << 20), ("1.5GiB", 3 << 29), ("500000", 500000),
+                                         ("2 kb", 2000), ("1e6", 10**6)])
+def test_parse_bytes(text, value):
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_recipes_are_valid_and_their_default_cap_runs(name):
+    config = recipe(name)
+    assert isinstance(config, TrainConfig)
+    assert minimum_cap(config) <= default_cap(config)
+    with pytest.raises(ValueError, match="--lr"):
+        config.with_overrides(lr=-1.0)
+
+
+@given(pp=st.integers(1, 4), vp=st.integers(1, 3), rounds=st.integers(1, 3))
+def test_runtime_actions_run_every_forward_and_backward_once_in_the_cost_model_order(pp, vp, rounds):
+    m, vp = pp * rounds, vp if pp > 1 else 1
+    parallel = ParallelConfig(pp=pp, vp=vp, num_microbatches=m)
+    orders = runtime_actions(parallel)
+    for rank, actions in orders.items():
+        flat = []
+        for action in actions:
+            if action.sub_actions is not None:
+                f, b = action.sub_actions
+                assert f.microbatch_index != b.microbatch_index  # a fused pair never waits on itself
+                flat += [f, b]
+            else:
+                flat.append(action)
+        expected = [(s.kind, s.microbatch, s.chunk * pp + rank) for s in schedule(parallel, rank)]
+        got = [(a.computation_type.value.replace("FULL_BACKWARD", "B").replace("FORWARD", "F")[:1],
+                a.microbatch_index, a.stage_index) for a in flat]
+        assert got == expected
