@@ -275,6 +275,7 @@ class Session:
                 "oom": False, "peak_activation_bytes": max(r["peak"] for r in gathered),
                 "microbatches": microbatches, "order": [o for r in gathered for o in r["order"]],
                 "planning_s": max(r["planning_s"] for r in gathered),
+                "planning_s_all_ranks": sum(r["planning_s"] for r in gathered),
                 "agree_s": max(r["agree_s"] for r in gathered), "step_s": step_s, "recompute_flops": recompute}
 
     def _summary(self, totals: dict, elapsed: float, tokens: int, flops: float, peak_flops: float) -> dict:

@@ -52,6 +52,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, argparse
                             choices=SCHEDULES if flag == "--schedule" else None)
     parser.add_argument("--resume", action="store_true", default=None, help="from the latest complete checkpoint")
     parser.add_argument("--json", action="store_true", help="print the summary record on stdout (rank 0)")
+    parser.add_argument("--world-size", action="store_true",
+                        help="print the world size (--pp x --dp) the flags need, and exit")
     parser.error = _fail  # type: ignore[method-assign]
     args = parser.parse_args(argv)
     config = recipe(args.recipe)
@@ -70,6 +72,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         config, args = parse_args(argv)
+        if args.world_size:
+            print(config.world_size)
+            return
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world != config.world_size:
             raise ValueError(f"the world size {world} must equal --pp x --dp = {config.pp} x {config.dp} "

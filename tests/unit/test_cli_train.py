@@ -44,7 +44,7 @@ def test_train_runs_the_trainer_under_torchrun():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     record = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
-    assert record["steps"] == 1 and record["max_rel_error"] == 0.0
+    assert record["steps"] == 1 and record["max_prediction_error"] == 0.0  # 4 ranks: glm_moe_debug's PP=2 x DP=2
     bad = subprocess.run([sys.executable, "-m", "bagualu2.cli", "train", "--", "--steps", "0"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == ["error: --steps must be an integer >= 1, got 0"]
@@ -55,7 +55,7 @@ def test_under_torchrun_only_rank_0_reports_one_line():
     proc = subprocess.run([sys.executable, "-m", "bagualu2.cli", "train", "--nproc-per-node", "2", "--",
                            "--lr", "inf"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == ["error: --lr must be a finite number in (0, 3e+38], got inf"]
+    assert proc.stderr.strip().splitlines() == ["error: --lr must be a finite number in (0, 10000.0], got inf"]
 
 
 @pytest.mark.parametrize("module, args, message", [

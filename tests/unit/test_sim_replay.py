@@ -45,7 +45,7 @@ def test_demo_command():
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["fits"] and len(data["forwards"]) == 4
-    assert data["training"]["steps"] == 2 and data["training"]["max_rel_error"] == 0.0
+    assert data["training"]["steps"] == 2 and data["training"]["max_prediction_error"] == 0.0
     bad = runner.invoke(app, ["demo", "--spike-rate", "2"])
     assert bad.exit_code == 2 and "Traceback" not in bad.output
 

@@ -14,7 +14,7 @@ import json
 import os
 import subprocess
 import sys
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -37,11 +37,29 @@ def command(trainer_args: list[str], *, nproc_per_node: int, nnodes: int, node_r
     return [*launcher, "-m", TRAINER, *trainer_args]
 
 
+def _world_size(trainer_args: list[str], nnodes: int) -> int:
+    """Processes per node the trainer's flags need (asks the trainer; its one-line error is ours)."""
+    if importlib.util.find_spec("torch") is None:
+        command([], nproc_per_node=1, nnodes=1, node_rank=0, master_addr="", master_port=1)  # the torch error
+    proc = subprocess.run([sys.executable, "-m", TRAINER, *trainer_args, "--world-size"], capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["the trainer rejected its flags"])[-1]
+        typer.echo(last if last.startswith("error:") else f"error: {last}", err=True)
+        raise typer.Exit(code=2)
+    world = int(proc.stdout.strip().splitlines()[-1])
+    if world % nnodes:
+        raise CliError(f"the trainer's world size {world} (--pp x --dp) is not divisible by --nnodes={nnodes}; "
+                       "give --nproc-per-node", "--nnodes")
+    return world // nnodes
+
+
 @handle_errors
 def train(
     ctx: typer.Context,
-    nproc_per_node: Annotated[int, typer.Option("--nproc-per-node", min=1, max=1024,
-                                                help="Processes (ranks) on this node.")] = 1,
+    nproc_per_node: Annotated[Optional[int], typer.Option(
+        "--nproc-per-node", min=1, max=1024, help="Processes (ranks) on this node; default: the world size the "
+        "trainer's flags need (--pp x --dp of the recipe and flags) over --nnodes.")] = None,
     nnodes: Annotated[int, typer.Option("--nnodes", min=1, max=4096, help="Nodes of the job.")] = 1,
     node_rank: Annotated[int, typer.Option("--node-rank", min=0, help="This node's rank (several nodes).")] = 0,
     master_addr: Annotated[str, typer.Option("--master-addr", help="Rendezvous host (several nodes).")]
@@ -58,6 +76,8 @@ def train(
     if node_rank >= nnodes:
         raise CliError(f"must be below --nnodes={nnodes}, got {node_rank}", "--node-rank")
     trainer_args = list(ctx.args)
+    if nproc_per_node is None:
+        nproc_per_node = _world_size(trainer_args, nnodes)
     if as_json and not dry_run and "--json" not in trainer_args:
         trainer_args.append("--json")
     argv = command(trainer_args, nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
