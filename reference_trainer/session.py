@@ -22,6 +22,18 @@ from .pipeline import RuntimeSchedule, build_stages, plain_schedule
 from .provision import Provisioner
 
 
+WORKSPACE_BYTES = 1 << 30  # allocator slack, recompute and communication buffers, cuBLAS workspaces
+
+
+def card_bytes(config, stage: int, cap_bytes: int) -> int:
+    """The emulated card of a CUDA run: the cost model's static bytes of the stage (weights, fp32 gradients, Adam
+    states), the activation cap ``M_max``, the last stage's logits and ``WORKSPACE_BYTES``."""
+    from bagualu2.costmodel.memory import logits_bytes, static_bytes
+
+    logits = logits_bytes(config.model, config.parallel) if stage == config.pp - 1 else 0
+    return static_bytes(config.model, config.parallel, stage=stage) + cap_bytes + logits + WORKSPACE_BYTES
+
+
 def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
@@ -44,9 +56,10 @@ class Session:
         self.local_layers = [i for c in range(config.vp) for i in self._chunk_layers(c)]
         self._prune(model)
         self.model = model.to(self.device)
-        if config.device == "cuda":
+        if config.device == "cuda":  # emulate a card of static + activation cap + logits + workspace bytes
+            self.card_bytes = card_bytes(config, groups.pp_rank, run.cap_bytes)
             total = torch.cuda.get_device_properties(self.device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, (run.cap_bytes * 2 + 2**30) / total), self.device)
+            torch.cuda.set_per_process_memory_fraction(min(1.0, self.card_bytes / total), self.device)
         self.provisioner = Provisioner(config.model, self.parallel, run.hardware, stage=groups.pp_rank,
                                        cap_bytes=run.cap_bytes, ep_group=groups.ep_group,
                                        downgrade=config.downgrade, dual=config.schedule == "runtime"

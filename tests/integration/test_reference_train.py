@@ -31,3 +31,16 @@ def test_one_process_training_falls_and_matches_the_cost_model(capsys, tmp_path,
     assert all(mb["plan"] == "none" for step in free_steps for mb in step["microbatches"])
     if not any("quantize" in mb["plan"] for mb in micro):
         assert [s["loss"] for s in steps] == [s["loss"] for s in free_steps]
+
+
+def test_user_data_txt_and_jsonl(capsys, tmp_path, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    text = "def f(x):\n    return x + 1\n" * 200
+    prose = "The licence grants permission to use, copy and modify this software. " * 100
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "code.txt").write_text(text)
+    (tmp_path / "data" / "docs.jsonl").write_text("\n".join(json.dumps({"text": prose, "domain": d})
+                                                            for d in ("prose", "prose", "legal")) + "\n")
+    main([*ONE, "--steps", "2", "--data", str(tmp_path / "data"), "--json"])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["steps_run"] == 2 and summary["max_prediction_error"] == 0.0
