@@ -31,11 +31,25 @@ class PointOrders:
         self.hardware = hardware
         self.pipeline_degree = require_int("pipeline_degree", pipeline_degree, 1)
         self._orders: dict[tuple, Order] = {}
+        self._chains: dict[tuple, tuple[Chains, tuple]] = {}
         self.hits = self.misses = 0
 
     def chains(self, *, forward: Batch = None, backward: Batch = None, offload: Batch = None,
                recovery: Batch = None) -> Chains:
-        """The four chains: F and B of ``forward`` / ``backward``, O of ``offload``'s plan, R of ``recovery``'s."""
+        """The four chains: F and B of ``forward`` / ``backward``, O of ``offload``'s plan, R of ``recovery``'s
+        (memoised by the graphs and plans: a running stage repeats them)."""
+        batches = (forward, backward, offload, recovery)
+        key = tuple(None if b is None else (id(b[0]), b[1].entries) for b in batches)
+        found = self._chains.get(key)
+        if found is not None and all(b is None or b[0] is g for b, g in zip(batches, found[1])):
+            return found[0]
+        chains = self._build(forward, backward, offload, recovery)
+        if len(self._chains) >= MAX_ORDERS:
+            self._chains.clear()
+        self._chains[key] = (chains, tuple(None if b is None else b[0] for b in batches))
+        return chains
+
+    def _build(self, forward: Batch, backward: Batch, offload: Batch, recovery: Batch) -> Chains:
         main = build_chains(*(forward or (None, None)), *(backward or (None, None)), hardware=self.hardware)
         durations = sorted(stage.duration_ns for chain in (main.forward, main.backward) if chain is not None
                            for stage in chain.stages)
