@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from bagualu2.costmodel import ParallelConfig
 
 from . import checkpoint
-from .loop import Run, finite, flops_per_token, lr_at, spikes_of
+from .steps import finite, flops_per_token, lr_at, spikes_of
 from .metrics import MetricsWriter, Progress, mfu, print_summary
 from .model import GLMMoEModel
 from .parallel import build_groups, is_expert_parameter, reduce_gradients
@@ -39,7 +39,7 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 class Session:
-    def __init__(self, run: Run):
+    def __init__(self, run):  # a loop.Run
         self.run, config = run, run.config
         self.config = config
         if "WORLD_SIZE" in os.environ:
