@@ -167,3 +167,14 @@ def test_bad_flags_are_one_line_from_rank_0(args, message):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], proc.stderr[-3000:]
     assert "reference_trainer/" not in proc.stderr  # no traceback through the trainer's code on any rank
+
+
+def test_interleaved_runtime_and_plain_agree_bitwise(tmp_path):
+    runtime, plain = tmp_path / "runtime.jsonl", tmp_path / "plain.jsonl"
+    ok(torchrun(4, "--steps", "3", "--vp", "2", "--metrics-file", str(runtime)))
+    ok(torchrun(4, "--steps", "3", "--vp", "2", "--schedule", "plain", "--metrics-file", str(plain)))
+    assert losses(runtime) == losses(plain)
+    steps = [r for r in records(runtime) if not r.get("summary")]
+    assert all(r["order"] for r in steps)  # fused points of the interleaved action list
+    assert {mb["chunk"] for r in steps for mb in r["microbatches"]} == {0, 1}
+    assert all(mb["kept_bytes"] == mb["predicted_bytes"] for r in steps for mb in r["microbatches"])
