@@ -284,7 +284,7 @@ class Session:
         devices = self.groups.world_size
         return {"step": step, "loss": loss, "tokens_per_s": tokens / step_s,
                 "mfu": mfu(flops * tokens, step_s, peak_flops=peak_flops, num_devices=devices),
-                "hfu": mfu(flops * tokens + 3 * recompute / 3, step_s, peak_flops=peak_flops, num_devices=devices),
+                "hfu": mfu(flops * tokens + recompute, step_s, peak_flops=peak_flops, num_devices=devices),
                 "oom": False, "peak_activation_bytes": max(r["peak"] for r in gathered),
                 "microbatches": microbatches, "order": [o for r in gathered for o in r["order"]],
                 "planning_s": max(r["planning_s"] for r in gathered),
