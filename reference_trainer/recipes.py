@@ -140,6 +140,10 @@ class TrainConfig:
             raise ValueError(f"--vp={self.vp} needs --pp >= 2 (interleaved 1F1B)")
         if self.num_microbatches < self.pp:
             raise ValueError(f"--num-microbatches={self.num_microbatches} must be >= --pp={self.pp}")
+        if self.vp > 1 and self.schedule == "runtime" and self.num_microbatches == self.pp:
+            raise ValueError(f"--schedule runtime with --vp={self.vp} needs --num-microbatches > --pp={self.pp} "
+                             f"(at {self.pp} every forward is warmup and torch cannot lower the action list); "
+                             f"use --num-microbatches {2 * self.pp} or --schedule plain")
         if self.vp > 1 and self.num_microbatches % self.pp:
             raise ValueError(f"with --vp > 1, --num-microbatches={self.num_microbatches} must be a multiple of "
                              f"--pp={self.pp} (interleaved 1F1B)")

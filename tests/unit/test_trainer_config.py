@@ -28,6 +28,7 @@ from reference_trainer.train import main, parse_args
     (["--resume"], "--resume needs --checkpoint-dir"),
     (["--pp", "1", "--dp", "1", "--ep", "1"], None),  # fine: the world size check follows (WORLD_SIZE unset)
     (["--num-microbatches", "1"], "--num-microbatches=1 must be >= --pp=2"),
+    (["--vp", "2", "--num-microbatches", "2"], "needs --num-microbatches > --pp=2"),
 ])
 def test_bad_flags_fail_in_one_line(argv, message, capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -98,3 +99,7 @@ def test_runtime_actions_run_every_forward_and_backward_once_in_the_cost_model_o
         got = [(a.computation_type.value.replace("FULL_BACKWARD", "B").replace("FORWARD", "F")[:1],
                 a.microbatch_index, a.stage_index) for a in flat]
         assert got == expected
+    if vp == 1 or m > pp:  # torch lowers it (sends and receives): the runtime schedule can run it
+        from torch.distributed.pipelining import schedules as S
+
+        S._add_send_recv(orders, stage_to_rank=lambda s: s % pp, num_stages=pp * vp)
