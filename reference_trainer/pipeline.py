@@ -87,7 +87,7 @@ class ChunkModule(nn.Module):
                 for moe, bias in zip(self.moes, learned):
                     moe.expert_bias = bias.clone()
                     moe.bias_towards(*spike)
-            x = self.provisioner.run(self.chunk, mb, self._layers, x)
+            x = self.provisioner.run(self.chunk, mb, self._layers, x, self.moes)
         finally:
             for moe, bias in zip(self.moes, learned):
                 moe.expert_bias = bias

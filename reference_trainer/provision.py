@@ -51,16 +51,26 @@ class Provisioner:
 
     def __init__(self, model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, *, stage: int,
                  cap_bytes: int, ep_group=None, downgrade: str = "graded", dual: bool = False,
-                 exclude=()):
+                 exclude=(), fixed: tuple[Plan, ...] | None = None, capped: bool = True,
+                 prediction_scale: float = 1.0):
         self.stage, self.parallel, self.ep_group, self.downgrade = stage, parallel, ep_group, downgrade
+        self.fixed = fixed                    # a fixed policy's plan per chunk (None: flexible)
+        self.safety_net = fixed is None       # flexible: an overflow is re-run with full recompute, no restart
+        self.prediction_scale = prediction_scale
         self.path = DecisionPath(model, parallel, hardware, stage=stage, downgrade=downgrade)
         memory, steps = self.path.stage_plan()
         self.m0_bytes, self.inflight_chunks, self.cap_bytes = memory.m0_bytes, memory.inflight_chunks, cap_bytes
         self._index = {(chunk, mb): (index, phase) for is_forward, index, mb, chunk, phase in steps if is_forward}
-        self.tracker = ActivationTracker(cap_bytes=cap_bytes, exclude=exclude)
+        # fixed policies: the tracker's cap raises (out of memory -> restart); flexible checks after each
+        # chunk-forward (the safety net); ideal: no cap
+        self.tracker = ActivationTracker(cap_bytes=cap_bytes if capped and fixed is not None else None,
+                                         exclude=exclude)
+        self.capped = capped
         self.executors = {
-            chunk: PlanExecutor(self.path.graph(chunk, 1.0), None, tracker=self.tracker, deferred=DeferredPlanner(
-                model, parallel, hardware, budget_bytes=0, stage=stage, chunk=chunk, downgrade=downgrade))
+            chunk: PlanExecutor(self.path.graph(chunk, 1.0), None, tracker=self.tracker, deferred=(
+                _Recorder() if fixed is not None else DeferredPlanner(model, parallel, hardware, budget_bytes=0,
+                                                                      stage=stage, chunk=chunk,
+                                                                      downgrade=downgrade)))
             for chunk in range(parallel.vp)}
         self.dual = None
         if dual:
@@ -81,6 +91,7 @@ class Provisioner:
         self._done: dict[tuple[int, int], _Forward] = {}
         self.log: list[dict] = []
         self.points: list[str] = []
+        self.reruns = 0
         self.planning_s = self.agree_s = 0.0
         self.tracker.peak_bytes = 0
 
@@ -104,6 +115,12 @@ class Provisioner:
         gate = self.assigner.absorb_limit_bytes() if phase == WARMUP and self.downgrade == "graded" else budget
         pending = self._pending
         agreed = time.perf_counter()
+        if self.fixed is not None:  # the plan is fixed: nothing to agree on
+            self._pending = None
+            found = self._prepared[(chunk, mb)] = _Forward(f"c{chunk}.m{mb}", index, phase, budget, gate,
+                                                           self.fixed[chunk])
+            self.planning_s += time.perf_counter() - started
+            return found
         if self.ep_group is not None:
             low_budget, low_gate, imbalance = agree_max([-budget, -gate, pending[1] if pending else 0.0],
                                                         self.ep_group)
@@ -117,17 +134,38 @@ class Provisioner:
             if self._last is not None:
                 self._last.imbalance = max(imbalance, 1.0)
         self._pending = None
-        plan = self.path.pre_gate(budget, chunk)
-        found = self._prepared[(chunk, mb)] = _Forward(f"c{chunk}.m{mb}", index, phase, budget, gate, plan)
+        scale = self.prediction_scale
+        plan = self.path.pre_gate(budget if scale == 1.0 else int(budget / scale), chunk)
+        found = self._prepared[(chunk, mb)] = _Forward(f"c{chunk}.m{mb}", index, phase, budget,
+                                                       gate if scale == 1.0 else int(gate / scale), plan)
         self.planning_s += time.perf_counter() - started - agreement_s
         return found
 
-    def run(self, chunk: int, mb: int, layers: Callable[[Any], Any], x: Any) -> Any:
-        """Run ``layers(x)`` as the forward of (chunk, mb) under its plan (called by the chunk's module)."""
+    def _overflow(self) -> bool:
+        """Are the activations in flight above the cap (on any rank of the EP group, which re-runs together)?"""
+        over = float(self.tracker.in_flight_bytes > self.cap_bytes)
+        if self.ep_group is not None:
+            over = agree_max([over], self.ep_group)[0]
+        return over > 0
+
+    def run(self, chunk: int, mb: int, layers: Callable[[Any], Any], x: Any, moes=()) -> Any:
+        """Run ``layers(x)`` as the forward of (chunk, mb) under its plan (called by the chunk's module;
+        ``moes``: its MoE modules, whose routing counts a re-run must not count twice)."""
         forward = self.prepare(chunk, mb)
         executor = self.executors[chunk]
+        loads = [moe.load for moe in moes]
         with executor.micro_batch(forward.name, plan=forward.plan, budget_bytes=forward.gate_budget_bytes) as record:
             out = layers(x)
+        rerun = False
+        if self.safety_net and self.capped and self._overflow():
+            # a misprediction: free this micro-batch and run it again with full recompute (no restart)
+            executor.release(forward.name)
+            for moe, load in zip(moes, loads):
+                moe.load = load
+            rerun = True
+            self.reruns += 1
+            with executor.micro_batch(forward.name, plan=self.path.pre_gate(0, chunk), budget_bytes=0) as record:
+                out = layers(x)
         started = time.perf_counter()
         kept = record.device_bytes
         self.assigner.record_forward(forward.index, kept)
@@ -148,7 +186,8 @@ class Provisioner:
         self.log.append({"stage": self.stage + chunk * self.parallel.pp, "chunk": chunk, "microbatch": mb,
                          "phase": forward.phase, "budget_bytes": forward.budget_bytes, "kept_bytes": kept,
                          "predicted_bytes": cost.activation_bytes_received(graph, received), "imbalance": rates,
-                         "plan": _summary(record.plan), "action": "changed" if record.downgraded else "keep",
+                         "plan": _summary(record.plan),
+                         "action": "rerun" if rerun else "changed" if record.downgraded else "keep",
                          "recompute_flops": cost.recompute_flops})
         self.planning_s += time.perf_counter() - started
         return out
@@ -209,6 +248,18 @@ class Provisioner:
                       recovery=nxt.name if nxt is not None and chains.recovery is not None else None)
         if prev is not None and prev.name in self.executors[previous[0]]:
             self.flush_offloads()
+
+
+class _Recorder:
+    """The deferred planner of a fixed policy: the gates only report what they routed; the plan never changes."""
+
+    mode = "paper"
+
+    def after_gate(self, plan, layer, received_tokens, *, budget_bytes=None):
+        return None
+
+    def downgrade(self, plan, layer):
+        return plan
 
 
 def _summary(plan: Plan) -> str:

@@ -22,8 +22,9 @@ from typing import Callable
 from bagualu2.costmodel import ModelConfig, ParallelConfig, build_graph, presets, stage_memory
 from bagualu2.costmodel.validate import require_int, require_number
 
+from .policies import POLICIES
+
 SCHEDULES = ("runtime", "plain")
-POLICIES = ("flexible",)
 DEVICES = ("cpu", "cuda")
 DOWNGRADES = ("graded", "paper")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30,
@@ -56,7 +57,10 @@ class TrainConfig:
       seed                  model initialisation, data order and spikes.
       schedule              ``runtime`` (generated action list, fused OVERLAP_F_B points) or ``plain`` (stock
                             Schedule1F1B / ScheduleInterleaved1F1B, no fusion).
-      policy                ``flexible`` (BaGuaLu-2 runtime provisioning).
+      policy                ``flexible`` (BaGuaLu-2 runtime provisioning), ``static-under``, ``static-over``, ``kwai``,
+                            ``adapipe`` or ``ideal`` (:mod:`reference_trainer.policies`).
+      prediction_scale      in (0, 1]: the flexible runtime plans as if the cost model's bytes were this share of
+                            what they are (a deliberate misprediction that exercises the safety net; 1: exact).
       downgrade             after-gate decision: ``graded`` re-plan or the paper's full MoE downgrade.
       memory_cap_bytes      activation capacity M_max per rank; None: ``memory_cap_fraction`` of the default.
       memory_cap_fraction   in (0, 1]: the default cap's share of the busiest stage's unmitigated in-flight bytes.
@@ -88,6 +92,7 @@ class TrainConfig:
     spike_rate: float = 0.0
     spike_max: float = 2.0
     bias_update_rate: float = 1e-3
+    prediction_scale: float = 1.0
     device: str = "cpu"
     hardware: str = "cpu"
     data: str | None = None
@@ -110,6 +115,7 @@ class TrainConfig:
         require_number("--memory-cap-fraction", self.memory_cap_fraction, 0, 1, low_open=True)
         require_number("--spike-rate", self.spike_rate, 0, 1)
         require_number("--bias-update-rate", self.bias_update_rate, 0, 1)
+        require_number("--prediction-scale", self.prediction_scale, 0, 1, low_open=True)
         for option, value, allowed in (("--schedule", self.schedule, SCHEDULES), ("--policy", self.policy, POLICIES),
                                        ("--device", self.device, DEVICES), ("--downgrade", self.downgrade, DOWNGRADES)):
             if value not in allowed:

@@ -19,7 +19,10 @@ from .metrics import MetricsWriter, Progress, mfu, print_summary
 from .model import GLMMoEModel
 from .parallel import build_groups, is_expert_parameter, reduce_gradients
 from .pipeline import RuntimeSchedule, build_stages, plain_schedule
+from .policies import OOM_EXIT_CODE, fallback, fixed_plans
 from .provision import Provisioner
+from .restarts import RunState
+from bagualu2.exec import ActivationOutOfMemoryError
 
 
 WORKSPACE_BYTES = 1 << 30  # allocator slack, recompute and communication buffers, cuBLAS workspaces
@@ -34,6 +37,27 @@ def card_bytes(config, stage: int, cap_bytes: int) -> int:
     return static_bytes(config.model, config.parallel, stage=stage) + cap_bytes + logits + WORKSPACE_BYTES
 
 
+def _store() -> dist.Store:
+    """torchrun's TCP store with a prefix per restart: a restarted worker group must not read the process-group
+    keys (peer addresses) its failed predecessor left in the agent's store."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent and rank == 0, timeout=datetime.timedelta(minutes=10))
+    return dist.PrefixStore(f"bagualu2/restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+
+
+def _out_of_memory_cause(exc: BaseException | None) -> BaseException | None:
+    """The out-of-memory error (activation cap or CUDA allocator) behind ``exc``, if any."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, (ActivationOutOfMemoryError, torch.cuda.OutOfMemoryError)):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
@@ -46,10 +70,19 @@ class Session:
             backend = "nccl" if config.device == "cuda" else "gloo"
             if config.device == "cuda":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+            dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10), store=_store(),
+                                    rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
         self.device = (torch.device("cuda", torch.cuda.current_device()) if config.device == "cuda"
                        else torch.device("cpu"))
         self.groups = groups = build_groups(pp=config.pp, dp=config.dp, ep=config.ep, device_type=config.device)
+        self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.resume = config.resume or (self.restarts > 0 and bool(config.checkpoint_dir))
+        state_dir = config.checkpoint_dir or (os.path.dirname(os.path.abspath(config.metrics_file))
+                                              if config.metrics_file else None)
+        self.run_state = RunState(state_dir, fresh=self.restarts == 0 and not config.resume)
+        self.incident = self.run_state.last_oom() if self.restarts > 0 else None
+        if self.incident is not None:  # restarted after running out of memory: the operator's fallback
+            config = self.config = config.with_overrides(policy=fallback(self.incident["policy"]))
         self.parallel = config.parallel
         torch.manual_seed(config.seed)
         model = GLMMoEModel(config.model, ep_group=groups.ep_group)
@@ -63,7 +96,9 @@ class Session:
         self.provisioner = Provisioner(config.model, self.parallel, run.hardware, stage=groups.pp_rank,
                                        cap_bytes=run.cap_bytes, ep_group=groups.ep_group,
                                        downgrade=config.downgrade, dual=config.schedule == "runtime"
-                                       and config.pp > 1, exclude=[model])
+                                       and config.pp > 1, exclude=[model],
+                                       fixed=fixed_plans(config, groups.pp_rank, run.cap_bytes),
+                                       capped=config.policy != "ideal", prediction_scale=config.prediction_scale)
         self.params = [(self._global_name(n), p) for n, p in model.named_parameters()]
         self.optimizer = torch.optim.AdamW([p for _, p in self.params], lr=config.lr,
                                            weight_decay=config.weight_decay)
@@ -83,7 +118,6 @@ class Session:
                                        provisioner=self.provisioner)]
         self.is_last = groups.pp_rank == config.pp - 1
         self.start_step = 0
-        self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
     # ---- model pieces -------------------------------------------------------------------------------------------
     def _chunk_layers(self, chunk: int) -> range:
@@ -218,10 +252,21 @@ class Session:
 
     def train(self) -> dict:
         config, groups = self.config, self.groups
-        if config.resume:
+        if self.resume:
             self._resume()
+        if self.restarts == 0 and not config.resume and groups.is_logger:
+            self.run_state.data["policies"] = [config.policy]
+            self.run_state.save()
+        incident = None
+        if self.restarts > 0:
+            incident = self.run_state.restarted(restart_count=self.restarts, resume_step=self.start_step,
+                                                policy=config.policy, is_logger=groups.is_logger)
         writer = MetricsWriter(config.metrics_file, rank=groups.rank,
-                               resume_step=self.start_step if config.resume else None)
+                               resume_step=self.start_step if self.resume else None)
+        if incident is not None:
+            writer.write({"step": incident["step"], "oom": True, "policy": incident["policy"],
+                          "restart": self.restarts, "resumed_from_step": self.start_step,
+                          "continues_as": config.policy, "message": incident["message"]})
         progress = Progress(config.steps, rank=groups.rank, start_step=self.start_step)
         tokens_per_step = config.global_batch_sequences * config.model.seq_length
         flops = flops_per_token(config)
@@ -236,7 +281,13 @@ class Session:
                     group["lr"] = lr_at(config, step)
                 self.provisioner.begin_step()
                 self._set_spikes(step)
-                loss_sum, count = self._run_step(step)
+                try:
+                    loss_sum, count = self._run_step(step)
+                except Exception as exc:  # pipelining wraps a stage's errors: look for an OOM in the chain
+                    oom = _out_of_memory_cause(exc)
+                    if oom is None:
+                        raise
+                    self._out_of_memory(step, oom)
                 reduce_gradients(self.params, groups)
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
@@ -246,8 +297,10 @@ class Session:
                 mine = {"loss_sum": loss_sum, "count": count, "peak": self.provisioner.tracker.peak_bytes,
                         "microbatches": self.provisioner.log, "order": self.provisioner.points,
                         "planning_s": self.provisioner.planning_s, "agree_s": self.provisioner.agree_s,
+                        "reruns": self.provisioner.reruns,
                         "step_s": step_s}
                 gathered = self._gather(mine)
+                self.run_state.step_done(groups.is_logger)
                 if config.checkpoint_every and config.checkpoint_dir and (step + 1) % config.checkpoint_every == 0:
                     checkpoint.save(config.checkpoint_dir, step + 1, self._state(step + 1))
                 if gathered is None:
@@ -260,6 +313,7 @@ class Session:
                 totals["step_s"] += record["step_s"]
                 totals["peak"] = max(totals["peak"], record["peak_activation_bytes"])
                 totals["recompute_flops"] += record["recompute_flops"]
+                totals["reruns"] = totals.get("reruns", 0) + record["reruns"]
                 totals["loss"] = record["loss"]
                 if totals["first_loss"] is None:
                     totals["first_loss"] = record["loss"]
@@ -275,6 +329,16 @@ class Session:
         print_summary(summary, rank=groups.rank)
         return summary
 
+    def _out_of_memory(self, step: int, exc: BaseException) -> None:
+        """A fixed policy overflowed the cap: leave a marker, say so in one line, exit for torchrun to restart."""
+        message = " ".join(str(exc).split())
+        self.run_state.record_oom(rank=self.groups.rank, step=step, policy=self.config.policy, message=message)
+        sys.stderr.write(f"error: rank {self.groups.rank} ran out of activation memory at step {step} under "
+                         f"--policy {self.config.policy} ({message}); exit code {OOM_EXIT_CODE} (torchrun "
+                         "--max-restarts restarts the run)\n")
+        sys.stderr.flush()
+        os._exit(OOM_EXIT_CODE)
+
     def _record(self, step: int, gathered: list[dict], tokens: int, flops: float, peak_flops: float) -> dict:
         losses = [(r["loss_sum"], r["count"]) for r in gathered if r["count"]]
         loss = sum(s for s, _ in losses) / sum(c for _, c in losses)
@@ -289,17 +353,21 @@ class Session:
                 "microbatches": microbatches, "order": [o for r in gathered for o in r["order"]],
                 "planning_s": max(r["planning_s"] for r in gathered),
                 "planning_s_all_ranks": sum(r["planning_s"] for r in gathered),
-                "agree_s": max(r["agree_s"] for r in gathered), "step_s": step_s, "recompute_flops": recompute}
+                "agree_s": max(r["agree_s"] for r in gathered), "step_s": step_s, "recompute_flops": recompute,
+                "reruns": sum(r["reruns"] for r in gathered), "policy": self.config.policy}
 
     def _summary(self, totals: dict, elapsed: float, tokens: int, flops: float, peak_flops: float) -> dict:
         steps = totals["steps"]
-        seconds = max(elapsed, 1e-9)
-        done_tokens = tokens * steps
+        state = self.run_state.data
+        seconds = max(time.time() - state["started_at"] if self.restarts or self.config.resume else elapsed, 1e-9)
+        done_tokens = tokens * (self.config.steps if self.restarts or self.config.resume else steps)
         return {"summary": True, "recipe": self.config.extra.get("recipe"), "steps": self.config.steps,
                 "steps_run": steps, "first_loss": totals["first_loss"], "max_prediction_error": totals["error"],
                 "seconds": elapsed,
                 "final_loss": finite(totals["loss"]) if totals["loss"] is not None else None,
-                "oom_events": 0, "restarts": self.restarts, "restart_s": 0.0,
+                "oom_events": state["oom_events"], "restarts": self.restarts, "restart_s": state["restart_s"],
+                "steps_lost": state["steps_lost"], "reruns": totals.get("reruns", 0), "policy": self.config.policy,
+                "policies": state["policies"] or [self.config.policy],
                 "tokens_per_s": done_tokens / seconds,
                 "mfu": mfu(flops * done_tokens, seconds, peak_flops=peak_flops, num_devices=self.groups.world_size),
                 "hfu": mfu(flops * done_tokens + totals["recompute_flops"], seconds, peak_flops=peak_flops,

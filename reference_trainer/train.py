@@ -18,7 +18,10 @@ import sys
 import time
 from typing import Any, NoReturn, Sequence
 
+from .policies import POLICIES
 from .recipes import RECIPES, SCHEDULES, TrainConfig, parse_bytes, recipe
+
+CHOICES = {"--schedule": SCHEDULES, "--policy": POLICIES}
 
 FLAGS = {  # flag -> (TrainConfig field, type)
     "--steps": ("steps", int), "--pp": ("pp", int), "--dp": ("dp", int), "--ep": ("ep", int), "--vp": ("vp", int),
@@ -29,6 +32,7 @@ FLAGS = {  # flag -> (TrainConfig field, type)
     "--hardware": ("hardware", str), "--data": ("data", str), "--metrics-file": ("metrics_file", str),
     "--checkpoint-dir": ("checkpoint_dir", str), "--checkpoint-every": ("checkpoint_every", int),
     "--bias-update-rate": ("bias_update_rate", float), "--warmup-steps": ("warmup_steps", int),
+    "--prediction-scale": ("prediction_scale", float),
 }
 
 
@@ -49,7 +53,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, argparse
     parser.add_argument("--recipe", default="glm_moe_debug", help=f"one of {', '.join(RECIPES)}")
     for flag, (field, kind) in FLAGS.items():
         parser.add_argument(flag, dest=field, default=None, type=str if kind is parse_bytes else kind,
-                            choices=SCHEDULES if flag == "--schedule" else None)
+                            choices=CHOICES.get(flag))
     parser.add_argument("--resume", action="store_true", default=None, help="from the latest complete checkpoint")
     parser.add_argument("--json", action="store_true", help="print the summary record on stdout (rank 0)")
     parser.add_argument("--world-size", action="store_true",

@@ -1,0 +1,100 @@
+"""Out-of-memory -> restart bookkeeping across torchrun's worker-group restarts (the paper's §II-B cost).
+
+A worker that runs out of activation memory writes ``oom-rank<r>.json`` (time, step, policy) into the run's state
+directory (``--checkpoint-dir``, else the metrics file's directory) and exits with ``OOM_EXIT_CODE``; torchrun's
+elastic agent (``--max-restarts``) stops the group and starts it again. The restarted rank 0 folds the markers into
+``run_state.json``: OOM events, restarts, steps lost (the failed step minus the checkpoint it resumes from), and,
+once its first step completes, the restart seconds (from the error to that step). ``started_at`` is the first
+launch's time, so the effective tokens/s count every restart and every lost step. Files are written atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+STATE = "run_state.json"
+
+
+def _write_json(path: Path, data: dict) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class RunState:
+    """The run's restart history in ``directory`` (None: nothing persisted, one launch only)."""
+
+    def __init__(self, directory: str | None, *, fresh: bool):
+        self.dir = Path(directory) if directory else None
+        self.data: dict[str, Any] = {"started_at": time.time(), "oom_events": 0, "restarts": 0, "restart_s": 0.0,
+                                     "steps_lost": 0, "policies": []}
+        self.pending_error_at: float | None = None  # an OOM whose restart has not completed a step yet
+        if self.dir is None:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        path = self.dir / STATE
+        if fresh:
+            for marker in self.dir.glob("oom-rank*.json"):
+                marker.unlink(missing_ok=True)
+        elif path.is_file():
+            try:
+                self.data.update(json.loads(path.read_text()))
+            except (OSError, ValueError):
+                pass
+
+    def markers(self) -> list[dict]:
+        found = []
+        for marker in sorted(self.dir.glob("oom-rank*.json")) if self.dir else ():
+            try:
+                found.append(json.loads(marker.read_text()))
+            except (OSError, ValueError):
+                continue
+        return found
+
+    def last_oom(self) -> dict | None:
+        """The earliest marker of the incident that caused this restart (None: no OOM pending)."""
+        markers = self.markers()
+        return min(markers, key=lambda m: m["time"]) if markers else None
+
+    def restarted(self, *, restart_count: int, resume_step: int, policy: str, is_logger: bool) -> dict | None:
+        """Fold the OOM markers into the state (rank 0 writes it); returns the incident, if any."""
+        incident = self.last_oom()
+        self.data["restarts"] = max(self.data["restarts"], restart_count)
+        if incident is not None:
+            self.data["oom_events"] += 1
+            self.data["steps_lost"] += max(incident["step"] - resume_step, 0)
+            self.pending_error_at = incident["time"]
+        self.data["policies"] = [*self.data["policies"], policy] if self.data["policies"][-1:] != [policy] else \
+            self.data["policies"]
+        if is_logger:
+            self.save()
+            for marker in self.dir.glob("oom-rank*.json") if self.dir else ():
+                marker.unlink(missing_ok=True)
+        return incident
+
+    def step_done(self, is_logger: bool) -> None:
+        """After a completed step: close a pending restart (its seconds from the error to now)."""
+        if self.pending_error_at is None:
+            return
+        self.data["restart_s"] += time.time() - self.pending_error_at
+        self.pending_error_at = None
+        if is_logger:
+            self.save()
+
+    def save(self) -> None:
+        if self.dir is not None:
+            _write_json(self.dir / STATE, self.data)
+
+    def record_oom(self, *, rank: int, step: int, policy: str, message: str) -> None:
+        """This rank ran out of memory (called right before it exits)."""
+        if self.dir is not None:
+            _write_json(self.dir / f"oom-rank{rank}.json", {"time": time.time(), "step": step, "rank": rank,
+                                                           "policy": policy, "message": message})
