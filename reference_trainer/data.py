@@ -53,6 +53,10 @@ def load_tokenizer(path: str | None = None) -> tokenizers.Tokenizer:
     file = Path(path) if path is not None else CORPUS_DIR / "tokenizer.json"
     if not file.is_file():
         raise ValueError(f"{file}: no such tokenizer file (expected a Hugging Face tokenizer.json)")
+    if path is None:  # the bundled one must be the one the manifest lists
+        expected = json.loads((CORPUS_DIR / "manifest.json").read_text())["tokenizer"].get("sha256")
+        if expected and _sha256(file.read_bytes()) != expected:
+            raise ValueError(f"{file}: sha256 does not match {CORPUS_DIR / 'manifest.json'} (a damaged install)")
     return tokenizers.Tokenizer.from_file(str(file))
 
 

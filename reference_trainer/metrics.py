@@ -4,16 +4,25 @@
 JSONL schema (one JSON object a line, written by rank 0; the trainer fills the fields):
 
 * one record per step, ``STEP_FIELDS``: ``step`` (0-based index of the step), ``loss``, ``tokens_per_s``, ``mfu``,
-  ``hfu`` (fractions of peak), ``oom`` (bool: the step hit an out-of-memory error), ``peak_activation_bytes`` (max
-  over all pipeline stages), ``microbatches`` (a list of ``MICROBATCH_FIELDS`` objects: ``stage``, ``chunk``,
-  ``microbatch``, ``budget_bytes`` (Algorithm 1's budget), ``kept_bytes`` (measured), ``predicted_bytes`` (cost
-  model), ``imbalance`` (a list, one per MoE layer of the chunk: max / mean tokens per expert), ``plan`` (the
-  plan's summary string), ``action`` (what the runtime did: keep, mitigate, downgrade...)), ``order`` (a list of
-  summary strings of the fused orders the stages ran), ``planning_s`` (seconds spent planning in the step),
-  ``step_s`` (wall seconds of the step);
-* one final record, ``SUMMARY_FIELDS``: ``"summary": true``, ``steps``, ``final_loss``, ``oom_events``,
-  ``restarts``, ``restart_s`` (seconds lost to restarts), ``tokens_per_s`` (effective: restarts and lost steps
-  included), ``mfu``, ``hfu``, ``peak_activation_bytes``, ``planning_fraction`` (planning seconds / wall seconds).
+  ``hfu`` (fractions of peak), ``oom`` (bool), ``peak_activation_bytes`` (max over all pipeline stages; with the
+  safety net it includes the overflowing attempt of a re-run micro-batch), ``microbatches`` (a list of
+  ``MICROBATCH_FIELDS`` objects: ``stage``, ``chunk``, ``microbatch``, ``phase``, ``budget_bytes`` (Algorithm 1's
+  budget), ``kept_bytes`` (measured), ``predicted_bytes`` (cost model, at the token counts each MoE layer
+  received), ``imbalance`` (per MoE layer of the chunk: routed copies this rank received / the mean ``T*K``, the
+  cost model's device imbalance), ``expert_imbalance`` (per MoE layer: max / mean tokens per expert of this
+  rank's tokens), ``plan`` (summary: mitigated savings per strategy), ``action`` (``keep``, ``changed`` (a gate
+  re-planned or downgraded), ``rerun`` (the safety net re-ran it with full recompute))), ``order`` (the fused
+  orders of the steps' OVERLAP_F_B points), ``planning_s`` (the slowest rank's budget + plan + order seconds),
+  ``planning_s_all_ranks``, ``agree_s`` (the EP agreement all-reduces, communication), ``step_s`` (the slowest
+  rank), ``recompute_flops``, ``reruns``, ``policy``. After an out-of-memory restart one extra record
+  ``{"step", "oom": true, "policy", "restart", "resumed_from_step", "continues_as", "message"}``;
+* one final record, ``SUMMARY_FIELDS``: ``"summary": true``, ``recipe``, ``steps`` (configured), ``steps_run``
+  (this launch), ``first_loss``, ``final_loss``, ``max_prediction_error``, ``seconds``, ``oom_events``,
+  ``restarts``, ``restart_s`` (from each error to the first step completed after it), ``steps_lost``,
+  ``reruns``, ``policy``, ``policies`` (the sequence across restarts), ``tokens_per_s`` (effective: the run's
+  tokens over the time since its first launch, restarts and lost steps included), ``mfu``, ``hfu``,
+  ``peak_activation_bytes``, ``memory_cap_bytes``, ``planning_fraction`` (sum of ``planning_s`` / sum of
+  ``step_s``), ``schedule``, ``layout``.
 
 Non-finite floats (NaN, +-inf: a diverged loss, an MFU over zero seconds) are written as ``null``: the lines are
 strict JSON (``json.dumps(allow_nan=False)``). numpy / torch scalars are written as their ``.item()``.
@@ -45,8 +54,8 @@ from bagualu2.costmodel.validate import require_int, require_number
 
 STEP_FIELDS = ("step", "loss", "tokens_per_s", "mfu", "hfu", "oom", "peak_activation_bytes", "microbatches",
                "order", "planning_s", "step_s")
-MICROBATCH_FIELDS = ("stage", "chunk", "microbatch", "budget_bytes", "kept_bytes", "predicted_bytes", "imbalance",
-                     "plan", "action")
+MICROBATCH_FIELDS = ("stage", "chunk", "microbatch", "phase", "budget_bytes", "kept_bytes", "predicted_bytes",
+                     "imbalance", "expert_imbalance", "plan", "action")
 SUMMARY_FIELDS = ("summary", "steps", "final_loss", "oom_events", "restarts", "restart_s", "tokens_per_s", "mfu",
                   "hfu", "peak_activation_bytes", "planning_fraction")
 
@@ -260,11 +269,16 @@ def summary_table(summary: Mapping[str, Any]) -> Table:
     table = Table(title="training summary")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    for name, value in (("steps", _fmt(get("steps"), "d")), ("final loss", _fmt(get("final_loss"), ".4f")),
+    steps = _fmt(get("steps"), "d")
+    if get("steps_run") is not None and get("steps_run") != get("steps"):
+        steps = f"{steps} ({_fmt(get('steps_run'), 'd')} in this launch)"
+    for name, value in (("policy", str(get("policy") or "n/a")), ("steps", steps),
+                        ("final loss", _fmt(get("final_loss"), ".4f")),
                         ("tokens/s (effective)", _fmt(get("tokens_per_s"), ",.1f")),
                         ("MFU", _fmt(get("mfu"), ".2%")), ("HFU", _fmt(get("hfu"), ".2%")),
                         ("peak activation", human_bytes(get("peak_activation_bytes"))),
                         ("OOM events", _fmt(get("oom_events"), "d")), ("restarts", restarts),
+                        ("re-run micro-batches", _fmt(get("reruns"), "d")),
                         ("planning overhead", _fmt(get("planning_fraction"), ".2%"))):
         table.add_row(name, value)
     return table

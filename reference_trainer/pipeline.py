@@ -13,7 +13,9 @@ order, with the offload of x-1 (O) and the recovery of y+1 (R) inside it. ``sche
 ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` (each forward still provisioned; no fusion).
 
 Private pipelining APIs used (pinned torch range in pyproject.toml): ``_Action``, ``_PipelineScheduleRuntime``,
-``_PipelineContext``, ``_wait_batch_p2p``, ``_prepare_schedule_with_comms``.
+``_wait_batch_p2p``, ``_prepare_schedule_with_comms``, and the runtime's ``_maybe_compute_loss``,
+``_maybe_get_loss``, ``fwd_recv_ops`` / ``bwd_recv_ops``, ``backward_counter``, ``_n_microbatches``, ``_stages``
+(what its own FORWARD / OVERLAP_F_B handlers use).
 """
 
 from __future__ import annotations
@@ -92,6 +94,9 @@ class ChunkModule(nn.Module):
             for moe, bias in zip(self.moes, learned):
                 moe.expert_bias = bias
         self.provisioner.note_routing([moe.last_counts for moe in self.moes])
+        if spike is not None:  # forced routing must not teach the balancing biases
+            for moe in self.moes:
+                moe.load = moe.load - moe.last_counts
         if self.final_norm is not None:
             x = self.final_norm(x)
             x = x @ self.model[0].embedding.weight.t() if self.tied else self.output(x)

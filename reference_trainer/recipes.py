@@ -46,8 +46,8 @@ def parse_bytes(text: str, option: str = "--memory-cap") -> int:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """One training run. Every field can be overridden by the flag of the same name (``--memory-cap`` for
-    ``memory_cap_bytes``).
+    """One training run. Every field but ``model``, ``weight_decay`` and ``extra`` can be overridden by the flag of
+    the same name (``--memory-cap`` for ``memory_cap_bytes``).
 
       model                 the GLM-MoE architecture (``bagualu2.costmodel.ModelConfig``).
       pp, dp, ep, vp        pipeline, data, expert (carved from dp) parallel degrees, virtual chunks per stage.
@@ -65,7 +65,8 @@ class TrainConfig:
       memory_cap_bytes      activation capacity M_max per rank; None: ``memory_cap_fraction`` of the default.
       memory_cap_fraction   in (0, 1]: the default cap's share of the busiest stage's unmitigated in-flight bytes.
       spike_rate            share of micro-batches whose routing is forced towards one expert-parallel rank.
-      spike_max             the largest forced imbalance (max/mean device load, <= ep).
+      spike_max             the largest forced imbalance (max/mean device load); one EP rank can receive at most
+                            ``ep`` x the mean, so spikes are drawn up to ``min(spike_max, ep)``.
       bias_update_rate      aux-loss-free balancing: router expert-bias step per iteration (0: off).
       device                ``cpu`` (gloo) or ``cuda`` (NCCL).
       hardware              cost-model hardware profile (``bagualu2 presets``) for the runtime's durations.
@@ -126,10 +127,14 @@ class TrainConfig:
         if self.spike_rate > 0 and self.ep < 2:
             raise ValueError("--spike-rate > 0 needs --ep >= 2 (a spike forces routing towards one expert-parallel "
                              "rank; with ep=1 every expert is local)")
-        require_number("--spike-max", self.spike_max, 1, float(self.ep) if self.spike_rate > 0 else 1e9)
+        require_number("--spike-max", self.spike_max, 1, 1e9)  # spikes are drawn up to min(spike_max, ep)
+        if self.model.tie_embeddings and self.pp > 1:
+            raise ValueError("a model with tie_embeddings needs --pp 1 (the embedding and the output layer on one "
+                             "stage)")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("--resume needs --checkpoint-dir")
-        presets.hardware(self.hardware)
+        if self.hardware not in presets.hardware_names():
+            raise ValueError(f"--hardware must be one of {', '.join(presets.hardware_names())}, got {self.hardware!r}")
 
     def check_layout(self) -> None:
         """The layout rules (one line each): ep | dp, layers divisible by pp*vp, experts by ep, m >= pp."""

@@ -253,7 +253,13 @@ class Session:
     def train(self) -> dict:
         config, groups = self.config, self.groups
         if self.resume:
-            self._resume()
+            try:
+                self._resume()
+            except ValueError as exc:  # another world size, seed or corpus: every rank raises the same error
+                if groups.is_logger:
+                    sys.stderr.write(f"error: --resume: {' '.join(str(exc).split())}\n")
+                    sys.stderr.flush()
+                os._exit(2)
         if self.restarts == 0 and not config.resume and groups.is_logger:
             self.run_state.data["policies"] = [config.policy]
             self.run_state.save()

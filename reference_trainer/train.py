@@ -49,11 +49,13 @@ def _fail(message: str) -> NoReturn:
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, argparse.Namespace]:
     """The run's config: the recipe with the given flags applied (ValueError / SystemExit(2) on bad input)."""
-    parser = argparse.ArgumentParser(prog="python -m reference_trainer.train", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m reference_trainer.train",
+                                     description="The distributed reference trainer (docs/trainer.md): GLM-MoE, PP x "
+                                     "DP (EP carved from DP), per-micro-batch activation provisioning.")
     parser.add_argument("--recipe", default="glm_moe_debug", help=f"one of {', '.join(RECIPES)}")
     for flag, (field, kind) in FLAGS.items():
         parser.add_argument(flag, dest=field, default=None, type=str if kind is parse_bytes else kind,
-                            choices=CHOICES.get(flag))
+                            choices=CHOICES.get(flag), help=f"TrainConfig.{field} (default: the recipe's)")
     parser.add_argument("--resume", action="store_true", default=None, help="from the latest complete checkpoint")
     parser.add_argument("--json", action="store_true", help="print the summary record on stdout (rank 0)")
     parser.add_argument("--world-size", action="store_true",

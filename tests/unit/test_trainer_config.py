@@ -23,7 +23,7 @@ from reference_trainer.train import main, parse_args
     (["--ep", "3"], "--ep=3 must divide --dp=2"),
     (["--memory-cap", "lots"], "--memory-cap must be a byte count"),
     (["--memory-cap=-5MiB"], "--memory-cap must be a byte count"),
-    (["--spike-rate", "0.1", "--spike-max", "9"], "--spike-max"),
+    (["--spike-rate", "0.1", "--spike-max", "0.5"], "--spike-max"),
     (["--spike-rate", "0.1", "--ep", "1"], "--spike-rate > 0 needs --ep >= 2"),
     (["--resume"], "--resume needs --checkpoint-dir"),
     (["--pp", "1", "--dp", "1", "--ep", "1"], None),  # fine: the world size check follows (WORLD_SIZE unset)
