@@ -178,3 +178,40 @@ def test_interleaved_runtime_and_plain_agree_bitwise(tmp_path):
     assert all(r["order"] for r in steps)  # fused points of the interleaved action list
     assert {mb["chunk"] for r in steps for mb in r["microbatches"]} == {0, 1}
     assert all(mb["kept_bytes"] == mb["predicted_bytes"] for r in steps for mb in r["microbatches"])
+
+
+def test_static_under_runs_out_of_memory_is_restarted_by_torchrun_and_continues_as_static_over(tmp_path):
+    metrics, ckpt = tmp_path / "under.jsonl", tmp_path / "ckpt"
+    proc = subprocess.run([str(TORCHRUN), "--standalone", "--nproc_per_node=4", "--max-restarts", "1", "-m",
+                           "reference_trainer.train", "--policy", "static-under", "--steps", "4", "--spike-rate",
+                           "0.5", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--metrics-file",
+                           str(metrics), "--schedule", "plain"], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    ok(proc)
+    assert "ran out of activation memory" in proc.stderr and "exitcode: 75" in proc.stderr
+    rows = records(metrics)
+    summary = rows[-1]
+    assert summary["oom_events"] == 1 and summary["restarts"] == 1 and summary["restart_s"] > 0
+    assert summary["policies"] == ["static-under", "static-over"] and summary["policy"] == "static-over"
+    assert any(r.get("oom") is True and r["continues_as"] == "static-over" for r in rows)
+    assert [r["step"] for r in rows if "loss" in r][-1] == 3
+
+
+def test_flexible_safety_net_reruns_a_mispredicted_micro_batch_without_a_restart(tmp_path):
+    metrics = tmp_path / "net.jsonl"
+    ok(torchrun(4, "--steps", "3", "--prediction-scale", "0.6", "--metrics-file", str(metrics)))
+    rows = records(metrics)
+    summary = rows[-1]
+    assert summary["oom_events"] == 0 and summary["restarts"] == 0 and summary["reruns"] > 0
+    reruns = [mb for r in rows[:-1] for mb in r["microbatches"] if mb["action"] == "rerun"]
+    assert len(reruns) == summary["reruns"] and all(mb["kept_bytes"] == mb["predicted_bytes"] for mb in reruns)
+
+
+def test_ideal_runs_uncapped_and_kwai_adapipe_fixed_plans(tmp_path):
+    for policy in ("ideal", "kwai"):
+        metrics = tmp_path / f"{policy}.jsonl"
+        ok(torchrun(4, "--steps", "2", "--policy", policy, "--schedule", "plain", "--metrics-file", str(metrics)))
+        micro = [mb for r in records(metrics)[:-1] for mb in r["microbatches"]]
+        assert all(mb["kept_bytes"] == mb["predicted_bytes"] for mb in micro)
+        plans = {mb["plan"] for mb in micro}
+        assert (plans == {"none"}) == (policy == "ideal"), plans

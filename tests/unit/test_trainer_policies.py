@@ -1,0 +1,47 @@
+"""The trainer's fixed policies are the simulator's plans on the run's cap, and the debug recipe's default cap
+makes the comparison meaningful: static-under fits at balanced load and overflows on a spike, static-over always
+fits (issue: policies, item 4)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from bagualu2.costmodel import build_graph, evaluate, presets, stage_memory
+from bagualu2.sim import StageContext, make_policy
+from reference_trainer.policies import FIXED, describe, fallback, fixed_plans
+from reference_trainer.recipes import default_cap, recipe
+
+CONFIG = recipe("glm_moe_debug")
+HW = presets.hardware(CONFIG.hardware)
+CAP = default_cap(CONFIG)
+
+
+@pytest.mark.parametrize("policy", FIXED)
+def test_fixed_plans_are_the_simulators_on_the_cap(policy):
+    config = CONFIG.with_overrides(policy=policy)
+    for stage in range(config.pp):
+        ctx = StageContext(config.model, config.parallel, HW, stage)
+        ctx.memory = dataclasses.replace(ctx.memory, m_max_bytes=CAP)
+        assert fixed_plans(config, stage, CAP) == tuple(make_policy(policy, ctx).plans)
+    assert len(describe(config, CAP)) == config.pp * config.vp
+
+
+def _in_flight(policy: str, stage: int, imbalance: float) -> int:
+    plan = fixed_plans(CONFIG.with_overrides(policy=policy), stage, CAP)[0]
+    inflight = stage_memory(CONFIG.model, CONFIG.parallel, HW, stage=stage).inflight_chunks
+    graph = build_graph(CONFIG.model, CONFIG.parallel, HW, imbalance=imbalance, stage=stage)
+    return inflight * evaluate(graph, plan).activation_bytes
+
+
+def test_default_cap_static_under_fits_balanced_and_overflows_a_spike_static_over_always_fits():
+    spike = min(2.6, CONFIG.ep)
+    assert all(_in_flight("static-under", s, 1.0) <= CAP for s in range(CONFIG.pp))
+    assert any(_in_flight("static-under", s, spike) > CAP for s in range(CONFIG.pp))
+    assert all(_in_flight("static-over", s, float(CONFIG.ep)) <= CAP for s in range(CONFIG.pp))
+
+
+def test_fallbacks():
+    assert fallback("static-under") == "static-over" and fallback("flexible") == "flexible"
+    assert fixed_plans(CONFIG, 0, CAP) is None  # flexible plans at runtime
