@@ -33,6 +33,10 @@ from bagualu2.runtime import DecisionPath, PointOrders, ceil_bucket
 from .parallel import agree_max
 
 WARMUP = "warmup"
+# the gates decide for the measured imbalance rounded up to 0.05 and the budget rounded down to 1/32 of the
+# chunk's unmitigated bytes: conservative, and memoised (most gates repeat a decision)
+GATE_IMBALANCE_STEP = 0.05
+GATE_BUDGET_SHIFT = 5
 
 
 @dataclass
@@ -68,9 +72,10 @@ class Provisioner:
         self.capped = capped
         self.executors = {
             chunk: PlanExecutor(self.path.graph(chunk, 1.0), None, tracker=self.tracker, deferred=(
-                _Recorder() if fixed is not None else DeferredPlanner(model, parallel, hardware, budget_bytes=0,
-                                                                      stage=stage, chunk=chunk,
-                                                                      downgrade=downgrade)))
+                _Recorder() if fixed is not None else _TimedPlanner(
+                    self, model, parallel, hardware, budget_bytes=0, stage=stage, chunk=chunk, downgrade=downgrade,
+                    imbalance_step=GATE_IMBALANCE_STEP,
+                    budget_quantum_bytes=max(self.path.graph(chunk, 1.0).unmitigated_bytes >> GATE_BUDGET_SHIFT, 1))))
             for chunk in range(parallel.vp)}
         self.dual = None
         if dual:
@@ -145,7 +150,9 @@ class Provisioner:
         """Are the activations in flight above the cap (on any rank of the EP group, which re-runs together)?"""
         over = float(self.tracker.in_flight_bytes > self.cap_bytes)
         if self.ep_group is not None:
+            started = time.perf_counter()
             over = agree_max([over], self.ep_group)[0]
+            self.agree_s += time.perf_counter() - started
         return over > 0
 
     def run(self, chunk: int, mb: int, layers: Callable[[Any], Any], x: Any, moes=()) -> Any:
@@ -250,10 +257,26 @@ class Provisioner:
             self.flush_offloads()
 
 
+class _TimedPlanner(DeferredPlanner):
+    """exec's deferred planner, its after-gate decisions timed into the provisioner's planning seconds."""
+
+    def __init__(self, owner: "Provisioner", *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.owner = owner
+
+    def after_gate(self, plan, layer, received_tokens, *, budget_bytes=None):
+        started = time.perf_counter()
+        try:
+            return super().after_gate(plan, layer, received_tokens, budget_bytes=budget_bytes)
+        finally:
+            self.owner.planning_s += time.perf_counter() - started
+
+
 class _Recorder:
     """The deferred planner of a fixed policy: the gates only report what they routed; the plan never changes."""
 
     mode = "paper"
+    fixed = True  # never changes a plan: exec skips the EP agreement of the gate
 
     def after_gate(self, plan, layer, received_tokens, *, budget_bytes=None):
         return None

@@ -176,7 +176,7 @@ class PlanExecutor:
         record.received_tokens[layer] = received_tokens
         plan = self.deferred.after_gate(record.plan, layer, received_tokens, budget_bytes=record.budget_bytes)
         changed = plan is not None
-        if group is not None:
+        if group is not None and not getattr(self.deferred, "fixed", False):  # a fixed plan: nothing to agree on
             device = (torch.device("cuda", torch.cuda.current_device())
                       if torch.distributed.get_backend(group) == "nccl" else torch.device("cpu"))
             flag = torch.tensor([int(changed)], device=device)

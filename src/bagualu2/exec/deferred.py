@@ -32,13 +32,20 @@ class DeferredPlanner:
     """After-gate decisions for micro-batches of one chunk with a budget of ``budget_bytes`` each."""
 
     def __init__(self, model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, *, budget_bytes: int,
-                 stage: int = 0, chunk: int = 0, downgrade: str = "graded", imbalance_step: float = 0.02):
+                 stage: int = 0, chunk: int = 0, downgrade: str = "graded", imbalance_step: float = 0.02,
+                 budget_quantum_bytes: int | None = None):
         self.budget_bytes = require_int("budget_bytes", budget_bytes, 0)
         self.mode = check_downgrade(downgrade)
         self.imbalance_step = require_number("imbalance_step", imbalance_step, 0, 10, low_open=True)
         self.model, self.parallel, self.hardware = model, parallel, hardware
         self.stage, self.chunk = stage, chunk
         self._graphs: dict[float, OpGraph] = {}
+        # decisions memoised by (plan, layer, imbalance bucket, budget); with ``budget_quantum_bytes`` the budget
+        # is floored to that grid first (a decision for the floored budget fits the real one; more hits)
+        self.quantum_bytes = 1 if budget_quantum_bytes is None else require_int("budget_quantum_bytes",
+                                                                                  budget_quantum_bytes, 1)
+        self._decided: dict[tuple, tuple[Plan | None, int]] = {}
+        self._costs: dict[tuple, object] = {}
         # (layer, imbalance, predicted bytes of the plan in force, plan changed)
         self.decisions: list[tuple[int, float, int, bool]] = []
 
@@ -61,14 +68,30 @@ class DeferredPlanner:
         a bounded number of graphs however continuous the measurements). ``budget_bytes`` overrides the
         planner's budget for this micro-batch."""
         imbalance = ceil_bucket(self.imbalance(layer, received_tokens), self.imbalance_step)
-        graph = self.graph(imbalance)
-        later = sorted({op.layer for op in graph.ops if op.kind == "router" and op.layer >= layer})
         budget = self.budget_bytes if budget_bytes is None else require_int("budget_bytes", budget_bytes, 0)
-        decision = after_gate(graph, plan, budget, downgrade=self.mode, layers=later,
-                              downgrade_layers=(layer,))
-        predicted = evaluate(graph, plan).activation_bytes
-        self.decisions.append((layer, imbalance, predicted, decision.changed))
-        return decision.plan if decision.changed else None
+        budget -= budget % self.quantum_bytes
+        key = (plan.entries, layer, imbalance, budget)
+        found = self._decided.get(key)
+        if found is None:
+            graph = self.graph(imbalance)
+            later = sorted({op.layer for op in graph.ops if op.kind == "router" and op.layer >= layer})
+            decision = after_gate(graph, plan, budget, downgrade=self.mode, layers=later,
+                                  downgrade_layers=(layer,), cost=lambda candidate: self._cost(candidate, imbalance))
+            if len(self._decided) > 4096:
+                self._decided.clear()
+            found = self._decided[key] = (decision.plan if decision.changed else None,
+                                          self._cost(plan, imbalance).activation_bytes)
+        self.decisions.append((layer, imbalance, found[1], found[0] is not None))
+        return found[0]
+
+    def _cost(self, plan: Plan, imbalance: float):
+        key = (plan.entries, imbalance)
+        found = self._costs.get(key)
+        if found is None:
+            if len(self._costs) > 4096:
+                self._costs.clear()
+            found = self._costs[key] = evaluate(self.graph(imbalance), plan)
+        return found
 
     def downgrade(self, plan: Plan, layer: int) -> Plan:
         """The full downgrade of ``layer`` (what every EP rank runs when any rank had to change its plan)."""
