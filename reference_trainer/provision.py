@@ -10,7 +10,10 @@ For every chunk-forward, in the schedule's order:
    largest imbalance the group measured at the previous forward (the runtime's planned imbalance follows it).
 3. **pre-gate plan** — ``bagualu2.runtime.DecisionPath.pre_gate`` (greedy at the planned imbalance, memoised).
 4. **gates** — the model's MoE routers report the routed copies each rank receives; ``exec``'s deferred planner
-   asks ``bagualu2.runtime.after_gate`` (keep / re-plan / full downgrade; EP ranks agree inside ``exec``).
+   asks ``bagualu2.runtime.after_gate`` (keep / re-plan / full downgrade). Under expert parallelism the ranks must
+   run one plan after the gate too, and a per-rank graded re-plan could only be agreed by exchanging plans: there
+   the gate keeps the plan or, when any rank of the group overflows its budget, every rank downgrades the module
+   (``downgrade="paper"`` at the gate; ``exec`` all-reduces the decision).
 5. **kept bytes** — what the activation tracker measured is recorded into the budget (re-basing) and compared
    with the cost model's prediction for the plan that ran, at the token counts each MoE layer received
    (``PlanCost.activation_bytes_received``); the tracker enforces the cap ``M_max``.
@@ -73,7 +76,8 @@ class Provisioner:
         self.executors = {
             chunk: PlanExecutor(self.path.graph(chunk, 1.0), None, tracker=self.tracker, deferred=(
                 _Recorder() if fixed is not None else _TimedPlanner(
-                    self, model, parallel, hardware, budget_bytes=0, stage=stage, chunk=chunk, downgrade=downgrade,
+                    self, model, parallel, hardware, budget_bytes=0, stage=stage, chunk=chunk,
+                    downgrade="paper" if ep_group is not None else downgrade,
                     imbalance_step=GATE_IMBALANCE_STEP,
                     budget_quantum_bytes=max(self.path.graph(chunk, 1.0).unmitigated_bytes >> GATE_BUDGET_SHIFT, 1))))
             for chunk in range(parallel.vp)}
