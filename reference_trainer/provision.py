@@ -89,8 +89,34 @@ class Provisioner:
         self.orders = PointOrders(hardware, pipeline_degree=parallel.pp)
         self._costs: dict[tuple, Any] = {}
         self._pending: tuple[int, float] | None = None  # (chunk, local imbalance) of the last forward
+        started = time.perf_counter()
+        self._warm(parallel.ep)
+        self.setup_s = time.perf_counter() - started  # before the first step, reported apart
         self._last: _Forward | None = None
         self.begin_step()
+
+    def _warm(self, ep: int) -> None:
+        """Build, before training, the graphs of every imbalance bucket a gate can measure (the runtime's and the
+        gates' grids up to ``ep``, the most one rank can receive): planning then never waits for a graph build."""
+        if self.fixed is not None:
+            return
+        path = self.path
+        for chunk in range(self.parallel.vp):
+            rates = {1.0}
+            rate = 1.0
+            while rate < min(path.spike_threshold, ep):
+                rate = round(rate + path.step, 10)
+                rates.add(ceil_bucket(rate, path.step))
+            while rate < ep:
+                rate = round(rate + path.spike_step, 10)
+                rates.add(ceil_bucket(rate, path.spike_step))
+            for rate in sorted(rates):
+                path.graph(chunk, rate)
+            deferred = self.executors[chunk].deferred
+            rate = 1.0
+            while rate <= ep:
+                deferred.graph(ceil_bucket(rate, GATE_IMBALANCE_STEP))
+                rate = round(rate + GATE_IMBALANCE_STEP, 10)
 
     # ---- iteration ----------------------------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -186,10 +212,11 @@ class Provisioner:
         rates = [received[layer] / mean for layer in sorted(received)] if mean else []
         if rates:
             self._pending = (chunk, max(max(rates), 1.0))
-        key = record.plan.entries
-        cost = self._costs.get((chunk, key))
-        if cost is None:
-            cost = self._costs[(chunk, key)] = evaluate(graph, record.plan)
+        key = (chunk, record.plan.entries)
+        found = self._costs.get(key)
+        if found is None:
+            found = self._costs[key] = (evaluate(graph, record.plan), _summary(record.plan))
+        cost, summary = found
         forward.plan = record.plan
         self._last = forward
         del self._prepared[(chunk, mb)]
@@ -197,7 +224,7 @@ class Provisioner:
         self.log.append({"stage": self.stage + chunk * self.parallel.pp, "chunk": chunk, "microbatch": mb,
                          "phase": forward.phase, "budget_bytes": forward.budget_bytes, "kept_bytes": kept,
                          "predicted_bytes": cost.activation_bytes_received(graph, received), "imbalance": rates,
-                         "plan": _summary(record.plan),
+                         "plan": summary,
                          "action": "rerun" if rerun else "changed" if record.downgraded else "keep",
                          "recompute_flops": cost.recompute_flops})
         self.planning_s += time.perf_counter() - started

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from bagualu2.costmodel import ParallelConfig, Plan, build_graph, evaluate, presets
 from bagualu2.exec import PlanExecutor
 from bagualu2.exec.dual import DualBatchExecutor
-from bagualu2.fusion import baselines, dp
+from bagualu2.fusion import baselines, build_chains, dp
 from bagualu2.runtime import DecisionPath, PointOrders
 from reference_trainer.model import GLMMoEModel
 
@@ -74,7 +74,7 @@ def test_point_orders_match_the_dp_and_are_memoised():
                          recovery=(graph, plan))
     assert chains.offload is not None and chains.recovery is not None
     assert deep.chains(forward=(graph, plan), backward=(graph, plan), offload=(graph, plan),
-                       recovery=(graph, plan)) is chains
+                       recovery=(graph, plan)) == chains == build_chains(graph, plan, graph, plan, hardware=HW)
     assert deep.order(chains) == dp.solve(chains, pipeline_degree=4)
     assert deep.order(chains) is deep.order(chains) and deep.misses == 1 and deep.hits == 2
     assert shallow.order(chains) == baselines.sequential(chains)

@@ -37,30 +37,35 @@ class PointOrders:
     def chains(self, *, forward: Batch = None, backward: Batch = None, offload: Batch = None,
                recovery: Batch = None) -> Chains:
         """The four chains: F and B of ``forward`` / ``backward``, O of ``offload``'s plan, R of ``recovery``'s
-        (memoised by the graphs and plans: a running stage repeats them)."""
-        batches = (forward, backward, offload, recovery)
-        key = tuple(None if b is None else (id(b[0]), b[1].entries) for b in batches)
+        (each memoised by its graph and plan: a running stage repeats them)."""
+        f = self._part("F", forward)
+        b = self._part("B", backward)
+        durations = sorted(stage.duration_ns for chain in (f, b) if chain is not None for stage in chain.stages)
+        split = max(durations[len(durations) // 2], 1) if durations else None
+        o = self._part("O", offload, split)
+        r = self._part("R", recovery, split)
+        labels = [batch[0].label for batch in (forward, backward) if batch is not None]
+        label = labels[0] if len(set(labels)) == 1 else " / ".join(labels)
+        return Chains(f, b, o, r, label=label)
+
+    def _part(self, kind: str, batch: Batch, split: int | None = None):
+        """One chain of one micro-batch's ``(graph, plan)`` (None: absent), memoised."""
+        if batch is None:
+            return None
+        graph, plan = batch
+        key = (kind, id(graph), plan.entries, split)
         found = self._chains.get(key)
-        if found is not None and all(b is None or b[0] is g for b, g in zip(batches, found[1])):
+        if found is not None and found[1] is graph:
             return found[0]
-        chains = self._build(forward, backward, offload, recovery)
+        if kind in "FO":
+            built = build_chains(graph, plan, None, None, hardware=self.hardware, copy_split_ns=split)
+        else:
+            built = build_chains(None, None, graph, plan, hardware=self.hardware, copy_split_ns=split)
+        chain = {"F": built.forward, "B": built.backward, "O": built.offload, "R": built.recovery}[kind]
         if len(self._chains) >= MAX_ORDERS:
             self._chains.clear()
-        self._chains[key] = (chains, tuple(None if b is None else b[0] for b in batches))
-        return chains
-
-    def _build(self, forward: Batch, backward: Batch, offload: Batch, recovery: Batch) -> Chains:
-        main = build_chains(*(forward or (None, None)), *(backward or (None, None)), hardware=self.hardware)
-        durations = sorted(stage.duration_ns for chain in (main.forward, main.backward) if chain is not None
-                           for stage in chain.stages)
-        split = max(durations[len(durations) // 2], 1) if durations else None
-        offload_chain = recovery_chain = None
-        if offload is not None:
-            offload_chain = build_chains(*offload, None, None, hardware=self.hardware, copy_split_ns=split).offload
-        if recovery is not None:
-            recovery_chain = build_chains(None, None, *recovery, hardware=self.hardware,
-                                          copy_split_ns=split).recovery
-        return Chains(main.forward, main.backward, offload_chain, recovery_chain, label=main.label)
+        self._chains[key] = (chain, graph)
+        return chain
 
     def order(self, chains: Chains) -> Order:
         """The DP's order of ``chains`` (sequential at ``pipeline_degree <= 2``), memoised by stage durations."""
