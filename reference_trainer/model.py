@@ -33,8 +33,8 @@ Expert parallelism: without an ``ep_group`` (EP=1) ``dispatch``/``combine`` are 
 With ``ep_group`` (a ``torch.distributed`` process group of ``ep`` ranks; gloo on CPU, NCCL on GPU) rank ``i``
 of the group holds the ``E/ep`` experts with global ids ``[i*E/ep, (i+1)*E/ep)``. ``permute`` sorts the routed
 copies by global expert id, which groups them by destination rank, then expert, so the send splits are contiguous.
-Right after the router the per-(rank, expert) counts are exchanged with a plain ``all_to_all_single`` on an int
-tensor (so the gate hook knows what this rank receives); ``dispatch`` then sends the copies with the autograd ``torch.distributed.nn.functional.all_to_all_single`` (uneven splits) and
+Right after the router every rank's per-expert counts are all-gathered (a plain collective on an int tensor), so
+the gate hook knows what this rank receives and what the busiest rank of the group receives; ``dispatch`` then sends the copies with the autograd ``torch.distributed.nn.functional.all_to_all_single`` (uneven splits) and
 regroups what arrived (source rank, then expert) by local expert (:class:`RowPermuteFunction`, which keeps its
 permutation on ``ctx``, not through saved-tensor hooks: it saves nothing the cost model counts). ``combine`` is
 the inverse: regroup back to (source rank, expert) order and ``all_to_all_single`` the expert outputs home.
@@ -362,15 +362,18 @@ class MoE(nn.Module):
         bias[first + picks:first + local] = -ROUTER_BIAS
         self.expert_bias.copy_(bias)
 
-    def exchange_counts(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(send, recv)``: this rank's copies per (destination rank, its local expert) and the copies it receives
-        per (source rank, local expert) — one plain all-to-all of the counts (identity at EP=1)."""
+    def exchange_counts(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """``(send, recv, most)``: this rank's copies per (destination rank, its local expert), the copies it
+        receives per (source rank, local expert), and the most copies any rank of the group receives — one
+        all-gather of every rank's counts (identity at EP=1), so every rank sees the whole routing."""
         send = counts.reshape(self.ep, self.num_local_experts).contiguous()
         if self.ep_group is None:
-            return send, send
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.ep_group)
-        return send, recv
+            return send, send, int(send.sum())
+        gathered = [torch.empty_like(counts) for _ in range(self.ep)]
+        dist.all_gather(gathered, counts.contiguous(), group=self.ep_group)
+        table = torch.stack(gathered).reshape(self.ep, self.ep, self.num_local_experts)  # [source, dest, expert]
+        recv = table[:, self.ep_rank].contiguous()
+        return send, recv, int(table.sum(dim=(0, 2)).max())
 
     def dispatch(self, x: torch.Tensor, counts: tuple[torch.Tensor, torch.Tensor]):
         """Send the routed copies ``x`` (sorted by global expert) to their experts' ranks.
@@ -413,8 +416,8 @@ class MoE(nn.Module):
         counts = torch.bincount(routing.reshape(-1).long(), minlength=self.num_experts)
         self.last_counts = counts  # this rank's tokens per (global) expert: the trainer's balancing and metrics
         self.load = counts if self.load is None else self.load + counts
-        send, recv = self.exchange_counts(counts)
-        after_gate(self.layer, int(recv.sum()), self.ep_group)  # deferred planning: may downgrade this module
+        send, recv, most = self.exchange_counts(counts)
+        after_gate(self.layer, int(recv.sum()), self.ep_group, most)  # deferred planning: may re-plan this module
         permuted = run_op(ops["permute"], PermuteFunction.apply, tokens, routing)                 # [permute]
         received, counts, state = run_op(ops["dispatch"], self.dispatch, permuted, (send, recv))   # [dispatch]
         self.last_tokens_per_expert = counts

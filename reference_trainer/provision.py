@@ -9,11 +9,12 @@ For every chunk-forward, in the schedule's order:
    backward, so they run the same plans: one small all-reduce takes the smallest budget of the group and the
    largest imbalance the group measured at the previous forward (the runtime's planned imbalance follows it).
 3. **pre-gate plan** — ``bagualu2.runtime.DecisionPath.pre_gate`` (greedy at the planned imbalance, memoised).
-4. **gates** — the model's MoE routers report the routed copies each rank receives; ``exec``'s deferred planner
-   asks ``bagualu2.runtime.after_gate`` (keep / re-plan / full downgrade). Under expert parallelism the ranks must
-   run one plan after the gate too, and a per-rank graded re-plan could only be agreed by exchanging plans: there
-   the gate keeps the plan or, when any rank of the group overflows its budget, every rank downgrades the module
-   (``downgrade="paper"`` at the gate; ``exec`` all-reduces the decision).
+4. **gates** — the model's MoE routers report the routed copies each rank receives and the most any rank of the
+   EP group receives (the routing counts are all-gathered); ``exec``'s deferred planner asks
+   ``bagualu2.runtime.after_gate`` (keep / graded re-plan / full downgrade). Plans and budgets being agreed, every
+   EP rank decides for the group's busiest rank: the same decision everywhere, without another collective, and a
+   plan that fits the busiest rank fits them all. Under EP the gate keeps or downgrades (``downgrade="paper"``):
+   the re-plan's partial solves cost more planning time than they save at this scale (measured).
 5. **kept bytes** — what the activation tracker measured is recorded into the budget (re-basing) and compared
    with the cost model's prediction for the plan that ran, at the token counts each MoE layer received
    (``PlanCost.activation_bytes_received``); the tracker enforces the cap ``M_max``.
@@ -81,6 +82,8 @@ class Provisioner:
                     imbalance_step=GATE_IMBALANCE_STEP,
                     budget_quantum_bytes=max(self.path.graph(chunk, 1.0).unmitigated_bytes >> GATE_BUDGET_SHIFT, 1))))
             for chunk in range(parallel.vp)}
+        for executor in self.executors.values():
+            executor.agreed = True  # plans and budgets are agreed over the EP group (step 2)
         self.dual = None
         if dual:
             from bagualu2.exec import DualBatchExecutor

@@ -59,6 +59,9 @@ class PlanExecutor:
         self.standby, self._provisional = standby_ops(graph, deferred)
         self.engine = engine or CopyEngine()
         self.stage_hooks = False    # gate backward per op (set by the dual-batch executor)
+        # every EP rank runs the same plan and budget per micro-batch (the trainer agrees on them): the gates then
+        # decide for the group's busiest rank without a collective
+        self.agreed = False
         self.defer_offloads = False  # OFFLOAD copies wait for offload_now() (the dual-batch executor's O stages)
         # op name -> [(tensor, dtype name, expected bytes)] in graph order
         self._savings = {op.name: [(s.tensor, s.dtype, graph.tensors[s.tensor].numel * ITEM_BYTES[s.dtype])
@@ -169,14 +172,17 @@ class PlanExecutor:
         return record
 
     # ---- deferred planning ------------------------------------------------------------------------------------
-    def gate(self, record: MicroBatchRecord, layer: int, received_tokens: int, group) -> bool:
+    def gate(self, record: MicroBatchRecord, layer: int, received_tokens: int, group,
+             group_max_tokens: int | None = None) -> bool:
         """MoE layer ``layer``'s gate has routed ``received_tokens`` copies here: ask the deferred planner which
-        plan runs now (under EP all ranks agree), then settle what the layer held provisionally. Returns whether
-        the plan changed."""
+        plan runs now (under EP all ranks agree, see :func:`~bagualu2.exec.ops.after_gate`), then settle what the
+        layer held provisionally. Returns whether the plan changed."""
         record.received_tokens[layer] = received_tokens
-        plan = self.deferred.after_gate(record.plan, layer, received_tokens, budget_bytes=record.budget_bytes)
+        agreed = group is not None and self.agreed and group_max_tokens is not None
+        plan = self.deferred.after_gate(record.plan, layer, group_max_tokens if agreed else received_tokens,
+                                        budget_bytes=record.budget_bytes)
         changed = plan is not None
-        if group is not None and not getattr(self.deferred, "fixed", False):  # a fixed plan: nothing to agree on
+        if group is not None and not agreed and not getattr(self.deferred, "fixed", False):
             device = (torch.device("cuda", torch.cuda.current_device())
                       if torch.distributed.get_backend(group) == "nccl" else torch.device("cpu"))
             flag = torch.tensor([int(changed)], device=device)

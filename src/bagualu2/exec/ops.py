@@ -88,14 +88,16 @@ def _hook_outputs(record: Any, name: str, outputs: Any) -> None:
             out.register_hook(gate)
 
 
-def after_gate(layer: int, received_tokens: int, group: Any = None) -> bool:
+def after_gate(layer: int, received_tokens: int, group: Any = None, group_max_tokens: int | None = None) -> bool:
     """Called by the model after MoE layer ``layer``'s router: the routed copies this rank's experts receive.
 
-    Returns whether the module is downgraded to full recompute (False when no deferred planner is recording).
-    With an EP ``group`` the decision is all-reduced (any rank downgrades -> all do), so the re-run collectives in
-    backward match on every rank.
+    Returns whether the plan of the module changed (False when no deferred planner is recording). With an EP
+    ``group`` the ranks must agree: if the executor knows that every rank runs the same plan and budget
+    (``PlanExecutor.agreed``) and the model passes ``group_max_tokens`` (the most copies any rank of the group
+    receives), every rank decides for that count, identically, without a collective; otherwise the decision is
+    all-reduced (any rank changes -> all run the full downgrade), so the re-run collectives in backward match.
     """
     active = ACTIVE.get()
     if active is None or active[0].deferred is None:
         return False
-    return active[0].gate(active[1], layer, received_tokens, group)
+    return active[0].gate(active[1], layer, received_tokens, group, group_max_tokens)
