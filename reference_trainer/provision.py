@@ -25,6 +25,7 @@ For every chunk-forward, in the schedule's order:
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -99,8 +100,9 @@ class Provisioner:
         self.begin_step()
 
     def _warm(self, ep: int) -> None:
-        """Build, before training, the graphs of every imbalance bucket a gate can measure (the runtime's and the
-        gates' grids up to ``ep``, the most one rank can receive): planning then never waits for a graph build."""
+        """Plan ahead, before training (``setup_s``): the graphs of every imbalance bucket a gate can measure (the
+        runtime's and the gates' grids up to ``ep``, the most one rank can receive) and the pre-gate plans of
+        balanced load at every need level, so the first iterations do not pay for them."""
         if self.fixed is not None:
             return
         path = self.path
@@ -115,6 +117,15 @@ class Provisioner:
                 rates.add(ceil_bucket(rate, path.spike_step))
             for rate in sorted(rates):
                 path.graph(chunk, rate)
+            # the pre-gate plans of balanced load (the planned imbalance of most forwards) on every need level
+            graph, needs = path.graph(chunk, 1.0), path.needs
+            level = 0
+            while True:
+                budget = graph.unmitigated_bytes - math.ceil(needs.quantum * needs.ratio ** level)
+                if budget < graph.floor_bytes or level > 4096:
+                    break
+                path.pre_gate(budget, chunk, planned=1.0)
+                level += 1
             deferred = self.executors[chunk].deferred
             rate = 1.0
             while rate <= ep:

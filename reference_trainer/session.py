@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import sys
 import time
@@ -117,6 +118,8 @@ class Session:
             self.chunks = [ChunkModule(model, stage_index=0, num_stages=1, chunk=0, layers=range(len(model.layers)),
                                        provisioner=self.provisioner)]
         self.is_last = groups.pp_rank == config.pp - 1
+        gc.collect()  # what set-up made (graphs, warmed plans) never needs scanning again: no later GC pauses
+        gc.freeze()
         self.start_step = 0
 
     # ---- model pieces -------------------------------------------------------------------------------------------
@@ -379,6 +382,7 @@ class Session:
                 "hfu": mfu(flops * done_tokens + totals["recompute_flops"], seconds, peak_flops=peak_flops,
                            num_devices=self.groups.world_size),
                 "peak_activation_bytes": totals["peak"], "memory_cap_bytes": self.run.cap_bytes,
+                "setup_s": self.provisioner.setup_s,
                 "planning_fraction": totals["planning_s"] / max(totals["step_s"], 1e-9),
                 "schedule": self.config.schedule, "layout": {"pp": self.config.pp, "dp": self.config.dp,
                                                              "ep": self.config.ep, "vp": self.config.vp}}
