@@ -22,7 +22,7 @@ JSONL schema (one JSON object a line, written by rank 0; the trainer fills the f
   ``reruns``, ``policy``, ``policies`` (the sequence across restarts), ``tokens_per_s`` (effective: the run's
   tokens over the time since its first launch, restarts and lost steps included), ``mfu``, ``hfu``,
   ``peak_activation_bytes``, ``memory_cap_bytes``, ``planning_fraction`` (sum of ``planning_s`` / sum of
-  ``step_s``), ``schedule``, ``layout``.
+  ``step_s``), ``setup_s`` (planning before the first step), ``schedule``, ``layout``.
 
 Non-finite floats (NaN, +-inf: a diverged loss, an MFU over zero seconds) are written as ``null``: the lines are
 strict JSON (``json.dumps(allow_nan=False)``). numpy / torch scalars are written as their ``.item()``.
