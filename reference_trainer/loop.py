@@ -11,7 +11,7 @@ writes one JSONL line. Gradients are scaled by 1/m after the backwards, as the p
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .recipes import TrainConfig, default_cap, minimum_cap
@@ -56,8 +56,6 @@ class Run:
     batches: Any
     cap_bytes: int
     hardware: Any
-    started: bool = False
-    state: dict = field(default_factory=dict)
 
     def close(self) -> None:
         import torch.distributed as dist

@@ -16,9 +16,14 @@ before a spike, which keep what they stored).
 
 from __future__ import annotations
 
+from collections import deque
+
 from bagualu2.costmodel import Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, build_graph, evaluate
 from bagualu2.costmodel.validate import require_int, require_number
 from bagualu2.runtime import after_gate, ceil_bucket, check_downgrade, downgrade_plan
+
+
+MAX_DECISIONS = 4096  # a long run's planner keeps only its latest gate decisions
 
 
 def downgrade_module(graph: OpGraph, plan: Plan | None, layer: int) -> Plan:
@@ -47,7 +52,7 @@ class DeferredPlanner:
         self._decided: dict[tuple, tuple[Plan | None, int]] = {}
         self._costs: dict[tuple, object] = {}
         # (layer, imbalance, predicted bytes of the plan in force, plan changed)
-        self.decisions: list[tuple[int, float, int, bool]] = []
+        self.decisions: deque[tuple[int, float, int, bool]] = deque(maxlen=MAX_DECISIONS)  # the latest only
 
     def graph(self, imbalance: float = 1.0) -> OpGraph:
         found = self._graphs.get(imbalance)
