@@ -44,6 +44,10 @@ def _fail(message: str) -> NoReturn:
     """One line on stderr and exit code 2; under torchrun only rank 0 reports, the others exit quietly."""
     if _rank() == 0:
         sys.stderr.write(f"error: {' '.join(str(message).split())}\n")
+        sys.stderr.flush()
+    elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # let rank 0 report first: torchrun stops the other workers as soon as one exits with an error
+        time.sleep(5.0)
     raise SystemExit(2)
 
 
