@@ -39,3 +39,52 @@ def test_static_under_restarts_once_per_oom(trace, restart_s):
         assert all(it.policy == "static-over" for it in under.iterations[switched[0]:])
     else:
         assert all(it.policy == "static-under" for it in under.iterations)
+
+
+ordinary = st.floats(1.0, 1.2, allow_nan=False).map(lambda r: round(r, 2))
+
+
+@settings(max_examples=6, deadline=None)
+@given(st.lists(ordinary, min_size=1, max_size=4).map(tuple))
+def test_without_spikes_flexible_is_between_the_static_plans(trace):
+    """No spikes: flexible is never slower than static-over (iteration by iteration) and never below static-under
+    (which may crash on an ordinary rate above the balanced load it was planned for)."""
+    flexible, over, under = (simulate(MODEL, PARALLEL, HW, p, trace) for p in ("flexible", "static-over",
+                                                                               "static-under"))
+    assert flexible.oom_events == 0
+    assert all(f.time_s <= o.time_s * (1 + 1e-9) for f, o in zip(flexible.iterations, over.iterations))
+    assert flexible.mean_mfu >= under.mean_mfu
+
+
+@settings(max_examples=6, deadline=None)
+@given(traces)
+def test_ideal_oracle_flexible_mfu_order(trace):
+    ideal, oracle, flexible = (simulate(MODEL, PARALLEL, HW, p, trace).mean_mfu for p in ("ideal", "oracle",
+                                                                                          "flexible"))
+    assert ideal * (1 + 1e-9) >= oracle and oracle * (1 + 1e-9) >= flexible
+
+
+@settings(max_examples=6, deadline=None)
+@given(traces)
+def test_the_dual_batch_overlap_never_slows_flexible_down(trace):
+    """Ablation L3 (flexible without the fused order) vs L4 (flexible): the same memory, never faster."""
+    l3, l4 = (simulate(MODEL, PARALLEL, HW, level, trace) for level in ("L3", "L4"))
+    for unfused, fused in zip(l3.iterations, l4.iterations):
+        assert fused.peak_bytes == unfused.peak_bytes and fused.time_s <= unfused.time_s * (1 + 1e-9)
+
+
+@settings(max_examples=6, deadline=None)
+@given(traces, st.sampled_from(["kwai", "adapipe", "L1", "L2"]))
+def test_replan_restarts_only_on_a_new_largest_imbalance(trace, policy):
+    """on_oom="replan": a crash happens only on a rate above the one the plans in force were made for; the restart
+    re-plans the same policy for that rate (or falls back to static-over, which never restarts)."""
+    result = simulate(MODEL, PARALLEL, HW, policy, trace, on_oom="replan")
+    assert result.restarts == result.oom_events
+    planned = 1.0
+    for rate, it in zip(trace, result.iterations):
+        if it.policy != policy:
+            assert it.policy == "static-over"
+            break
+        if it.restarted:
+            assert rate > planned
+            planned = rate

@@ -9,7 +9,7 @@ import typer
 from bagualu2 import __version__
 
 from . import budget_cmd, compare_cmd, curve_cmd, demo_cmd, memory_cmd, plan_cmd, presets_cmd
-from . import schedule_cmd, simulate_cmd, train_cmd
+from . import reproduce_cmd, schedule_cmd, simulate_cmd, train_cmd
 from .usage import OneLineErrors
 
 app = typer.Typer(
@@ -31,6 +31,7 @@ app.command("budget")(budget_cmd.budget)
 app.command("curve")(curve_cmd.curve)
 app.command("compare")(compare_cmd.compare)
 app.command("simulate")(simulate_cmd.simulate_cmd)
+app.command("reproduce")(reproduce_cmd.reproduce_cmd)
 app.command("train", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(train_cmd.train)
 
 

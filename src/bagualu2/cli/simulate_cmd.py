@@ -9,7 +9,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from bagualu2.sim import POLICIES, SimResult, load_trace, paper_trace, simulate
+from bagualu2.sim import ABLATION, ON_OOM, POLICIES, SimResult, load_trace, paper_trace, simulate
 
 from .common import (HARDWARE_HELP, JSON_HELP, MODEL_HELP, CliError, blame, console, echo_json, handle_errors,
                      load_hardware, load_model, output_path, write_output)
@@ -59,8 +59,14 @@ def simulate_cmd(
                           ] = DEFAULT_ITERATIONS,
     seed: Annotated[int, typer.Option(help="Seed of the paper trace (an integer in [0, 2**63)).")] = 0,
     policy: Annotated[Optional[list[str]], typer.Option("--policy", "-p", help="Policy; repeatable; default: all "
-                                                        f"of {', '.join(POLICIES)}.")] = None,
+                                                        f"of {', '.join(POLICIES)}; also the ablation levels "
+                                                        f"{', '.join(ABLATION)} (Fig. 11).")] = None,
     restart_s: Annotated[float, typer.Option("--restart-s", help="Seconds one OOM restart costs (>= 0).")] = 284.0,
+    on_oom: Annotated[str, typer.Option("--on-oom", help="What a fixed plan restarts with after an OOM: fallback "
+                                        "(static-over, the trainer's) or replan (its own plans re-made for the "
+                                        "largest imbalance seen; the paper's §VI-A baselines).")] = "fallback",
+    plan_imbalance: Annotated[float, typer.Option("--plan-imbalance", help="Imbalance the plans fixed before "
+                                                  "training are made for (>= 1).")] = 1.0,
     trace: Annotated[Optional[str], typer.Option("--trace", metavar="FILE", help="The trainer's JSONL imbalance "
                                                  'log ({"iteration", "microbatch", "imbalance"} a line) instead '
                                                  "of the paper trace.")] = None,
@@ -78,8 +84,12 @@ def simulate_cmd(
     hw = load_hardware(hardware)
     policies = list(dict.fromkeys(policy or POLICIES))
     for value in policies:
-        if value not in POLICIES:
-            raise CliError(f"must be one of {', '.join(POLICIES)}, got {value!r}", "--policy")
+        if value not in POLICIES and value not in ABLATION:
+            raise CliError(f"must be one of {', '.join(POLICIES + ABLATION)}, got {value!r}", "--policy")
+    if on_oom not in ON_OOM:
+        raise CliError(f"must be one of {', '.join(ON_OOM)}, got {on_oom!r}", "--on-oom")
+    if not 1 <= plan_imbalance <= parallel.ep:
+        raise CliError(f"must be a number in [1, ep={parallel.ep}], got {plan_imbalance!r}", "--plan-imbalance")
     if not 1 <= iterations <= MAX_ITERATIONS:
         raise CliError(f"must be an integer in [1, {MAX_ITERATIONS}], got {iterations}", "--iterations")
     if not 0 <= seed < SEED_LIMIT:
@@ -99,7 +109,8 @@ def simulate_cmd(
     results = []
     for value in policies:
         with blame("--trace" if trace is not None else "--model"):
-            results.append(simulate(model_config, parallel, hw, value, rates, restart_s=restart_s))
+            results.append(simulate(model_config, parallel, hw, value, rates, restart_s=restart_s, on_oom=on_oom,
+                                    plan_imbalance=plan_imbalance))
     if png_path is not None:
         write_output(png_path, simulate_png(rates, results, f"{name} on {hw.name}: {source}"))
     if json_output:

@@ -21,8 +21,18 @@ Plans fixed before training are made at ``plan_imbalance`` (default 1.0, DESIGN.
 * ``ideal``        no mitigation and unbounded memory: never an OOM; steady pairs fused like flexible's (the
                    upper bound of throughput).
 * ``oracle``       knows each micro-batch's imbalance before planning: ``greedy.solve`` on the graph at that exact
-                   imbalance with Algorithm 1's budget (no deferred decision); steady pairs fused (``fusion.dp``).
+                   imbalance with Algorithm 1's budget (no deferred decision), or flexible's decision where that
+                   one is faster (the oracle knows all flexible knows); steady pairs fused (``fusion.dp``).
                    Simulator only.
+
+The ablation levels of the paper's Fig. 11 (``ABLATION``), each adding one of bagualu2's components:
+
+* ``L1``  layer-level policy: full recompute of the fewest whole layers of each chunk (Megatron's
+          ``--recompute-granularity full --recompute-num-layers k``) that fits the target, fixed before training.
+* ``L2``  + fine-grained composable mitigation, still static: the greedy per-operator plan fixed before training
+          (the same plan as ``static-under``).
+* ``L3``  + dynamic per-micro-batch mitigation: flexible's decisions, but F and B run one after the other.
+* ``L4``  + dual-batch overlap: ``flexible``.
 
 ``FALLBACKS``: what the operator restarts with after an OOM (the paper: static-under -> static-over; the other
 plans fixed before training do the same). ``flexible``, ``oracle`` and ``static-over`` have none: their OOMs are
@@ -38,7 +48,9 @@ from ..mitigation import greedy
 from .stage import Choice, StageContext
 
 POLICIES = ("flexible", "static-under", "static-over", "kwai", "adapipe", "ideal", "oracle")
-FALLBACKS = {"static-under": "static-over", "kwai": "static-over", "adapipe": "static-over"}
+ABLATION = ("L1", "L2", "L3", "L4")
+FALLBACKS = {"static-under": "static-over", "kwai": "static-over", "adapipe": "static-over",
+             "L1": "static-over", "L2": "static-over"}
 KWAI_BASE = Plan.uniform({"norm": Strategy.RECOMPUTE, "expert_act": Strategy.RECOMPUTE,
                           "shared_act": Strategy.RECOMPUTE, "mlp_act": Strategy.RECOMPUTE})
 KWAI_STEPS = 20  # alpha in 0, 1/20, ..., 1
@@ -47,8 +59,9 @@ STEADY = "steady"
 
 
 def check_policy(name: str) -> str:
-    if name not in POLICIES:
-        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {name!r}")
+    """``name`` if it is a policy or an ablation level, else a one-line ``ValueError``."""
+    if name not in POLICIES and name not in ABLATION:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES + ABLATION)}, got {name!r}")
     return name
 
 
@@ -171,26 +184,69 @@ class AdaPipe(Static):
         return plan
 
 
+class LayerLevel(Static):
+    """L1: full recompute of the first k layers of the chunk, k the fewest that fit the target at r=1."""
+
+    name = "L1"
+
+    def plan(self, chunk):
+        graph = self.design_graph(chunk)
+        by_layer: dict[int, list[str]] = {}
+        pinned = graph.pinned
+        for op, saving in graph.savings:
+            if (op.name, saving.tensor) not in pinned:
+                by_layer.setdefault(op.layer, []).append(f"{op.name}/{saving.tensor}")
+        entries: tuple = ()
+        plan = NO_PLAN
+        for layer in sorted(by_layer):
+            if self.ctx.cost(chunk, graph.imbalance, plan).activation_bytes <= self.ctx.per_chunk_bytes:
+                break
+            entries += tuple((key, Strategy.RECOMPUTE) for key in by_layer[layer])
+            plan = Plan(entries)
+        return plan
+
+
+class FineStatic(StaticUnder):
+    """L2: the greedy per-operator plan, fixed before training (static-under's plan)."""
+
+    name = "L2"
+
+
 class Flexible(StagePolicy):
     name = "flexible"
     budgeted = True
+    fused = True
 
     def forward(self, chunk, imbalance, phase, budget=0, limit=None):
         decision = self.ctx.path.forward(budget, imbalance, phase, chunk, limit_bytes=limit)
         cost = self.ctx.cost(chunk, imbalance, decision.plan)
-        pair = decision.order.makespan_s if phase == STEADY else None
+        pair = decision.order.makespan_s if phase == STEADY and self.fused else None
         return Choice(decision.kept_bytes, cost.forward_s, cost.backward_s, pair)
 
 
-class Oracle(StagePolicy):
+class Unfused(Flexible):
+    """L3: flexible's per-micro-batch decisions without the dual-batch overlap."""
+
+    name = "L3"
+    fused = False
+
+
+class FlexibleL4(Flexible):
+    name = "L4"
+
+
+class Oracle(Flexible):
+    """Knows the micro-batch's imbalance before planning: the greedy plan on the graph at that rate for the
+    budget, or — knowing everything flexible knows too — flexible's decision when that one runs faster."""
+
     name = "oracle"
-    budgeted = True
 
     def __init__(self, ctx):
         super().__init__(ctx)
         self._plans: dict[tuple, Plan] = {}
 
     def forward(self, chunk, imbalance, phase, budget=0, limit=None):
+        flexible = super().forward(chunk, imbalance, phase, budget, limit)
         graph = self.ctx.graph(chunk, imbalance)
         if budget >= graph.unmitigated_bytes:
             plan = NO_PLAN
@@ -199,14 +255,20 @@ class Oracle(StagePolicy):
             plan = self._plans.get(key)
             if plan is None:
                 plan = self._plans[key] = greedy.solve(graph, budget).plan  # below M0: the floor plan
-        return self.ctx.choice(chunk, imbalance, plan, fused=phase == STEADY)
+        exact = self.ctx.choice(chunk, imbalance, plan, fused=phase == STEADY)
+        return min((exact, flexible), key=_seconds)
 
 
-CLASSES = {cls.name: cls for cls in (Flexible, StaticUnder, StaticOver, Kwai, AdaPipe, Ideal, Oracle)}
+def _seconds(choice: Choice) -> float:
+    return choice.pair_s if choice.pair_s is not None else choice.forward_s + choice.backward_s
+
+
+CLASSES = {cls.name: cls for cls in (Flexible, StaticUnder, StaticOver, Kwai, AdaPipe, Ideal, Oracle, LayerLevel,
+                                     FineStatic, Unfused, FlexibleL4)}
 
 
 def make_policy(name: str, ctx: StageContext, *, plan_imbalance: float = 1.0) -> StagePolicy:
-    """Policy ``name`` (one of ``POLICIES``) on the stage of ``ctx``; the plans fixed before training (static-*,
-    kwai, adapipe) are made at ``plan_imbalance`` (DESIGN.md: balanced load, 1)."""
+    """Policy ``name`` (one of ``POLICIES`` or ``ABLATION``) on the stage of ``ctx``; the plans fixed before
+    training (static-*, kwai, adapipe, L1, L2) are made at ``plan_imbalance`` (DESIGN.md: balanced load, 1)."""
     cls = CLASSES[check_policy(name)]
     return cls(ctx, plan_imbalance=plan_imbalance) if issubclass(cls, Static) else cls(ctx)

@@ -17,9 +17,13 @@ the mean over stages of (busy time / chunk forwards), i.e. a chunk's mean forwar
 MFU = model FLOPs per GPU per iteration / (iteration_s * peak_flops), the model FLOPs being the mean over stages
 of :meth:`~.stage.StageContext.model_flops` (3 x forward matrix-product FLOPs at balanced load).
 
-Restarts. When a policy with a fallback (``FALLBACKS``: static-under, kwai, adapipe) OOMs, the iteration is lost
-— its whole time plus ``restart_s`` (the paper's 284 s to restart from a checkpoint) is paid — and the same
-iteration is run again under the fallback (static-over), which stays in force for the rest of the run.
+Restarts. When a policy with a fallback (``FALLBACKS``: static-under, kwai, adapipe, L1, L2) OOMs, the iteration
+is lost — its whole time plus ``restart_s`` (the paper's 284 s to restart from a checkpoint) is paid — and the same
+iteration is run again under what the operator restarts with, which stays in force until the next OOM:
+``on_oom="fallback"`` (the default, the paper's §II and the trainer): the fallback, static-over;
+``on_oom="replan"`` (the paper's §VI-A baselines: "we adjust the reduction strategy according to the observed
+imbalance rate and manually restart"): the same policy with its plans re-made for the largest imbalance seen so
+far (if that still overruns, static-over).
 
 Speed: whole iterations are memoised by (policy in force, the iteration's rates). The decision path's caches make
 a flexible iteration depend slightly on what came before (its planned imbalance follows the last gates); the memo
@@ -39,19 +43,25 @@ from .policies import FALLBACKS, STEADY, StagePolicy, check_policy, make_policy
 from .stage import StageContext
 
 WARMUP = "warmup"
+ON_OOM = ("fallback", "replan")
 
 
 @dataclass(frozen=True, kw_only=True)
 class SimConfig:
     """restart_s: seconds an OOM restart costs (checkpoint reload, re-launch), a finite number >= 0.
-    plan_imbalance: the imbalance the plans fixed before training are made for (>= 1; DESIGN.md: 1)."""
+    plan_imbalance: the imbalance the plans fixed before training are made for (>= 1; DESIGN.md: 1).
+    on_oom: what a policy with a fallback restarts with after an OOM: ``"fallback"`` (``FALLBACKS``, static-over)
+    or ``"replan"`` (its own plans re-made for the largest imbalance seen; the paper's §VI-A baselines)."""
 
     restart_s: float = 284.0
     plan_imbalance: float = 1.0
+    on_oom: str = "fallback"
 
     def __post_init__(self) -> None:
         require_number("restart_s", self.restart_s, 0)
         check_imbalance(self.plan_imbalance)
+        if self.on_oom not in ON_OOM:
+            raise ValueError(f"on_oom must be one of {', '.join(ON_OOM)}, got {self.on_oom!r}")
 
 
 @dataclass(frozen=True)
@@ -185,14 +195,14 @@ class _Run:
         self._policies: dict[str, list[StagePolicy]] = {}
         self._memo: dict[tuple, IterationResult] = {}
 
-    def iteration(self, name: str, key) -> IterationResult:
-        found = self._memo.get((name, key))
+    def iteration(self, name: str, key, plan_imbalance: float) -> IterationResult:
+        found = self._memo.get((name, plan_imbalance, key))
         if found is not None:
             return found
-        policies = self._policies.get(name)
+        policies = self._policies.get((name, plan_imbalance))
         if policies is None:
-            policies = self._policies[name] = [make_policy(name, ctx, plan_imbalance=self.config.plan_imbalance)
-                                                for ctx in self.stages]
+            policies = self._policies[(name, plan_imbalance)] = [
+                make_policy(name, ctx, plan_imbalance=plan_imbalance) for ctx in self.stages]
         parallel = self.parallel
         rates = key if isinstance(key, tuple) else (key,) * parallel.num_microbatches
         busy, peaks, oom = [], [], False
@@ -203,31 +213,41 @@ class _Run:
             oom = oom or (policy.bounded and peak > policy.ctx.m_max_bytes)
         chunk_s = sum(busy) / len(busy) / (parallel.num_microbatches * parallel.vp)
         time_s = max(busy) + (parallel.pp - 1) * (parallel.vp * chunk_s) / parallel.vp
-        found = self._memo[(name, key)] = IterationResult(time_s, self.flops / (time_s * self.hardware.peak_flops),
+        found = self._memo[(name, plan_imbalance, key)] = IterationResult(time_s, self.flops / (time_s * self.hardware.peak_flops),
                                                           tuple(peaks), oom, False, name)
         return found
 
 
 def simulate(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, policy: str, trace, *,
-             restart_s: float = 284.0, plan_imbalance: float = 1.0) -> SimResult:
+             restart_s: float = 284.0, plan_imbalance: float = 1.0, on_oom: str = "fallback",
+             progress=None) -> SimResult:
     """Simulate ``trace`` (one entry per iteration: a rate, or one rate per micro-batch) under ``policy`` (one of
-    ``POLICIES``); see the module docstring for what is modelled."""
-    config = SimConfig(restart_s=restart_s, plan_imbalance=plan_imbalance)
+    ``POLICIES`` or ``ABLATION``); see the module docstring for what is modelled. ``progress``, optional, is
+    called with the number of iterations done after each one."""
+    config = SimConfig(restart_s=restart_s, plan_imbalance=plan_imbalance, on_oom=on_oom)
     check_policy(policy)
     keys = check_trace(trace, parallel)
     run = _Run(model, parallel, hardware, config)
     results = []
-    in_force = policy
-    for key in keys:
-        result = run.iteration(in_force, key)
+    in_force, planned = policy, config.plan_imbalance
+    for done, key in enumerate(keys, 1):
+        result = run.iteration(in_force, key, planned)
         if result.oom and in_force in FALLBACKS:
             lost = result.time_s + config.restart_s
-            in_force = FALLBACKS[in_force]
-            redo = run.iteration(in_force, key)
+            seen = max(key) if isinstance(key, tuple) else key
+            redo = None
+            if config.on_oom == "replan" and seen > planned:
+                planned = seen
+                redo = run.iteration(in_force, key, planned)
+            if redo is None or redo.oom:
+                in_force, planned = FALLBACKS[in_force], config.plan_imbalance
+                redo = run.iteration(in_force, key, planned)
             total = lost + redo.time_s
             result = IterationResult(total, run.flops / (total * hardware.peak_flops), redo.peak_bytes, True, True,
                                      in_force, lost)
         results.append(result)
+        if progress is not None:
+            progress(done)
     tokens = model.seq_length * model.micro_batch_size * parallel.num_microbatches * parallel.dp
     return SimResult(policy, tuple(results), tuple(ctx.m_max_bytes for ctx in run.stages), run.flops, tokens,
                      hardware.peak_flops)

@@ -1,0 +1,68 @@
+"""``bagualu2 reproduce``: regenerate docs/reproduction.md and its plots (the paper's §VI from the simulator)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from bagualu2.costmodel import presets
+from bagualu2.sim.figures import figures
+from bagualu2.sim.report import markdown
+from bagualu2.sim.reproduce import ReproduceConfig, reproduce, steps
+
+from .common import CliError, blame, check_output_path, console, handle_errors, write_output
+
+OPTIONS = {"iterations": "--iterations", "seed": "--seed", "restart_s": "--restart-s"}  # config field -> option
+
+
+@handle_errors
+def reproduce_cmd(
+    iterations: Annotated[int, typer.Option("--iterations", "-n", help="Paper-trace iterations per run (>= 10).")
+                          ] = 1000,
+    seed: Annotated[int, typer.Option(help="Seed of the paper trace.")] = 0,
+    restart_s: Annotated[float, typer.Option("--restart-s", help="Seconds one OOM restart costs (>= 0).")] = 284.0,
+    hardware: Annotated[str, typer.Option("--hardware", "-H", help="Hardware preset name.")] = "paper-gpu",
+    model: Annotated[Optional[list[str]], typer.Option("--model", "-m", help="Fig. 8's Table II presets; "
+                                                       "repeatable; default: all of them.")] = None,
+    docs: Annotated[str, typer.Option("--docs", metavar="DIR", help="Folder to write reproduction.md into (its "
+                                      "plots go to DIR/img).")] = "docs",
+) -> None:
+    """Run the paper's evaluation (§VI: Fig. 8-11, decision overhead) in the simulator and write
+    DIR/reproduction.md with its PNG plots (each written atomically); a progress bar runs on stderr."""
+    for name in model or ():
+        with blame("--model"):
+            presets.model(name)
+    with blame("--hardware"):
+        presets.hardware(hardware)
+    try:
+        config = ReproduceConfig(iterations=iterations, seed=seed, restart_s=restart_s, hardware=hardware,
+                                 **({"models": tuple(dict.fromkeys(model))} if model else {}))
+    except ValueError as exc:
+        raise CliError(str(exc), next((o for f, o in OPTIONS.items() if str(exc).startswith(f)), None)) from None
+    folder = Path(docs)
+    with blame("--docs"):
+        report_path = check_output_path(str(folder / "reproduction.md"), "reproduction.md")
+        names = ("repro-fig8.png", "repro-fig9.png", "repro-fig10.png", "repro-fig11.png")
+        image_paths = {name: check_output_path(str(folder / "img" / name)) for name in names}
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=Console(stderr=True), transient=True)
+    with progress:
+        task = progress.add_task("reproducing", total=steps(config))
+
+        def advance(label: str) -> None:
+            if progress.tasks[0].description != "reproducing":
+                progress.advance(task)
+            progress.update(task, description=escape(label))
+
+        report = reproduce(config, progress=advance)
+        progress.advance(task)
+    for name, data in figures(report).items():
+        write_output(image_paths[name], data, "--docs")
+    write_output(report_path, markdown(report).encode(), "--docs")
+    console().print(f"wrote {escape(str(report_path))} and {len(image_paths)} plots in "
+                    f"{escape(str(folder / 'img'))}", soft_wrap=True)

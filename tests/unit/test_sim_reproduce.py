@@ -1,0 +1,141 @@
+"""The §VI reproduction (``bagualu2.sim.reproduce``, ``bagualu2 reproduce``), the ablation levels and the
+``on_oom`` restart rule of the simulator, on small configurations (the full report is docs/reproduction.md)."""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import pytest
+from typer.testing import CliRunner
+
+from bagualu2.cli import app
+from bagualu2.costmodel import Strategy, evaluate, presets
+from bagualu2.sim import ABLATION, SimConfig, make_policy, simulate
+from bagualu2.sim.figures import figures
+from bagualu2.sim.report import markdown
+from bagualu2.sim.reproduce import ReproduceConfig, on_oom, reproduce, spike_mfu, steps
+from bagualu2.sim.stage import StageContext
+
+MODEL = "glm-188b-a20b"
+HARDWARE = presets.hardware("paper-gpu")
+SMALL = dict(iterations=40, seed=3, models=(MODEL,), focus=MODEL, top_ks=(4,), seq_lengths=(4096,),
+             overhead_iterations=2)
+runner = CliRunner(env={"COLUMNS": "200", "NO_COLOR": "1"})
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@lru_cache(maxsize=None)
+def small_report():
+    labels = []
+    report = reproduce(ReproduceConfig(**SMALL), progress=labels.append)
+    return report, tuple(labels)
+
+
+def test_layer_level_plan_recomputes_whole_layers_until_the_chunk_fits():
+    model, parallel = presets.model(MODEL)
+    ctx = StageContext(model, parallel, HARDWARE, 0)
+    policy = make_policy("L1", ctx, plan_imbalance=1.2)
+    for chunk, plan in enumerate(policy.plans):
+        graph = ctx.graph(chunk, 1.2)
+        recomputed = {key.split("/", 1)[0].split(".")[0] for key, s in plan.entries if s is Strategy.RECOMPUTE}
+        layers = sorted(int(name[1:]) for name in recomputed)
+        assert layers == list(range(graph.layers[0], graph.layers[0] + len(layers)))  # the first k, whole
+        for layer in layers:  # every mitigable saving of the layer
+            keys = {f"{op}/{t}" for op, t in graph.decisions if op.startswith(f"L{layer}.")}
+            assert keys <= dict(plan.entries).keys()
+        fits = evaluate(graph, plan).activation_bytes <= ctx.per_chunk_bytes
+        assert fits or len(layers) == len(graph.layers)
+        if layers:  # one layer fewer would not fit
+            fewer = type(plan)(tuple((k, s) for k, s in plan.entries if not k.startswith(f"L{layers[-1]}.")))
+            assert evaluate(graph, fewer).activation_bytes > ctx.per_chunk_bytes
+
+
+def test_ablation_levels_build_on_each_other():
+    trace = (1.1, 2.4, 1.0, 1.15)
+    model, parallel = presets.model(MODEL)
+    results = {level: simulate(model, parallel, HARDWARE, level, trace, on_oom="replan") for level in ABLATION}
+    assert results["L3"].oom_events == results["L4"].oom_events == 0
+    flexible = simulate(model, parallel, HARDWARE, "flexible", trace).iterations
+    assert [(it.time_s, it.peak_bytes) for it in results["L4"].iterations] == [(it.time_s, it.peak_bytes)
+                                                                              for it in flexible]
+    assert results["L4"].mean_mfu >= results["L3"].mean_mfu >= results["L2"].mean_mfu
+    l2 = make_policy("L2", StageContext(model, parallel, HARDWARE, 0))
+    under = make_policy("static-under", StageContext(model, parallel, HARDWARE, 0))
+    assert l2.plans == under.plans
+
+
+def test_replan_restarts_the_same_policy_for_the_largest_imbalance_seen():
+    model, parallel = presets.model(MODEL)
+    trace = (1.0, 2.0, 1.5, 2.0, 2.4, 1.1)
+    result = simulate(model, parallel, HARDWARE, "kwai", trace, on_oom="replan", restart_s=100.0)
+    assert [it.restarted for it in result.iterations] == [False, True, False, False, True, False]
+    assert all(it.policy == "kwai" for it in result.iterations)
+    fallback = simulate(model, parallel, HARDWARE, "kwai", trace, restart_s=100.0)
+    assert fallback.restarts == 1 and fallback.iterations[-1].policy == "static-over"
+    assert result.time_lost_s >= 200.0
+    with pytest.raises(ValueError, match="on_oom must be one of fallback, replan"):
+        SimConfig(on_oom="retry")
+    assert on_oom("static-under") == "fallback" and on_oom("kwai") == on_oom("L1") == "replan"
+    assert on_oom("flexible") == "fallback"
+
+
+def test_reproduce_reports_every_figure():
+    report, labels = small_report()
+    assert len(labels) == steps(report.config) and labels[0] == MODEL
+    text = markdown(report)
+    for heading in ("## Fig. 8", "## Fig. 9", "## Fig. 10", "(a) sparsity", "(b) sequence length", "## Fig. 11",
+                    "## Runtime decision overhead", "## Where ours differ"):
+        assert heading in text
+    assert f"--iterations {SMALL['iterations']} --seed {SMALL['seed']}" in text
+    focus = report.focus
+    assert focus.results["flexible"].oom_events == 0
+    assert focus.mfu("flexible") >= max(focus.mfu(p) for p in ("kwai", "adapipe", "static-under", "static-over"))
+    assert focus.mfu("flexible") >= 0.95 * focus.mfu("ideal")
+    assert focus.mfu("ideal") >= focus.mfu("oracle") >= focus.mfu("flexible")
+    inside, outside = spike_mfu(focus.results["ideal"], range(len(report.trace)))
+    assert inside == pytest.approx(focus.mfu("ideal"), rel=0.2) and outside != outside  # all spikes: no others
+    for name, data in figures(report).items():
+        assert name.startswith("repro-fig") and data.startswith(PNG)
+
+
+@pytest.mark.parametrize("kwargs, field", [({"iterations": 5}, "iterations"), ({"restart_s": -1.0}, "restart_s"),
+                                           ({"top_ks": (0,)}, "top_ks"), ({"models": ("glm-9t",)}, "glm-9t"),
+                                           ({"plan_imbalance": 0.5}, "imbalance"),
+                                           ({"seq_lengths": (0,)}, "seq_lengths")])
+def test_reproduce_config_rejects_bad_fields(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        ReproduceConfig(**kwargs)
+
+
+def test_cli_reproduce_writes_the_report_and_plots_atomically(tmp_path, monkeypatch):
+    import bagualu2.cli.reproduce_cmd as command
+
+    report, _ = small_report()
+    monkeypatch.setattr(command, "reproduce", lambda config, progress: report)  # the computation is tested above
+    (tmp_path / "img").mkdir()
+    result = runner.invoke(app, ["reproduce", "--docs", str(tmp_path), "-n", "40"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "reproduction.md").read_text() == markdown(report)
+    assert sorted(p.name for p in (tmp_path / "img").iterdir()) == sorted(figures(report))
+    os.symlink(tmp_path / "reproduction.md", tmp_path / "img" / "repro-fig9.png.lnk")
+    (tmp_path / "img" / "repro-fig9.png").unlink()
+    os.symlink(tmp_path / "reproduction.md", tmp_path / "img" / "repro-fig9.png")
+    refused = runner.invoke(app, ["reproduce", "--docs", str(tmp_path)])
+    assert refused.exit_code == 2 and "symlink" in refused.output and "Traceback" not in refused.output
+
+
+@pytest.mark.parametrize("args, option", [(["-n", "3"], "--iterations"), (["--restart-s", "-1"], "--restart-s"),
+                                          (["--seed", "-2"], "--seed"), (["-m", "nope"], "--model"),
+                                          (["-H", "tpu"], "--hardware"), (["--docs", "/nonexistent/x"], "--docs")])
+def test_cli_reproduce_bad_input_is_one_line(args, option):
+    result = runner.invoke(app, ["reproduce", *args])
+    assert result.exit_code == 2 and option in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_cli_simulate_takes_ablation_levels_and_the_restart_rule():
+    result = runner.invoke(app, ["simulate", "-m", MODEL, "-n", "5", "-p", "L3", "-p", "kwai", "--on-oom", "replan",
+                                 "--plan-imbalance", "1.2", "--json"])
+    assert result.exit_code == 0, result.output
+    bad = runner.invoke(app, ["simulate", "-m", MODEL, "-n", "5", "--on-oom", "never"])
+    assert bad.exit_code == 2 and "--on-oom" in bad.output
