@@ -197,3 +197,17 @@ def test_simulate_png_is_written_atomically_and_refuses_non_files(tmp_path):
     os.mkfifo(fifo)
     bad = CliRunner().invoke(app, ["simulate", "-n", "5", "--png", str(fifo)])
     assert bad.exit_code == 2 and bad.output.startswith("error: --png:") and fifo.exists()
+
+
+def test_a_memory_cap_replaces_every_stages_capacity():
+    """``m_max_bytes`` (the trainer's --memory-cap): budgets, fixed plans and OOMs use it on every stage."""
+    model, parallel = presets.model(MODEL)
+    free = simulate(model, parallel, HARDWARE, "flexible", WITH_SPIKES)
+    cap = min(free.m_max_bytes) // 2
+    capped = simulate(model, parallel, HARDWARE, "flexible", WITH_SPIKES, m_max_bytes=cap)
+    assert capped.m_max_bytes == (cap,) * parallel.pp and capped.oom_events == 0
+    assert all(peak <= cap for it in capped.iterations for peak in it.peak_bytes)
+    assert capped.total_time_s > free.total_time_s  # mitigation costs time
+    assert simulate(model, parallel, HARDWARE, "ideal", WITH_SPIKES, m_max_bytes=cap).oom_events == 0
+    with pytest.raises(ValueError, match="m_max_bytes"):
+        SimConfig(m_max_bytes=0)

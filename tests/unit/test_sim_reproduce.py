@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from functools import lru_cache
 
@@ -118,6 +119,8 @@ def test_cli_reproduce_writes_the_report_and_plots_atomically(tmp_path, monkeypa
     assert result.exit_code == 0, result.output
     assert (tmp_path / "reproduction.md").read_text() == markdown(report)
     assert sorted(p.name for p in (tmp_path / "img").iterdir()) == sorted(figures(report))
+    data = json.loads(runner.invoke(app, ["reproduce", "--docs", str(tmp_path), "--json"]).output)
+    assert data["fig8"]["per_model"][MODEL]["flexible_oom_events"] == 0 and len(data["fig11_steps"]) == 3
     os.symlink(tmp_path / "reproduction.md", tmp_path / "img" / "repro-fig9.png.lnk")
     (tmp_path / "img" / "repro-fig9.png").unlink()
     os.symlink(tmp_path / "reproduction.md", tmp_path / "img" / "repro-fig9.png")

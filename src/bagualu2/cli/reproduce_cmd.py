@@ -12,10 +12,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from bagualu2.costmodel import presets
 from bagualu2.sim.figures import figures
-from bagualu2.sim.report import markdown
+from bagualu2.sim.report import headline, markdown
 from bagualu2.sim.reproduce import ReproduceConfig, reproduce, steps
 
-from .common import CliError, blame, check_output_path, console, handle_errors, write_output
+from .common import JSON_HELP, CliError, blame, check_output_path, console, echo_json, handle_errors, write_output
 
 OPTIONS = {"iterations": "--iterations", "seed": "--seed", "restart_s": "--restart-s"}  # config field -> option
 
@@ -31,6 +31,8 @@ def reproduce_cmd(
                                                        "repeatable; default: all of them.")] = None,
     docs: Annotated[str, typer.Option("--docs", metavar="DIR", help="Folder to write reproduction.md into (its "
                                       "plots go to DIR/img).")] = "docs",
+    json_output: Annotated[bool, typer.Option("--json", help=JSON_HELP + " (the report's ratios beside the "
+                                              "paper's, after writing the files)")] = False,
 ) -> None:
     """Run the paper's evaluation (§VI: Fig. 8-11, decision overhead) in the simulator and write
     DIR/reproduction.md with its PNG plots (each written atomically); a progress bar runs on stderr."""
@@ -64,5 +66,8 @@ def reproduce_cmd(
     for name, data in figures(report).items():
         write_output(image_paths[name], data, "--docs")
     write_output(report_path, markdown(report).encode(), "--docs")
+    if json_output:
+        echo_json(headline(report))
+        return
     console().print(f"wrote {escape(str(report_path))} and {len(image_paths)} plots in "
                     f"{escape(str(folder / 'img'))}", soft_wrap=True)

@@ -158,3 +158,28 @@ def markdown(report: Report) -> str:
     body += _sweep(report.seq_length, f"(b) sequence length, {config.focus}", "") + [""]
     body += _ablation(report) + [""] + _overhead(report) + [""] + _why(report)
     return "\n".join(head + body) + "\n"
+
+
+def headline(report: Report) -> dict:
+    """The report's ratios as data (``bagualu2 reproduce --json``), each beside the paper's."""
+    runs = [r for r in report.scales if r.label in report.config.models]
+    mfus = [report.ablation.mfu(level) for level in ABLATION]
+    focus, spikes = report.focus, report.spikes()
+    during = {p: spike_mfu(focus.results[p], spikes) for p in focus.results}
+    return {
+        "iterations": report.config.iterations, "seed": report.config.seed,
+        "fig8": {"flexible_vs_kwai": statistics.fmean(r.mfu("flexible") / r.mfu("kwai") for r in runs),
+                 "flexible_vs_adapipe": statistics.fmean(r.mfu("flexible") / r.mfu("adapipe") for r in runs),
+                 "paper": [PAPER["fig8_vs_kwai"], PAPER["fig8_vs_adapipe"]],
+                 "per_model": {r.label: {"flexible_mfu": r.mfu("flexible"), "vs_best_baseline": _ratios(r)[0],
+                                         "vs_ideal": _ratios(r)[1], "vs_oracle": _ratios(r)[2],
+                                         "flexible_oom_events": r.results["flexible"].oom_events} for r in runs}},
+        "fig9": {"spike_speedup": during["flexible"][0] / max(during[p][0] for p in BASELINES),
+                 "drops": {p: 1 - during[p][0] / during[p][1] for p in BASELINES},
+                 "paper": {"spike_speedup": PAPER["fig9_spike_speedup"], "kwai": PAPER["fig9_drop_kwai"],
+                           "adapipe": PAPER["fig9_drop_adapipe"]}},
+        "fig10a_speedup": statistics.fmean(_ratios(r)[0] for r in report.sparsity),
+        "fig10b": {r.label: _ratios(r)[0] for r in report.seq_length},
+        "fig11_steps": [b / a for a, b in zip(mfus, mfus[1:])], "fig11_paper": list(PAPER["fig11_steps"]),
+        "decision_ms_per_iteration": {name: ms for name, ms, _ in report.overhead},
+    }

@@ -32,13 +32,14 @@ keeps the first result for each rate vector.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from dataclasses import dataclass
 
 from ..budget import BudgetAssigner
 from ..costmodel import Hardware, ModelConfig, ParallelConfig
 from ..costmodel.build import check_imbalance
-from ..costmodel.validate import require_number
+from ..costmodel.validate import require_int, require_number
 from .policies import FALLBACKS, STEADY, StagePolicy, check_policy, make_policy
 from .stage import StageContext
 
@@ -51,13 +52,18 @@ class SimConfig:
     """restart_s: seconds an OOM restart costs (checkpoint reload, re-launch), a finite number >= 0.
     plan_imbalance: the imbalance the plans fixed before training are made for (>= 1; DESIGN.md: 1).
     on_oom: what a policy with a fallback restarts with after an OOM: ``"fallback"`` (``FALLBACKS``, static-over)
-    or ``"replan"`` (its own plans re-made for the largest imbalance seen; the paper's §VI-A baselines)."""
+    or ``"replan"`` (its own plans re-made for the largest imbalance seen; the paper's §VI-A baselines).
+    m_max_bytes: every stage's activation capacity instead of what its memory leaves (the trainer's
+    ``--memory-cap``); None: ``stage_memory``'s ``M_max``."""
 
     restart_s: float = 284.0
     plan_imbalance: float = 1.0
     on_oom: str = "fallback"
+    m_max_bytes: int | None = None
 
     def __post_init__(self) -> None:
+        if self.m_max_bytes is not None:
+            require_int("m_max_bytes", self.m_max_bytes, 1)
         require_number("restart_s", self.restart_s, 0)
         check_imbalance(self.plan_imbalance)
         if self.on_oom not in ON_OOM:
@@ -191,6 +197,9 @@ class _Run:
     def __init__(self, model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, config: SimConfig):
         self.parallel, self.hardware, self.config = parallel, hardware, config
         self.stages = [StageContext(model, parallel, hardware, s) for s in range(parallel.pp)]
+        if config.m_max_bytes is not None:
+            for ctx in self.stages:
+                ctx.memory = dataclasses.replace(ctx.memory, m_max_bytes=config.m_max_bytes)
         self.flops = sum(ctx.model_flops() for ctx in self.stages) / parallel.pp
         self._policies: dict[str, list[StagePolicy]] = {}
         self._memo: dict[tuple, IterationResult] = {}
@@ -220,11 +229,11 @@ class _Run:
 
 def simulate(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, policy: str, trace, *,
              restart_s: float = 284.0, plan_imbalance: float = 1.0, on_oom: str = "fallback",
-             progress=None) -> SimResult:
+             m_max_bytes: int | None = None, progress=None) -> SimResult:
     """Simulate ``trace`` (one entry per iteration: a rate, or one rate per micro-batch) under ``policy`` (one of
     ``POLICIES`` or ``ABLATION``); see the module docstring for what is modelled. ``progress``, optional, is
     called with the number of iterations done after each one."""
-    config = SimConfig(restart_s=restart_s, plan_imbalance=plan_imbalance, on_oom=on_oom)
+    config = SimConfig(restart_s=restart_s, plan_imbalance=plan_imbalance, on_oom=on_oom, m_max_bytes=m_max_bytes)
     check_policy(policy)
     keys = check_trace(trace, parallel)
     run = _Run(model, parallel, hardware, config)
