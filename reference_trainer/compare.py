@@ -61,13 +61,14 @@ def table(results: dict[str, dict], notes: list[str], command: str) -> str:
     return "\n".join(lines + [""] + notes) + "\n"
 
 
-def write_block(path: Path, block: str) -> None:
+def write_block(path: Path, block: str, begin: str = BEGIN, end: str = END) -> None:
+    """Replace the text between ``begin`` and ``end`` of ``path`` (appended when missing) atomically."""
     text = path.read_text()
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + BEGIN + "\n" + block + END + rest.split(END, 1)[1]
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + begin + "\n" + block + end + rest.split(end, 1)[1]
     else:
-        text = text.rstrip() + f"\n\n{BEGIN}\n{block}{END}\n"
+        text = text.rstrip() + f"\n\n{begin}\n{block}{end}\n"
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "w") as f:
         f.write(text)

@@ -77,13 +77,40 @@ def paper_trace(num_iterations: int, *, seed: int = 0, spike_share: float = 0.02
                       base_high=base_high, spike_max=spike_max).rates()
 
 
+def _metrics_rows(records: list[tuple[int, dict]], path) -> dict[int, dict[int, float]]:
+    """The trainer's metrics log (``--metrics-file``): per step, micro-batch m's rate is, over the stages and ranks
+    that logged it, the largest mean over the chunk's MoE layers of the device imbalance each layer measured (at
+    least 1). The mean, because a chunk's routed bytes and expert time are linear in each layer's tokens and its
+    MoE layers have one shape: the graph at the mean rate keeps the bytes the layers kept together. The last
+    record of a step wins (a restart re-runs steps); OOM and summary records are skipped."""
+    rows: dict[int, dict[int, float]] = {}
+    for number, row in records:
+        if row.get("summary") or row.get("oom") or "microbatches" not in row:
+            continue
+        label = f"{path}: line {number}"
+        try:
+            step = require_int("step", row.get("step"), 0)
+            per: dict[int, float] = {}
+            for entry in row["microbatches"]:
+                microbatch = require_int("microbatch", entry["microbatch"], 0)
+                rates = [require_number("imbalance", r, 0) for r in entry.get("imbalance") or ()]
+                mean = sum(rates) / len(rates) if rates else 1.0
+                per[microbatch] = max(per.get(microbatch, 1.0), mean)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ValueError(f"{label}: {exc}") from None
+        rows[step] = per
+    return rows
+
+
 def load_trace(path: str | Path) -> tuple[tuple[float, ...], ...]:
-    """Per-iteration, per-micro-batch rates from the trainer's JSONL log: one object a line,
-    ``{"iteration": i, "microbatch": m, "imbalance": r}`` (blank lines skipped). Iterations and micro-batches
-    must each be numbered 0, 1, ... without gaps, every iteration with the same micro-batch count, no duplicate;
-    anything else is a one-line ``ValueError`` naming the line."""
+    """Per-iteration, per-micro-batch rates from a JSONL log: either one object a line,
+    ``{"iteration": i, "microbatch": m, "imbalance": r}``, or the trainer's metrics file (``--metrics-file``: see
+    :func:`_metrics_rows`). Blank lines are skipped. Iterations and micro-batches must each be numbered 0, 1, ...
+    without gaps, every iteration with the same micro-batch count, no duplicate; anything else is a one-line
+    ``ValueError`` naming the line."""
     rows: dict[int, dict[int, float]] = {}
     where = {}
+    records = []
     with open(path, encoding="utf-8") as handle:
         for number, line in enumerate(handle, 1):
             if not line.strip():
@@ -93,8 +120,12 @@ def load_trace(path: str | Path) -> tuple[tuple[float, ...], ...]:
                 row = json.loads(line)
             except (json.JSONDecodeError, RecursionError):
                 raise ValueError(f"{label}: not valid JSON") from None
+            if isinstance(row, dict) and ("microbatches" in row or "summary" in row or "oom" in row):
+                records.append((number, row))
+                continue
             if not isinstance(row, dict) or set(row) != {"iteration", "microbatch", "imbalance"}:
-                raise ValueError(f'{label}: expected {{"iteration": i, "microbatch": m, "imbalance": r}}')
+                raise ValueError(f'{label}: expected {{"iteration": i, "microbatch": m, "imbalance": r}} or a '
+                                 "record of the trainer's metrics file")
             try:
                 iteration = require_int("iteration", row["iteration"], 0)
                 microbatch = require_int("microbatch", row["microbatch"], 0)
@@ -106,6 +137,11 @@ def load_trace(path: str | Path) -> tuple[tuple[float, ...], ...]:
                 raise ValueError(f"{label}: iteration {iteration} micro-batch {microbatch} appears twice")
             per[microbatch] = rate
             where[iteration] = number
+    if records:
+        if rows:
+            raise ValueError(f"{path}: mixes trace rows with the trainer's metrics records")
+        rows = _metrics_rows(records, path)
+        where = {step: number for number, row in records if "microbatches" in row for step in [row.get("step")]}
     if not rows:
         raise ValueError(f"{path}: no trace rows")
     count = len(rows[min(rows)])

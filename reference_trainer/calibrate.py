@@ -1,0 +1,117 @@
+"""The simulator calibrated against this trainer on CPU, then checked against every policy's measured run.
+
+    python -m reference_trainer.calibrate [--fit-steps 10] [--steps 30] [--hardware-out cpu-fitted.json]
+                                          [--write docs/trainer.md]
+
+1. **Fit** (a short measurement): ``ideal`` (no cap, no mitigation) runs ``--fit-steps`` steps under torchrun as
+   ``reference_trainer.compare`` runs every policy (``glm_moe_debug``, PP=2 x DP=2, EP=2); its median step and its
+   imbalance trace fit the ``cpu`` profile's per-op launch cost (``bagualu2.sim.calibrate.fit_hardware``). The
+   fitted profile is written as Hardware JSON (``--hardware-out``; usable as ``bagualu2 ... -H FILE``).
+2. **Check**: every policy runs ``--steps`` steps (as ``reference_trainer.compare``, spikes and a real torchrun
+   restart for ``static-under``); the simulator predicts each run from its own imbalance trace, the recipe's cap and
+   its measured restart seconds (``bagualu2.sim.calibrate.predict``), and the table sets predicted beside measured
+   tokens/s (effective) and peak activation bytes.
+
+``--write`` replaces the block between ``<!-- calibrate:begin -->`` and ``<!-- calibrate:end -->`` of that file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from bagualu2.costmodel import presets
+from bagualu2.sim import load_trace
+from bagualu2.sim.calibrate import Measured, fit_hardware, predict
+
+from .compare import run_policy, write_block
+from .policies import POLICIES
+from .recipes import default_cap, recipe
+
+BEGIN, END = "<!-- calibrate:begin -->", "<!-- calibrate:end -->"
+
+
+def measured(policy: str, summary: dict, metrics: Path) -> Measured:
+    """A run as the simulator's calibration takes it: the last record of each step (a restart re-runs steps)."""
+    steps: dict[int, dict] = {}
+    for line in metrics.read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record and not record.get("summary"):
+            steps[record["step"]] = record
+    return Measured(policy=policy, trace=load_trace(metrics), step_s=statistics.median(r["step_s"] for r in
+                                                                                        steps.values()),
+                    tokens_per_s=summary["tokens_per_s"], peak_activation_bytes=summary["peak_activation_bytes"],
+                    restart_s=summary["restart_s"], steps_lost=summary["steps_lost"])
+
+
+def table(rows: list[dict], hardware, fit: Measured, command: str) -> str:
+    lines = [f"Command: `{command}`", "",
+             f"Fitted on a {len(fit.trace)}-step `ideal` run (median step {fit.step_s * 1e3:.0f} ms): "
+             f"`kernel_launch_s` = {hardware.kernel_launch_s * 1e6:.1f} us per op launch, copy or collective (the "
+             "`cpu` profile's other fields unchanged).", "",
+             "| policy | tokens/s measured | predicted | error | peak activation B measured | predicted | error "
+             "| median step s measured | predicted | restarts measured / predicted |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        lines.append(f"| {r['policy']} | {r['measured_tokens_per_s']:.1f} | {r['tokens_per_s']:.1f} | "
+                     f"{r['tokens_error']:+.1%} | {r['measured_peak_activation_bytes']:,} | "
+                     f"{r['peak_activation_bytes']:,} | {r['peak_error']:+.2%} | {r['measured_step_s']:.3f} | "
+                     f"{r['step_s']:.3f} | {r['measured_restarts']} / {r['restarts']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m reference_trainer.calibrate",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--fit-steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--spike-rate", type=float, default=0.05)
+    parser.add_argument("--spike-max", type=float, default=2.6)
+    parser.add_argument("--schedule", choices=("plain", "runtime"), default="plain")
+    parser.add_argument("--checkpoint-every", type=int, default=5)
+    parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    parser.add_argument("--hardware-out", type=Path, help="write the fitted profile here (Hardware JSON)")
+    parser.add_argument("--write", type=Path, help="the markdown file whose calibrate block is replaced")
+    args = parser.parse_args(argv)
+    if args.fit_steps < 3 or args.steps < 3:
+        parser.error("--fit-steps and --steps must be at least 3")
+    if args.write is not None and not args.write.is_file():
+        parser.error(f"--write {args.write}: not an existing regular file")
+    config = recipe("glm_moe_debug")
+    cap = default_cap(config)
+    model, parallel = config.model, config.parallel
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        (work / "fit").mkdir()
+        print("fitting on ideal ...", file=sys.stderr, flush=True)
+        fit_args = argparse.Namespace(**{**vars(args), "steps": args.fit_steps})
+        fit = measured("ideal", run_policy("ideal", fit_args, work / "fit"), work / "fit" / "ideal.jsonl")
+        hardware = fit_hardware(model, parallel, presets.hardware("cpu"), fit)
+        rows = []
+        for policy in args.policies:
+            print(f"running {policy} ...", file=sys.stderr, flush=True)
+            summary = run_policy(policy, args, work)
+            run = measured(policy, summary, work / f"{policy}.jsonl")
+            row = predict(model, parallel, hardware, run, m_max_bytes=None if policy == "ideal" else cap)
+            rows.append({**row, "measured_restarts": summary["restarts"]})
+    if args.hardware_out is not None:  # temp file + rename: never half-written
+        fd, tmp = tempfile.mkstemp(dir=args.hardware_out.parent, prefix=f".{args.hardware_out.name}.")
+        with os.fdopen(fd, "w") as handle:
+            handle.write(hardware.to_json() + "\n")
+        os.replace(tmp, args.hardware_out)
+    command = "python -m reference_trainer.calibrate " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    block = table(rows, hardware, fit, command.strip())
+    print(block)
+    if args.write is not None:
+        write_block(args.write, block, BEGIN, END)
+
+
+if __name__ == "__main__":
+    main()
