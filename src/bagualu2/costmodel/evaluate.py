@@ -18,6 +18,7 @@ Semantics (see docs/costmodel.md):
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Callable, Collection, Mapping
@@ -113,7 +114,7 @@ def resolve(graph: OpGraph, plan: Plan | None) -> dict[tuple[str, str], Strategy
     output is dropped too, wherever it is kept (Megatron's layernorm / moe_act recompute). Explicit
     ``OP/TENSOR`` entries override kind policies.
     """
-    resolved = {(op.name, s.tensor): Strategy.KEEP for op, s in graph.savings}
+    resolved = dict.fromkeys(_savings_of(graph)[0], Strategy.KEEP)
     if isinstance(plan, str):
         plan = Plan.from_str(plan)
     elif plan is not None and not isinstance(plan, Plan):
@@ -153,6 +154,20 @@ def resolve(graph: OpGraph, plan: Plan | None) -> dict[tuple[str, str], Strategy
     return resolved
 
 
+_SAVINGS: "weakref.WeakKeyDictionary[OpGraph, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _savings_of(graph: OpGraph) -> tuple[tuple, tuple]:
+    """``(keys, rows)`` of every saving in program order: ``keys`` the ``(op, tensor)`` pairs, ``rows`` the
+    ``((op, tensor), tensor, dtype)`` triples. Built once per graph object: the evaluator runs for many plans of
+    one graph, and this spares it re-reading the ops each time."""
+    found = _SAVINGS.get(graph)
+    if found is None:
+        rows = tuple(((op.name, s.tensor), s.tensor, s.dtype) for op, s in graph.savings)
+        found = _SAVINGS[graph] = (tuple(key for key, _, _ in rows), rows)
+    return found
+
+
 def _saving(graph: OpGraph, op_name: str, tensor: str) -> Saving:
     return next(s for s in graph.op(op_name).saves if s.tensor == tensor)
 
@@ -170,18 +185,20 @@ def evaluate_resolved(graph: OpGraph, strategies: Mapping[tuple[str, str], Strat
     activation_bytes = routed_bytes = 0
     by_layer: dict[int, int] = {}
     for name, dtypes in device.items():
-        nbytes = sum(tensors[name].numel * ITEM_BYTES[d] for d in dtypes)
+        spec = tensors[name]
+        nbytes = spec.numel * sum(map(ITEM_BYTES.__getitem__, dtypes))  # one copy per stored precision
         activation_bytes += nbytes
-        if tensors[name].routed:
+        if spec.routed:
             routed_bytes += nbytes
-            layer = graph.op(tensors[name].producer).layer
+            layer = graph.op(spec.producer).layer
             by_layer[layer] = by_layer.get(layer, 0) + nbytes
     for name in quantized:  # one FP8 byte per element
-        activation_bytes += tensors[name].numel
-        if tensors[name].routed:
-            routed_bytes += tensors[name].numel
-            layer = graph.op(tensors[name].producer).layer
-            by_layer[layer] = by_layer.get(layer, 0) + tensors[name].numel
+        spec = tensors[name]
+        activation_bytes += spec.numel
+        if spec.routed:
+            routed_bytes += spec.numel
+            layer = graph.op(spec.producer).layer
+            by_layer[layer] = by_layer.get(layer, 0) + spec.numel
     host_bytes = 0
     d2h_ns = h2d_ns = 0
     for name, dtypes in host.items():
@@ -238,16 +255,17 @@ def _classify(graph: OpGraph, strategies: Mapping[tuple[str, str], Strategy]):
     host: dict[str, set[str]] = {}
     quantized: set[str] = set()
     recomputed: set[str] = set()
-    for op, saving in graph.savings:
-        strategy = strategies.get((op.name, saving.tensor), Strategy.KEEP)
-        if strategy is Strategy.KEEP:
-            device.setdefault(saving.tensor, set()).add(saving.dtype)
-        elif strategy is Strategy.RECOMPUTE:
-            recomputed.add(saving.tensor)
-        elif strategy is Strategy.OFFLOAD:
-            host.setdefault(saving.tensor, set()).add(saving.dtype)
+    keep, recompute, offload = Strategy.KEEP, Strategy.RECOMPUTE, Strategy.OFFLOAD
+    for key, tensor, dtype in _savings_of(graph)[1]:
+        strategy = strategies.get(key, keep)
+        if strategy is keep:
+            device.setdefault(tensor, set()).add(dtype)
+        elif strategy is recompute:
+            recomputed.add(tensor)
+        elif strategy is offload:
+            host.setdefault(tensor, set()).add(dtype)
         else:
-            quantized.add(saving.tensor)
+            quantized.add(tensor)
     return device, host, quantized, recomputed
 
 

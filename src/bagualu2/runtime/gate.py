@@ -111,12 +111,17 @@ def gate_free_tensors(graph: OpGraph, layers=None) -> frozenset[str]:
 def downgrade_plan(graph: OpGraph, plan: Plan | None = None, *, layers=None) -> Plan:
     """``plan`` with the MoE modules of ``layers`` (default: all) downgraded after their gate: every saving of a
     tensor made by a MoE op after the router set to RECOMPUTE (pinned savings stay)."""
-    after = after_router_tensors(graph, layers)
-    entries = dict(plan.entries) if plan is not None else {}
-    for op, saving in graph.savings:
-        if saving.tensor in after and (op.name, saving.tensor) not in graph.pinned:
-            entries[f"{op.name}/{saving.tensor}"] = Strategy.RECOMPUTE
-    return Plan(tuple(entries.items()))
+    memo = _AFTER.setdefault(graph, {})  # a pure function of its arguments: the gate asks again at every need level
+    key = ("downgrade", None if plan is None else plan.entries, None if layers is None else tuple(sorted(set(layers))))
+    found = memo.get(key)
+    if found is None:
+        after = after_router_tensors(graph, layers)
+        entries = dict(plan.entries) if plan is not None else {}
+        for op, saving in graph.savings:
+            if saving.tensor in after and (op.name, saving.tensor) not in graph.pinned:
+                entries[f"{op.name}/{saving.tensor}"] = Strategy.RECOMPUTE
+        found = memo[key] = Plan(tuple(entries.items()))
+    return found
 
 
 def after_gate(graph: OpGraph, plan: Plan | None, budget_bytes: int, *, limit_bytes: int | None = None,

@@ -297,6 +297,7 @@ class DecisionPath:
             if not solution.ok:  # below M0 nothing fits: the least the micro-batch can keep (full recompute)
                 solution = greedy.solve(graph, graph.floor_bytes)
             found = self._pregate[key] = solution.plan
+            self._costs.setdefault((found.entries, planned, chunk), solution.cost)  # the evaluator's, once
         return found
 
     def _outcome(self, pre: Plan, level, row: _Row, chunk: int, decided: int, budget_bytes: int = 0,
