@@ -4,7 +4,7 @@
                                           [--write docs/trainer.md]
 
 1. **Fit** (a short measurement): ``ideal`` (no cap, no mitigation) runs ``--fit-steps`` steps under torchrun as
-   ``reference_trainer.compare`` runs every policy (``glm_moe_debug``, PP=2 x DP=2, EP=2); its median step and its
+   ``reference_trainer.compare`` runs every policy (``glm_moe_debug``, PP=2 x DP=2, EP=2); its mean step and its
    imbalance trace fit the ``cpu`` profile's per-op launch cost (``bagualu2.sim.calibrate.fit_hardware``). The
    fitted profile is written as Hardware JSON (``--hardware-out``; usable as ``bagualu2 ... -H FILE``).
 2. **Check**: every policy runs ``--steps`` steps (as ``reference_trainer.compare``, spikes and a real torchrun
@@ -38,25 +38,28 @@ BEGIN, END = "<!-- calibrate:begin -->", "<!-- calibrate:end -->"
 
 
 def measured(policy: str, summary: dict, metrics: Path) -> Measured:
-    """A run as the simulator's calibration takes it: the last record of each step (a restart re-runs steps)."""
+    """A run as the simulator's calibration takes it: the last record of each step (a restart re-runs steps), the
+    mean of the steps after the first (it warms up), the peak of every step of every launch."""
     steps: dict[int, dict] = {}
     for line in metrics.read_text().splitlines():
         record = json.loads(line)
         if "loss" in record and not record.get("summary"):
             steps[record["step"]] = record
-    return Measured(policy=policy, trace=load_trace(metrics), step_s=statistics.median(r["step_s"] for r in
-                                                                                        steps.values()),
-                    tokens_per_s=summary["tokens_per_s"], peak_activation_bytes=summary["peak_activation_bytes"],
+    ordered = [steps[k] for k in sorted(steps)]
+    return Measured(policy=policy, trace=load_trace(metrics),
+                    step_s=statistics.fmean(r["step_s"] for r in ordered[1:] or ordered),
+                    tokens_per_s=summary["tokens_per_s"],
+                    peak_activation_bytes=max(r["peak_activation_bytes"] for r in ordered),
                     restart_s=summary["restart_s"], steps_lost=summary["steps_lost"])
 
 
 def table(rows: list[dict], hardware, fit: Measured, command: str) -> str:
     lines = [f"Command: `{command}`", "",
-             f"Fitted on a {len(fit.trace)}-step `ideal` run (median step {fit.step_s * 1e3:.0f} ms): "
+             f"Fitted on a {len(fit.trace)}-step `ideal` run (mean step after the first {fit.step_s * 1e3:.0f} ms): "
              f"`kernel_launch_s` = {hardware.kernel_launch_s * 1e6:.1f} us per op launch, copy or collective (the "
              "`cpu` profile's other fields unchanged).", "",
              "| policy | tokens/s measured | predicted | error | peak activation B measured | predicted | error "
-             "| median step s measured | predicted | restarts measured / predicted |",
+             "| mean step s measured | predicted | restarts measured / predicted |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         lines.append(f"| {r['policy']} | {r['measured_tokens_per_s']:.1f} | {r['tokens_per_s']:.1f} | "
@@ -79,6 +82,7 @@ def main(argv=None) -> None:
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     parser.add_argument("--hardware-out", type=Path, help="write the fitted profile here (Hardware JSON)")
     parser.add_argument("--write", type=Path, help="the markdown file whose calibrate block is replaced")
+    parser.add_argument("--keep", type=Path, help="keep every run's metrics file in this (existing) folder")
     args = parser.parse_args(argv)
     if args.fit_steps < 3 or args.steps < 3:
         parser.error("--fit-steps and --steps must be at least 3")
@@ -87,9 +91,11 @@ def main(argv=None) -> None:
     config = recipe("glm_moe_debug")
     cap = default_cap(config)
     model, parallel = config.model, config.parallel
+    if args.keep is not None and not args.keep.is_dir():
+        parser.error(f"--keep {args.keep}: not an existing folder")
     with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        (work / "fit").mkdir()
+        work = Path(tmp) if args.keep is None else args.keep
+        (work / "fit").mkdir(exist_ok=True)
         print("fitting on ideal ...", file=sys.stderr, flush=True)
         fit_args = argparse.Namespace(**{**vars(args), "steps": args.fit_steps})
         fit = measured("ideal", run_policy("ideal", fit_args, work / "fit"), work / "fit" / "ideal.jsonl")
