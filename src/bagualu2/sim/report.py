@@ -133,7 +133,9 @@ def _why(report: Report) -> list[str]:
             "work on spikes.",
             "* **Modelling accuracy** is not re-measured by this command (it needs torch): the exec layer measures "
             "the bytes autograd keeps equal to the cost model's prediction, byte for byte, on the reference model "
-            "(`python benchmarks/accuracy_exec.py`, docs/exec.md; the paper: 1.56% mean error at scale).",
+            "(`python benchmarks/accuracy_exec.py`, docs/exec.md; the paper: 1.56% mean error at scale), and the "
+            "simulator's activation peak and tokens/s are checked against the trainer's measured runs per policy "
+            "(`python -m reference_trainer.calibrate`, docs/trainer.md \"Calibration\").",
             "* Not modelled: cross-stage waits beyond the interleaved-1F1B bubble, data-parallel gradient "
             "reduction and the optimizer step, where in an iteration an OOM happens (the whole iteration is lost)."]
 
