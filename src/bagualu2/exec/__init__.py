@@ -1,9 +1,13 @@
 """The torch side of bagualu2 (the only package that imports torch): the activation tracker that measures what a
 micro-batch keeps for backward and enforces a memory cap on CPU; plan execution through saved-tensor hooks
 (:func:`apply_plan`: KEEP, OFFLOAD on copy streams, FP8 QUANTIZE, RECOMPUTE by replaying ops in backward); the
-deferred MoE downgrade after the gate; FLOP counting in the cost model's convention; and the dual-batch executor."""
+deferred MoE downgrade after the gate; FLOP counting in the cost model's convention; the dual-batch executor; and
+:func:`instrument`, which applies all of it from outside to a model of your own (op map, module hooks, a traced
+:class:`~bagualu2.costmodel.OpGraph`)."""
 
 from .apply import MicroBatchRecord, PlanExecutor, apply_plan
+from .instrument import InstrumentedModel, instrument
+from .trace import TraceResult
 from .ops import OP_SCOPE, after_gate, op_scope, run_op
 from .deferred import DeferredPlanner, downgrade_module
 from .flops import flop_counter
@@ -22,6 +26,6 @@ def __getattr__(name: str):
 
 
 __all__ = ["ActivationOutOfMemoryError", "ActivationTracker", "CopyEngine", "DeferredPlanner", "DualBatchExecutor",
-           "HostPool",
+           "HostPool", "InstrumentedModel", "TraceResult", "instrument",
            "MicroBatchRecord", "OP_SCOPE", "PlanExecutor", "after_gate", "apply_plan", "downgrade_module",
            "flop_counter", "op_scope", "quantize_fp8", "run_op", "storage_bytes"]

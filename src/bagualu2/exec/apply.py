@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -34,6 +34,8 @@ from bagualu2.costmodel.graph import ITEM_BYTES, OpGraph
 from bagualu2.costmodel.plan import Plan
 from bagualu2.costmodel.strategy import Strategy
 
+from .instrument import InstrumentedModel, check_device
+from .plancheck import check_replayable
 from .ops import ACTIVE, FORWARD_GATE, OP_HINTS, OP_SCOPE, RECORDING
 from .provisional import Provisional, settle, standby_ops
 from .packing import CopyEngine, HostCopy, Offloaded, Quantized, View, flat_storage, quantize_fp8, unpack
@@ -45,8 +47,12 @@ class PlanExecutor:
     """Saved-tensor hooks that apply ``plan`` to micro-batches of ``graph``'s ops (see the module docstring)."""
 
     def __init__(self, graph: OpGraph, plan: Plan | str | None, *, tracker: ActivationTracker | None = None,
-                 exclude: Iterable[torch.nn.Module] = (), deferred=None, engine: CopyEngine | None = None):
+                 exclude: Iterable[torch.nn.Module] = (), deferred=None, engine: CopyEngine | None = None,
+                 namer: Callable | None = None):
         self.graph = graph
+        # names each saving ``(record, op, entry, dtype name, storage key) -> tensor name | None``: by default the
+        # op's savings of that dtype and size (cost-model graphs); a traced graph names them by call and slot
+        self.namer = namer or self._name
         self.plan = Plan.from_str(plan) if isinstance(plan, str) else (plan or Plan())
         self.strategies = resolve(graph, self.plan)
         self.rerun = frozenset(mitigation_ops(graph, self.plan).rerun)
@@ -204,6 +210,18 @@ class PlanExecutor:
     def replayable(self, record: MicroBatchRecord, name: str, fn, args, *, active: bool = True) -> Any:
         """Run op ``name`` as ``fn(*args)`` recording it as a :class:`Replay` backward can re-run. A standby
         replay (``active=False``) takes no holds until the gate activates it."""
+        replay = self.begin_replay(record, name, fn, args, active=active)
+        try:
+            outputs = fn(*args)
+        except BaseException:
+            record.active = replay.parent
+            raise
+        return self.end_replay(record, replay, outputs)
+
+    def begin_replay(self, record: MicroBatchRecord, name: str, fn, args, *, active: bool = True) -> Replay:
+        """Start recording op ``name``, about to run as ``fn(*args)``, as a :class:`Replay` (the first half of
+        :meth:`replayable`, for callers that run the op themselves, e.g. module hooks); it is the micro-batch's
+        active replay until :meth:`end_replay`. Replays nest: a saving counts in every enclosing replay."""
         sources = []
         holds = []
         inputs = list(self.graph.op(name).inputs) if self.graph.has_op(name) else []
@@ -223,12 +241,17 @@ class PlanExecutor:
                 sources.append(Source(stored, View.of(arg), arg.requires_grad, lookup, input_name))
             else:
                 sources.append(arg)
-        replay = Replay(name, fn, tuple(sources), self.engine, inactive=None if active else holds)
-        previous, record.active = record.active, replay
-        try:
-            outputs = fn(*args)
-        finally:
-            record.active = previous
+        replay = Replay(name, fn, tuple(sources), self.engine, inactive=None if active else holds,
+                        parent=record.active)
+        record.active = replay
+        return replay
+
+    def end_replay(self, record: MicroBatchRecord, replay: Replay, outputs: Any) -> Any:
+        """Finish recording ``replay`` (started by :meth:`begin_replay`) with the op's ``outputs``."""
+        record.active = replay.parent
+        active = replay.inactive is None
+        sources = replay.args
+        name = replay.op
         names = self.graph.op(name).outputs if self.graph.has_op(name) else ()
         makes = False
         for index, out in enumerate(outputs if isinstance(outputs, tuple) else (outputs,)):
@@ -302,13 +325,16 @@ class PlanExecutor:
         index = None
         if record.active is not None:  # the k-th saving of a replayable op (matched again on re-run)
             index = record.active.num_saves
-            record.active.num_saves += 1
+            enclosing = record.active
+            while enclosing is not None:  # a re-run of an enclosing op captures this saving too
+                enclosing.num_saves += 1
+                enclosing = enclosing.parent
         key = storage_key(tensor)
         if self.tracker.excludes(tensor):
             return tensor
         entry = self._storage(record, tensor, key)
         op = OP_SCOPE.get()
-        name = self._name(record, op, entry, TORCH_TO_NAME.get(tensor.dtype), key)
+        name = self.namer(record, op, entry, TORCH_TO_NAME.get(tensor.dtype), key)
         if name is None:
             record.unknown_count += 1
             record.unknown[entry.sid] = entry.nbytes
@@ -377,25 +403,42 @@ class PlanExecutor:
         return kept
 
 
-def apply_plan(target: OpGraph | torch.nn.Module, plan: Plan | str | None, *,
+def apply_plan(target: "OpGraph | torch.nn.Module | InstrumentedModel", plan: Plan | str | None, *,
                tracker: ActivationTracker | None = None, exclude: Iterable[torch.nn.Module] = (),
-               deferred=None) -> PlanExecutor:
+               deferred=None, graph: OpGraph | None = None) -> PlanExecutor:
     """A :class:`PlanExecutor` for ``plan``; use ``with executor.micro_batch(name):`` per micro-batch.
 
-    ``target`` is the op graph of the layers the forward runs, or a model with a ``config`` (a
-    :class:`~bagualu2.costmodel.ModelConfig`, e.g. the reference ``GLMMoEModel``): then the graph is built for all
-    its layers as one stage (expert parallelism from its ``ep_size``, default 1) and the model's parameters and
-    buffers are excluded. ``deferred``: an optional :class:`~bagualu2.exec.deferred.DeferredPlanner` consulted
-    after every MoE gate. Raises ``ValueError`` for an invalid plan or target.
+    ``target`` is one of:
+
+    * an :class:`~bagualu2.exec.instrument.InstrumentedModel` (a model instrumented from outside): the plan runs
+      on its traced graph (``trace_graph`` first), savings named by their slot in each module call — or, with
+      ``graph``, on that graph (e.g. ``build_graph``'s), savings named by the op scopes the hooks open;
+    * the op graph of the layers the forward runs (the model marks its ops with ``run_op`` or is instrumented);
+    * a model with a ``config`` (a :class:`~bagualu2.costmodel.ModelConfig`, e.g. the reference ``GLMMoEModel``):
+      the graph is built for all its layers as one stage (expert parallelism from its ``ep_size``, default 1).
+
+    Model parameters and buffers are excluded. ``deferred``: an optional
+    :class:`~bagualu2.exec.deferred.DeferredPlanner` consulted after every MoE gate. Raises ``ValueError`` for an
+    invalid plan or target, a plan that needs to regenerate a graph input, or one that re-runs a module that draws
+    random numbers (RECOMPUTE needs a deterministic module).
     """
-    if isinstance(target, torch.nn.Module):
-        graph = graph_of(target)
+    namer = None
+    if isinstance(target, InstrumentedModel):
+        check_device(target.model)
+        exclude = (*exclude, target.model)
+        if graph is None:
+            graph = target.graph
+            namer = target.name_saving
+            check_replayable(target, plan)
+    elif isinstance(target, torch.nn.Module):
+        graph = graph_of(target) if graph is None else graph
         exclude = (*exclude, target)
     elif isinstance(target, OpGraph):
         graph = target
     else:
-        raise ValueError(f"apply_plan needs an OpGraph or a model with a config, got {type(target).__name__}")
-    return PlanExecutor(graph, plan, tracker=tracker, exclude=exclude, deferred=deferred)
+        raise ValueError(f"apply_plan needs an OpGraph or a model (an InstrumentedModel, or one with a config), "
+                         f"got {type(target).__name__}")
+    return PlanExecutor(graph, plan, tracker=tracker, exclude=exclude, deferred=deferred, namer=namer)
 
 
 def graph_of(model: torch.nn.Module, imbalance: float = 1.0) -> OpGraph:

@@ -34,7 +34,9 @@ _ATTENTION_KERNELS = {"_scaled_dot_product_flash_attention_for_cpu": 1,  # dropo
                       "_scaled_dot_product_cudnn_attention": 3}          # attn_bias, compute_lse, dropout_p, ...
 
 
-def _attention_ops() -> dict:
+def attention_formulas() -> dict:
+    """``{aten attention op: formula on shapes}`` in the cost model's convention (``custom_mapping`` of
+    ``FlopCounterMode``; wrap with ``torch.utils.flop_counter.shape_wrapper`` to call it on tensors)."""
     aten = torch.ops.aten
     return {getattr(aten, name): _attention_formula(index) for name, index in _ATTENTION_KERNELS.items()
             if hasattr(aten, name)}
@@ -42,4 +44,4 @@ def _attention_ops() -> dict:
 
 def flop_counter() -> FlopCounterMode:
     """A silent ``FlopCounterMode`` with the cost model's attention convention (see the module docstring)."""
-    return FlopCounterMode(display=False, custom_mapping=_attention_ops())
+    return FlopCounterMode(display=False, custom_mapping=attention_formulas())

@@ -73,11 +73,11 @@ def run_op(name: str, fn: Callable[..., Any], *args: Any, names: dict[str, torch
         else:
             outputs = fn(*args)
         if executor.stage_hooks:
-            _hook_outputs(record, name, outputs)
+            hook_outputs(record, name, outputs)
         return outputs
 
 
-def _hook_outputs(record: Any, name: str, outputs: Any) -> None:
+def hook_outputs(record: Any, name: str, outputs: Any) -> None:
     """Gate the backward of op ``name``: a hook on its differentiable outputs runs before its backward."""
     def gate(_grad, op=name):
         if record.backward_gate is not None:

@@ -158,6 +158,7 @@ class Replay:
     runs: int = 0
     inactive: list | None = None        # holds to take if the gate activates it (standby replays)
     dropped: bool = False               # forgotten: its arguments are gone, it cannot run
+    parent: "Replay | None" = None      # the enclosing replay while it was recorded (nested module ops)
     _outputs: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
     _saves: list[torch.Tensor] | None = field(default=None, repr=False)
 
@@ -188,7 +189,8 @@ class Replay:
         self.runs += 1
         if len(saves) != self.num_saves:
             raise RuntimeError(f"re-running {self.op} saved {len(saves)} tensors, the forward saved "
-                               f"{self.num_saves}: the op is not deterministic in what it saves")
+                               f"{self.num_saves}: the op is not deterministic in what it saves (RECOMPUTE "
+                               "needs a deterministic op)")
 
     def output(self, index: int) -> torch.Tensor:
         if self._outputs is None:
@@ -203,6 +205,7 @@ class Replay:
     def drop(self) -> None:
         self._outputs = self._saves = None
         self.args = ()
+        self.parent = None
         self.dropped = True
 
     def done_with(self) -> None:

@@ -1,0 +1,283 @@
+"""Apply the exec layer to a model from outside: :func:`instrument` puts forward hooks on the modules an op map
+names, so an architecture-only model needs no ``run_op`` calls.
+
+    instrumented = instrument(model, {"layers.*.attn_norm": "norm1", "layers.*.attn.wq": "qkv", ...})
+    graph = instrumented.trace_graph(sample, hardware=presets.hardware("cpu"))   # an ordinary OpGraph
+    executor = apply_plan(instrumented, greedy.solve(graph, budget).plan)
+    with executor.micro_batch("mb0") as record:
+        loss = loss_fn(model(sample))
+    loss.backward(); executor.release("mb0")
+
+The op map: ``{fnmatch pattern on named_modules() paths: label}``. A label is a cost-model kind (``qkv``), a kind
+with a number (``norm1``, ``residual2``: two ops of one kind in a layer), ``name:kind`` (any name, the kind
+given), or any other name (a generic memory-bound op, graph kind ``residual``). The op of a module is
+``L{layer}.{label}``, the layer being the first integer in its path (ops outside numbered layers are named by
+their label, layer 0); modules with the same label in one layer (the experts of a ``ModuleList``) are one op.
+
+While a plan executor records a micro-batch, the pre-hook opens the module's op scope (the pack hook attributes
+every saving to the innermost mapped module) and, when the plan re-runs the op, starts a
+:class:`~bagualu2.exec.recompute.Replay` of ``module.forward`` on the call's arguments (tensors that need grad or
+that an earlier op made are activations, read back or regenerated in backward; other arguments are held as they
+are); the post-hook ends it, gates the dual-batch executor's backward, and after a ``router`` calls ``gate`` and
+reports the routed copies to the deferred planner (:func:`bagualu2.exec.after_gate`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from typing import Any, Callable, Mapping
+
+import torch
+
+from bagualu2.costmodel.config import Hardware
+from bagualu2.costmodel.graph import OP_KINDS, OpGraph
+
+from .ops import ACTIVE, OP_SCOPE, after_gate, hook_outputs
+from .scope import FRAME, REPLAYING, TRACER, Frame, OpBinding
+from .trace import TraceRecorder, TraceResult, build_graph_of, run_trace
+from .tracker import storage_key
+
+GENERIC_KIND = "residual"  # the graph kind of a label that names no cost-model kind: memory-bound, no role
+SUPPORTED_DEVICES = ("cpu", "cuda")
+_LABEL = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class _Held:
+    """A non-activation tensor argument of a replayed module (a mask, routing metadata): held as it is."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
+def label_kind(label: str) -> tuple[str, str]:
+    """``(label, kind)`` of an op-map value (see the module docstring); ``ValueError`` for a malformed one."""
+    if not isinstance(label, str):
+        raise ValueError(f"op_map values must be op labels (str), got {type(label).__name__}")
+    label, sep, kind = label.partition(":")
+    if not _LABEL.match(label):
+        raise ValueError(f"op_map label {label!r} must be a name (letters, digits, _)")
+    if sep:
+        if kind not in OP_KINDS:
+            raise ValueError(f"op_map label {label}:{kind}: kind must be one of {', '.join(OP_KINDS)}")
+        return label, kind
+    if label in OP_KINDS:
+        return label, label
+    stripped = label.rstrip("0123456789")
+    return label, stripped if stripped in OP_KINDS else GENERIC_KIND
+
+
+def _layer(path: str) -> int | None:
+    return next((int(part) for part in path.split(".") if part.isdigit()), None)
+
+
+def bind(model: torch.nn.Module, op_map: Mapping[str, str]) -> dict[str, OpBinding]:
+    """``{module path: OpBinding}`` of every module the op map names (``ValueError`` on a bad op map)."""
+    if not isinstance(op_map, Mapping) or not op_map:
+        raise ValueError("op_map must be a non-empty mapping {module-path pattern: op label}")
+    paths = [path for path, _ in model.named_modules() if path]
+    bindings: dict[str, OpBinding] = {}
+    for pattern, value in op_map.items():
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(f"op_map patterns must be non-empty strings, got {pattern!r}")
+        label, kind = label_kind(value)
+        matched = [path for path in paths if fnmatch.fnmatchcase(path, pattern)]
+        if not matched:
+            example = ", ".join(paths[:4]) or "none"
+            raise ValueError(f"op_map pattern {pattern!r} matches no module of {type(model).__name__} "
+                             f"(paths look like: {example})")
+        for path in matched:
+            if path in bindings:
+                raise ValueError(f"op_map names module {path!r} twice (patterns {bindings[path].pattern!r} and "
+                                 f"{pattern!r}); each module may belong to one op")
+            layer = _layer(path)
+            bindings[path] = OpBinding(path, pattern, label, kind, layer or 0,
+                                       label if layer is None else f"L{layer}.{label}")
+    return bindings
+
+
+def check_device(model: torch.nn.Module) -> None:
+    """``ValueError`` unless every parameter and buffer is on a device the executor supports."""
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.device.type not in SUPPORTED_DEVICES:
+            raise ValueError(f"model: {name} is on device {tensor.device.type!r}; the executor supports "
+                             f"{', '.join(SUPPORTED_DEVICES)}")
+
+
+class InstrumentedModel:
+    """A model with op-map hooks (see the module docstring). Call it like the model; :meth:`trace_graph` makes
+    its :class:`OpGraph`; :func:`~bagualu2.exec.apply_plan` runs plans on it; :meth:`remove` takes the hooks
+    off."""
+
+    def __init__(self, model: torch.nn.Module, bindings: Mapping[str, OpBinding],
+                 gate: Callable[..., Any] | None = None):
+        self.model = model
+        self.bindings = dict(bindings)
+        self.gate = gate
+        self.trace: TraceResult | None = None
+        modules = dict(model.named_modules())
+        self._handles = []
+        for path, binding in self.bindings.items():
+            module = modules[path]
+            self._handles.append(module.register_forward_pre_hook(self._pre_hook(binding), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._post_hook(binding), with_kwargs=True,
+                                                              always_call=True))
+
+    def __call__(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+    @property
+    def graph(self) -> OpGraph:
+        """The graph of the latest :meth:`trace_graph`."""
+        if self.trace is None:
+            raise ValueError("the instrumented model has no traced graph yet: call trace_graph(...) first")
+        return self.trace.graph
+
+    def remove(self) -> None:
+        """Take the hooks off the model (it runs as before instrumenting)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # ---- tracing --------------------------------------------------------------------------------------------
+    def trace_graph(self, *args, hardware: Hardware, timed: bool = False,
+                    loss: Callable[[Any], torch.Tensor] | None = None, **kwargs) -> OpGraph:
+        """One forward + backward of ``model(*args, **kwargs)`` recorded into an :class:`OpGraph`
+        (:mod:`bagualu2.exec.trace`); ``loss(output)`` (default: the sum of the outputs) drives the backward;
+        ``timed``: Δt measured instead of the roofline of ``hardware``. Also kept as :attr:`trace`."""
+        if not isinstance(timed, bool):
+            raise ValueError(f"timed must be True or False, got {timed!r}")
+        if not isinstance(hardware, Hardware):
+            raise ValueError(f"hardware must be a bagualu2 Hardware (e.g. presets.hardware('cpu')), "
+                             f"got {type(hardware).__name__}")
+        check_device(self.model)
+        excluded = {storage_key(t) for t in [*self.model.parameters(), *self.model.buffers()]}
+        recorder = TraceRecorder(excluded, timed=timed)
+        token = TRACER.set(recorder)
+        try:
+            run_trace(self.model, recorder, args, kwargs, loss)
+        finally:
+            TRACER.reset(token)
+        self.trace = build_graph_of(recorder, self.model, hardware, activation_dtype=self._activation_dtype())
+        return self.trace.graph
+
+    def _activation_dtype(self) -> str:
+        counts: dict[torch.dtype, int] = {}
+        for p in self.model.parameters():
+            if p.is_floating_point():
+                counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+        dtype = max(counts, key=counts.get) if counts else torch.float32
+        return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+
+    # ---- executor hooks -------------------------------------------------------------------------------------
+    def name_saving(self, record, op: str | None, entry, dtype: str | None, key) -> str | None:
+        """The executor's namer on a traced graph: the saving's slot in its module call, as traced."""
+        frame = FRAME.get()
+        if frame is None or op is None or op != frame.binding.op or self.trace is None:
+            return None
+        slot = frame.slot
+        frame.slot += 1
+        found = self.trace.slots.get((frame.binding.path, frame.call, slot))
+        if found is None or found[1] != dtype:
+            return None
+        name = found[0]
+        if entry.name is None:
+            entry.name = name
+            record.named_as(entry, name)
+        elif entry.name != name:
+            return None
+        return name
+
+    def _pre_hook(self, binding: OpBinding):
+        def hook(module, args, kwargs):
+            if REPLAYING.get():
+                return None
+            active, tracer = ACTIVE.get(), TRACER.get()
+            if active is None and tracer is None:
+                return None
+            frame = Frame(binding, FRAME.get())
+            if active is not None:
+                record = active[1]
+                frame.call = record.calls.get(binding.path, 0)
+                record.calls[binding.path] = frame.call + 1
+            frame.tokens = (FRAME.set(frame), OP_SCOPE.set(binding.op))
+            if tracer is not None:
+                tracer.enter(frame, args, kwargs)
+            if active is not None:
+                executor, record = active
+                if record.forward_gate is not None:
+                    record.forward_gate(binding.op)  # the dual-batch executor lets this op's stage run
+                standby = binding.op in executor.standby
+                if standby or binding.op in record.rerun:
+                    flat, fn = _replay_call(module, args, kwargs, record)
+                    frame.replay = executor.begin_replay(record, binding.op, fn, flat, active=not standby)
+            return None
+
+        return hook
+
+    def _post_hook(self, binding: OpBinding):
+        def hook(module, args, kwargs, output):
+            frame = FRAME.get()
+            if REPLAYING.get() or frame is None or frame.binding is not binding:
+                return None
+            active, tracer = ACTIVE.get(), TRACER.get()
+            try:
+                if tracer is not None:
+                    tracer.exit(frame, output)
+                if active is not None:
+                    executor, record = active
+                    if frame.replay is not None:
+                        executor.end_replay(record, frame.replay, output)
+                    if executor.stage_hooks:
+                        hook_outputs(record, binding.op, output)
+            finally:
+                FRAME.reset(frame.tokens[0])
+                OP_SCOPE.reset(frame.tokens[1])
+            if active is not None and self.gate is not None and binding.kind == "router":
+                report = self.gate(module, args, output)
+                received, group, most = report if isinstance(report, tuple) else (report, None, None)
+                after_gate(binding.layer, int(received), group, most)
+            return None
+
+        return hook
+
+
+def _replay_call(module: torch.nn.Module, args: tuple, kwargs: dict, record) -> tuple[tuple, Callable]:
+    """``(flat arguments, fn)`` so that ``fn(*flat)`` re-runs ``module.forward`` on the call's arguments, with the
+    hooks silent; non-activation tensors are wrapped so the replay holds them as they are."""
+    keys = tuple(kwargs)
+    num_args = len(args)
+
+    def activation(value: torch.Tensor) -> bool:
+        known = record.storages.get(storage_key(value))
+        return value.requires_grad or (known is not None and not known.ref.expired())
+
+    flat = tuple(_Held(v) if isinstance(v, torch.Tensor) and not activation(v) else v
+                 for v in (*args, *kwargs.values()))
+
+    def run(*values):
+        values = [v.value if isinstance(v, _Held) else v for v in values]
+        token = REPLAYING.set(True)
+        try:
+            return module.forward(*values[:num_args], **dict(zip(keys, values[num_args:])))
+        finally:
+            REPLAYING.reset(token)
+
+    return flat, run
+
+
+def instrument(model: torch.nn.Module, op_map: Mapping[str, str], *,
+               gate: Callable[..., Any] | None = None) -> InstrumentedModel:
+    """Hooks on the modules ``op_map`` names (see the module docstring). ``gate(router_module, inputs, output)``,
+    optional, returns the routed token copies this rank's experts receive (or ``(received, ep_group,
+    group_max)``); it runs after every module of kind ``router`` and feeds the deferred planner. Raises one
+    ``ValueError`` for a pattern that matches nothing, a module named twice, a bad label or an unsupported
+    device."""
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if gate is not None and not callable(gate):
+        raise ValueError(f"gate must be a callable (router_module, inputs, output) -> int, got {type(gate).__name__}")
+    check_device(model)
+    return InstrumentedModel(model, bind(model, op_map), gate)

@@ -1,0 +1,44 @@
+"""What a plan may ask of a model instrumented from outside, checked before it runs (one ``ValueError`` each)."""
+
+from __future__ import annotations
+
+from bagualu2.costmodel.evaluate import evaluate, mitigation_ops, resolve
+from bagualu2.costmodel.plan import Plan
+from bagualu2.costmodel.strategy import Strategy
+
+from .instrument import InstrumentedModel
+
+
+def check_replayable(instrumented: InstrumentedModel, plan: Plan | str | None) -> None:
+    """``ValueError`` unless ``plan`` on the instrumented model's traced graph can run: every tensor it must
+    regenerate has a producer, and every op it re-runs is deterministic (drew no random numbers in the trace)."""
+    trace = instrumented.trace
+    cost = evaluate(trace.graph, plan)
+    if cost.unavailable:
+        raise ValueError(f"plan: RECOMPUTE would regenerate {', '.join(cost.unavailable[:3])}, made by no mapped "
+                         "module (a graph input): keep, offload or quantize it")
+    graph = trace.graph
+    rerun = mitigation_ops(graph, plan).rerun
+    random = [op for op in rerun if op in trace.random_ops]
+    if random:
+        raise ValueError(f"plan: RECOMPUTE re-runs {random[0]} (module {trace.modules[random[0]][0]}), which "
+                         "draws random numbers; RECOMPUTE needs a deterministic module (e.g. no dropout in training)")
+    # a re-run reads its inputs back from where they are stored: an FP8 copy (or what a re-run made from one) is
+    # approximate, which an op whose shapes depend on values (routing) cannot take
+    strategies = resolve(graph, plan)
+    exact: dict[str, bool] = {}
+    for op_name, tensor in strategies:
+        strategy = strategies[(op_name, tensor)]
+        if strategy in (Strategy.KEEP, Strategy.OFFLOAD):
+            exact[tensor] = True
+        elif strategy is Strategy.QUANTIZE:
+            exact.setdefault(tensor, False)
+    for op_name in rerun:  # graph order: inputs are settled before the ops that read them
+        op = graph.op(op_name)
+        approximate = [t for t in op.inputs if exact.get(t, True) is False]
+        if approximate and op_name in trace.value_dependent_ops:
+            raise ValueError(f"plan: RECOMPUTE re-runs {op_name} (module {trace.modules[op_name][0]}), whose shapes "
+                             f"depend on values, from an FP8 copy of {approximate[0]}: keep or offload that input")
+        for out in op.outputs:
+            if out not in exact or not exact[out]:
+                exact[out] = not approximate and exact.get(out, True)

@@ -1,0 +1,320 @@
+"""Trace an instrumented model into an ordinary :class:`~bagualu2.costmodel.OpGraph` (one forward + backward).
+
+While ``model(*args, **kwargs)`` runs, the instrument's module hooks open a :class:`~bagualu2.exec.scope.Frame`
+per call of a mapped module and the recorder notes, per call: the activation tensors it takes (tensors that
+require grad or that an earlier op made), the tensors it returns, and every tensor autograd saves while it is the
+innermost mapped module (storage identity, bytes, dtype; parameters and buffers excluded). A dispatch mode counts
+each call's matrix-product and attention FLOPs (torch's FLOP formulas, attention in the cost model's convention),
+notes random ops (``nondeterministic_seeded``: RECOMPUTE needs a deterministic module) and collectives.
+
+Graph tensors are storages, as the tracker counts them: a storage returned by op ``P`` is ``P.out<n>`` (produced
+by ``P``: a re-run of ``P`` regenerates it); one ``P`` saves without returning it is ``P.saved<n>`` (regenerated as
+the re-run's own saving); one no mapped module made (the block input, what unmapped code computes between ops) is
+``<first op>.in<n>``, a graph input: kept, offloaded or quantised, never recomputed. Savings outside every mapped
+module are not in the graph: counted as unmapped and kept. Calls of modules with the same label in one layer (the
+experts of a ``ModuleList``, q/k/v projections) are one op. Δt: the roofline of ``build_graph`` on the counted
+FLOPs and the bytes the op reads and writes (backward: twice); collectives on the communication resource; or,
+with ``timed=True``, the measured wall time of each op's forward and backward.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry, shape_wrapper
+
+from bagualu2.costmodel.config import Hardware
+from bagualu2.costmodel.graph import COMM_KINDS, ITEM_BYTES, Op, OpGraph, Resource, Saving, TensorSpec
+from bagualu2.costmodel.strategy import seconds_to_ns
+
+from .flops import attention_formulas
+from .record import TORCH_TO_NAME
+from .scope import FRAME, Frame
+from .tracker import storage_bytes, storage_key
+
+ROUTED_KINDS = frozenset({"dispatch", "expert_fc1", "expert_act", "expert_fc2"})  # sizes follow the routing
+COMM_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
+VALUE_READS = frozenset({torch.ops.aten._local_scalar_dense, torch.ops.aten.equal})  # .item(), .tolist(), ==
+
+
+@dataclass(frozen=True)
+class TraceResult:
+    """What :meth:`InstrumentedModel.trace_graph` found. ``slots`` names the savings of a call: ``(module path,
+    call, slot) -> (tensor, dtype)``; ``saved_bytes`` is every storage ``model(...)`` saved (deduplicated, as the
+    tracker counts), ``unmapped_bytes`` those saved only outside mapped modules (not in the graph, never
+    mitigated); ``random_ops`` the ops that drew random numbers; ``modules`` the module paths of each op."""
+
+    graph: OpGraph
+    slots: Mapping[tuple[str, int, int], tuple[str, str]]
+    saved_bytes: int
+    unmapped_bytes: int
+    num_unmapped_savings: int
+    random_ops: frozenset[str]
+    value_dependent_ops: frozenset[str]
+    modules: Mapping[str, tuple[str, ...]]
+
+
+class _Call:
+    __slots__ = ("binding", "inputs", "outputs", "saves", "flops", "start_s", "inner_s", "forward_s", "random",
+                 "comm", "value_dependent")
+
+    def __init__(self, binding):
+        self.binding = binding
+        self.inputs: list = []
+        self.outputs: list = []
+        self.saves: list = []
+        self.flops = 0
+        self.start_s = self.inner_s = self.forward_s = 0.0
+        self.random = self.comm = self.value_dependent = False
+
+
+class _Storage:
+    __slots__ = ("nbytes", "dtype", "producer", "role", "first_op")
+
+    def __init__(self, nbytes: int, dtype: torch.dtype, producer: str | None, role: str, first_op: str):
+        self.nbytes, self.dtype, self.producer, self.role, self.first_op = nbytes, dtype, producer, role, first_op
+
+
+class _Counter(TorchDispatchMode):
+    """Per-call FLOPs, random ops and collectives of the innermost mapped module (see the module docstring)."""
+
+    def __init__(self):
+        super().__init__()
+        self.registry = {**flop_registry, **{k: shape_wrapper(v) for k, v in attention_formulas().items()}}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        frame = FRAME.get()
+        call = frame.state if frame is not None else None
+        if call is not None:
+            formula = self.registry.get(func._overloadpacket)
+            if formula is not None:
+                call.flops += int(formula(*args, **kwargs, out_val=out))
+            if torch.Tag.nondeterministic_seeded in func.tags and draws_random(func, args, kwargs):
+                call.random = True
+            if func.namespace in COMM_NAMESPACES:
+                call.comm = True
+            if torch.Tag.dynamic_output_shape in func.tags or func._overloadpacket in VALUE_READS:
+                call.value_dependent = True
+        return out
+
+
+def draws_random(func, args: tuple, kwargs: dict) -> bool:
+    """Does this call of a seeded op draw random numbers? Not when its dropout probability is 0 or it is told
+    it is not training (attention kernels and ``native_dropout`` take a probability even without dropout)."""
+    values = dict(kwargs)
+    for argument, value in zip(func._schema.arguments, args):
+        values[argument.name] = value
+    if values.get("train", True) is False:
+        return False
+    for name in ("dropout_p", "p"):
+        if name in values and isinstance(values[name], (int, float)) and values[name] == 0:
+            return False
+    return True
+
+
+def tensors_of(output: Any) -> tuple[torch.Tensor, ...]:
+    """The tensors a module returns that count as its outputs: the output itself, or the items of a tuple."""
+    if isinstance(output, torch.Tensor):
+        return (output,)
+    if isinstance(output, tuple):
+        return tuple(o for o in output if isinstance(o, torch.Tensor))
+    return ()
+
+
+class TraceRecorder:
+    """The hooks' side of one trace (see the module docstring); ``excluded`` are parameter and buffer storages."""
+
+    def __init__(self, excluded: set, *, timed: bool):
+        self.excluded, self.timed = excluded, timed
+        self.calls: list[_Call] = []
+        self.storages: dict[tuple, _Storage] = {}
+        self.unmapped: dict[tuple, int] = {}
+        self.num_unmapped = 0
+        self.slots: list[tuple[str, int, int, tuple, str]] = []
+        self.counts: dict[str, int] = {}
+        self.alive: list[torch.Tensor] = []  # storages stay alive until the trace ends: no address is reused
+        self.events: list[tuple[float, str]] = []  # (time, op) when the gradient of an op's output was ready
+
+    def enter(self, frame: Frame, args: tuple, kwargs: dict) -> None:
+        binding = frame.binding
+        frame.call = self.counts.get(binding.path, 0)
+        self.counts[binding.path] = frame.call + 1
+        call = frame.state = _Call(binding)
+        self.calls.append(call)
+        for value in (*args, *kwargs.values()):
+            if not isinstance(value, torch.Tensor):
+                continue
+            key = storage_key(value)
+            if key in self.excluded or not (value.requires_grad or key in self.storages):
+                continue  # a parameter, or a constant (held as it is by a replay)
+            if key not in self.storages:
+                self.storages[key] = _Storage(storage_bytes(value), value.dtype, None, "in", binding.op)
+                self.alive.append(value)
+            call.inputs.append(key)
+        if self.timed:
+            call.start_s = time.perf_counter()
+
+    def exit(self, frame: Frame, output: Any) -> None:
+        call, op = frame.state, frame.binding.op
+        if self.timed:
+            elapsed = time.perf_counter() - call.start_s
+            call.forward_s = elapsed - call.inner_s
+            if frame.parent is not None and frame.parent.state is not None:
+                frame.parent.state.inner_s += elapsed
+        for tensor in tensors_of(output):
+            key = storage_key(tensor)
+            if key in self.excluded:
+                continue
+            info = self.storages.get(key)
+            if info is None:
+                self.storages[key] = _Storage(storage_bytes(tensor), tensor.dtype, op, "out", op)
+                self.alive.append(tensor)
+            elif info.producer == op and info.role == "saved":
+                info.role = "out"  # a saving of its own that it returns
+            else:
+                continue  # an input or an earlier op's tensor passed through
+            call.outputs.append(key)
+            if self.timed and tensor.requires_grad:
+                tensor.register_hook(lambda grad, op=op: self.events.append((time.perf_counter(), op)))
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        key = storage_key(tensor)
+        if key in self.excluded:
+            return tensor
+        frame = FRAME.get()
+        if frame is None or frame.state is None:
+            self.num_unmapped += 1
+            self.unmapped.setdefault(key, storage_bytes(tensor))
+            return tensor.detach()
+        binding = frame.binding
+        dtype = TORCH_TO_NAME.get(tensor.dtype)
+        if dtype is None:
+            raise ValueError(f"module {binding.path} saves a {tensor.dtype} tensor; traced savings must be one of "
+                             f"{', '.join(sorted(set(TORCH_TO_NAME.values())))}")
+        if key not in self.storages:
+            self.storages[key] = _Storage(storage_bytes(tensor), tensor.dtype, binding.op, "saved", binding.op)
+        frame.state.saves.append((key, dtype))
+        self.slots.append((binding.path, frame.call, frame.slot, key, dtype))
+        frame.slot += 1
+        return tensor.detach()
+
+
+def run_trace(model: torch.nn.Module, recorder: TraceRecorder, args: tuple, kwargs: dict,
+              loss: Callable[[Any], torch.Tensor] | None) -> None:
+    """``model(*args, **kwargs)`` under the recorder's pack hook and the counter, then backward (gradients are
+    computed, not accumulated into ``.grad``)."""
+    with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
+        with _Counter():
+            output = model(*args, **kwargs)
+    if loss is not None:
+        value = loss(output)
+    else:
+        parts = [t.float().sum() for t in tensors_of(output) if t.requires_grad]
+        if not parts:
+            raise ValueError("trace_graph: the model's output needs grad for the backward; pass loss=...")
+        value = torch.stack(parts).sum()
+    params = [p for p in model.parameters() if p.requires_grad]
+    if params:
+        torch.autograd.grad(value, params, allow_unused=True)
+    else:
+        value.backward()
+    recorder.events.append((time.perf_counter(), ""))  # the end of backward
+
+
+def build_graph_of(recorder: TraceRecorder, model: torch.nn.Module, hardware: Hardware, *,
+                   activation_dtype: str) -> TraceResult:
+    """The :class:`OpGraph` of a finished trace (see the module docstring)."""
+    if not isinstance(hardware, Hardware):
+        raise ValueError(f"hardware must be a bagualu2 Hardware (e.g. presets.hardware('cpu')), "
+                         f"got {type(hardware).__name__}")
+    if not recorder.calls:
+        raise ValueError("trace_graph: no mapped module ran in the forward; check the op map's patterns")
+    names: dict[tuple, str] = {}
+    counters: dict[tuple[str, str], int] = {}
+    for key, info in recorder.storages.items():
+        owner, role = (info.producer, info.role) if info.producer is not None else (info.first_op, "in")
+        n = counters.get((owner, role), 0)
+        counters[(owner, role)] = n + 1
+        names[key] = f"{owner}.{role}{n}"
+    by_op: dict[str, list[_Call]] = {}
+    for call in recorder.calls:
+        by_op.setdefault(call.binding.op, []).append(call)
+    backward_s = _backward_times(recorder)
+    params = {name: _param_bytes(model, {c.binding.path for c in calls}) for name, calls in by_op.items()}
+    tensors: dict[str, TensorSpec] = {}
+    ops = []
+    for name, calls in by_op.items():
+        kind, layer = calls[0].binding.kind, calls[0].binding.layer
+        inputs = _unique(names[k] for c in calls for k in c.inputs if recorder.storages[k].producer != name)
+        outputs = _unique(names[k] for c in calls for k in c.outputs)
+        saves = _unique((names[k], d) for c in calls for k, d in c.saves)
+        for key in {k for c in calls for k in (*c.inputs, *c.outputs, *(k for k, _ in c.saves))}:
+            info = recorder.storages[key]
+            dtype = TORCH_TO_NAME.get(info.dtype)
+            if dtype is None:
+                raise ValueError(f"op {name} uses a {info.dtype} tensor; traced tensors must be one of "
+                                 f"{', '.join(sorted(set(TORCH_TO_NAME.values())))}")
+            routed = info.producer is not None and by_op[info.producer][0].binding.kind in ROUTED_KINDS
+            tensors[names[key]] = TensorSpec(names[key], info.nbytes // ITEM_BYTES[dtype], dtype, info.producer,
+                                             routed)
+        flops = sum(c.flops for c in calls)
+        moved = params[name] + sum(tensors[t].nbytes for t in (*inputs, *outputs))
+        comm = kind in COMM_KINDS or any(c.comm for c in calls)
+        if recorder.timed:
+            forward_ns = seconds_to_ns(sum(c.forward_s for c in calls))
+            backward_ns = seconds_to_ns(backward_s.get(name, 0.0))
+        elif comm:
+            forward_ns = backward_ns = _comm_ns(hardware, sum(tensors[t].nbytes for t in outputs)
+                                                if any(c.comm for c in calls) else 0)
+        else:
+            forward_ns, backward_ns = _compute_ns(hardware, flops, moved), _compute_ns(hardware, 2 * flops, 2 * moved)
+        ops.append(Op(name, kind, layer, Resource.COMM if comm else Resource.COMPUTE, inputs, outputs,
+                      tuple(Saving(t, d) for t, d in saves), flops, moved, forward_ns, backward_ns))
+    graph = OpGraph(ops=tuple(ops), tensors=tensors, hardware=hardware, label=f"traced {type(model).__name__}",
+                    activation_dtype=activation_dtype)
+    mapped = {k for c in recorder.calls for k, _ in c.saves}
+    unmapped = {k: b for k, b in recorder.unmapped.items() if k not in mapped}
+    saved = sum(recorder.storages[k].nbytes for k in mapped) + sum(unmapped.values())
+    slots = {(path, call, slot): (names[key], dtype) for path, call, slot, key, dtype in recorder.slots}
+    modules = {name: _unique(c.binding.path for c in calls) for name, calls in by_op.items()}
+    random_ops = frozenset(name for name, calls in by_op.items() if any(c.random for c in calls))
+    dependent = frozenset(name for name, calls in by_op.items() if any(c.value_dependent for c in calls))
+    return TraceResult(graph, slots, saved, sum(unmapped.values()), recorder.num_unmapped, random_ops, dependent,
+                       modules)
+
+
+def _unique(items) -> tuple:
+    return tuple(dict.fromkeys(items))
+
+
+def _param_bytes(model: torch.nn.Module, paths: set[str]) -> int:
+    """Bytes of the parameters the modules at ``paths`` own directly (what their op reads besides activations)."""
+    modules = dict(model.named_modules())
+    return sum(p.numel() * p.element_size() for path in paths for p in modules[path].parameters(recurse=False))
+
+
+def _backward_times(recorder: TraceRecorder) -> dict[str, float]:
+    """Seconds of backward per op: from the moment its output's gradient was ready to the next such moment."""
+    events = sorted(recorder.events)
+    times: dict[str, float] = {}
+    for (at, op), (following, _) in zip(events, events[1:]):
+        if op:
+            times[op] = times.get(op, 0.0) + following - at
+    return times
+
+
+def _compute_ns(hardware: Hardware, flops: float, moved: float) -> int:
+    """The roofline of ``costmodel.build_graph``: launch + max(compute, memory traffic)."""
+    return seconds_to_ns(hardware.kernel_launch_s + max(flops / (hardware.peak_flops * hardware.matmul_efficiency),
+                                                        moved / hardware.hbm_bytes_per_s))
+
+
+def _comm_ns(hardware: Hardware, nbytes: float) -> int:
+    """A collective that moves ``nbytes`` over the intra-node links (launch only when nothing moves)."""
+    return seconds_to_ns(hardware.kernel_launch_s + nbytes / hardware.intra_node_bytes_per_s)

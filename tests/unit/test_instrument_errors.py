@@ -1,0 +1,145 @@
+"""instrument / trace_graph / apply_plan on a model of your own: bad input is one clear ValueError (one line naming
+the field and what is allowed); the gate callable runs after each router, once per forward, never in backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from bagualu2.costmodel import presets
+from bagualu2.exec import apply_plan, instrument
+from byom_model import OP_MAP, make
+
+HW = presets.hardware("cpu")
+
+
+def one_line(excinfo) -> str:
+    text = str(excinfo.value)
+    assert "\n" not in text and text
+    return text
+
+
+def test_a_pattern_that_matches_nothing():
+    model, _ = make()
+    with pytest.raises(ValueError) as excinfo:
+        instrument(model, {**OP_MAP, "layers.*.feed_forward": "mlp_fc1"})
+    assert "'layers.*.feed_forward' matches no module" in one_line(excinfo)
+
+
+def test_a_module_named_twice():
+    model, _ = make()
+    with pytest.raises(ValueError) as excinfo:
+        instrument(model, {**OP_MAP, "layers.0.attn.*": "qkv"})
+    assert "names module 'layers.0.attn.w" in one_line(excinfo) and "twice" in one_line(excinfo)
+
+
+@pytest.mark.parametrize("label", ["", "a b", "x:not_a_kind", 3])
+def test_bad_labels(label):
+    model, _ = make()
+    with pytest.raises(ValueError) as excinfo:
+        instrument(model, {"layers.*.attn_norm": label})
+    assert "op_map" in one_line(excinfo)
+
+
+def test_any_name_is_a_generic_op_and_name_kind_chooses_the_kind():
+    model, x = make()
+    instrumented = instrument(model, {"layers.*.attn_norm": "pre_norm", "layers.*.ffn_norm": "post:norm"})
+    graph = instrumented.trace_graph(x, hardware=HW)
+    assert graph.op("L0.pre_norm").kind == "residual" and graph.op("L1.post").kind == "norm"
+    assert instrumented.trace.unmapped_bytes > 0  # everything else is outside the op map
+
+
+def test_a_model_on_an_unsupported_device():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(ValueError) as excinfo:
+        instrument(model, {"0": "qkv"})
+    assert "device 'meta'" in one_line(excinfo) and "cpu, cuda" in one_line(excinfo)
+
+
+class Dropping(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.drop, self.fc2 = nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.fc2(self.drop(self.act(self.fc1(x))))
+
+
+def test_recompute_of_a_non_deterministic_module():
+    torch.manual_seed(0)
+    model = nn.Sequential(Dropping())
+    instrumented = instrument(model, {"0.fc1": "mlp_fc1", "0.act": "relu:mlp_act", "0.drop": "dropout:mlp_act",
+                                         "0.fc2": "mlp_fc2"})
+    x = torch.randn(4, 8, requires_grad=True)
+    graph = instrumented.trace_graph(x, hardware=HW)
+    assert instrumented.trace.random_ops == {"L0.dropout"}
+    with pytest.raises(ValueError) as excinfo:
+        apply_plan(instrumented, "mlp_act=RECOMPUTE")
+    assert "draws random numbers" in one_line(excinfo) and "deterministic" in one_line(excinfo)
+    apply_plan(instrumented, "mlp_act=OFFLOAD")  # offloading it is fine
+    model.eval()  # no dropout: deterministic
+    instrumented.trace_graph(x, hardware=HW)
+    assert not instrumented.trace.random_ops
+    apply_plan(instrumented, "mlp_act=RECOMPUTE")
+    assert graph.ops
+
+
+def test_recompute_of_a_graph_input_and_routing_from_fp8():
+    model, x = make()
+    instrumented = instrument(model, OP_MAP)
+    with pytest.raises(ValueError) as excinfo:
+        apply_plan(instrumented, None)
+    assert "trace_graph" in one_line(excinfo)
+    graph = instrumented.trace_graph(x, hardware=HW)
+    entry = next(f"{op}/{t}" for op, t in graph.decisions if graph.tensors[t].producer is None)
+    with pytest.raises(ValueError) as excinfo:
+        apply_plan(instrumented, f"{entry}=RECOMPUTE")
+    assert "made by no mapped module" in one_line(excinfo)
+    # the MoE block (top-k, torch.where) re-run from an FP8 copy of its input would route differently
+    own = next(t for t in (s.tensor for s in graph.op("L1.moe").saves) if graph.tensors[t].producer == "L1.moe")
+    fp8 = ",".join(f"{op}/L1.norm2.out0=QUANTIZE" for op, _ in graph.consumers("L1.norm2.out0"))
+    with pytest.raises(ValueError) as excinfo:
+        apply_plan(instrumented, f"L1.moe/{own}=RECOMPUTE,{fp8}")
+    assert "depend on values" in one_line(excinfo) and "L1.norm2.out0" in one_line(excinfo)
+    apply_plan(instrumented, f"L1.moe/{own}=RECOMPUTE")  # from the kept input: fine
+
+
+def test_trace_graph_checks_its_arguments():
+    model, x = make()
+    instrumented = instrument(model, OP_MAP)
+    with pytest.raises(ValueError) as excinfo:
+        instrumented.trace_graph(x, hardware="cpu")
+    assert "hardware" in one_line(excinfo)
+    with pytest.raises(ValueError) as excinfo:
+        instrumented.trace_graph(x.detach(), hardware=HW, timed=1)
+    assert "timed" in one_line(excinfo)
+    with pytest.raises(ValueError):
+        instrument(model, OP_MAP, gate=3)
+    with pytest.raises(ValueError):
+        instrument(model, {})
+
+
+def test_the_gate_runs_after_each_router_in_forward_only():
+    model, x = make()
+    seen = []
+
+    def gate(router, inputs, output):
+        seen.append((router, output.shape))
+        return output.shape[0] * 2  # routed copies: T * top_k
+
+    instrumented = instrument(model, OP_MAP, gate=gate)
+    instrumented.trace_graph(x, hardware=HW)
+    assert not seen  # tracing decides nothing
+    executor = apply_plan(instrumented, "expert_act=RECOMPUTE,router=RECOMPUTE")
+    with executor.micro_batch("mb0"):
+        out = model(x)
+    assert [r for r, _ in seen] == [model.layers[1].moe.gate]
+    out.sum().backward()  # replays in backward do not report gates again
+    assert len(seen) == 1
+    executor.release("mb0")
+    instrumented.remove()
+    with executor.micro_batch("mb1") as record:
+        model(x)
+    assert record.unknown_count > 0 and len(seen) == 1  # hooks off: nothing is attributed any more
