@@ -213,7 +213,7 @@ def evaluate_resolved(graph: OpGraph, strategies: Mapping[tuple[str, str], Strat
         quant_fwd_ns += fwd
         quant_bwd_ns += bwd
 
-    stored = device.keys() | host.keys() | quantized
+    stored = device.keys() | host.keys() | quantized.keys()
     rerun, unavailable = graph_closure(graph, recomputed - stored, stored)
     recompute_by_resource = {Resource.COMPUTE: 0, Resource.COMM: 0}
     recompute_flops = 0
@@ -250,10 +250,11 @@ def evaluate_resolved(graph: OpGraph, strategies: Mapping[tuple[str, str], Strat
 
 
 def _classify(graph: OpGraph, strategies: Mapping[tuple[str, str], Strategy]):
-    """Per tensor: device copies (dtypes), host copies (dtypes), the quantised and the recomputed tensors."""
+    """Per tensor: device copies (dtypes), host copies (dtypes), the quantised and the recomputed tensors. The
+    maps and ``quantized`` are in program order (a set's order would follow the string hash seed)."""
     device: dict[str, set[str]] = {}
     host: dict[str, set[str]] = {}
-    quantized: set[str] = set()
+    quantized: dict[str, None] = {}
     recomputed: set[str] = set()
     keep, recompute, offload = Strategy.KEEP, Strategy.RECOMPUTE, Strategy.OFFLOAD
     for key, tensor, dtype in _savings_of(graph)[1]:
@@ -265,7 +266,7 @@ def _classify(graph: OpGraph, strategies: Mapping[tuple[str, str], Strategy]):
         elif strategy is offload:
             host.setdefault(tensor, set()).add(dtype)
         else:
-            quantized.add(tensor)
+            quantized[tensor] = None
     return device, host, quantized, recomputed
 
 
@@ -296,7 +297,7 @@ def mitigation_ops(graph: OpGraph, plan: Plan | None) -> MitigationOps:
     for name in sorted(quantized, key=order.__getitem__):
         spec = graph.tensors[name]
         casts.append((name, spec.producer, *tensor_quantize_ns(spec, graph.hardware)))
-    stored = device.keys() | host.keys() | quantized
+    stored = device.keys() | host.keys() | quantized.keys()
     rerun, _ = graph_closure(graph, recomputed - stored, stored)
     return MitigationOps(tuple(offloads), tuple(casts), tuple(op.name for op in graph.ops if op.name in rerun))
 

@@ -140,9 +140,9 @@ class OpGraph:
                 raise ValueError(f"tensor {name!r} has unknown producer {spec.producer!r}")
         if self.pinned:
             savings = {(op.name, s.tensor) for op in self.ops for s in op.saves}
-            for key in self.pinned:
-                if key not in savings:
-                    raise ValueError(f"pinned saving {key!r} is not a saving of the graph")
+            unknown = sorted(self.pinned - savings)  # sorted: the first reported is the same in every process
+            if unknown:
+                raise ValueError(f"pinned saving {unknown[0]!r} is not a saving of the graph")
         object.__setattr__(self, "tensors", MappingProxyType(dict(self.tensors)))
         object.__setattr__(self, "_index", MappingProxyType(index))
         object.__setattr__(self, "_consumers",

@@ -266,7 +266,9 @@ def _improved(state: _State, space: Space, need: int) -> _State:
         elif strategy is RECOMPUTE:
             epoch += 1
             dirty.append(delta[2] | frozenset(space.readers.get(choice.tensor, ())))
-            for op in delta[2]:  # tensors these re-run ops produce now regenerate for free
+            # tensors these re-run ops produce now regenerate for free; pushed in program order (the push
+            # counter breaks ties, and a set's order would follow the string hash seed)
+            for op in sorted(delta[2], key=space.position.__getitem__):
                 for produced in space.produces.get(op, ()):
                     push(by_name[produced], RECOMPUTE)
     if best_end is not None and (state.freed < need or best_end[0] < state.overhead_ns):

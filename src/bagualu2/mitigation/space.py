@@ -37,6 +37,7 @@ class Space:
     producer: dict[str, str | None]        # tensor -> producing op (None: graph input)
     inputs: dict[str, tuple[str, ...]]     # op -> input tensors
     forward_ns: dict[str, int]             # op -> forward nanoseconds (the cost of re-running it)
+    position: dict[str, int]               # op -> its index in program order (deterministic tie-breaks)
     produces: dict[str, tuple[str, ...]]   # op -> mitigable tensors it produces
     readers: dict[str, tuple[str, ...]]    # tensor -> ops that take it as an input
     saved: frozenset[str]                  # tensors some op saves
@@ -96,5 +97,6 @@ def _build(graph: OpGraph) -> Space:
                  producer={name: spec.producer for name, spec in graph.tensors.items()},
                  inputs={op.name: op.inputs for op in graph.ops},
                  forward_ns={op.name: op.forward_ns for op in graph.ops},
+                 position={op.name: i for i, op in enumerate(graph.ops)},
                  produces={op: tuple(ts) for op, ts in produces.items()},
                  saved=frozenset(consumers), pinned=frozenset(pinned_tensors))
