@@ -21,9 +21,9 @@ Plans fixed before training are made at ``plan_imbalance`` (default 1.0, DESIGN.
 * ``ideal``        no mitigation and unbounded memory: never an OOM; steady pairs fused like flexible's (the
                    upper bound of throughput).
 * ``oracle``       knows each micro-batch's imbalance before planning: ``greedy.solve`` on the graph at that exact
-                   imbalance with Algorithm 1's budget (no deferred decision), or flexible's decision where that
-                   one is faster (the oracle knows all flexible knows); steady pairs fused (``fusion.dp``).
-                   Simulator only.
+                   imbalance with Algorithm 1's budget (no deferred decision), or — per stage and iteration —
+                   flexible's decisions where those run faster (it knows all flexible knows); steady pairs fused
+                   (``fusion.dp``). Simulator only.
 
 The ablation levels of the paper's Fig. 11 (``ABLATION``), each adding one of bagualu2's components:
 
@@ -79,6 +79,10 @@ class StagePolicy:
     def forward(self, chunk: int, imbalance: float, phase: str, budget: int = 0, limit: int | None = None
                 ) -> Choice:
         raise NotImplementedError
+
+    def alternatives(self) -> tuple["StagePolicy", ...]:
+        """The ways this policy may run a stage's iteration; the simulator takes the fastest (the oracle's)."""
+        return (self,)
 
 
 class Static(StagePolicy):
@@ -235,18 +239,17 @@ class FlexibleL4(Flexible):
     name = "L4"
 
 
-class Oracle(Flexible):
-    """Knows the micro-batch's imbalance before planning: the greedy plan on the graph at that rate for the
-    budget, or — knowing everything flexible knows too — flexible's decision when that one runs faster."""
+class OracleExact(StagePolicy):
+    """Greedy on the graph at the micro-batch's true imbalance for the budget (no deferred decision)."""
 
     name = "oracle"
+    budgeted = True
 
     def __init__(self, ctx):
         super().__init__(ctx)
         self._plans: dict[tuple, Plan] = {}
 
     def forward(self, chunk, imbalance, phase, budget=0, limit=None):
-        flexible = super().forward(chunk, imbalance, phase, budget, limit)
         graph = self.ctx.graph(chunk, imbalance)
         if budget >= graph.unmitigated_bytes:
             plan = NO_PLAN
@@ -255,12 +258,19 @@ class Oracle(Flexible):
             plan = self._plans.get(key)
             if plan is None:
                 plan = self._plans[key] = greedy.solve(graph, budget).plan  # below M0: the floor plan
-        exact = self.ctx.choice(chunk, imbalance, plan, fused=phase == STEADY)
-        return min((exact, flexible), key=_seconds)
+        return self.ctx.choice(chunk, imbalance, plan, fused=phase == STEADY)
 
 
-def _seconds(choice: Choice) -> float:
-    return choice.pair_s if choice.pair_s is not None else choice.forward_s + choice.backward_s
+class Oracle(OracleExact):
+    """Knows every micro-batch's imbalance before planning, and so also what flexible would run: per stage and
+    iteration the faster of the exact plans (:class:`OracleExact`) and flexible's decisions (``alternatives``)."""
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.flexible = Flexible(ctx)
+
+    def alternatives(self) -> tuple[StagePolicy, ...]:
+        return (self, self.flexible)
 
 
 CLASSES = {cls.name: cls for cls in (Flexible, StaticUnder, StaticOver, Kwai, AdaPipe, Ideal, Oracle, LayerLevel,

@@ -216,7 +216,7 @@ class _Run:
         rates = key if isinstance(key, tuple) else (key,) * parallel.num_microbatches
         busy, peaks, oom = [], [], False
         for policy in policies:
-            seconds, peak = _stage_time(policy, rates)
+            seconds, peak = min((_stage_time(way, rates) for way in policy.alternatives()), key=lambda r: r[0])
             busy.append(seconds)
             peaks.append(peak)
             oom = oom or (policy.bounded and peak > policy.ctx.m_max_bytes)
