@@ -6,8 +6,10 @@ For every chunk-forward, in the schedule's order:
    from the cost model's schedule) gives the budget and, in warmup under graded planning, the most an overrun may
    keep (absorbed by the next budgets); the gates decide against the latter.
 2. **agreement** — under expert parallelism the ranks of an EP group must re-run the same collectives in
-   backward, so they run the same plans: one small all-reduce takes the smallest budget of the group and the
-   largest imbalance the group measured at the previous forward (the runtime's planned imbalance follows it).
+   backward, so they run the same plans. They agree without a collective before the forward: every rank records
+   the same bytes into its budget (step 5) and follows the same imbalance (the most any rank of the group
+   received at the previous forward, known from the gates' all-gathered counts), so budgets, planned imbalances
+   and pre-gate plans are equal on every rank of the group.
 3. **pre-gate plan** — ``bagualu2.runtime.DecisionPath.pre_gate`` (greedy at the planned imbalance, memoised).
 4. **gates** — the model's MoE routers report the routed copies each rank receives and the most any rank of the
    EP group receives (the routing counts are all-gathered); ``exec``'s deferred planner asks
@@ -15,9 +17,12 @@ For every chunk-forward, in the schedule's order:
    EP rank decides for the group's busiest rank: the same decision everywhere, without another collective, and a
    plan that fits the busiest rank fits them all. Under EP the gate keeps or downgrades (``downgrade="paper"``):
    the re-plan's partial solves cost more planning time than they save at this scale (measured).
-5. **kept bytes** — what the activation tracker measured is recorded into the budget (re-basing) and compared
-   with the cost model's prediction for the plan that ran, at the token counts each MoE layer received
-   (``PlanCost.activation_bytes_received``); the tracker enforces the cap ``M_max``.
+5. **kept bytes** — what the activation tracker measured is compared with the cost model's prediction for the
+   plan that ran, at the token counts each MoE layer received (``PlanCost.activation_bytes_received``), and
+   recorded into the budget (re-basing). Under EP one all-reduce after the forward gives the group's largest
+   overrun of its prediction and whether any rank overflows the cap (the safety net re-runs it on every rank);
+   each rank records the plan's bytes at the group's busiest gates plus that overrun — the same number
+   everywhere, never below what the rank kept. The tracker enforces the cap ``M_max``.
 6. **order** — at a fused point F_x B_y, ``bagualu2.runtime.PointOrders`` orders F_x, B_y, O_{x-1}, R_{y+1} from
    their real plans; the ``DualBatchExecutor`` runs it. The inputs of the order are agreed values, so every EP
    rank runs the same interleaving of its all-to-alls.
@@ -154,7 +159,7 @@ class Provisioner:
 
     # ---- one forward --------------------------------------------------------------------------------------------
     def prepare(self, chunk: int, mb: int) -> _Forward:
-        """Budget, agreement and pre-gate plan of the forward of (chunk, mb) (idempotent until it runs)."""
+        """Budget and pre-gate plan of the forward of (chunk, mb) (idempotent until it runs)."""
         found = self._prepared.get((chunk, mb))
         if found is not None:
             return found
@@ -163,21 +168,15 @@ class Provisioner:
         budget = self.assigner.next_forward_budget()
         gate = self.assigner.absorb_limit_bytes() if phase == WARMUP and self.downgrade == "graded" else budget
         pending = self._pending
-        agreed = time.perf_counter()
         if self.fixed is not None:  # the plan is fixed: nothing to agree on
             self._pending = None
             found = self._prepared[(chunk, mb)] = _Forward(f"c{chunk}.m{mb}", index, phase, budget, gate,
                                                            self.fixed[chunk])
             self.planning_s += time.perf_counter() - started
             return found
-        if self.ep_group is not None:
-            low_budget, low_gate, imbalance = agree_max([-budget, -gate, pending[1] if pending else 0.0],
-                                                        self.ep_group)
-            budget, gate = int(-low_budget), int(-low_gate)
-        else:
-            imbalance = pending[1] if pending else 0.0
-        agreement_s = time.perf_counter() - agreed
-        self.agree_s += agreement_s
+        # no collective: under EP every rank's assigner was fed the group's bytes and the gates' group maxima
+        # (``run``), so budgets and the imbalance estimate are the same on every rank of the group
+        imbalance = pending[1] if pending else 0.0
         if pending is not None:
             self.path.observe(pending[0], max(imbalance, 1.0))
             if self._last is not None:
@@ -187,17 +186,33 @@ class Provisioner:
         plan = self.path.pre_gate(budget if scale == 1.0 else int(budget / scale), chunk)
         found = self._prepared[(chunk, mb)] = _Forward(f"c{chunk}.m{mb}", index, phase, budget,
                                                        gate if scale == 1.0 else int(gate / scale), plan)
-        self.planning_s += time.perf_counter() - started - agreement_s
+        self.planning_s += time.perf_counter() - started
         return found
 
-    def _overflow(self) -> bool:
-        """Are the activations in flight above the cap (on any rank of the EP group, which re-runs together)?"""
-        over = float(self.tracker.in_flight_bytes > self.cap_bytes)
-        if self.ep_group is not None:
-            started = time.perf_counter()
-            over = agree_max([over], self.ep_group)[0]
-            self.agree_s += time.perf_counter() - started
-        return over > 0
+    def _after_forward(self, record, graph) -> tuple[bool, int, int]:
+        """``(overflow, group bytes, own prediction)`` of a forward just run. Overflow: are the activations in
+        flight above the cap on any rank of the EP group (which re-runs together; only with the safety net)?
+        Group bytes: what the budget assigner records — under EP the bytes the plan keeps at the most tokens any
+        rank's gates received, plus the most any rank kept beyond its own prediction (so every rank records the
+        same number, at least its own); without EP the bytes measured. One all-reduce under EP, none otherwise."""
+        kept = record.device_bytes
+        cost = self._cost(graph, record.plan)[0]
+        own = cost.activation_bytes_received(graph, dict(record.received_tokens))
+        over = float(self.safety_net and self.capped and self.tracker.in_flight_bytes > self.cap_bytes)
+        if self.ep_group is None or self.fixed is not None:
+            return over > 0, kept, own
+        started = time.perf_counter()
+        over, excess = agree_max([over, float(max(kept - own, 0))], self.ep_group)
+        self.agree_s += time.perf_counter() - started
+        group = cost.activation_bytes_received(graph, dict(record.group_max_tokens))
+        return over > 0, group + int(excess), own
+
+    def _cost(self, graph, plan):
+        key = (graph, plan.entries)
+        found = self._costs.get(key)
+        if found is None:
+            found = self._costs[key] = (evaluate(graph, plan), _summary(plan))
+        return found
 
     def run(self, chunk: int, mb: int, layers: Callable[[Any], Any], x: Any, moes=()) -> Any:
         """Run ``layers(x)`` as the forward of (chunk, mb) under its plan (called by the chunk's module;
@@ -208,8 +223,12 @@ class Provisioner:
         with executor.micro_batch(forward.name, plan=forward.plan, budget_bytes=forward.gate_budget_bytes) as record:
             out = layers(x)
         rerun = False
-        if self.safety_net and self.capped and self._overflow():
+        graph = executor.graph
+        started = time.perf_counter()
+        over, recorded, predicted = self._after_forward(record, graph)
+        if over:
             # a misprediction: free this micro-batch and run it again with full recompute (no restart)
+            self.planning_s += time.perf_counter() - started
             executor.release(forward.name)
             for moe, load in zip(moes, loads):
                 moe.load = load
@@ -217,27 +236,24 @@ class Provisioner:
             self.reruns += 1
             with executor.micro_batch(forward.name, plan=self.path.pre_gate(0, chunk), budget_bytes=0) as record:
                 out = layers(x)
-        started = time.perf_counter()
+            started = time.perf_counter()
+            _, recorded, predicted = self._after_forward(record, graph)
         kept = record.device_bytes
-        self.assigner.record_forward(forward.index, kept)
-        graph = executor.graph
+        self.assigner.record_forward(forward.index, recorded)
         mean = graph.mean_routed_tokens
         received = dict(record.received_tokens)
+        most = dict(record.group_max_tokens) if self.ep_group is not None else received
         rates = [received[layer] / mean for layer in sorted(received)] if mean else []
-        if rates:
-            self._pending = (chunk, max(max(rates), 1.0))
-        key = (chunk, record.plan.entries)
-        found = self._costs.get(key)
-        if found is None:
-            found = self._costs[key] = (evaluate(graph, record.plan), _summary(record.plan))
-        cost, summary = found
+        if mean and most:  # the estimate of the next forward's imbalance: the group's busiest rank
+            self._pending = (chunk, max(max(most[layer] / mean for layer in most), 1.0))
+        cost, summary = self._cost(graph, record.plan)
         forward.plan = record.plan
         self._last = forward
         del self._prepared[(chunk, mb)]
         self._done[(chunk, mb)] = forward
         self.log.append({"stage": self.stage + chunk * self.parallel.pp, "chunk": chunk, "microbatch": mb,
                          "phase": forward.phase, "budget_bytes": forward.budget_bytes, "kept_bytes": kept,
-                         "predicted_bytes": cost.activation_bytes_received(graph, received), "imbalance": rates,
+                         "predicted_bytes": predicted, "imbalance": rates,
                          "plan": summary,
                          "action": "rerun" if rerun else "changed" if record.downgraded else "keep",
                          "recompute_flops": cost.recompute_flops})

@@ -184,6 +184,7 @@ class PlanExecutor:
         plan runs now (under EP all ranks agree, see :func:`~bagualu2.exec.ops.after_gate`), then settle what the
         layer held provisionally. Returns whether the plan changed."""
         record.received_tokens[layer] = received_tokens
+        record.group_max_tokens[layer] = received_tokens if group_max_tokens is None else group_max_tokens
         agreed = group is not None and self.agreed and group_max_tokens is not None
         plan = self.deferred.after_gate(record.plan, layer, group_max_tokens if agreed else received_tokens,
                                         budget_bytes=record.budget_bytes)

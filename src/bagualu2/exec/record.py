@@ -48,6 +48,7 @@ class MicroBatchRecord:
     gated: set[int] = field(default_factory=set)     # MoE layers whose gate has fired
     budget_bytes: int | None = None                  # what its gates decide against (None: the planner's)
     received_tokens: dict[int, int] = field(default_factory=dict)  # MoE layer -> routed copies received here
+    group_max_tokens: dict[int, int] = field(default_factory=dict)  # MoE layer -> the most any EP rank received
     calls: dict[str, int] = field(default_factory=dict)  # instrumented module path -> calls so far (slot naming)
 
     def hold_name(self, name: str | None, dtype: torch.dtype) -> None:
