@@ -13,7 +13,7 @@ JSONL schema (one JSON object a line, written by rank 0; the trainer fills the f
   rank's tokens), ``plan`` (summary: mitigated savings per strategy), ``action`` (``keep``, ``changed`` (a gate
   re-planned or downgraded), ``rerun`` (the safety net re-ran it with full recompute))), ``order`` (the fused
   orders of the steps' OVERLAP_F_B points), ``planning_s`` (the slowest rank's budget + plan + order seconds),
-  ``planning_s_all_ranks``, ``agree_s`` (the EP agreement all-reduces, communication), ``step_s`` (the slowest
+  ``planning_s_all_ranks``, ``agree_s`` (the EP group's after-forward all-reduce, communication), ``step_s`` (the slowest
   rank), ``recompute_flops``, ``reruns``, ``policy``. After an out-of-memory restart one extra record
   ``{"step", "oom": true, "policy", "restart", "resumed_from_step", "continues_as", "message"}``;
 * one final record, ``SUMMARY_FIELDS``: ``"summary": true``, ``recipe``, ``steps`` (configured), ``steps_run``
