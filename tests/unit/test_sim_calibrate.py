@@ -37,6 +37,16 @@ def test_fit_recovers_the_launch_cost_of_a_simulated_run_and_predicts_it_back():
     assert abs(row["tokens_error"]) < 1e-6 and row["peak_error"] == 0 and row["restarts"] == 0
 
 
+def test_fit_recovers_a_separate_copy_cost_from_a_run_that_offloads():
+    truth = dataclasses.replace(BASE, kernel_launch_s=3e-4, copy_launch_s=4e-5)
+    copies = _measured("static-over", truth)
+    fitted = fit_hardware(MODEL, PARALLEL, BASE, _measured("ideal", truth), copies=copies)
+    assert fitted.kernel_launch_s == pytest.approx(3e-4, rel=1e-6)
+    assert fitted.copy_launch_s == pytest.approx(4e-5, rel=1e-4)
+    row = predict(MODEL, PARALLEL, fitted, _measured("kwai", truth))
+    assert abs(row["tokens_error"]) < 1e-6
+
+
 def test_fit_says_when_no_launch_cost_reaches_the_measurement():
     parallel = PARALLEL
     fast = dataclasses.replace(_measured("ideal", BASE), step_s=1e-12)

@@ -233,6 +233,8 @@ class Hardware:
       inter_node_bytes_per_s    per-device bandwidth to other nodes.
       devices_per_node          devices sharing the intra-node fabric.
       kernel_launch_s           fixed cost of one kernel or copy launch.
+      copy_launch_s             fixed cost of one host<->device copy instead, when copies cost differently from
+                                kernels (a calibrated CPU profile); None: ``kernel_launch_s``.
       matmul_efficiency         achievable fraction of ``peak_flops`` for GEMMs (roofline ceiling).
 
     Every number must lie in its physical range, ``HARDWARE_RANGES`` (e.g. ``peak_flops`` in [1e9, 1e18],
@@ -250,6 +252,7 @@ class Hardware:
     devices_per_node: int = 8
     kernel_launch_s: float = 5e-6
     matmul_efficiency: float = 1.0
+    copy_launch_s: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or len(self.name) > 200:
@@ -265,6 +268,18 @@ class Hardware:
                 kind = "an integer" if name in ("hbm_bytes", "devices_per_node") else "a finite number"
                 raise ValueError(f"{name} must be {kind} in [{low:g}, {high:g}] ({HARDWARE_UNITS[name]}), "
                                  f"got {_short(value)}") from None
+        if self.copy_launch_s is not None:
+            low, high = HARDWARE_RANGES["kernel_launch_s"]
+            try:
+                require_number("copy_launch_s", self.copy_launch_s, low, high)
+            except (ValueError, OverflowError):
+                raise ValueError(f"copy_launch_s must be null or a finite number in [{low:g}, {high:g}] (seconds), "
+                                 f"got {_short(self.copy_launch_s)}") from None
+
+    @property
+    def copy_setup_s(self) -> float:
+        """The fixed cost of one host<->device copy: ``copy_launch_s``, else ``kernel_launch_s``."""
+        return self.kernel_launch_s if self.copy_launch_s is None else self.copy_launch_s
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)

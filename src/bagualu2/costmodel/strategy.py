@@ -61,7 +61,7 @@ def seconds_to_ns(seconds: float) -> int:
 
 def offload_ns(nbytes: int, hardware: Hardware) -> tuple[int, int]:
     """(device->host copy in forward, host->device copy in backward) in nanoseconds."""
-    launch = hardware.kernel_launch_s
+    launch = hardware.copy_setup_s
     return (seconds_to_ns(launch + nbytes / hardware.d2h_bytes_per_s),
             seconds_to_ns(launch + nbytes / hardware.h2d_bytes_per_s))
 
@@ -114,7 +114,7 @@ def knee(strategy: Strategy, hardware: Hardware, *, op: Op | None = None, saved_
     launch = hardware.kernel_launch_s
     if strategy is Strategy.OFFLOAD:
         peak = 1.0 / (1.0 / hardware.d2h_bytes_per_s + 1.0 / hardware.h2d_bytes_per_s)
-        return Knee(2 * launch * peak, peak)
+        return Knee(2 * hardware.copy_setup_s * peak, peak)
     if strategy is Strategy.QUANTIZE:
         item = ITEM_BYTES.get(dtype, 0)
         if item <= 1:

@@ -2,9 +2,11 @@
 
 :func:`fit_hardware` takes a short measured run (its imbalance trace and mean step seconds; the trainer's
 ``ideal`` policy: no mitigation, no cap) and fits the profile's ``kernel_launch_s`` — the fixed cost the cost model
-charges per op launch, copy and collective — so that the simulated mean iteration equals the measured one. On a
-small model on a CPU that fixed cost stands for everything per op that is not arithmetic (the Python dispatch,
-autograd, hooks), which is where the time goes; every other field keeps the base profile's value.
+charges per op launch and collective — so that the simulated mean iteration equals the measured one; given a
+second short run that offloads (``static-over``), it fits ``copy_launch_s``, the fixed cost of one host copy, the
+same way. On a small model on a CPU these fixed costs stand for everything per op that is not arithmetic (the
+Python dispatch, autograd, hooks), which is where the time goes; every other field keeps the base profile's
+value.
 :func:`predict` then simulates a run of any policy on the fitted profile (its own trace, cap and measured restart
 seconds) for comparison with what it measured: tokens/s (effective, restarts included) and the activation peak.
 
@@ -61,27 +63,41 @@ def _mean_s(result: SimResult) -> float:
     return statistics.fmean(it.time_s - it.lost_s for it in result.iterations)
 
 
-def fit_hardware(model: ModelConfig, parallel: ParallelConfig, base: Hardware, fit: Measured, *,
-                 m_max_bytes: int | None = None, name: str | None = None) -> Hardware:
-    """``base`` with ``kernel_launch_s`` fitted so the simulated mean iteration of ``fit`` equals its measured
-    mean step (bisection; the iteration time grows with it). One-line ``ValueError`` when even the range's
-    bounds cannot reach the measured time."""
+def _bisect(seconds_of, target_s: float, field_name: str, base_name: str) -> float:
+    """The value in ``HARDWARE_RANGES["kernel_launch_s"]`` (log-bisection) at which ``seconds_of`` (increasing)
+    reaches ``target_s``; one-line ``ValueError`` when the range's bounds cannot reach it."""
     low, high = HARDWARE_RANGES["kernel_launch_s"]
     low = max(low, 1e-12)
-
-    def seconds(launch_s: float) -> float:
-        hardware = dataclasses.replace(base, kernel_launch_s=launch_s)
-        return _mean_s(_run(model, parallel, hardware, fit, m_max_bytes, restart_s=0.0))
-
-    if seconds(low) > fit.step_s:
-        raise ValueError(f"step_s={fit.step_s:g} is below what {base.name} computes with no launch cost "
-                         f"({seconds(low):g} s): fit the arithmetic rates first")
-    if seconds(high) < fit.step_s:
-        raise ValueError(f"step_s={fit.step_s:g} is above what kernel_launch_s={high:g} gives")
+    if seconds_of(low) > target_s:
+        raise ValueError(f"step_s={target_s:g} is below what {base_name} computes with {field_name}=0 "
+                         f"({seconds_of(low):g} s)")
+    if seconds_of(high) < target_s:
+        raise ValueError(f"step_s={target_s:g} is above what {field_name}={high:g} gives")
     for _ in range(FIT_STEPS):
         middle = (low * high) ** 0.5
-        low, high = (middle, high) if seconds(middle) < fit.step_s else (low, middle)
-    return dataclasses.replace(base, kernel_launch_s=(low * high) ** 0.5, name=name or f"{base.name}-fitted")
+        low, high = (middle, high) if seconds_of(middle) < target_s else (low, middle)
+    return (low * high) ** 0.5
+
+
+def fit_hardware(model: ModelConfig, parallel: ParallelConfig, base: Hardware, fit: Measured, *,
+                 m_max_bytes: int | None = None, copies: Measured | None = None,
+                 copies_m_max_bytes: int | None = None, name: str | None = None) -> Hardware:
+    """``base`` with ``kernel_launch_s`` fitted so the simulated mean iteration of ``fit`` (a run without host
+    copies, e.g. ``ideal``) equals its measured mean step; then, given ``copies`` (a run that offloads, e.g.
+    ``static-over``, at the cap ``copies_m_max_bytes``), ``copy_launch_s`` fitted the same way with the kernels'
+    cost fixed. Bisection: the iteration time grows with either. One-line ``ValueError`` when even the range's
+    bounds cannot reach a measured time."""
+    def seconds(run: Measured, cap, hardware: Hardware) -> float:
+        return _mean_s(_run(model, parallel, hardware, run, cap, restart_s=0.0))
+
+    kernel = _bisect(lambda v: seconds(fit, m_max_bytes, dataclasses.replace(base, kernel_launch_s=v)),
+                     fit.step_s, "kernel_launch_s", base.name)
+    hardware = dataclasses.replace(base, kernel_launch_s=kernel, name=name or f"{base.name}-fitted")
+    if copies is not None:
+        copy = _bisect(lambda v: seconds(copies, copies_m_max_bytes, dataclasses.replace(hardware, copy_launch_s=v)),
+                       copies.step_s, "copy_launch_s", base.name)
+        hardware = dataclasses.replace(hardware, copy_launch_s=copy)
+    return hardware
 
 
 def predict(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, run: Measured, *,
