@@ -47,7 +47,10 @@ def measured(policy: str, summary: dict, metrics: Path) -> Measured:
         if "loss" in record and not record.get("summary"):
             steps[record["step"]] = record
     ordered = [steps[k] for k in sorted(steps)]
-    return Measured(policy=policy, trace=load_trace(metrics),
+    other_s = 0.0
+    if not summary["restarts"]:  # the loop's seconds beyond its steps' (checkpoints, metrics), per step
+        other_s = max(summary["seconds"] - sum(r["step_s"] for r in ordered), 0.0) / len(ordered)
+    return Measured(policy=policy, trace=load_trace(metrics), other_s=other_s,
                     step_s=statistics.fmean(r["step_s"] for r in ordered[1:] or ordered),
                     tokens_per_s=summary["tokens_per_s"],
                     peak_activation_bytes=max(r["peak_activation_bytes"] for r in ordered),
@@ -59,7 +62,9 @@ def table(rows: list[dict], hardware, fit: Measured, command: str) -> str:
              f"Fitted on two {len(fit.trace)}-step runs: `ideal` (mean step after the first "
              f"{fit.step_s * 1e3:.0f} ms) gives `kernel_launch_s` = {hardware.kernel_launch_s * 1e6:.1f} us per op "
              f"launch or collective, `static-over` (it offloads) `copy_launch_s` = "
-             f"{hardware.copy_setup_s * 1e6:.1f} us per host copy; the `cpu` profile's other fields unchanged. "
+             f"{hardware.copy_setup_s * 1e6:.1f} us per host copy; the `cpu` profile's other fields unchanged; "
+             f"the `ideal` run's {fit.other_s * 1e3:.0f} ms per step outside the steps (checkpoints every "
+             "`--checkpoint-every` steps, metrics) is added to every predicted step. "
              "Every policy below is a separate run of `--steps` steps.", "",
              "| policy | tokens/s measured | predicted | error | peak activation B measured | predicted | error "
              "| mean step s measured | predicted | restarts measured / predicted |",
@@ -112,7 +117,8 @@ def main(argv=None) -> None:
             print(f"running {policy} ...", file=sys.stderr, flush=True)
             summary = run_policy(policy, args, work)
             run = measured(policy, summary, work / f"{policy}.jsonl")
-            row = predict(model, parallel, hardware, run, m_max_bytes=None if policy == "ideal" else cap)
+            row = predict(model, parallel, hardware, run, m_max_bytes=None if policy == "ideal" else cap,
+                          other_s=fit.other_s)
             rows.append({**row, "measured_restarts": summary["restarts"]})
     if args.hardware_out is not None:  # temp file + rename: never half-written
         fd, tmp = tempfile.mkstemp(dir=args.hardware_out.parent, prefix=f".{args.hardware_out.name}.")
