@@ -87,6 +87,7 @@ def measure(preset: str, *, imbalance: float = 1.0, plan: str = "none", seq_leng
     from bagualu2.costmodel import ParallelConfig, Plan, build_graph, check_imbalance, evaluate, presets
     from bagualu2.exec import ActivationTracker, DeferredPlanner, apply_plan
 
+    from .instrumented import instrument_reference
     from .model import TORCH_DTYPES, GLMMoEModel, imbalance_picks
 
     try:
@@ -137,6 +138,7 @@ def measure(preset: str, *, imbalance: float = 1.0, plan: str = "none", seq_leng
 
     torch.manual_seed(seed)
     model = GLMMoEModel(model_config, ep_group=group)  # the same weights on every rank (experts: its slice)
+    instrument_reference(model)  # the exec layer's hooks on its op modules, the gates reported
     if ep > 1:
         model.bias_router_towards(0, picks[rank])
         torch.manual_seed(seed + rank)  # rank 0 draws the same input as EP=1, the others their own

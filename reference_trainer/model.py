@@ -8,26 +8,36 @@ Per layer, in program order (cost-model op kind in brackets, see ``bagualu2.cost
                        MoE:   router -> permute -> dispatch -> expert_fc1/act/fc2 per expert
                               -> combine -> unpermute, plus shared_fc1 -> shared_act -> shared_fc2 -> residual2
 
-Small ``torch.autograd.Function`` classes make autograd keep exactly what the cost model says each op saves:
+Every op is its own small module (see :data:`OP_MAP`, module path pattern -> cost-model op label), so the exec
+layer applies plans from outside (:func:`bagualu2.exec.instrument` with that op map; the trainer does it, see
+:mod:`reference_trainer.instrumented`); this file imports nothing of ``bagualu2.exec``.
 
-* :class:`RMSNormFunction` keeps only its input (the rstd is recomputed in backward);
-* :class:`RoPEFunction` keeps nothing (backward is the inverse rotation; cos/sin are model buffers);
-* :class:`SwiGLUFunction` keeps only its input, the fc1 output;
+Small ``torch.autograd.Function`` classes exist only where they change what autograd saves, so that it keeps
+exactly what the cost model says each op saves (stock autograd would save more, or other tensors):
+
+* :class:`RMSNormFunction` keeps only its input (the rstd is recomputed in backward; stock: the rstd too);
+* :class:`SwiGLUFunction` keeps only its input, the fc1 output (stock autograd: the halves and ``silu(gate)``);
 * :class:`RouterFunction` keeps the FP32 copy of its input, the FP32 sigmoid scores and the int32 routing map
   (its own output, the tensor ``permute`` keeps: counted once);
-* :class:`PermuteFunction` keeps the int32 routing map only (the token order is recomputed with a stable sort);
-* :class:`UnpermuteFunction` keeps the combined expert outputs, the FP32 routing weights and the routing map.
+* :class:`PermuteFunction` keeps the int32 routing map only (the token order is recomputed with a stable sort;
+  stock ``index_select`` would keep the int64 order);
+* :class:`UnpermuteFunction` keeps the combined expert outputs, the FP32 routing weights and the routing map;
+* :class:`RowPermuteFunction` (EP regrouping) keeps its permutation on ``ctx``, out of the saved-tensor hooks.
+
+RoPE needs none: stock autograd of the rotation keeps only the cos/sin buffers (not activations).
 
 Core attention is ``scaled_dot_product_attention`` (causal, ``enable_gqa``): its flash path keeps q, k, v (at
 ``g`` heads), the output and the FP32 log-sum-exp. The output is laid out ``(b, s, a, d)`` in memory, so the
 out-projection's input is a view of it (one copy, as the cost model counts). ``v`` is copied out of the fused QKV
 output so that attention does not keep the whole QKV buffer alive.
 
-Ops: every op runs as ``run_op("L{layer}.{op}", fn, *inputs)`` (the cost-model op name; a plain call unless a
-plan executor, :func:`bagualu2.exec.apply_plan`, is recording a micro-batch), so saved-tensor hooks know which op
-saves, and an op the plan re-runs can be replayed from its inputs in backward (RECOMPUTE). Right after each router
-the model calls :func:`bagualu2.exec.after_gate` with the routed copies this rank's experts receive (deferred
-planning: the executor may switch the rest of the module to full recompute).
+Ops: the module at ``layers.{i}.<path>`` is the cost-model op ``L{i}.<label>`` of :data:`OP_MAP` (the layer is
+the first integer of the path, as :func:`bagualu2.exec.instrument` names ops), so the instrument's hooks know
+which op saves, and an op the plan re-runs is replayed from its inputs in backward (RECOMPUTE re-runs the
+module's forward). Every op module is a function of its arguments and parameters (deterministic; the router's
+expert bias is an argument, so a replay reads the bias the forward used). After each router the instrument's
+gate callback reads :meth:`MoE.routing_counts` (the routed copies this rank's experts receive, the EP group, the
+group's largest count) for the deferred planner; the model's forward reuses that one exchange.
 
 Expert parallelism: without an ``ep_group`` (EP=1) ``dispatch``/``combine`` are identities (every expert local).
 With ``ep_group`` (a ``torch.distributed`` process group of ``ep`` ranks; gloo on CPU, NCCL on GPU) rank ``i``
@@ -52,6 +62,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -60,7 +71,6 @@ from torch import nn
 from torch.distributed.nn.functional import all_to_all_single as _autograd_all_to_all_single
 
 from bagualu2.costmodel import ModelConfig
-from bagualu2.exec.ops import after_gate, run_op
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -98,23 +108,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-class RoPEFunction(torch.autograd.Function):
-    """Rotary embedding (rotate-half form) of q ``(b, s, a, d)`` and k ``(b, s, g, d)``; saves nothing.
-
-    ``cos``/``sin`` are ``(s, 1, d/2)`` constants (model buffers), kept on ``ctx`` as plain references.
-    """
-
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        ctx.cos, ctx.sin = cos, sin
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-    @staticmethod
-    def backward(ctx, grad_q: torch.Tensor, grad_k: torch.Tensor):
-        cos, sin = ctx.cos, ctx.sin  # the inverse rotation is the rotation by -theta
-        return _rotate(grad_q, cos, -sin), _rotate(grad_k, cos, -sin), None, None
 
 
 class SwiGLUFunction(torch.autograd.Function):
@@ -261,8 +254,10 @@ def _all_to_all_single(output: torch.Tensor, x: torch.Tensor, output_splits: lis
         return _autograd_all_to_all_single(output, x, output_splits, input_splits, group=group)
 
 
-# ---- modules -------------------------------------------------------------------------------------------------
+# ---- modules: one per cost-model op (OP_MAP) ------------------------------------------------------------------
 class RMSNorm(nn.Module):
+    """[norm] saves its input only (:class:`RMSNormFunction`)."""
+
     def __init__(self, hidden: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden))
@@ -272,59 +267,177 @@ class RMSNorm(nn.Module):
         return RMSNormFunction.apply(x, self.weight, self.eps)
 
 
-class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int = 0):
-        super().__init__()
-        m = config
-        self._ops = {op: f"L{layer}.{op}" for op in ("qkv", "rope", "core_attn", "attn_out")}
-        self._names = (f"L{layer}.q_rope", f"L{layer}.k_rope", f"L{layer}.v")  # saved by core_attn
-        self.heads, self.groups, self.head_dim = m.num_attention_heads, m.num_query_groups, m.head_dim
-        self.qkv = nn.Linear(m.hidden_size, (self.heads + 2 * self.groups) * self.head_dim, bias=False)
-        self.out = nn.Linear(self.heads * self.head_dim, m.hidden_size, bias=False)
+class QKVProjection(nn.Linear):
+    """[qkv] the fused projection of ``(b, s, h)``, split into q ``(b, s, a, d)``, k and v ``(b, s, g, d)``; saves
+    its input. ``v`` gets its own storage: attention must not keep the whole QKV buffer alive."""
 
-    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def __init__(self, hidden: int, heads: int, groups: int, head_dim: int):
+        super().__init__(hidden, (heads + 2 * groups) * head_dim, bias=False)
+        self.heads, self.groups, self.head_dim = heads, groups, head_dim
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, s, _ = x.shape
         a, g, d = self.heads, self.groups, self.head_dim
-        q, k, v = self.qkv(x).split((a * d, g * d, g * d), dim=-1)
-        # v gets its own storage: attention must not keep the whole QKV buffer
+        q, k, v = super().forward(x).split((a * d, g * d, g * d), dim=-1)
         return q.reshape(b, s, a, d), k.reshape(b, s, g, d), v.reshape(b, s, g, d).contiguous()
 
-    def _core_attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+
+class RoPE(nn.Module):
+    """[rope] rotary embedding (rotate-half form) of q ``(b, s, a, d)`` and k ``(b, s, g, d)``; ``cos``/``sin``
+    ``(s, 1, d/2)`` are model buffers, the only tensors autograd keeps (not activations: nothing counted)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+class CoreAttention(nn.Module):
+    """[core_attn] causal ``scaled_dot_product_attention`` (GQA): the flash path keeps q, k, v (at ``g`` heads),
+    the output and the FP32 log-sum-exp. Returns ``(b, s, a*d)``, a view of the ``(b, s, a, d)`` output."""
+
+    def __init__(self, gqa: bool):
+        super().__init__()
+        self.gqa = gqa
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b, s, a, d = q.shape
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           is_causal=True, enable_gqa=self.groups != a)
+                                           is_causal=True, enable_gqa=self.gqa)
         return o.transpose(1, 2).reshape(b, s, a * d)  # a view: the flash output is (b, s, a, d) in memory
 
+
+class Residual(nn.Module):
+    """[residual] ``x + h``; saves nothing."""
+
+    def forward(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return torch.add(x, h)
+
+
+class SwiGLU(nn.Module):
+    """[*_act] ``silu(gate) * up`` of the fc1 output; saves its input only (:class:`SwiGLUFunction`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return SwiGLUFunction.apply(x)
+
+
+class Attention(nn.Module):
+    """qkv -> rope -> core_attn -> attn_out (``out``: an ``nn.Linear``, saves its input)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        m = config
+        self.heads, self.groups, self.head_dim = m.num_attention_heads, m.num_query_groups, m.head_dim
+        self.qkv = QKVProjection(m.hidden_size, self.heads, self.groups, self.head_dim)
+        self.rope = RoPE()
+        self.core = CoreAttention(self.groups != self.heads)
+        self.out = nn.Linear(self.heads * self.head_dim, m.hidden_size, bias=False)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        ops, names = self._ops, self._names
-        q, k, v = run_op(ops["qkv"], self._qkv, x)                               # [qkv] saves x (norm1 out)
-        q, k = run_op(ops["rope"], RoPEFunction.apply, q, k, cos, sin)           # [rope] saves nothing
-        o = run_op(ops["core_attn"], self._core_attn, q, k, v,                   # [core_attn] q, k, v, o, lse
-                   names={names[0]: q, names[1]: k, names[2]: v})
-        return run_op(ops["attn_out"], self.out, o)                              # [attn_out] saves o
+        q, k, v = self.qkv(x)                 # [qkv] saves x (norm1 out)
+        q, k = self.rope(q, k, cos, sin)      # [rope] saves nothing
+        o = self.core(q, k, v)                # [core_attn] q, k, v, o, lse
+        return self.out(o)                    # [attn_out] saves o
 
 
 class MLP(nn.Module):
-    """fc1 (to 2*width for SwiGLU) -> activation -> fc2; used for the dense MLP, each expert and the shared one."""
+    """fc1 (to 2*width for SwiGLU) -> act -> fc2: the dense MLP (``mlp_*``), each expert (``expert_*``) and the
+    shared one (``shared_*``)."""
 
-    def __init__(self, hidden: int, width: int, scope: str = "L0.mlp"):
+    def __init__(self, hidden: int, width: int):
         super().__init__()
         self.fc1 = nn.Linear(hidden, 2 * width, bias=False)
+        self.act = SwiGLU()
         self.fc2 = nn.Linear(width, hidden, bias=False)
-        self._ops = (f"{scope}_fc1", f"{scope}_act", f"{scope}_fc2")  # e.g. L3.expert_fc1, L3.expert_act, ...
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fc1, act, fc2 = self._ops
-        x = run_op(fc1, self.fc1, x)
-        x = run_op(act, SwiGLUFunction.apply, x)
-        return run_op(fc2, self.fc2, x)
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class Router(nn.Module):
+    """[router] :class:`RouterFunction` of tokens ``(T, h)``; the router weight and the expert bias are arguments
+    (the :class:`MoE`'s parameter and buffer: a replay reads the bias its forward used)."""
+
+    def __init__(self, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor):
+        return RouterFunction.apply(x, weight, bias, self.top_k)
+
+
+class Permute(nn.Module):
+    """[permute] the routed copies grouped by expert (:class:`PermuteFunction`: keeps the routing map)."""
+
+    def forward(self, x: torch.Tensor, routing: torch.Tensor) -> torch.Tensor:
+        return PermuteFunction.apply(x, routing)
+
+
+class Unpermute(nn.Module):
+    """[unpermute] the weighted sum of each token's expert outputs (:class:`UnpermuteFunction`)."""
+
+    def forward(self, combined: torch.Tensor, probs: torch.Tensor, routing: torch.Tensor) -> torch.Tensor:
+        return UnpermuteFunction.apply(combined, probs, routing)
+
+
+class ExpertLayout:
+    """Where the experts of one MoE layer live: the EP group (None: all local) and the experts per rank."""
+
+    def __init__(self, ep_group: dist.ProcessGroup | None, num_local_experts: int):
+        self.ep_group = ep_group
+        self.ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+        self.num_local_experts = num_local_experts
+
+
+class Dispatch(nn.Module):
+    """[dispatch] send the routed copies (sorted by global expert) to their experts' ranks; saves nothing."""
+
+    def __init__(self, layout: ExpertLayout):
+        super().__init__()
+        self.layout = layout
+
+    def forward(self, x: torch.Tensor, counts: tuple[torch.Tensor, torch.Tensor]):
+        """``counts`` is ``(send, recv)`` from :meth:`MoE.exchange_counts` (metadata, passed in a tuple: a replay
+        holds it as it is, while tensor arguments are activations read back from where they are stored).
+
+        Returns the copies this rank's experts receive, grouped by local expert, their counts per local expert,
+        and the state :class:`Combine` needs (splits and the inverse regrouping)."""
+        send, recv = counts
+        group = self.layout.ep_group
+        if group is None:
+            return x, recv.sum(0), None  # EP=1: every expert is local
+        ep, local = self.layout.ep, self.layout.num_local_experts
+        input_splits, output_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        out = x.new_empty(sum(output_splits), x.shape[1])
+        received = _all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+        # arrived grouped (source rank, expert): regroup by (expert, source rank)
+        block = torch.repeat_interleave(torch.arange(ep * local, device=x.device), recv.reshape(-1).to(x.device))
+        order = torch.sort((block % local) * ep + block // local, stable=True).indices
+        state = (input_splits, output_splits, torch.argsort(order))
+        return RowPermuteFunction.apply(received, order), recv.sum(0), state
+
+
+class Combine(nn.Module):
+    """[combine] the local experts' outputs back to their tokens' ranks (inverse of :class:`Dispatch`)."""
+
+    def __init__(self, layout: ExpertLayout):
+        super().__init__()
+        self.layout = layout
+
+    def forward(self, state, *outputs: torch.Tensor) -> torch.Tensor:
+        x = torch.cat(outputs)
+        if state is None:
+            return x
+        input_splits, output_splits, inverse = state
+        x = RowPermuteFunction.apply(x, inverse)  # back to (source rank, expert) order
+        out = x.new_empty(sum(input_splits), x.shape[1])
+        return _all_to_all_single(out, x, input_splits, output_splits, group=self.layout.ep_group)
 
 
 class MoE(nn.Module):
+    """router (``gate``) -> permute -> dispatch -> experts -> combine -> unpermute, plus the shared expert."""
+
     def __init__(self, config: ModelConfig, layer: int = 0, ep_group: dist.ProcessGroup | None = None):
         super().__init__()
         m = config
-        self._ops = {op: f"L{layer}.{op}" for op in ("router", "permute", "dispatch", "combine", "unpermute")}
         self.top_k, self.num_experts = m.top_k, m.num_experts
         self.ep_group = ep_group
         self.ep = 1 if ep_group is None else dist.get_world_size(ep_group)
@@ -337,16 +450,23 @@ class MoE(nn.Module):
         nn.init.normal_(self.router, std=1.0 / math.sqrt(m.hidden_size))
         # aux-loss-free load balancing: added to the scores for expert selection only, updated outside autograd
         self.register_buffer("expert_bias", torch.zeros(m.num_experts, dtype=torch.float32))
+        self.gate = Router(m.top_k)
+        self.permute = Permute()
+        layout = ExpertLayout(ep_group, self.num_local_experts)
+        self.dispatch = Dispatch(layout)
         # every expert is initialised (the same random stream and weights on every EP rank as with EP=1); this
         # rank keeps its E/ep
-        experts = [MLP(m.hidden_size, m.moe_ffn_hidden_size, f"L{layer}.expert") for _ in range(m.num_experts)]
+        experts = [MLP(m.hidden_size, m.moe_ffn_hidden_size) for _ in range(m.num_experts)]
         self.experts = nn.ModuleList(experts[self.first_expert:self.first_expert + self.num_local_experts])
-        self.shared = (MLP(m.hidden_size, m.moe_ffn_hidden_size * m.num_shared_experts, f"L{layer}.shared")
+        self.combine = Combine(layout)
+        self.unpermute = Unpermute()
+        self.shared = (MLP(m.hidden_size, m.moe_ffn_hidden_size * m.num_shared_experts)
                        if m.num_shared_experts else None)
         self.layer = layer
         self.last_tokens_per_expert: torch.Tensor | None = None  # copies routed to each local expert (received)
         self.last_counts: torch.Tensor | None = None  # this rank's routed copies per global expert (last forward)
         self.load: torch.Tensor | None = None         # ... summed since the trainer last reset it
+        self._routed = None  # (weakref to a routing map, its routing_counts): one exchange per forward
 
     def bias_towards(self, rank: int, picks: int) -> None:
         """Set ``expert_bias`` so that every token puts exactly ``picks`` of its top-k on EP rank ``rank``."""
@@ -375,57 +495,34 @@ class MoE(nn.Module):
         recv = table[:, self.ep_rank].contiguous()
         return send, recv, int(table.sum(dim=(0, 2)).max())
 
-    def dispatch(self, x: torch.Tensor, counts: tuple[torch.Tensor, torch.Tensor]):
-        """Send the routed copies ``x`` (sorted by global expert) to their experts' ranks.
-
-        ``counts`` is ``(send, recv)`` from :meth:`exchange_counts` (metadata, passed in a tuple: a replay holds it
-        as it is, while tensor arguments are activations read back from where they are stored).
-
-        Returns the copies this rank's experts receive, grouped by local expert, their counts per local expert,
-        and the state :meth:`combine` needs (splits and the inverse regrouping).
-        """
-        send, recv = counts
-        if self.ep_group is None:
-            return x, recv.sum(0), None  # EP=1: every expert is local
-        ep, local, group = self.ep, self.num_local_experts, self.ep_group
-        input_splits, output_splits = send.sum(1).tolist(), recv.sum(1).tolist()
-        out = x.new_empty(sum(output_splits), x.shape[1])
-        received = _all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
-        # arrived grouped (source rank, expert): regroup by (expert, source rank)
-        block = torch.repeat_interleave(torch.arange(ep * local, device=x.device), recv.reshape(-1).to(x.device))
-        order = torch.sort((block % local) * ep + block // local, stable=True).indices
-        state = (input_splits, output_splits, torch.argsort(order))
-        return RowPermuteFunction.apply(received, order), recv.sum(0), state
-
-    def combine(self, state, *outputs: torch.Tensor) -> torch.Tensor:
-        """Concatenate the local experts' outputs and send them back to their tokens' ranks (inverse of dispatch)."""
-        x = torch.cat(outputs)
-        if state is None:
-            return x
-        input_splits, output_splits, inverse = state
-        x = RowPermuteFunction.apply(x, inverse)  # back to (source rank, expert) order
-        out = x.new_empty(sum(input_splits), x.shape[1])
-        return _all_to_all_single(out, x, input_splits, output_splits, group=self.ep_group)
+    def routing_counts(self, routing: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """``(counts, send, recv, most)`` of a routing map of this layer's router: this rank's copies per global
+        expert and :meth:`exchange_counts` of them. Computed once per routing map: a gate callback that reads it
+        right after the router (the deferred planner's) and the forward share one all-gather."""
+        found = self._routed
+        if found is not None and found[0]() is routing:
+            return found[1]
+        counts = torch.bincount(routing.reshape(-1).long(), minlength=self.num_experts)
+        result = (counts, *self.exchange_counts(counts))
+        self._routed = (weakref.ref(routing), result)
+        return result
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        ops = self._ops
-        probs, routing = run_op(ops["router"], RouterFunction.apply, tokens, self.router, self.expert_bias,
-                                self.top_k)                                                       # [router]
-        counts = torch.bincount(routing.reshape(-1).long(), minlength=self.num_experts)
+        probs, routing = self.gate(tokens, self.router, self.expert_bias)                 # [router]
+        counts, send, recv, _ = self.routing_counts(routing)
+        self._routed = None
         self.last_counts = counts  # this rank's tokens per (global) expert: the trainer's balancing and metrics
         self.load = counts if self.load is None else self.load + counts
-        send, recv, most = self.exchange_counts(counts)
-        after_gate(self.layer, int(recv.sum()), self.ep_group, most)  # deferred planning: may re-plan this module
-        permuted = run_op(ops["permute"], PermuteFunction.apply, tokens, routing)                 # [permute]
-        received, counts, state = run_op(ops["dispatch"], self.dispatch, permuted, (send, recv))   # [dispatch]
+        permuted = self.permute(tokens, routing)                                          # [permute]
+        received, counts, state = self.dispatch(permuted, (send, recv))                    # [dispatch]
         self.last_tokens_per_expert = counts
         outputs = [expert(chunk) for expert, chunk in zip(self.experts, received.split(counts.tolist()))]
-        combined = run_op(ops["combine"], self.combine, state, *outputs)                          # [combine]
-        out = run_op(ops["unpermute"], UnpermuteFunction.apply, combined, probs, routing)         # [unpermute]
+        combined = self.combine(state, *outputs)                                          # [combine]
+        out = self.unpermute(combined, probs, routing)                                    # [unpermute]
         if self.shared is not None:
-            out = out + self.shared(tokens)                                                      # [shared_*]
+            out = out + self.shared(tokens)                                               # [shared_*]
         return out.reshape(shape)
 
 
@@ -434,21 +531,48 @@ class Layer(nn.Module):
         super().__init__()
         self.index = index
         self.norm1 = RMSNorm(config.hidden_size)
-        self.attention = Attention(config, index)
+        self.attention = Attention(config)
+        self.residual1 = Residual()
         self.norm2 = RMSNorm(config.hidden_size)
         self.is_moe = config.is_moe_layer(index)
-        self.mlp = MoE(config, index, ep_group) if self.is_moe else MLP(config.hidden_size, config.ffn_hidden_size,
-                                                               f"L{index}.mlp")
-        self._ops = tuple(f"L{index}.{op}" for op in ("norm1", "residual1", "norm2", "residual2"))
+        self.mlp = MoE(config, index, ep_group) if self.is_moe else MLP(config.hidden_size, config.ffn_hidden_size)
+        self.residual2 = Residual()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        norm1, residual1, norm2, residual2 = self._ops
-        h = run_op(norm1, self.norm1, x)
-        h = self.attention(h, cos, sin)
-        x_mid = run_op(residual1, torch.add, x, h)  # [residual] saves nothing
-        h = run_op(norm2, self.norm2, x_mid)
-        h = self.mlp(h)
-        return run_op(residual2, torch.add, x_mid, h)
+        h = self.attention(self.norm1(x), cos, sin)
+        x_mid = self.residual1(x, h)      # [residual] saves nothing
+        h = self.mlp(self.norm2(x_mid))
+        return self.residual2(x_mid, h)
+
+
+#: Module-path pattern (``fnmatch`` on the ``named_modules()`` paths of the model, or of a module holding its
+#: layers as ``layers.<global index>``) -> cost-model op label: the op of ``layers.{i}.<path>`` is
+#: ``L{i}.<label>``, exactly as ``bagualu2.costmodel.build_graph`` names it (the op map of
+#: ``bagualu2.exec.instrument``; patterns for module kinds a model part lacks match nothing there).
+OP_MAP: dict[str, str] = {
+    "layers.*.norm1": "norm1",
+    "layers.*.attention.qkv": "qkv",
+    "layers.*.attention.rope": "rope",
+    "layers.*.attention.core": "core_attn",
+    "layers.*.attention.out": "attn_out",
+    "layers.*.residual1": "residual1",
+    "layers.*.norm2": "norm2",
+    "layers.*.mlp.fc1": "mlp_fc1",
+    "layers.*.mlp.act": "mlp_act",
+    "layers.*.mlp.fc2": "mlp_fc2",
+    "layers.*.mlp.gate": "router",
+    "layers.*.mlp.permute": "permute",
+    "layers.*.mlp.dispatch": "dispatch",
+    "layers.*.mlp.experts.*.fc1": "expert_fc1",
+    "layers.*.mlp.experts.*.act": "expert_act",
+    "layers.*.mlp.experts.*.fc2": "expert_fc2",
+    "layers.*.mlp.combine": "combine",
+    "layers.*.mlp.unpermute": "unpermute",
+    "layers.*.mlp.shared.fc1": "shared_fc1",
+    "layers.*.mlp.shared.act": "shared_act",
+    "layers.*.mlp.shared.fc2": "shared_fc2",
+    "layers.*.residual2": "residual2",
+}
 
 
 class GLMMoEModel(nn.Module):

@@ -31,6 +31,7 @@ from torch.distributed.pipelining.schedules import FORWARD, FULL_BACKWARD, OVERL
 from bagualu2.costmodel import ParallelConfig, schedule
 from bagualu2.costmodel.build import chunk_layers
 
+from .instrumented import instrument_reference
 from .model import GLMMoEModel
 from .provision import Provisioner
 
@@ -71,6 +72,7 @@ class ChunkModule(nn.Module):
         self.next_microbatch = 0
         self.spikes: dict[int, tuple[int, int]] = {}  # micro-batch -> (target EP rank, this rank's picks)
         self.moes = [model.layers[i].mlp for i in layers if model.layers[i].is_moe]
+        self.instrumented = instrument_reference(self)  # its layers' op modules (paths layers.<global index>)
 
     def _layers(self, x: torch.Tensor) -> torch.Tensor:
         return self.model[0].forward_layers(x, self.layer_range)

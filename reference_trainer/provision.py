@@ -195,16 +195,19 @@ class Provisioner:
         Group bytes: what the budget assigner records — under EP the bytes the plan keeps at the most tokens any
         rank's gates received, plus the most any rank kept beyond its own prediction (so every rank records the
         same number, at least its own); without EP the bytes measured. One all-reduce under EP, none otherwise."""
+        started = time.perf_counter()
         kept = record.device_bytes
         cost = self._cost(graph, record.plan)[0]
         own = cost.activation_bytes_received(graph, dict(record.received_tokens))
         over = float(self.safety_net and self.capped and self.tracker.in_flight_bytes > self.cap_bytes)
         if self.ep_group is None or self.fixed is not None:
+            self.planning_s += time.perf_counter() - started
             return over > 0, kept, own
-        started = time.perf_counter()
-        over, excess = agree_max([over, float(max(kept - own, 0))], self.ep_group)
-        self.agree_s += time.perf_counter() - started
         group = cost.activation_bytes_received(graph, dict(record.group_max_tokens))
+        agreed = time.perf_counter()
+        self.planning_s += agreed - started
+        over, excess = agree_max([over, float(max(kept - own, 0))], self.ep_group)
+        self.agree_s += time.perf_counter() - agreed
         return over > 0, group + int(excess), own
 
     def _cost(self, graph, plan):
@@ -224,11 +227,9 @@ class Provisioner:
             out = layers(x)
         rerun = False
         graph = executor.graph
-        started = time.perf_counter()
-        over, recorded, predicted = self._after_forward(record, graph)
+        over, recorded, predicted = self._after_forward(record, graph)  # its own time into planning_s, agree_s
         if over:
             # a misprediction: free this micro-batch and run it again with full recompute (no restart)
-            self.planning_s += time.perf_counter() - started
             executor.release(forward.name)
             for moe, load in zip(moes, loads):
                 moe.load = load
@@ -236,8 +237,8 @@ class Provisioner:
             self.reruns += 1
             with executor.micro_batch(forward.name, plan=self.path.pre_gate(0, chunk), budget_bytes=0) as record:
                 out = layers(x)
-            started = time.perf_counter()
             _, recorded, predicted = self._after_forward(record, graph)
+        started = time.perf_counter()
         kept = record.device_bytes
         self.assigner.record_forward(forward.index, recorded)
         mean = graph.mean_routed_tokens

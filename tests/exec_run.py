@@ -1,18 +1,22 @@
-"""Shared by the exec tests: one micro-batch of the reference model's layers under a plan, then backward."""
+"""Shared by the exec tests: one micro-batch of the reference model's layers (instrumented from outside) under a
+plan, then backward."""
 
 from __future__ import annotations
 
 import torch
 
 from bagualu2.exec import apply_plan, flop_counter
+from reference_trainer.instrumented import instrument_reference
 from reference_trainer.model import GLMMoEModel
 
 
-def run_plan(config, graph, plan, *, seed: int = 0, deferred=None):
+def run_plan(config, graph, plan, *, seed: int = 0, deferred=None, gate: bool = True):
     """``(record or None, loss, {name: grad} incl. "input", backward FLOPs)`` of one micro-batch (``plan=None``:
-    no executor at all; ``deferred``: a DeferredPlanner consulted after every MoE gate)."""
+    no executor at all; ``deferred``: a DeferredPlanner consulted after every MoE gate; ``gate=False``: the
+    instrumented model never reports its gates)."""
     torch.manual_seed(seed)
     model = GLMMoEModel(config)
+    instrument_reference(model, gate=gate)
     x = torch.randn(config.micro_batch_size, config.seq_length, config.hidden_size,
                     dtype=next(model.parameters()).dtype, requires_grad=True)
     record = None

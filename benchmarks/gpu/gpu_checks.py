@@ -30,6 +30,7 @@ import torch
 from bagualu2.costmodel import ModelConfig, ParallelConfig, build_graph, evaluate, presets
 from bagualu2.exec import apply_plan
 from bagualu2.exec.packing import CopyEngine, flat_storage
+from reference_trainer.instrumented import instrument_reference
 from reference_trainer.model import GLMMoEModel
 
 CONFIG = ModelConfig(num_layers=4, hidden_size=2048, num_attention_heads=16, num_query_groups=4, head_dim=128,
@@ -47,6 +48,7 @@ def _setup(config: ModelConfig):
     graph = build_graph(config, ParallelConfig(), presets.hardware("h100"))
     torch.manual_seed(0)
     model = GLMMoEModel(config).to(DEVICE)
+    instrument_reference(model)
     generator = torch.Generator(device=DEVICE).manual_seed(1)
     x = torch.randn(config.micro_batch_size, config.seq_length, config.hidden_size, device=DEVICE,
                     dtype=next(model.parameters()).dtype, generator=generator)

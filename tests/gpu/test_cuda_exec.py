@@ -7,6 +7,7 @@ import torch
 
 from bagualu2.costmodel import ParallelConfig, build_graph, evaluate, presets
 from bagualu2.exec import apply_plan
+from reference_trainer.instrumented import instrument_reference
 from reference_trainer.model import GLMMoEModel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -20,6 +21,7 @@ def test_cuda_plan_matches_prediction_and_plain_gradients(plan):
     def run(p):
         torch.manual_seed(0)
         model = GLMMoEModel(config).cuda()
+        instrument_reference(model)
         x = torch.randn(2, 32, config.hidden_size, device="cuda", requires_grad=True)
         executor = apply_plan(graph, p, exclude=[model])
         with executor.micro_batch("mb") as record:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from bagualu2.costmodel import ParallelConfig, Strategy, build_graph, evaluate, presets
 from bagualu2.exec import ActivationOutOfMemoryError, ActivationTracker, apply_plan, op_scope
 from bagualu2.exec.ops import OP_SCOPE
+from reference_trainer.instrumented import instrument_reference
 from reference_trainer.model import GLMMoEModel
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,6 +46,7 @@ def _setup(preset: str):
 def _run_layers(config, graph, plan):
     torch.manual_seed(0)
     model = GLMMoEModel(config)
+    instrument_reference(model)
     x = torch.randn(config.micro_batch_size, config.seq_length, config.hidden_size, requires_grad=True)
     executor = apply_plan(graph, plan, exclude=[model])
     with executor.micro_batch("mb0") as record:
@@ -58,6 +60,7 @@ def _train_step(config, graph, plan):
     """Loss and gradients of one full-model step (embedding and loss saves are outside the graph: unknown)."""
     torch.manual_seed(0)
     model = GLMMoEModel(config)
+    instrument_reference(model)
     tokens = torch.randint(0, config.vocab_size, (config.micro_batch_size, config.seq_length))
     if plan is None:
         logits = model(tokens)
@@ -133,6 +136,7 @@ def test_tracker_cap_and_accounting_are_shared():
     cost = evaluate(graph, "core_attn=OFFLOAD")
     torch.manual_seed(0)
     model = GLMMoEModel(config)
+    instrument_reference(model)
     x = torch.randn(config.micro_batch_size, config.seq_length, config.hidden_size, requires_grad=True)
     tracker = ActivationTracker(exclude=[model])
     executor = apply_plan(graph, "core_attn=OFFLOAD", tracker=tracker)

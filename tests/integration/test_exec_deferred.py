@@ -20,6 +20,7 @@ import torch
 from bagualu2.costmodel import ParallelConfig, Plan, build_graph, evaluate, presets
 from bagualu2.exec import ActivationOutOfMemoryError, ActivationTracker, DeferredPlanner, apply_plan, downgrade_module
 from exec_run import run_plan
+from reference_trainer.instrumented import instrument_reference
 from reference_trainer.model import GLMMoEModel
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,6 +38,7 @@ def _setup():
 def _run(config, graph, plan, *, cap=None, deferred=None):
     torch.manual_seed(0)
     model = GLMMoEModel(config)
+    instrument_reference(model)
     x = torch.randn(config.micro_batch_size, config.seq_length, config.hidden_size, requires_grad=True)
     executor = apply_plan(graph, plan, tracker=ActivationTracker(cap_bytes=cap, exclude=[model]), deferred=deferred)
     with executor.micro_batch("mb0") as record:
@@ -150,23 +152,21 @@ def test_graded_gate_changes_savings_made_before_it():
     assert changed
 
 
-def _run_bf16(plan, deferred, monkeypatch=None, gate=True):
+def _run_bf16(plan, deferred, gate=True):
     config = presets.model("tiny-moe")[0].replace(seq_length=16, dtype="bf16")
     graph = build_graph(config, ParallelConfig(), presets.hardware("cpu"))
-    if not gate:  # a model that never reports its gates: everything held is settled when the forward ends
-        import reference_trainer.model as reference
-
-        monkeypatch.setattr(reference, "after_gate", lambda *args, **kwargs: False)
-    record, _, grads, _ = run_plan(config, graph, plan, deferred=deferred)
+    # gate=False: a model instrumented without a gate callback never reports its gates, so everything held is
+    # settled when the forward ends
+    record, _, grads, _ = run_plan(config, graph, plan, deferred=deferred, gate=gate)
     return graph, record, list(grads.values())
 
 
-def test_a_gate_never_reported_settles_at_the_end_and_backward_reads_the_stored_copy(monkeypatch):
+def test_a_gate_never_reported_settles_at_the_end_and_backward_reads_the_stored_copy():
     """bf16: the router keeps an FP32 copy of the norm's output; the shared expert's BF16 saving is RECOMPUTE, so
     nothing re-runs the norm and the standby replay is forgotten — backward must read the FP32 copy."""
     config = presets.model("tiny-moe")[0].replace(seq_length=16, dtype="bf16")
     planner = DeferredPlanner(config, ParallelConfig(), presets.hardware("cpu"), budget_bytes=1 << 40)
-    graph, record, grads = _run_bf16(Plan.from_str("L1.shared_fc1/L1.norm2_out=RECOMPUTE"), planner, monkeypatch,
+    graph, record, grads = _run_bf16(Plan.from_str("L1.shared_fc1/L1.norm2_out=RECOMPUTE"), planner,
                                      gate=False)
     assert record.device_bytes == evaluate(graph, record.plan).activation_bytes
     _, _, plain = _run_bf16(None, None)

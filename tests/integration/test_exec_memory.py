@@ -16,6 +16,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from bagualu2.costmodel import ParallelConfig, build_graph, presets
 from bagualu2.exec import apply_plan
 from bagualu2.exec.flops import _attention_formula
+from reference_trainer.instrumented import instrument_reference
 from reference_trainer.model import GLMMoEModel
 
 CONFIG = presets.model("tiny-moe")[0].replace(seq_length=16)
@@ -26,6 +27,7 @@ FULL = ",".join(f"{op}/{tensor}=RECOMPUTE" for op, tensor in GRAPH.decisions)
 def _forward(plan):
     torch.manual_seed(0)
     model = GLMMoEModel(CONFIG)
+    instrument_reference(model)
     executor = apply_plan(GRAPH, plan, exclude=[model])
     x = torch.randn(CONFIG.micro_batch_size, CONFIG.seq_length, CONFIG.hidden_size, requires_grad=True)
     saved = []
@@ -94,6 +96,7 @@ def test_the_cap_error_leaves_nothing_alive():
 
     torch.manual_seed(0)
     model = GLMMoEModel(CONFIG)
+    instrument_reference(model)
     tracker = ActivationTracker(cap_bytes=GRAPH.unmitigated_bytes // 2, exclude=[model])
     executor = apply_plan(GRAPH, "none", tracker=tracker)
     saved = []

@@ -17,6 +17,7 @@ from bagualu2.costmodel import ParallelConfig, build_graph, evaluate, presets
 from bagualu2.costmodel.evaluate import mitigation_ops
 from bagualu2.exec import apply_plan, flop_counter
 from exec_run import run_plan
+from reference_trainer.instrumented import instrument_reference
 from reference_trainer.model import GLMMoEModel
 
 SEQ = 32
@@ -101,6 +102,7 @@ def test_apply_plan_takes_the_model_itself():
     config, graph = _setup("tiny-moe")
     torch.manual_seed(0)
     model = GLMMoEModel(config)
+    instrument_reference(model)
     executor = apply_plan(model, "expert_act=RECOMPUTE,core_attn=OFFLOAD")
     x = torch.randn(config.micro_batch_size, config.seq_length, config.hidden_size, requires_grad=True)
     with executor.micro_batch("mb") as record:

@@ -1,38 +1,27 @@
-"""The reference model instrumented from outside (no change to the model: an op map on its modules): its traced
-graph is a cross-check of the analytic cost model. (Running plans on it from outside needs the model without its
-own ``run_op`` calls, whose op scopes and replays would compete with the hooks: issue #14, item 4, not done.)
-
-Where the reference model's modules are the cost model's ops (norms, attention, projections, experts, dense and
-shared MLPs) the traced per-op saved bytes equal ``build_graph``'s; its MoE block is one module holding
-``router``, ``permute`` and ``unpermute`` (function calls inside it), whose savings it owns together (the routing
-map they share counted once); in total the traced graph keeps exactly ``build_graph``'s unmitigated bytes.
-"""
+"""The reference model instrumented from outside (``reference_trainer.instrumented``: its op map on the model's op
+modules, nothing of ``bagualu2.exec`` inside the model): its traced graph is a cross-check of the analytic cost
+model, op by op, and plans run on it from outside (the other exec tests run it so, against ``build_graph``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from bagualu2.costmodel import ParallelConfig, build_graph, presets
-from bagualu2.exec import instrument
-from reference_trainer.model import GLMMoEModel
+from bagualu2.costmodel import ParallelConfig, build_graph, evaluate, presets
+from bagualu2.exec import apply_plan
+from reference_trainer.instrumented import instrument_reference, reference_op_map
+from reference_trainer.model import OP_MAP, GLMMoEModel
 
 HW = presets.hardware("cpu")
-OP_MAP = {"m.layers.*.norm1": "norm1", "m.layers.*.norm2": "norm2", "m.layers.*.attention": "core_attn",
-          "m.layers.*.attention.qkv": "qkv", "m.layers.*.attention.out": "attn_out",
-          "m.layers.0.mlp": "mlp_act", "m.layers.0.mlp.fc1": "mlp_fc1", "m.layers.0.mlp.fc2": "mlp_fc2",
-          "m.layers.[1-9].mlp": "router", "m.layers.[1-9].mlp.experts.[0-9]": "expert_act",
-          "m.layers.[1-9].mlp.experts.*.fc1": "expert_fc1", "m.layers.[1-9].mlp.experts.*.fc2": "expert_fc2",
-          "m.layers.[1-9].mlp.shared": "shared_act", "m.layers.[1-9].mlp.shared.fc1": "shared_fc1",
-          "m.layers.[1-9].mlp.shared.fc2": "shared_fc2"}
-MOE_BLOCK = ("router", "permute", "unpermute")
 
 
 class Layers(torch.nn.Module):
-    """The transformer layers of a reference model (what the cost model covers) as a module."""
+    """The transformer layers of a reference model (what the cost model covers) as a module: paths
+    ``layers.<i>...`` (registered first), the model's buffers (RoPE's cos/sin) and parameters its own."""
 
     def __init__(self, model: GLMMoEModel):
         super().__init__()
+        self.layers = model.layers
         self.m = model
 
     def forward(self, x):
@@ -43,26 +32,71 @@ def op_bytes(graph, op) -> int:
     return graph.copies_bytes({(s.tensor, s.dtype) for s in op.saves})
 
 
-@pytest.fixture(scope="module")
-def traced():
-    config = presets.model("tiny-moe")[0].replace(seq_length=32)
+@pytest.fixture(scope="module", params=["tiny-moe", "tiny-dense"])
+def traced(request):
+    config = presets.model(request.param)[0].replace(seq_length=32)
     torch.manual_seed(0)
     model = Layers(GLMMoEModel(config))
     x = torch.randn(config.micro_batch_size, config.seq_length, config.hidden_size, requires_grad=True)
-    instrumented = instrument(model, OP_MAP)
+    instrumented = instrument_reference(model)
     graph = instrumented.trace_graph(x, hardware=HW)
-    return model, x, instrumented, graph, build_graph(config, ParallelConfig(), HW)
+    return config, instrumented, graph, build_graph(config, ParallelConfig(), HW)
 
 
-def test_traced_graph_cross_checks_build_graph(traced):
-    _, _, instrumented, graph, analytic = traced
-    assert graph.unmitigated_bytes == analytic.unmitigated_bytes
-    assert instrumented.trace.unmapped_bytes == 0
+def test_traced_graph_equals_build_graph_per_op(traced):
+    """Every op of ``build_graph`` is a module of the reference model: the same op names in the same order, and
+    each op's saved bytes equal (shared savings, e.g. the routing map, counted once; the experts' savings are one
+    storage per expert in the traced graph, one routed tensor in the analytic one)."""
+    _, instrumented, graph, analytic = traced
+    assert [op.name for op in graph.ops] == [op.name for op in analytic.ops]
+    assert [op.kind for op in graph.ops] == [op.kind for op in analytic.ops]
     for op in analytic.ops:
-        if op.kind in MOE_BLOCK or not op.saves:
-            continue
         assert op_bytes(graph, graph.op(op.name)) == op_bytes(analytic, op), op.name
-    for layer in {op.layer for op in analytic.ops if op.kind == "router"}:
-        block = {(s.tensor, s.dtype) for op in analytic.ops if op.layer == layer and op.kind in MOE_BLOCK
-                 for s in op.saves}
-        assert op_bytes(graph, graph.op(f"L{layer}.router")) == analytic.copies_bytes(block)
+    assert graph.unmitigated_bytes == analytic.unmitigated_bytes
+    assert instrumented.trace.unmapped_bytes == 0 and instrumented.trace.num_unmapped_savings == 0
+    assert [op.name for op in graph.ops if op.resource.name == "COMM"] == \
+        [op.name for op in analytic.ops if op.resource.name == "COMM"]
+
+
+def test_plans_from_outside_on_the_traced_and_the_analytic_graph(traced):
+    """The same instrumented model runs plans of its traced graph and of ``build_graph``'s: bytes = prediction,
+    loss and gradients bitwise equal to the plain run."""
+    config, instrumented, graph, analytic = traced
+    model = instrumented.model
+    x = torch.randn(config.micro_batch_size, config.seq_length, config.hidden_size, requires_grad=True)
+
+    def run(executor):
+        model.zero_grad()
+        x.grad = None
+        if executor is None:
+            out, record = model(x), None
+        else:
+            with executor.micro_batch("mb") as record:
+                out = model(x)
+        out.pow(2).mean().backward()
+        if executor is not None:
+            executor.release("mb")
+        return record, [x.grad.clone()] + [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    _, plain = run(None)
+    for target, g in ((instrumented, graph), (analytic, analytic)):
+        for budget in (g.floor_bytes, (g.floor_bytes + g.unmitigated_bytes) // 2):
+            from bagualu2.mitigation import greedy
+
+            plan = greedy.solve(g, budget).plan
+            executor = apply_plan(target, plan) if target is instrumented else apply_plan(g, plan, exclude=[model])
+            record, grads = run(executor)
+            assert record.unknown_count == 0
+            assert record.device_bytes == evaluate(g, plan).activation_bytes, (g.label, budget)
+            assert all(torch.equal(a, b) for a, b in zip(plain, grads))
+
+
+def test_the_op_map_is_restricted_to_what_a_module_holds():
+    config = presets.model("tiny-moe")[0].replace(seq_length=16)
+    model = GLMMoEModel(config)
+    assert reference_op_map(model) == OP_MAP  # dense and MoE layers: every pattern matches
+    dense_only = torch.nn.Module()
+    dense_only.layers = torch.nn.ModuleDict({"0": model.layers[0]})
+    assert set(OP_MAP) - set(reference_op_map(dense_only)) == {
+        p for p, label in OP_MAP.items() if label in ("router", "permute", "dispatch", "combine", "unpermute")
+        or label.startswith(("expert_", "shared_"))}

@@ -13,7 +13,7 @@ import torch
 from bagualu2.costmodel import ParallelConfig, build_graph, evaluate, presets
 from bagualu2.exec import ActivationTracker
 from reference_trainer.measure import measure
-from reference_trainer.model import (GLMMoEModel, PermuteFunction, RMSNormFunction, RoPEFunction, RouterFunction,
+from reference_trainer.model import (RoPE, GLMMoEModel, PermuteFunction, RMSNormFunction, RouterFunction,
                                      SwiGLUFunction, UnpermuteFunction)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,11 +31,12 @@ def test_gradcheck_rmsnorm():
 
 
 def test_gradcheck_rope():
+    """Stock autograd (no custom function: it keeps only the cos/sin constants)."""
     torch.manual_seed(0)
     s, d = 5, 8
     angles = torch.arange(s, dtype=f64)[:, None] * torch.rand(d // 2, dtype=f64)[None, :]
     cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
-    assert torch.autograd.gradcheck(lambda q, k: RoPEFunction.apply(q, k, cos, sin), (_r(2, s, 4, d), _r(2, s, 2, d)))
+    assert torch.autograd.gradcheck(lambda q, k: RoPE()(q, k, cos, sin), (_r(2, s, 4, d), _r(2, s, 2, d)))
 
 
 def test_gradcheck_swiglu():

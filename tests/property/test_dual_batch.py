@@ -18,6 +18,7 @@ from bagualu2.costmodel import ParallelConfig, build_graph, presets
 from bagualu2.exec import apply_plan
 from bagualu2.exec.dual import DualBatchExecutor
 from bagualu2.fusion import CHAIN_KINDS, Order, baselines, build_chains, dp
+from reference_trainer.instrumented import instrument_reference
 from reference_trainer.model import GLMMoEModel
 
 PLAN = "core_attn=OFFLOAD,expert_act=RECOMPUTE,L1.qkv/L1.norm1_out=OFFLOAD,L2.core_attn/L2.attn_lse=RECOMPUTE"
@@ -35,7 +36,9 @@ def _inputs():
 
 def _model():
     torch.manual_seed(0)
-    return GLMMoEModel(CONFIG)
+    model = GLMMoEModel(CONFIG)
+    instrument_reference(model)
+    return model
 
 
 def _grads(model):

@@ -23,6 +23,7 @@ from bagualu2.exec import PlanExecutor
 from bagualu2.exec.dual import DualBatchExecutor
 from bagualu2.fusion import baselines, build_chains, dp
 from bagualu2.runtime import DecisionPath, PointOrders
+from reference_trainer.instrumented import instrument_reference
 from reference_trainer.model import GLMMoEModel
 
 MODEL = presets.model("tiny-moe")[0].replace(num_layers=4, num_dense_layers=0, seq_length=32)
@@ -84,7 +85,9 @@ def test_point_orders_match_the_dp_and_are_memoised():
 
 def _two_chunk_model():
     torch.manual_seed(0)
-    return GLMMoEModel(MODEL)
+    model = GLMMoEModel(MODEL)
+    instrument_reference(model)
+    return model
 
 
 PLANS = (Plan.from_str("expert_act=OFFLOAD,L0.core_attn/L0.attn_lse=RECOMPUTE"),

@@ -33,6 +33,12 @@ def test_no_import_cycle_between_modules():
     assert import_cycles(*PACKAGES) == []
 
 
+def test_the_reference_model_is_architecture_only():
+    """``reference_trainer/model.py`` reaches nothing of ``bagualu2.exec``: the trainer instruments it from outside."""
+    graph = grimp.build_graph(*PACKAGES)
+    assert not graph.chain_exists(importer="reference_trainer.model", imported="bagualu2.exec", as_packages=True)
+
+
 def test_the_cycle_check_finds_a_cycle(tmp_path, monkeypatch):
     package = tmp_path / "cyclic_pkg"
     package.mkdir()

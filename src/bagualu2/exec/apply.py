@@ -8,7 +8,8 @@
     loss.backward()
     executor.release("mb0")
 
-The model runs its ops through :func:`~bagualu2.exec.ops.run_op`. The pack hook names each saved tensor by its
+The model is instrumented (:func:`~bagualu2.exec.instrument`: module hooks open op scopes) or runs its ops through
+:func:`~bagualu2.exec.ops.run_op`. The pack hook names each saved tensor by its
 storage (a storage seen before keeps its name; a new one gets the current op's first saving of the same dtype and
 exactly its expected bytes, or, routed, any size; ambiguous ones are named by the op) and applies
 ``resolve(graph, plan)[(op, tensor)]`` in this order: KEEP the tensor; OFFLOAD one host copy per storage through
@@ -415,7 +416,8 @@ def apply_plan(target: "OpGraph | torch.nn.Module | InstrumentedModel", plan: Pl
       on its traced graph (``trace_graph`` first), savings named by their slot in each module call — or, with
       ``graph``, on that graph (e.g. ``build_graph``'s), savings named by the op scopes the hooks open;
     * the op graph of the layers the forward runs (the model marks its ops with ``run_op`` or is instrumented);
-    * a model with a ``config`` (a :class:`~bagualu2.costmodel.ModelConfig`, e.g. the reference ``GLMMoEModel``):
+    * a model with a ``config`` (a :class:`~bagualu2.costmodel.ModelConfig`, e.g. the reference ``GLMMoEModel``,
+      instrumented with ``reference_trainer.instrumented.instrument_reference``):
       the graph is built for all its layers as one stage (expert parallelism from its ``ep_size``, default 1).
 
     Model parameters and buffers are excluded. ``deferred``: an optional

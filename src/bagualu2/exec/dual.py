@@ -4,7 +4,8 @@ The four chains of ``bagualu2.fusion.build_chains`` are executed stage by stage,
 :class:`~bagualu2.fusion.Order`:
 
 * ``F`` stage k: the forward ops of micro-batch x in that stage. The forward runs in a worker thread, inside the
-  executor's ``micro_batch(x)``; :func:`~bagualu2.exec.ops.run_op` calls the gate before each op, which blocks until
+  executor's ``micro_batch(x)``; the instrument's pre-hook (or :func:`~bagualu2.exec.ops.run_op`) calls the gate
+  before each op, which blocks until
   the op's stage is let through.
 * ``B`` stage k: the backward of micro-batch y through the ops of that stage. ``loss.backward()`` runs in a second
   worker thread; a hook on every differentiable output of every op of y (registered during y's forward, so the
