@@ -50,6 +50,7 @@ class DeferredPlanner:
         self.quantum_bytes = 1 if budget_quantum_bytes is None else require_int("budget_quantum_bytes",
                                                                                   budget_quantum_bytes, 1)
         self._decided: dict[tuple, tuple[Plan | None, int]] = {}
+        self._paper: dict[tuple, tuple[int, Plan]] = {}  # paper mode: (plan, layer, imbalance) -> (bytes, downgrade)
         self._costs: dict[tuple, object] = {}
         # (layer, imbalance, predicted bytes of the plan in force, plan changed)
         self.decisions: deque[tuple[int, float, int, bool]] = deque(maxlen=MAX_DECISIONS)  # the latest only
@@ -75,6 +76,8 @@ class DeferredPlanner:
         imbalance = ceil_bucket(self.imbalance(layer, received_tokens), self.imbalance_step)
         budget = self.budget_bytes if budget_bytes is None else require_int("budget_bytes", budget_bytes, 0)
         budget -= budget % self.quantum_bytes
+        if self.mode == "paper":
+            return self._keep_or_downgrade(plan, layer, imbalance, budget)
         key = (plan.entries, layer, imbalance, budget)
         found = self._decided.get(key)
         if found is None:
@@ -88,6 +91,23 @@ class DeferredPlanner:
                                           self._cost(plan, imbalance).activation_bytes)
         self.decisions.append((layer, imbalance, found[1], found[0] is not None))
         return found[0]
+
+    def _keep_or_downgrade(self, plan: Plan, layer: int, imbalance: float, budget: int) -> Plan | None:
+        """``downgrade="paper"``: ``runtime.after_gate`` keeps the plan iff its bytes fit the budget, else runs the
+        full downgrade of this module — so the bytes and the downgrade are memoised per (plan, layer, imbalance)
+        and only the comparison depends on the budget (the same decisions, with far fewer misses)."""
+        key = (plan.entries, layer, imbalance)
+        found = self._paper.get(key)
+        if found is None:
+            if len(self._paper) > MAX_DECISIONS:
+                self._paper.clear()
+            graph = self.graph(imbalance)
+            found = self._paper[key] = (self._cost(plan, imbalance).activation_bytes,
+                                        downgrade_plan(graph, plan, layers=(layer,)))
+        kept, full = found
+        changed = kept > budget
+        self.decisions.append((layer, imbalance, kept, changed))
+        return full if changed else None
 
     def _cost(self, plan: Plan, imbalance: float):
         key = (plan.entries, imbalance)

@@ -1,0 +1,35 @@
+"""The deferred planner's ``downgrade="paper"`` fast path decides exactly as ``runtime.after_gate`` does."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bagualu2.costmodel import evaluate, presets
+from bagualu2.exec import DeferredPlanner
+from bagualu2.mitigation import greedy
+from bagualu2.runtime import after_gate, ceil_bucket
+
+MODEL, PARALLEL = presets.model("glm-188b-a20b")
+HW = presets.hardware("paper-gpu")
+PLANNER = DeferredPlanner(MODEL, PARALLEL, HW, budget_bytes=0, downgrade="paper", imbalance_step=0.05,
+                          budget_quantum_bytes=1 << 20)
+BASE = PLANNER.graph(1.0)
+PLANS = [greedy.solve(BASE, BASE.floor_bytes + int(f * (BASE.unmitigated_bytes - BASE.floor_bytes))).plan
+         for f in (0.0, 0.3, 0.7, 1.0)]
+LAYERS = sorted({op.layer for op in BASE.ops if op.kind == "router"})
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(PLANS), st.sampled_from(LAYERS), st.floats(1.0, 3.0), st.floats(0.2, 1.3))
+def test_paper_fast_path_equals_the_runtime_decision(plan, layer, rate, fraction):
+    tokens = int(BASE.mean_routed_tokens * rate)
+    budget = int(fraction * BASE.unmitigated_bytes)
+    got = PLANNER.after_gate(plan, layer, tokens, budget_bytes=budget)
+    imbalance = ceil_bucket(max(tokens / BASE.mean_routed_tokens, 1.0), 0.05)
+    graph = PLANNER.graph(imbalance)
+    want = after_gate(graph, plan, budget - budget % (1 << 20), downgrade="paper", downgrade_layers=(layer,))
+    assert (got is None) == (not want.changed)
+    if got is not None:
+        assert got == want.plan
+    assert PLANNER.decisions[-1] == (layer, imbalance, evaluate(graph, plan).activation_bytes, want.changed)
