@@ -106,8 +106,8 @@ class Provisioner:
 
     def _warm(self, ep: int) -> None:
         """Plan ahead, before training (``setup_s``): the graphs of every imbalance bucket a gate can measure (the
-        runtime's and the gates' grids up to ``ep``, the most one rank can receive) and the pre-gate plans of
-        balanced load at every need level, so the first iterations do not pay for them."""
+        runtime's and the gates' grids up to ``ep``, the most one rank can receive) and the pre-gate plans of every
+        need level at the ordinary planned imbalances, so the iterations do not pay for them."""
         if self.fixed is not None:
             return
         path = self.path
@@ -122,15 +122,20 @@ class Provisioner:
                 rates.add(ceil_bucket(rate, path.spike_step))
             for rate in sorted(rates):
                 path.graph(chunk, rate)
-            # the pre-gate plans of balanced load (the planned imbalance of most forwards) on every need level
-            graph, needs = path.graph(chunk, 1.0), path.needs
-            level = 0
-            while True:
-                budget = graph.unmitigated_bytes - math.ceil(needs.quantum * needs.ratio ** level)
-                if budget < graph.floor_bytes or level > 4096:
-                    break
-                path.pre_gate(budget, chunk, planned=1.0)
-                level += 1
+            # the pre-gate plans of every need level at the planned imbalances of ordinary forwards (the planned
+            # imbalance follows the group's busiest gates: buckets from balanced load up to the spike threshold)
+            needs = path.needs
+            planned = 1.0
+            while planned <= min(path.spike_threshold, ep) + 1e-9:
+                graph = path.graph(chunk, planned)
+                level = 0
+                while True:
+                    budget = graph.unmitigated_bytes - math.ceil(needs.quantum * needs.ratio ** level)
+                    if budget < graph.floor_bytes or level > 4096:
+                        break
+                    path.pre_gate(budget, chunk, planned=planned)
+                    level += 1
+                planned = round(planned + path.step, 10)
             deferred = self.executors[chunk].deferred
             rate = 1.0
             while rate <= ep:
