@@ -31,8 +31,7 @@ from bagualu2.costmodel import presets
 from bagualu2.sim import load_trace
 from bagualu2.sim.calibrate import Measured, fit_hardware, predict
 
-from .compare import run_policy, write_block
-from .policies import POLICIES
+from .compare import add_run_arguments, run_policy, write_block
 from .recipes import default_cap, recipe
 
 BEGIN, END = "<!-- calibrate:begin -->", "<!-- calibrate:end -->"
@@ -81,13 +80,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m reference_trainer.calibrate",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--fit-steps", type=int, default=10)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--spike-rate", type=float, default=0.05)
-    parser.add_argument("--spike-max", type=float, default=2.6)
-    parser.add_argument("--schedule", choices=("plain", "runtime"), default="plain")
-    parser.add_argument("--checkpoint-every", type=int, default=5)
-    parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    add_run_arguments(parser)
     parser.add_argument("--hardware-out", type=Path, help="write the fitted profile here (Hardware JSON)")
     parser.add_argument("--write", type=Path, help="the markdown file whose calibrate block is replaced")
     parser.add_argument("--keep", type=Path, help="keep every run's metrics file in this (existing) folder")

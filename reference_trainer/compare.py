@@ -75,8 +75,8 @@ def write_block(path: Path, block: str, begin: str = BEGIN, end: str = END) -> N
     os.replace(tmp, path)
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m reference_trainer.compare", description=__doc__.splitlines()[0])
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of the policy runs (:func:`run_policy`), shared with ``reference_trainer.calibrate``."""
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--spike-rate", type=float, default=0.05)
@@ -84,6 +84,11 @@ def main(argv=None) -> None:
     parser.add_argument("--schedule", choices=("plain", "runtime"), default="plain")
     parser.add_argument("--checkpoint-every", type=int, default=5)
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m reference_trainer.compare", description=__doc__.splitlines()[0])
+    add_run_arguments(parser)
     parser.add_argument("--write", type=Path, help="the markdown file whose compare block is replaced")
     args = parser.parse_args(argv)
     if args.write is not None and not args.write.is_file():
