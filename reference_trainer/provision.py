@@ -19,10 +19,10 @@ For every chunk-forward, in the schedule's order:
    the re-plan's partial solves cost more planning time than they save at this scale (measured).
 5. **kept bytes** — what the activation tracker measured is compared with the cost model's prediction for the
    plan that ran, at the token counts each MoE layer received (``PlanCost.activation_bytes_received``), and
-   recorded into the budget (re-basing). Under EP one all-reduce after the forward gives the group's largest
-   overrun of its prediction and whether any rank overflows the cap (the safety net re-runs it on every rank);
-   each rank records the plan's bytes at the group's busiest gates plus that overrun — the same number
-   everywhere, never below what the rank kept. The tracker enforces the cap ``M_max``.
+   recorded into the budget (re-basing). Under EP one all-reduce after the forward gives the most bytes any rank
+   of the group kept and whether any rank overflows the cap (the safety net re-runs it on every rank); each rank
+   records that maximum — the same number everywhere, never below what the rank kept. The tracker enforces the
+   cap ``M_max``.
 6. **order** — at a fused point F_x B_y, ``bagualu2.runtime.PointOrders`` orders F_x, B_y, O_{x-1}, R_{y+1} from
    their real plans; the ``DualBatchExecutor`` runs it. The inputs of the order are agreed values, so every EP
    rank runs the same interleaving of its all-to-alls.
@@ -195,25 +195,21 @@ class Provisioner:
         return found
 
     def _after_forward(self, record, graph) -> tuple[bool, int, int]:
-        """``(overflow, group bytes, own prediction)`` of a forward just run. Overflow: are the activations in
+        """``(overflow, recorded bytes, own prediction)`` of a forward just run. Overflow: are the activations in
         flight above the cap on any rank of the EP group (which re-runs together; only with the safety net)?
-        Group bytes: what the budget assigner records — under EP the bytes the plan keeps at the most tokens any
-        rank's gates received, plus the most any rank kept beyond its own prediction (so every rank records the
-        same number, at least its own); without EP the bytes measured. One all-reduce under EP, none otherwise."""
+        Recorded bytes: what the budget assigner records — the bytes measured, under EP the most any rank of the
+        group kept (so every rank records the same number). One all-reduce under EP, none otherwise."""
         started = time.perf_counter()
         kept = record.device_bytes
-        cost = self._cost(graph, record.plan)[0]
-        own = cost.activation_bytes_received(graph, dict(record.received_tokens))
+        own = self._cost(graph, record.plan)[0].activation_bytes_received(graph, dict(record.received_tokens))
         over = float(self.safety_net and self.capped and self.tracker.in_flight_bytes > self.cap_bytes)
-        if self.ep_group is None or self.fixed is not None:
-            self.planning_s += time.perf_counter() - started
-            return over > 0, kept, own
-        group = cost.activation_bytes_received(graph, dict(record.group_max_tokens))
         agreed = time.perf_counter()
         self.planning_s += agreed - started
-        over, excess = agree_max([over, float(max(kept - own, 0))], self.ep_group)
+        if self.ep_group is None or self.fixed is not None:
+            return over > 0, kept, own
+        over, most = agree_max([over, float(kept)], self.ep_group)  # float64: exact for any byte count here
         self.agree_s += time.perf_counter() - agreed
-        return over > 0, group + int(excess), own
+        return over > 0, int(most), own
 
     def _cost(self, graph, plan):
         key = (graph, plan.entries)
