@@ -244,7 +244,7 @@ class Provisioner:
         self.assigner.record_forward(forward.index, recorded)
         mean = graph.mean_routed_tokens
         received = dict(record.received_tokens)
-        most = dict(record.group_max_tokens) if self.ep_group is not None else received
+        most = record.group_max_tokens  # = received without an EP group
         rates = [received[layer] / mean for layer in sorted(received)] if mean else []
         if mean and most:  # the estimate of the next forward's imbalance: the group's busiest rank
             self._pending = (chunk, max(max(most[layer] / mean for layer in most), 1.0))

@@ -56,13 +56,14 @@ def reproduce_cmd(
     with progress:
         task = progress.add_task("reproducing", total=steps(config))
 
-        def advance(label: str) -> None:
-            if progress.tasks[0].description != "reproducing":
-                progress.advance(task)
-            progress.update(task, description=escape(label))
+        started: list[str] = []
+
+        def advance(label: str) -> None:  # called before each step: the ones started before it are done
+            progress.update(task, description=escape(label), completed=len(started))
+            started.append(label)
 
         report = reproduce(config, progress=advance)
-        progress.advance(task)
+        progress.update(task, completed=len(started))
     for name, data in figures(report).items():
         write_output(image_paths[name], data, "--docs")
     write_output(report_path, markdown(report).encode(), "--docs")

@@ -59,11 +59,12 @@ def _scales(report: Report) -> list[str]:
 
 def _spikes(report: Report) -> list[str]:
     run, spikes = report.focus, report.spikes()
-    rows, spike_mfus = [], {}
+    rows, spike_mfus, drops = [], {}, {}
     for policy, result in run.results.items():
         inside, outside = spike_mfu(result, spikes)
         bare, _ = spike_mfu(result, spikes, with_restarts=False)
         spike_mfus[policy] = inside
+        drops[policy] = 1 - inside / outside
         rows.append([policy, f"{outside:.3f}", f"{inside:.3f}", f"{1 - inside / outside:.1%}", f"{bare:.3f}",
                      f"{1 - bare / outside:.1%}", str(result.oom_events), str(result.restarts)])
     best = max(spike_mfus[p] for p in BASELINES)
@@ -74,7 +75,6 @@ def _spikes(report: Report) -> list[str]:
              "(what the job computes while it runs).", ""]
     lines += _table(["policy", "MFU normal", "MFU spikes", "drop", "MFU spikes without restart",
                      "drop without restart", "OOM events", "restarts"], rows)
-    drops = {p: 1 - spike_mfu(run.results[p], spikes)[0] / spike_mfu(run.results[p], spikes)[1] for p in BASELINES}
     lines += ["", f"During spikes flexible is **{spike_mfus['flexible'] / best:.2f}x** the best baseline (paper "
               f"{PAPER['fig9_spike_speedup']}x); the baselines' MFU drops by {drops['kwai']:.1%} (kwai; paper "
               f"{PAPER['fig9_drop_kwai']:.1%}) and {drops['adapipe']:.1%} (adapipe; paper "

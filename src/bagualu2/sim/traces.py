@@ -141,7 +141,7 @@ def load_trace(path: str | Path) -> tuple[tuple[float, ...], ...]:
         if rows:
             raise ValueError(f"{path}: mixes trace rows with the trainer's metrics records")
         rows = _metrics_rows(records, path)
-        where = {step: number for number, row in records if "microbatches" in row for step in [row.get("step")]}
+        where = {row.get("step"): number for number, row in records if "microbatches" in row}
     if not rows:
         raise ValueError(f"{path}: no trace rows")
     count = len(rows[min(rows)])
