@@ -243,7 +243,12 @@ def _improved(state: _State, space: Space, need: int) -> _State:
     counter = len(heap)
     history: list[tuple[TensorChoice, Strategy, Delta]] = []
     best_end: tuple[int, int, tuple] | None = None  # (overhead, moves kept, finishing move)
+    # a lower bound on the overhead of any state reachable from here: moves only add overhead, except moving a
+    # tensor quantised by this solve on (at most its cast saved, once); above the best ending, nothing can win
+    refundable_ns = 0
     while state.freed < need and heap:
+        if best_end is not None and state.overhead_ns - refundable_ns > best_end[0]:
+            break  # the ending below is taken whatever else is popped (same result as draining the heap)
         _, _, _, choice, strategy, seen_version, seen_epoch, delta = heappop(heap)
         if seen_version != version[choice.tensor]:
             continue  # the tensor moved since
@@ -256,10 +261,13 @@ def _improved(state: _State, space: Space, need: int) -> _State:
             if best_end is None or total < best_end[0]:
                 best_end = (total, len(history), (choice, strategy, delta))
             continue
+        if state.chosen.get(choice.tensor) is QUANTIZE:
+            refundable_ns -= choice.quantize_ns
         state.apply(choice, strategy, delta)
         history.append((choice, strategy, delta))
         version[choice.tensor] += 1
         if strategy is QUANTIZE:  # a quantised tensor may still be offloaded or recomputed
+            refundable_ns += choice.quantize_ns
             push(choice, OFFLOAD)
             if RECOMPUTE in choice.strategies:
                 push(choice, RECOMPUTE)

@@ -23,9 +23,9 @@ from .buckets import floor_bucket
 class NeedGrid:
     """Need levels: ``level(unmitigated, floor, budget) -> (key, budget the decision is made for)``."""
 
-    def __init__(self, quantum: int, step: float):
+    def __init__(self, quantum: int, step: float, *, name: str = "need_step"):
         self.quantum = require_int("budget_quantum_bytes", quantum, 1)
-        self.step = require_number("need_step", step, 0, 1, low_open=True)
+        self.step = require_number(name, step, 0, 1, low_open=True)
         self.ratio = 1.0 + self.step
         self._log = math.log1p(self.step)
 
@@ -52,38 +52,38 @@ class PlannedImbalance:
         self.window = require_int("window", window, 1)
         self.step = step
         self.constant = None if constant is None else floor_bucket(constant, step)
-        self._seen: dict[int, deque] = {}      # chunk -> the last `window` measured imbalances
-        self._lowest: dict[int, float] = {}    # chunk -> min of the window
-        self._planned: dict[int, float] = {}   # chunk -> its floored bucket
+        # chunk -> [the last `window` measured imbalances, their minimum, its floored bucket]
+        self._slots: dict[int, list] = {}
 
     def seen(self) -> dict[int, tuple[float, ...]]:
         """The measurements in each chunk's window, oldest first."""
-        return {chunk: tuple(values) for chunk, values in self._seen.items()}
+        return {chunk: tuple(slot[0]) for chunk, slot in self._slots.items()}
 
     def get(self, chunk: int) -> float:
-        return self.constant if self.constant is not None else self._planned.get(chunk, 1.0)
+        if self.constant is not None:
+            return self.constant
+        slot = self._slots.get(chunk)
+        return 1.0 if slot is None else slot[2]
 
     def observe(self, chunk: int, imbalance: float) -> float:
         """Remember a gate's measurement; returns the planned imbalance *before* it (amortised O(1): the minimum
         is recomputed only when it leaves the window)."""
-        planned = self.constant if self.constant is not None else self._planned.get(chunk, 1.0)
-        seen = self._seen.get(chunk)
-        if seen is None:
-            seen = self._seen[chunk] = deque(maxlen=self.window)
-            self._lowest[chunk] = math.inf
-        evicted = seen[0] if len(seen) == self.window else None
+        slot = self._slots.get(chunk)
+        if slot is None:
+            slot = self._slots[chunk] = [deque(maxlen=self.window), math.inf, 1.0]
+        seen, lowest = slot[0], slot[1]
+        planned = slot[2] if self.constant is None else self.constant
+        evicted = seen[0] if len(seen) == seen.maxlen else None
         seen.append(imbalance)
-        lowest = self._lowest[chunk]
         if imbalance < lowest:
             lowest = imbalance
         elif evicted == lowest and imbalance != lowest:
             lowest = min(seen)
-            if lowest == self._lowest[chunk]:
+            if lowest == slot[1]:
                 return planned
         else:
             return planned
-        self._lowest[chunk] = lowest
-        self._planned[chunk] = floor_bucket(lowest, self.step)
+        slot[1], slot[2] = lowest, floor_bucket(lowest, self.step)
         return planned
 
 

@@ -15,15 +15,18 @@ Per chunk-forward, ``DecisionPath.forward(budget, imbalance, phase, chunk)``:
    R) in the steady phase; F_x and the offload of x−1 in warmup, where no backward runs.
 
 Chunks whose graphs are the same up to layer numbering (the virtual chunks of a stage, usually) share one set of
-caches; only the names in their plans differ. Caches, each hit safe for every request of its key: measured imbalance -> its *ceiling* bucket (``imbalance_step``,
-``spike_step`` above ``spike_threshold``) with the bucket's graph; pre-gate plans by (need level, planned bucket,
-chunk); gate decisions by (pre-gate plan, need level, imbalance bucket, chunk); orders by what the DP reads. The
-*need* of a decision is ``unmitigated bytes - budget``; its level rounds it *up* on a geometric grid (ratio
-``1 + need_step`` from one ``budget_quantum_bytes``), so a decision frees at least what is needed, finely for
-small needs and coarsely for the large, rare needs of spikes. On a miss, a decision of a nearby need level (up to
+caches; only the names in their plans differ. Caches, each hit safe for every request of its key: measured
+imbalance -> its *ceiling* bucket (``imbalance_step``, ``spike_step`` above ``spike_threshold``) with the bucket's
+graph; pre-gate plans by (need level, planned bucket, chunk); gate decisions by (pre-gate plan, need level,
+imbalance bucket, chunk); orders by what the DP reads. The *need* of a decision is ``unmitigated bytes - budget``;
+its level rounds it *up* on a geometric grid (ratio ``1 + need_step`` from one ``budget_quantum_bytes``), so a
+decision frees at least what is needed, finely for small needs and coarsely for the large, rare needs of spikes.
+Pre-gate plans use a coarser grid (``pregate_need_step``): what they free beyond the need is in part inside the
+MoE module, which the gate re-plans at the fine grid. On a miss, a gate decision of a nearby need level (up to
 ``reuse_levels`` away) stands in when it is as good: a smaller-need one that fits this budget at the measured
-imbalance, or a larger-need one that costs at most ``1 + need_step`` times the smaller-need one. Kept bytes are reported exactly at the measured imbalance
-(routed tensors scale with the routed token count; ``PlanCost.activation_bytes_at``); ``overhead_s`` is the
+imbalance, or a larger-need one that fits and costs at most ``1 + need_step`` times the smaller-need one (with no
+smaller-need one cached: one at most ``UNREFERENCED_LEVELS`` levels up). Kept bytes are reported exactly at the
+measured imbalance (routed tensors scale with the routed token count; ``PlanCost.activation_bytes_at``); ``overhead_s`` is the
 plan's on the bucket's graph. docs/runtime.md has the measured quality.
 """
 
@@ -44,6 +47,7 @@ from .gate import GateAction, after_gate, check_downgrade
 from .keys import NeedGrid, PlannedImbalance, chunk_aliases, shift_plan
 
 MAX_ROWS = 4096  # measured imbalance values whose bucket is remembered
+UNREFERENCED_LEVELS = 2  # with no smaller-need decision cached, a larger-need one this many levels up stands in
 NO_PLAN = Plan()
 WARMUP = BudgetPhase.WARMUP.value
 COVERED, ABSORBED = "covered", "absorbed"  # decision keys of the two outcomes that keep the plan in force
@@ -98,7 +102,8 @@ class DecisionPath:
       imbalance_step        imbalance bucket width up to ``spike_threshold`` (> 0).
       spike_threshold       imbalances above it (spikes: rare, each a new value) are bucketed by ``spike_step``.
       spike_step            bucket width of spikes (> 0).
-      need_step             ratio - 1 of the need grid (in (0, 1]).
+      need_step             ratio - 1 of the need grid of gate decisions (in (0, 1]).
+      pregate_need_step     ratio - 1 of the need grid of pre-gate plans (in (0, 1]).
       reuse_levels          how many need levels away a cached decision may stand in (>= 0).
 
     ``hits`` / ``misses`` count the decisions found in / added to the caches.
@@ -108,7 +113,7 @@ class DecisionPath:
                  downgrade: str = "graded", planned_imbalance: float | None = None, window: int = 16,
                  budget_quantum_bytes: int | None = None, imbalance_step: float = 0.02,
                  spike_threshold: float = 1.2, spike_step: float = 0.2, need_step: float = 0.05,
-                 reuse_levels: int = 16):
+                 pregate_need_step: float = 0.15, reuse_levels: int = 16):
         self.model, self.parallel, self.hardware = model, parallel, hardware
         self.stage = require_int("stage", stage, 0, parallel.pp)
         self.downgrade = check_downgrade(downgrade)
@@ -121,6 +126,7 @@ class DecisionPath:
         if budget_quantum_bytes is None:
             budget_quantum_bytes = max(min(self.graph(c, 1.0).unmitigated_bytes for c in range(parallel.vp)) >> 10, 1)
         self.needs = NeedGrid(budget_quantum_bytes, need_step)
+        self.pregate_needs = NeedGrid(budget_quantum_bytes, pregate_need_step, name="pregate_need_step")
         # chunks that are the same graph up to layer numbering share the caches of the first such chunk
         self._alias = chunk_aliases({c: self.graph(c, 1.0) for c in range(parallel.vp)})
         self._shifted: dict[tuple, Plan] = {}
@@ -212,26 +218,28 @@ class DecisionPath:
         ``BudgetAssigner.absorb_limit_bytes()``) is absorbed instead of re-planned."""
         if type(budget_bytes) is not int or budget_bytes < 0:
             budget_bytes = require_int("budget_bytes", budget_bytes, 0)
-        alias = self._alias.get(chunk)
-        if alias is None:
-            raise ValueError(f"chunk must be an integer in [0, vp={self.parallel.vp}), got {chunk!r}")
-        canonical, offset = alias  # the caches are the canonical chunk's; plans are moved back by ``offset``
-        seen = self._rows.get((imbalance, canonical))
+        seen = self._rows.get((imbalance, chunk))
         if seen is None:
-            seen = self._seen_row(imbalance, canonical)  # validates the imbalance
+            seen = self._seen_row(imbalance, chunk)  # validates the chunk and the imbalance
         planned = self._planner.observe(chunk, imbalance)  # the estimate before this gate
-        chunk = canonical
-        row, tokens, unmitigated = seen[0], seen[1], seen[2]
-        if budget_bytes >= unmitigated:
+        if budget_bytes >= seen[2]:
             # covered at the measured imbalance, so at r = 1 too: nothing was committed before the gate
             self.hits += 1
-            warm = phase == WARMUP
-            covered = seen[3 + warm]
-            if covered is None:
-                outcome = self._outcome(NO_PLAN, COVERED, row, chunk, budget_bytes)
-                covered = seen[3 + warm] = Decision(outcome.plan, unmitigated, outcome.overhead_s, False,
-                                                    self._order(row.graph, NO_PLAN, chunk, warm), outcome.action)
-            return covered
+            covered = seen[4] if phase == WARMUP else seen[3]
+            return covered if covered is not None else self._covered(seen, phase == WARMUP, budget_bytes)
+        return self._decide(seen, budget_bytes, imbalance, phase, planned, limit_bytes)
+
+    def _covered(self, seen: list, warm: bool, budget_bytes: int) -> Decision:
+        row, chunk = seen[0], seen[5]
+        outcome = self._outcome(NO_PLAN, COVERED, row, chunk, budget_bytes)
+        covered = seen[3 + warm] = Decision(outcome.plan, seen[2], outcome.overhead_s, False,
+                                            self._order(row.graph, NO_PLAN, chunk, warm), outcome.action)
+        return covered
+
+    def _decide(self, seen: list, budget_bytes: int, imbalance: float, phase: str, planned: float,
+                limit_bytes: int | None) -> Decision:
+        """A forward whose budget does not cover its unmitigated bytes: steps 2-4 of the module docstring."""
+        row, tokens, chunk, offset = seen[0], seen[1], seen[5], seen[6]  # the caches are the canonical chunk's
         pre = self._pre_gate(budget_bytes, planned, chunk)
         outcome = None
         if limit_bytes is not None and phase == WARMUP and self.downgrade == "graded":
@@ -242,7 +250,7 @@ class DecisionPath:
             level, decided = self.needs.level(row.unmitigated_bytes, row.graph.floor_bytes, budget_bytes)
             outcome = self._outcome(pre, level, row, chunk, decided, budget_bytes, tokens)
         plan = outcome.plan
-        if offset and plan.entries:
+        if offset and plan.entries:  # plans are moved back to this chunk's layers by ``offset``
             key = (plan.entries, offset)
             plan = self._shifted.get(key) or self._shifted.setdefault(key, shift_plan(plan, offset))
         warm = phase == WARMUP
@@ -253,14 +261,18 @@ class DecisionPath:
                         outcome.changed, order, outcome.action)
 
     def _seen_row(self, imbalance: float, chunk: int) -> list:
-        """``[row, routed tokens, exact unmitigated bytes, covered decision (steady), (warmup)]`` of a measured
-        imbalance."""
-        row = self._row(imbalance, chunk)
+        """``[row, routed tokens, exact unmitigated bytes, covered decision (steady), (warmup), canonical chunk,
+        layer offset]`` of a measured imbalance on ``chunk`` (its canonical chunk's bucket row)."""
+        alias = self._alias.get(chunk)
+        if alias is None:
+            raise ValueError(f"chunk must be an integer in [0, vp={self.parallel.vp}), got {chunk!r}")
+        canonical, offset = alias
+        row = self._row(imbalance, canonical)
         tokens = row.graph.routed_tokens(imbalance)
         if len(self._rows) >= MAX_ROWS:  # measured imbalances may be continuous: bound the memo of their buckets
             self._rows.clear()
         seen = self._rows[(imbalance, chunk)] = [row, tokens, row.fixed_bytes + row.per_token_bytes * tokens, None,
-                                                  None]
+                                                  None, canonical, offset]
         return seen
 
     def _row(self, imbalance: float, chunk: int) -> _Row:
@@ -289,7 +301,7 @@ class DecisionPath:
         if budget_bytes >= balanced:
             return NO_PLAN
         graph = self.graph(chunk, planned)
-        level, decided = self.needs.level(graph.unmitigated_bytes, graph.floor_bytes, budget_bytes)
+        level, decided = self.pregate_needs.level(graph.unmitigated_bytes, graph.floor_bytes, budget_bytes)
         key = (level, planned, chunk)
         found = self._pregate.get(key)  # no stand-ins: what runs before the gate cannot be undone
         if found is None:
@@ -331,7 +343,9 @@ class DecisionPath:
     def _nearby(self, pre: Plan, level: int, row: _Row, chunk: int, budget_bytes: int, tokens: int):
         """A cached decision of a nearby need level that is as good here (the greedy's cost grows with the need):
         the nearest smaller-need decision if it fits this budget at the measured imbalance, else the nearest
-        larger-need one if it fits and costs at most ``1 + need_step`` times the smaller-need one."""
+        larger-need one if it fits and costs at most ``1 + need_step`` times the smaller-need one — or, with no
+        smaller-need decision cached, if it is at most ``UNREFERENCED_LEVELS`` levels up (made for a need at most
+        ``(1 + need_step) ** UNREFERENCED_LEVELS`` times this one)."""
         outcomes, entries, bucket = self._outcomes, pre.entries, row.bucket
         lower = None
         for smaller in range(level - 1, max(level - 1 - self.reuse_levels, -1), -1):
@@ -340,13 +354,15 @@ class DecisionPath:
                 if lower.fixed_bytes + lower.per_token_bytes * tokens <= budget_bytes:
                     return lower
                 break
-        if lower is None:
-            return None
-        for larger in range(level + 1, level + 1 + self.reuse_levels):
+        reach = self.reuse_levels if lower is not None else min(self.reuse_levels, UNREFERENCED_LEVELS)
+        for larger in range(level + 1, level + 1 + reach):
             higher = outcomes.get((entries, larger, bucket, chunk))
             if higher is not None:
-                fits = higher.fixed_bytes + higher.per_token_bytes * tokens <= budget_bytes
-                return higher if fits and higher.overhead_s <= lower.overhead_s * self.needs.ratio + 1e-6 else None
+                if higher.fixed_bytes + higher.per_token_bytes * tokens > budget_bytes:
+                    return None
+                if lower is None:  # no reference cost: made for a need at most ratio ** UNREFERENCED_LEVELS larger
+                    return higher
+                return higher if higher.overhead_s <= lower.overhead_s * self.needs.ratio + 1e-6 else None
         return None
 
     def _outcome_of(self, graph: OpGraph, plan: Plan, action: GateAction, chunk: int) -> _Outcome:
