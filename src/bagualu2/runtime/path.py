@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..budget import BudgetPhase
-from ..costmodel import (Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, PlanCost, StageMemory, build_graph,
-                         evaluate, schedule, stage_memory)
+from ..costmodel import (Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, PlanCost, StageMemory, Strategy,
+                         build_graph, evaluate, schedule, stage_memory)
 from ..costmodel.build import check_imbalance
 from ..costmodel.validate import require_int, require_number
 from ..fusion import Order, build_chains, dp
@@ -49,6 +49,7 @@ from .keys import NeedGrid, PlannedImbalance, chunk_aliases, shift_plan
 MAX_ROWS = 4096  # measured imbalance values whose bucket is remembered
 UNREFERENCED_LEVELS = 2  # with no smaller-need decision cached, a larger-need one this many levels up stands in
 NO_PLAN = Plan()
+STAY_ON_DEVICE = (Strategy.KEEP, Strategy.RECOMPUTE)  # strategies that add no forward cast and no copy
 WARMUP = BudgetPhase.WARMUP.value
 COVERED, ABSORBED = "covered", "absorbed"  # decision keys of the two outcomes that keep the plan in force
 
@@ -65,6 +66,16 @@ class Decision(NamedTuple):
     action: GateAction = GateAction.KEEP
 
 
+class _Pre(NamedTuple):
+    """A pre-gate plan and the small integer that stands for it in cache keys (a plan's entries are long)."""
+
+    plan: Plan
+    id: int
+
+
+NO_PRE = _Pre(NO_PLAN, 0)
+
+
 @dataclass(frozen=True)
 class _Outcome:
     """A cached decision: the plan, and its bytes as ``fixed + per_token * routed tokens`` (exact at any
@@ -79,6 +90,7 @@ class _Outcome:
     graph: OpGraph         # the bucket's, on which it was decided (its order is solved there)
     activation_bytes: int  # at the bucket's imbalance
     orders: dict = field(default_factory=dict, compare=False, repr=False)  # warmup? -> its scheduling point's
+    shifted: dict = field(default_factory=dict, compare=False, repr=False)  # layer offset -> the moved plan
 
 
 @dataclass(frozen=True)
@@ -135,7 +147,9 @@ class DecisionPath:
         self._balanced: dict[int, int] = {}    # chunk -> unmitigated bytes at r = 1
         self._buckets: dict[tuple[float, int], _Row] = {}
         self._costs: dict[tuple, PlanCost] = {}
-        self._pregate: dict[tuple, Plan] = {}
+        self._pregate: dict[tuple, _Pre] = {}
+        self._pre_ids: dict[tuple, int] = {(): 0}  # pre-gate plan entries -> the small id the cache keys use
+        self._pre_rows: dict[tuple, tuple[int, int]] = {}  # (pre id, bucket, chunk) -> its bytes, fixed + per token
         self._outcomes: dict[tuple, _Outcome] = {}
         self._orders: dict[tuple, Order] = {}
         self._solved: dict[tuple, Order] = {}
@@ -187,7 +201,7 @@ class DecisionPath:
             raise ValueError(f"chunk must be an integer in [0, vp={self.parallel.vp}), got {chunk!r}")
         canonical, offset = alias
         planned = self._planner.get(chunk) if planned is None else check_imbalance(planned)
-        plan = self._pre_gate(budget_bytes, planned, canonical)
+        plan = self._pre_gate(budget_bytes, planned, canonical).plan
         if offset and plan.entries:
             key = (plan.entries, offset)
             plan = self._shifted.get(key) or self._shifted.setdefault(key, shift_plan(plan, offset))
@@ -231,7 +245,7 @@ class DecisionPath:
 
     def _covered(self, seen: list, warm: bool, budget_bytes: int) -> Decision:
         row, chunk = seen[0], seen[5]
-        outcome = self._outcome(NO_PLAN, COVERED, row, chunk, budget_bytes)
+        outcome = self._outcome(NO_PRE, COVERED, row, chunk, budget_bytes)
         covered = seen[3 + warm] = Decision(outcome.plan, seen[2], outcome.overhead_s, False,
                                             self._order(row.graph, NO_PLAN, chunk, warm), outcome.action)
         return covered
@@ -243,16 +257,23 @@ class DecisionPath:
         pre = self._pre_gate(budget_bytes, planned, chunk)
         outcome = None
         if limit_bytes is not None and phase == WARMUP and self.downgrade == "graded":
-            cost = self._cost(pre, row.bucket, chunk)
-            if budget_bytes < cost.activation_bytes_at(row.graph, imbalance) <= limit_bytes:
+            split = self._pre_rows.get((pre.id, row.bucket, chunk))
+            if split is None:
+                split = self._pre_rows[(pre.id, row.bucket, chunk)] = self._split(
+                    row.graph, self._cost(pre.plan, row.bucket, chunk))
+            if budget_bytes < split[0] + split[1] * tokens <= limit_bytes:  # the pre-gate plan's bytes at r
                 outcome = self._outcome(pre, ABSORBED, row, chunk, budget_bytes)  # the next budgets shrink
         if outcome is None:
             level, decided = self.needs.level(row.unmitigated_bytes, row.graph.floor_bytes, budget_bytes)
             outcome = self._outcome(pre, level, row, chunk, decided, budget_bytes, tokens)
         plan = outcome.plan
         if offset and plan.entries:  # plans are moved back to this chunk's layers by ``offset``
-            key = (plan.entries, offset)
-            plan = self._shifted.get(key) or self._shifted.setdefault(key, shift_plan(plan, offset))
+            shifted = outcome.shifted.get(offset)
+            if shifted is None:
+                key = (plan.entries, offset)
+                shifted = outcome.shifted[offset] = self._shifted.get(key) or self._shifted.setdefault(
+                    key, shift_plan(plan, offset))
+            plan = shifted
         warm = phase == WARMUP
         order = outcome.orders.get(warm)
         if order is None:
@@ -293,13 +314,13 @@ class DecisionPath:
             found = self._costs[key] = evaluate(self.graph(chunk, imbalance), plan)
         return found
 
-    def _pre_gate(self, budget_bytes: int, planned: float, chunk: int) -> Plan:
-        """The plan in force before the gate (step 1 of the module docstring)."""
+    def _pre_gate(self, budget_bytes: int, planned: float, chunk: int) -> _Pre:
+        """The plan in force before the gate (step 2 of the module docstring), with its id."""
         balanced = self._balanced.get(chunk)
         if balanced is None:
             balanced = self._balanced[chunk] = self.graph(chunk, 1.0).unmitigated_bytes
         if budget_bytes >= balanced:
-            return NO_PLAN
+            return NO_PRE
         graph = self.graph(chunk, planned)
         level, decided = self.pregate_needs.level(graph.unmitigated_bytes, graph.floor_bytes, budget_bytes)
         key = (level, planned, chunk)
@@ -308,13 +329,14 @@ class DecisionPath:
             solution = greedy.solve(graph, decided)
             if not solution.ok:  # below M0 nothing fits: the least the micro-batch can keep (full recompute)
                 solution = greedy.solve(graph, graph.floor_bytes)
-            found = self._pregate[key] = solution.plan
-            self._costs.setdefault((found.entries, planned, chunk), solution.cost)  # the evaluator's, once
+            plan = solution.plan
+            found = self._pregate[key] = _Pre(plan, self._pre_ids.setdefault(plan.entries, len(self._pre_ids)))
+            self._costs.setdefault((plan.entries, planned, chunk), solution.cost)  # the evaluator's, once
         return found
 
-    def _outcome(self, pre: Plan, level, row: _Row, chunk: int, decided: int, budget_bytes: int = 0,
+    def _outcome(self, pre: _Pre, level, row: _Row, chunk: int, decided: int, budget_bytes: int = 0,
                  tokens: int = 0) -> _Outcome:
-        key = (pre.entries, level, row.bucket, chunk)
+        key = (pre.id, level, row.bucket, chunk)
         outcomes = self._outcomes
         found = outcomes.get(key)
         if found is None and type(level) is int:
@@ -324,9 +346,9 @@ class DecisionPath:
             return found
         self.misses += 1
         if level == COVERED or level == ABSORBED:
-            plan, action = pre, GateAction.KEEP if level == COVERED else GateAction.ABSORB
+            plan, action = pre.plan, GateAction.KEEP if level == COVERED else GateAction.ABSORB
         else:
-            gate = after_gate(row.graph, pre, decided, downgrade=self.downgrade,
+            gate = after_gate(row.graph, pre.plan, decided, downgrade=self.downgrade,
                               cost=lambda plan: self._cost(plan, row.bucket, chunk))
             plan, action = gate.plan, gate.action
             self._costs.setdefault((plan.entries, row.bucket, chunk), gate.cost)  # the evaluator's, once
@@ -340,23 +362,23 @@ class DecisionPath:
         per_token = cost.routed_bytes // built if built else 0
         return cost.activation_bytes - per_token * built, per_token
 
-    def _nearby(self, pre: Plan, level: int, row: _Row, chunk: int, budget_bytes: int, tokens: int):
+    def _nearby(self, pre: _Pre, level: int, row: _Row, chunk: int, budget_bytes: int, tokens: int):
         """A cached decision of a nearby need level that is as good here (the greedy's cost grows with the need):
         the nearest smaller-need decision if it fits this budget at the measured imbalance, else the nearest
         larger-need one if it fits and costs at most ``1 + need_step`` times the smaller-need one — or, with no
         smaller-need decision cached, if it is at most ``UNREFERENCED_LEVELS`` levels up (made for a need at most
         ``(1 + need_step) ** UNREFERENCED_LEVELS`` times this one)."""
-        outcomes, entries, bucket = self._outcomes, pre.entries, row.bucket
+        outcomes, pid, bucket = self._outcomes, pre.id, row.bucket
         lower = None
         for smaller in range(level - 1, max(level - 1 - self.reuse_levels, -1), -1):
-            lower = outcomes.get((entries, smaller, bucket, chunk))
+            lower = outcomes.get((pid, smaller, bucket, chunk))
             if lower is not None:
                 if lower.fixed_bytes + lower.per_token_bytes * tokens <= budget_bytes:
                     return lower
                 break
         reach = self.reuse_levels if lower is not None else min(self.reuse_levels, UNREFERENCED_LEVELS)
         for larger in range(level + 1, level + 1 + reach):
-            higher = outcomes.get((entries, larger, bucket, chunk))
+            higher = outcomes.get((pid, larger, bucket, chunk))
             if higher is not None:
                 if higher.fixed_bytes + higher.per_token_bytes * tokens > budget_bytes:
                     return None
@@ -375,6 +397,8 @@ class DecisionPath:
         """The fused order of the scheduling point of a forward running ``plan``: in the steady phase F_x B_y
         with the same graph and plan for x and y (and O, R from them); in warmup no backward runs, so F_x with
         the offload of x-1 only."""
+        if warmup and plan.entries and all(strategy in STAY_ON_DEVICE for _, strategy in plan.entries):
+            plan = NO_PLAN  # no cast, no copy: the warmup point runs the plain forward, whatever is recomputed
         key = (plan.entries, graph.imbalance, chunk, warmup)  # the chains depend on the plan and graph only
         order = self._orders.get(key)
         if order is None:
