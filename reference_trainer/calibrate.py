@@ -1,17 +1,20 @@
 """The simulator calibrated against this trainer on CPU, then checked against every policy's measured run.
 
-    python -m reference_trainer.calibrate [--fit-steps 10] [--steps 30] [--hardware-out cpu-fitted.json]
-                                          [--write docs/trainer.md]
+    python -m reference_trainer.calibrate [--fit each|once] [--fit-steps 8] [--steps 30]
+                                          [--hardware-out cpu-fitted.json] [--write docs/trainer.md]
 
 1. **Fit** (a short measurement): ``ideal`` (no cap, no mitigation) and ``static-over`` (it offloads) run
    ``--fit-steps`` steps each under torchrun as ``reference_trainer.compare`` runs every policy (``glm_moe_debug``,
    PP=2 x DP=2, EP=2); their mean steps and imbalance traces fit the ``cpu`` profile's per-op launch cost and its
-   per-copy cost (``bagualu2.sim.calibrate.fit_hardware``). The fitted profile is written as Hardware JSON
+   per-copy cost (``bagualu2.sim.calibrate.fit_hardware``). With ``--fit each`` (default) the two fit runs are
+   made again right before every policy's run, so that each prediction uses a profile measured minutes, not
+   half an hour, earlier (a shared machine's speed drifts by 10-20% between runs); ``--fit once`` fits before the
+   first policy only. The fitted profile (the median of the fits' values) is written as Hardware JSON
    (``--hardware-out``; usable as ``bagualu2 ... -H FILE``).
 2. **Check**: every policy runs ``--steps`` steps (as ``reference_trainer.compare``, spikes and a real torchrun
    restart for ``static-under``); the simulator predicts each run from its own imbalance trace, the recipe's cap and
-   its measured restart seconds (``bagualu2.sim.calibrate.predict``), and the table sets predicted beside measured
-   tokens/s (effective) and peak activation bytes.
+   its measured restart seconds (``bagualu2.sim.calibrate.predict``) on the profile fitted before it, and the table
+   sets predicted beside measured tokens/s (effective) and peak activation bytes.
 
 ``--write`` replaces the block between ``<!-- calibrate:begin -->`` and ``<!-- calibrate:end -->`` of that file.
 """
@@ -19,6 +22,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -35,6 +39,7 @@ from .compare import add_run_arguments, run_policy, write_block
 from .recipes import default_cap, recipe
 
 BEGIN, END = "<!-- calibrate:begin -->", "<!-- calibrate:end -->"
+FIT_POLICIES = ("ideal", "static-over")  # no host copies (fits the launch cost); offloads (fits the copy cost)
 
 
 def measured(policy: str, summary: dict, metrics: Path) -> Measured:
@@ -56,30 +61,44 @@ def measured(policy: str, summary: dict, metrics: Path) -> Measured:
                     restart_s=summary["restart_s"], steps_lost=summary["steps_lost"])
 
 
-def table(rows: list[dict], hardware, fit: Measured, command: str) -> str:
+def fit(model, parallel, base, args, folder: Path, cap: int):
+    """Run the two fit policies for ``--fit-steps`` steps in ``folder``; returns ``(fitted profile, ideal run)``."""
+    folder.mkdir(exist_ok=True)
+    fit_args = argparse.Namespace(**{**vars(args), "steps": args.fit_steps})
+    runs = {policy: measured(policy, run_policy(policy, fit_args, folder), folder / f"{policy}.jsonl")
+            for policy in FIT_POLICIES}
+    hardware = fit_hardware(model, parallel, base, runs["ideal"], copies=runs["static-over"], copies_m_max_bytes=cap)
+    return hardware, runs["ideal"]
+
+
+def table(rows: list[dict], hardware, fit_steps: int, mode: str, command: str) -> str:
+    when = "right before each policy's run" if mode == "each" else "once, before the first policy's run"
     lines = [f"Command: `{command}`", "",
-             f"Fitted on two {len(fit.trace)}-step runs: `ideal` (mean step after the first "
-             f"{fit.step_s * 1e3:.0f} ms) gives `kernel_launch_s` = {hardware.kernel_launch_s * 1e6:.1f} us per op "
-             f"launch or collective, `static-over` (it offloads) `copy_launch_s` = "
-             f"{hardware.copy_setup_s * 1e6:.1f} us per host copy; the `cpu` profile's other fields unchanged; "
-             f"the `ideal` run's {fit.other_s * 1e3:.0f} ms per step outside the steps (checkpoints every "
-             "`--checkpoint-every` steps, metrics) is added to every predicted step. "
-             "Every policy below is a separate run of `--steps` steps.", "",
+             f"Fitted {when} (`--fit {mode}`) on two {fit_steps}-step runs: `ideal` (its mean step after the "
+             "first) gives `kernel_launch_s`, the cost per op launch or collective, `static-over` (it offloads) "
+             "`copy_launch_s`, the cost per host copy (columns *fit*; medians "
+             f"{hardware.kernel_launch_s * 1e6:.1f} us and {hardware.copy_setup_s * 1e6:.1f} us); the `cpu` "
+             "profile's other fields unchanged; the `ideal` fit run's seconds per step outside the steps "
+             "(checkpoints every `--checkpoint-every` steps, metrics) are added to every predicted step. Every "
+             "policy below is a separate run of `--steps` steps.", "",
              "| policy | tokens/s measured | predicted | error | peak activation B measured | predicted | error "
-             "| mean step s measured | predicted | restarts measured / predicted |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| mean step s measured | predicted | restarts measured / predicted | fit launch / copy us |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         lines.append(f"| {r['policy']} | {r['measured_tokens_per_s']:.1f} | {r['tokens_per_s']:.1f} | "
                      f"{r['tokens_error']:+.1%} | {r['measured_peak_activation_bytes']:,} | "
                      f"{r['peak_activation_bytes']:,} | {r['peak_error']:+.2%} | {r['measured_step_s']:.3f} | "
-                     f"{r['step_s']:.3f} | {r['measured_restarts']} / {r['restarts']} |")
+                     f"{r['step_s']:.3f} | {r['measured_restarts']} / {r['restarts']} | "
+                     f"{r['kernel_launch_s'] * 1e6:.0f} / {r['copy_launch_s'] * 1e6:.0f} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m reference_trainer.calibrate",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("--fit-steps", type=int, default=10)
+    parser.add_argument("--fit", choices=("each", "once"), default="each",
+                        help="fit right before every policy's run (default) or once before the first")
+    parser.add_argument("--fit-steps", type=int, default=8)
     add_run_arguments(parser)
     parser.add_argument("--hardware-out", type=Path, help="write the fitted profile here (Hardware JSON)")
     parser.add_argument("--write", type=Path, help="the markdown file whose calibrate block is replaced")
@@ -91,35 +110,34 @@ def main(argv=None) -> None:
         parser.error(f"--write {args.write}: not an existing regular file")
     config = recipe("glm_moe_debug")
     cap = default_cap(config)
-    model, parallel = config.model, config.parallel
+    model, parallel, base = config.model, config.parallel, presets.hardware("cpu")
     if args.keep is not None and not args.keep.is_dir():
         parser.error(f"--keep {args.keep}: not an existing folder")
+    rows, profiles = [], []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp) if args.keep is None else args.keep
-        (work / "fit").mkdir(exist_ok=True)
-        fit_args = argparse.Namespace(**{**vars(args), "steps": args.fit_steps})
-        fits = {}
-        for policy in ("ideal", "static-over"):
-            print(f"fitting on {policy} ...", file=sys.stderr, flush=True)
-            fits[policy] = measured(policy, run_policy(policy, fit_args, work / "fit"), work / "fit" / f"{policy}.jsonl")
-        fit = fits["ideal"]
-        hardware = fit_hardware(model, parallel, presets.hardware("cpu"), fit, copies=fits["static-over"],
-                                copies_m_max_bytes=cap)
-        rows = []
         for policy in args.policies:
+            if args.fit == "each" or not profiles:
+                print(f"fitting on {' and '.join(FIT_POLICIES)} ...", file=sys.stderr, flush=True)
+                profiles.append(fit(model, parallel, base, args, work / f"fit-{policy}", cap))
+            hardware, ideal = profiles[-1]
             print(f"running {policy} ...", file=sys.stderr, flush=True)
             summary = run_policy(policy, args, work)
             run = measured(policy, summary, work / f"{policy}.jsonl")
             row = predict(model, parallel, hardware, run, m_max_bytes=None if policy == "ideal" else cap,
-                          other_s=fit.other_s)
-            rows.append({**row, "measured_restarts": summary["restarts"]})
+                          other_s=ideal.other_s)
+            rows.append({**row, "measured_restarts": summary["restarts"], "kernel_launch_s": hardware.kernel_launch_s,
+                         "copy_launch_s": hardware.copy_setup_s})
+    hardware = dataclasses.replace(base, name=f"{base.name}-fitted",
+                                   kernel_launch_s=statistics.median(h.kernel_launch_s for h, _ in profiles),
+                                   copy_launch_s=statistics.median(h.copy_setup_s for h, _ in profiles))
     if args.hardware_out is not None:  # temp file + rename: never half-written
         fd, tmp = tempfile.mkstemp(dir=args.hardware_out.parent, prefix=f".{args.hardware_out.name}.")
         with os.fdopen(fd, "w") as handle:
             handle.write(hardware.to_json() + "\n")
         os.replace(tmp, args.hardware_out)
     command = "python -m reference_trainer.calibrate " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-    block = table(rows, hardware, fit, command.strip())
+    block = table(rows, hardware, args.fit_steps, args.fit, command.strip())
     print(block)
     if args.write is not None:
         write_block(args.write, block, BEGIN, END)

@@ -28,6 +28,8 @@ def test_measured_takes_the_last_record_of_each_step_and_the_steps_after_the_fir
     assert plain.other_s == pytest.approx((9.0 - 0.9 - 0.3 - 0.4) / 3)
     row = {"policy": "ideal", "measured_tokens_per_s": 100.0, "tokens_per_s": 110.0, "tokens_error": 0.1,
            "measured_peak_activation_bytes": 30, "peak_activation_bytes": 30, "peak_error": 0.0,
-           "measured_step_s": 0.35, "step_s": 0.3, "measured_restarts": 0, "restarts": 0}
-    text = table([row], presets.hardware("cpu"), plain, "python -m reference_trainer.calibrate")
-    assert "| ideal | 100.0 | 110.0 | +10.0% | 30 | 30 | +0.00% | 0.350 | 0.300 | 0 / 0 |" in text
+           "measured_step_s": 0.35, "step_s": 0.3, "measured_restarts": 0, "restarts": 0,
+           "kernel_launch_s": 5e-4, "copy_launch_s": 2e-4}
+    text = table([row], presets.hardware("cpu"), 8, "each", "python -m reference_trainer.calibrate")
+    assert "| ideal | 100.0 | 110.0 | +10.0% | 30 | 30 | +0.00% | 0.350 | 0.300 | 0 / 0 | 500 / 200 |" in text
+    assert "right before each policy's run (`--fit each`) on two 8-step runs" in text
