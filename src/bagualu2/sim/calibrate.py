@@ -66,16 +66,20 @@ def _mean_s(result: SimResult) -> float:
     return statistics.fmean(it.time_s - it.lost_s for it in result.iterations)
 
 
-def _bisect(seconds_of, target_s: float, field_name: str, base_name: str) -> float:
-    """The value in ``HARDWARE_RANGES["kernel_launch_s"]`` (log-bisection) at which ``seconds_of`` (increasing)
-    reaches ``target_s``; one-line ``ValueError`` when the range's bounds cannot reach it."""
+def _bisect(seconds_of, target_s: float, field_name: str, base_name: str, *, clamp: bool = False) -> float:
+    """The value in ``HARDWARE_RANGES["kernel_launch_s"]`` (log-bisection) at which ``seconds_of`` (non-decreasing)
+    reaches ``target_s``; one-line ``ValueError`` when the range's bounds cannot reach it — except, with ``clamp``,
+    above the range's top: then the value where ``seconds_of`` reaches its plateau."""
     low, high = HARDWARE_RANGES["kernel_launch_s"]
     low = max(low, 1e-12)
     if seconds_of(low) > target_s:
         raise ValueError(f"step_s={target_s:g} is below what {base_name} computes with {field_name}=0 "
                          f"({seconds_of(low):g} s)")
-    if seconds_of(high) < target_s:
-        raise ValueError(f"step_s={target_s:g} is above what {field_name}={high:g} gives")
+    top_s = seconds_of(high)
+    if top_s < target_s:
+        if not clamp:
+            raise ValueError(f"step_s={target_s:g} is above what {field_name}={high:g} gives")
+        target_s = top_s * (1 - 1e-9)
     for _ in range(FIT_STEPS):
         middle = (low * high) ** 0.5
         low, high = (middle, high) if seconds_of(middle) < target_s else (low, middle)
@@ -88,8 +92,10 @@ def fit_hardware(model: ModelConfig, parallel: ParallelConfig, base: Hardware, f
     """``base`` with ``kernel_launch_s`` fitted so the simulated mean iteration of ``fit`` (a run without host
     copies, e.g. ``ideal``) equals its measured mean step; then, given ``copies`` (a run that offloads, e.g.
     ``static-over``, at the cap ``copies_m_max_bytes``), ``copy_launch_s`` fitted the same way with the kernels'
-    cost fixed. Bisection: the iteration time grows with either. One-line ``ValueError`` when even the range's
-    bounds cannot reach a measured time."""
+    cost fixed. Bisection: the iteration time grows with either. The copies run's time stops growing once a copy
+    costs more than recomputing (its plan then recomputes): a run slower than that plateau fits the copy cost where
+    the plateau starts. Otherwise a one-line ``ValueError`` when even the range's bounds cannot reach a measured
+    time."""
     def seconds(run: Measured, cap, hardware: Hardware) -> float:
         return _mean_s(_run(model, parallel, hardware, run, cap, restart_s=0.0))
 
@@ -98,7 +104,7 @@ def fit_hardware(model: ModelConfig, parallel: ParallelConfig, base: Hardware, f
     hardware = dataclasses.replace(base, kernel_launch_s=kernel, name=name or f"{base.name}-fitted")
     if copies is not None:
         copy = _bisect(lambda v: seconds(copies, copies_m_max_bytes, dataclasses.replace(hardware, copy_launch_s=v)),
-                       copies.step_s, "copy_launch_s", base.name)
+                       copies.step_s, "copy_launch_s", base.name, clamp=True)
         hardware = dataclasses.replace(hardware, copy_launch_s=copy)
     return hardware
 
