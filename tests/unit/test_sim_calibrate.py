@@ -49,7 +49,7 @@ def test_fit_recovers_a_separate_copy_cost_from_a_run_that_offloads():
     assert abs(row["tokens_error"]) < 1e-6
 
 
-def test_a_copies_run_slower_than_any_copy_cost_fits_the_start_of_the_plateau():
+def test_a_copies_run_outside_what_copy_costs_reach_fits_the_nearest_end():
     """Dear copies make the plan recompute instead, so the run's time stops growing with the copy cost: a copies
     run slower than that fits the copy cost where the plateau starts (not the range's top)."""
     truth = dataclasses.replace(BASE, kernel_launch_s=3e-4, copy_launch_s=4e-5)
@@ -62,6 +62,8 @@ def test_a_copies_run_slower_than_any_copy_cost_fits_the_start_of_the_plateau():
     assert 4e-5 < fitted.copy_launch_s < 1.0
     half = _measured("static-over", dataclasses.replace(fitted, copy_launch_s=fitted.copy_launch_s / 2)).step_s
     assert half < at_fit  # the fit is where the plateau starts, not anywhere on it
+    fast = dataclasses.replace(copies, step_s=copies.step_s / 100)  # faster than free copies allow: the bottom
+    assert fit_hardware(MODEL, PARALLEL, BASE, _measured("ideal", truth), copies=fast).copy_launch_s < 1e-9
     with pytest.raises(ValueError, match="above what kernel_launch_s"):  # the launch cost is never clamped
         fit_hardware(MODEL, PARALLEL, BASE, dataclasses.replace(copies, policy="ideal", step_s=1e6))
 

@@ -68,11 +68,13 @@ def _mean_s(result: SimResult) -> float:
 
 def _bisect(seconds_of, target_s: float, field_name: str, base_name: str, *, clamp: bool = False) -> float:
     """The value in ``HARDWARE_RANGES["kernel_launch_s"]`` (log-bisection) at which ``seconds_of`` (non-decreasing)
-    reaches ``target_s``; one-line ``ValueError`` when the range's bounds cannot reach it — except, with ``clamp``,
-    above the range's top: then the value where ``seconds_of`` reaches its plateau."""
+    reaches ``target_s``; one-line ``ValueError`` when the range's bounds cannot reach it — except with ``clamp``:
+    below the range's bottom, the bottom; above its top, the value where ``seconds_of`` reaches its plateau."""
     low, high = HARDWARE_RANGES["kernel_launch_s"]
     low = max(low, 1e-12)
     if seconds_of(low) > target_s:
+        if clamp:
+            return low
         raise ValueError(f"step_s={target_s:g} is below what {base_name} computes with {field_name}=0 "
                          f"({seconds_of(low):g} s)")
     top_s = seconds_of(high)
@@ -94,8 +96,9 @@ def fit_hardware(model: ModelConfig, parallel: ParallelConfig, base: Hardware, f
     ``static-over``, at the cap ``copies_m_max_bytes``), ``copy_launch_s`` fitted the same way with the kernels'
     cost fixed. Bisection: the iteration time grows with either. The copies run's time stops growing once a copy
     costs more than recomputing (its plan then recomputes): a run slower than that plateau fits the copy cost where
-    the plateau starts. Otherwise a one-line ``ValueError`` when even the range's bounds cannot reach a measured
-    time."""
+    the plateau starts; a run no slower than free copies allow (two short runs differ by the machine's noise)
+    fits the range's bottom. The launch cost is never clamped: a one-line ``ValueError`` when even the range's
+    bounds cannot reach the measured time."""
     def seconds(run: Measured, cap, hardware: Hardware) -> float:
         return _mean_s(_run(model, parallel, hardware, run, cap, restart_s=0.0))
 
