@@ -40,16 +40,21 @@ from .recipes import default_cap, recipe
 
 BEGIN, END = "<!-- calibrate:begin -->", "<!-- calibrate:end -->"
 FIT_POLICIES = ("ideal", "static-over")  # no host copies (fits the launch cost); offloads (fits the copy cost)
+# the gate the trainer's flexible policy runs, without / with expert parallelism (provision.py: under EP a changed
+# plan is the module's full downgrade on every rank of the group)
+TRAINER_DOWNGRADE = {False: "graded", True: "paper"}
 
 
 def measured(policy: str, summary: dict, metrics: Path) -> Measured:
     """A run as the simulator's calibration takes it: the last record of each step (a restart re-runs steps), the
     mean of the steps after the first (it warms up), the peak of every step of every launch."""
     steps: dict[int, dict] = {}
+    peak = 0  # of every launch: the steps a restart re-ran keep their first launch's peak too
     for line in metrics.read_text().splitlines():
         record = json.loads(line)
         if "loss" in record and not record.get("summary"):
             steps[record["step"]] = record
+            peak = max(peak, record["peak_activation_bytes"])
     ordered = [steps[k] for k in sorted(steps)]
     other_s = 0.0
     if not summary["restarts"]:  # the loop's seconds beyond its steps' (checkpoints, metrics), per step
@@ -57,7 +62,7 @@ def measured(policy: str, summary: dict, metrics: Path) -> Measured:
     return Measured(policy=policy, trace=load_trace(metrics), other_s=other_s,
                     step_s=statistics.fmean(r["step_s"] for r in ordered[1:] or ordered),
                     tokens_per_s=summary["tokens_per_s"],
-                    peak_activation_bytes=max(r["peak_activation_bytes"] for r in ordered),
+                    peak_activation_bytes=peak,
                     restart_s=summary["restart_s"], steps_lost=summary["steps_lost"])
 
 
@@ -67,7 +72,8 @@ def fit(model, parallel, base, args, folder: Path, cap: int):
     fit_args = argparse.Namespace(**{**vars(args), "steps": args.fit_steps})
     runs = {policy: measured(policy, run_policy(policy, fit_args, folder), folder / f"{policy}.jsonl")
             for policy in FIT_POLICIES}
-    hardware = fit_hardware(model, parallel, base, runs["ideal"], copies=runs["static-over"], copies_m_max_bytes=cap)
+    hardware = fit_hardware(model, parallel, base, runs["ideal"], copies=runs["static-over"], copies_m_max_bytes=cap,
+                            plan_hardware=base)  # the trainer planned with the recipe's profile
     return hardware, runs["ideal"]
 
 
@@ -110,7 +116,7 @@ def main(argv=None) -> None:
         parser.error(f"--write {args.write}: not an existing regular file")
     config = recipe("glm_moe_debug")
     cap = default_cap(config)
-    model, parallel, base = config.model, config.parallel, presets.hardware("cpu")
+    model, parallel, base = config.model, config.parallel, presets.hardware(config.hardware)
     if args.keep is not None and not args.keep.is_dir():
         parser.error(f"--keep {args.keep}: not an existing folder")
     rows, profiles = [], []
@@ -125,7 +131,7 @@ def main(argv=None) -> None:
             summary = run_policy(policy, args, work)
             run = measured(policy, summary, work / f"{policy}.jsonl")
             row = predict(model, parallel, hardware, run, m_max_bytes=None if policy == "ideal" else cap,
-                          other_s=ideal.other_s)
+                          other_s=ideal.other_s, plan_hardware=base, downgrade=TRAINER_DOWNGRADE[parallel.ep > 1])
             rows.append({**row, "measured_restarts": summary["restarts"], "kernel_launch_s": hardware.kernel_launch_s,
                          "copy_launch_s": hardware.copy_setup_s})
     hardware = dataclasses.replace(base, name=f"{base.name}-fitted",

@@ -57,9 +57,11 @@ class Measured:
             raise ValueError("trace must have at least one step")
 
 
-def _run(model, parallel, hardware, run: Measured, m_max_bytes, *, restart_s: float | None = None) -> SimResult:
+def _run(model, parallel, hardware, run: Measured, m_max_bytes, *, restart_s: float | None = None,
+         plan_hardware: Hardware | None = None, downgrade: str = "graded") -> SimResult:
     return simulate(model, parallel, hardware, run.policy, run.trace, m_max_bytes=m_max_bytes,
-                    restart_s=run.restart_s if restart_s is None else restart_s)
+                    restart_s=run.restart_s if restart_s is None else restart_s, plan_hardware=plan_hardware,
+                    downgrade=downgrade)
 
 
 def _mean_s(result: SimResult) -> float:
@@ -90,17 +92,19 @@ def _bisect(seconds_of, target_s: float, field_name: str, base_name: str, *, cla
 
 def fit_hardware(model: ModelConfig, parallel: ParallelConfig, base: Hardware, fit: Measured, *,
                  m_max_bytes: int | None = None, copies: Measured | None = None,
-                 copies_m_max_bytes: int | None = None, name: str | None = None) -> Hardware:
+                 copies_m_max_bytes: int | None = None, name: str | None = None,
+                 plan_hardware: Hardware | None = None) -> Hardware:
     """``base`` with ``kernel_launch_s`` fitted so the simulated mean iteration of ``fit`` (a run without host
     copies, e.g. ``ideal``) equals its measured mean step; then, given ``copies`` (a run that offloads, e.g.
     ``static-over``, at the cap ``copies_m_max_bytes``), ``copy_launch_s`` fitted the same way with the kernels'
-    cost fixed. Bisection: the iteration time grows with either. The copies run's time stops growing once a copy
+    cost fixed; ``plan_hardware`` (default: each candidate profile) is the profile the runs were planned with.
+    Bisection: the iteration time grows with either. The copies run's time stops growing once a copy
     costs more than recomputing (its plan then recomputes): a run slower than that plateau fits the copy cost where
     the plateau starts; a run no slower than free copies allow (two short runs differ by the machine's noise)
     fits the range's bottom. The launch cost is never clamped: a one-line ``ValueError`` when even the range's
     bounds cannot reach the measured time."""
     def seconds(run: Measured, cap, hardware: Hardware) -> float:
-        return _mean_s(_run(model, parallel, hardware, run, cap, restart_s=0.0))
+        return _mean_s(_run(model, parallel, hardware, run, cap, restart_s=0.0, plan_hardware=plan_hardware))
 
     kernel = _bisect(lambda v: seconds(fit, m_max_bytes, dataclasses.replace(base, kernel_launch_s=v)),
                      fit.step_s, "kernel_launch_s", base.name)
@@ -113,16 +117,22 @@ def fit_hardware(model: ModelConfig, parallel: ParallelConfig, base: Hardware, f
 
 
 def predict(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, run: Measured, *,
-            m_max_bytes: int | None = None, other_s: float = 0.0) -> dict:
+            m_max_bytes: int | None = None, other_s: float = 0.0, plan_hardware: Hardware | None = None,
+            downgrade: str = "graded") -> dict:
     """The simulator's numbers for ``run`` beside the measured ones: tokens/s (effective: each simulated restart
     costs the run's measured restart seconds plus its re-run steps at the simulated step time, shared over the
     simulated restarts — docs/sim.md: ``restart_s`` stands for all a restart loses), mean step seconds, the
     activation peak (max over stages and steps), and the relative error of each. ``other_s``: seconds per step
     outside the steps (checkpoints, metrics) that the simulator does not model, measured on the fit run
-    (``Measured.other_s``), added to every simulated step."""
-    plain = _run(model, parallel, hardware, run, m_max_bytes, restart_s=0.0)
+    (``Measured.other_s``), added to every simulated step. ``plan_hardware``: the profile the trainer planned the
+    run with (its recipe's; default ``hardware``) — the simulator makes the trainer's plans with it and times
+    them on ``hardware``; ``downgrade``: the gate the trainer's flexible policy ran (``"paper"`` under expert
+    parallelism: a changed plan is the module's full downgrade on every rank of the group)."""
+    plain = _run(model, parallel, hardware, run, m_max_bytes, restart_s=0.0, plan_hardware=plan_hardware,
+                 downgrade=downgrade)
     lost_s = run.restart_s + run.steps_lost * _mean_s(plain)
-    result = _run(model, parallel, hardware, run, m_max_bytes, restart_s=lost_s / max(1, plain.restarts))
+    result = _run(model, parallel, hardware, run, m_max_bytes, restart_s=lost_s / max(1, plain.restarts),
+                  plan_hardware=plan_hardware, downgrade=downgrade)
     peak = max(max(it.peak_bytes) for it in result.iterations)
     other_s = require_number("other_s", other_s, 0)
     tokens = result.tokens_per_iteration * len(result.iterations) / (result.total_time_s

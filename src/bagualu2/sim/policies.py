@@ -224,7 +224,10 @@ class Flexible(StagePolicy):
     def forward(self, chunk, imbalance, phase, budget=0, limit=None):
         decision = self.ctx.path.forward(budget, imbalance, phase, chunk, limit_bytes=limit)
         cost = self.ctx.cost(chunk, imbalance, decision.plan)
-        pair = decision.order.makespan_s if phase == STEADY and self.fused else None
+        pair = None
+        if phase == STEADY and self.fused:  # the path's order, timed on the timing profile when that differs
+            pair = (self.ctx.pair_s(chunk, imbalance, decision.plan) if self.ctx.separate_timing
+                    else decision.order.makespan_s)
         return Choice(decision.kept_bytes, cost.forward_s, cost.backward_s, pair)
 
 

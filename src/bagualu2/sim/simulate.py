@@ -40,6 +40,7 @@ from ..budget import BudgetAssigner
 from ..costmodel import Hardware, ModelConfig, ParallelConfig
 from ..costmodel.build import check_imbalance
 from ..costmodel.validate import require_int, require_number
+from ..runtime.gate import check_downgrade
 from .policies import FALLBACKS, STEADY, StagePolicy, check_policy, make_policy
 from .stage import StageContext
 
@@ -194,9 +195,11 @@ def _stage_time(policy: StagePolicy, rates: tuple[float, ...]) -> tuple[float, i
 class _Run:
     """The stages of one simulation, with each policy built on first use and whole iterations memoised."""
 
-    def __init__(self, model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, config: SimConfig):
+    def __init__(self, model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, config: SimConfig,
+                 plan_hardware: Hardware | None = None, downgrade: str = "graded"):
         self.parallel, self.hardware, self.config = parallel, hardware, config
-        self.stages = [StageContext(model, parallel, hardware, s) for s in range(parallel.pp)]
+        self.stages = [StageContext(model, parallel, hardware, s, plan_hardware=plan_hardware, downgrade=downgrade)
+                       for s in range(parallel.pp)]
         if config.m_max_bytes is not None:
             for ctx in self.stages:
                 ctx.memory = dataclasses.replace(ctx.memory, m_max_bytes=config.m_max_bytes)
@@ -229,14 +232,21 @@ class _Run:
 
 def simulate(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, policy: str, trace, *,
              restart_s: float = 284.0, plan_imbalance: float = 1.0, on_oom: str = "fallback",
-             m_max_bytes: int | None = None, progress=None) -> SimResult:
+             m_max_bytes: int | None = None, progress=None, plan_hardware: Hardware | None = None,
+             downgrade: str = "graded") -> SimResult:
     """Simulate ``trace`` (one entry per iteration: a rate, or one rate per micro-batch) under ``policy`` (one of
     ``POLICIES`` or ``ABLATION``); see the module docstring for what is modelled. ``progress``, optional, is
-    called with the number of iterations done after each one."""
+    called with the number of iterations done after each one. ``plan_hardware`` (default ``hardware``): the
+    profile the policies plan with, when that is not the profile that times them (a trainer planning with its
+    configured profile on a machine ``hardware`` was fitted to). ``downgrade``: the gate of ``flexible``'s decision
+    path, ``"graded"`` (default) or ``"paper"`` (keep or full MoE-module downgrade: what the trainer runs under
+    expert parallelism)."""
+    if plan_hardware is not None and not isinstance(plan_hardware, Hardware):
+        raise ValueError(f"plan_hardware must be a Hardware profile or None, got {type(plan_hardware).__name__}")
     config = SimConfig(restart_s=restart_s, plan_imbalance=plan_imbalance, on_oom=on_oom, m_max_bytes=m_max_bytes)
     check_policy(policy)
     keys = check_trace(trace, parallel)
-    run = _Run(model, parallel, hardware, config)
+    run = _Run(model, parallel, hardware, config, plan_hardware, check_downgrade(downgrade))
     results = []
     in_force, planned = policy, config.plan_imbalance
     for done, key in enumerate(keys, 1):

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..costmodel import Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, PlanCost, StageMemory, evaluate
+from ..costmodel import (Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, PlanCost, StageMemory, build_graph,
+                         evaluate)
 from ..costmodel.graph import MATMUL_KINDS
 from ..fusion import build_chains, dp
 from ..runtime import DecisionPath
@@ -25,11 +26,17 @@ class Choice(NamedTuple):
 class StageContext:
     """One stage of one model on one hardware. ``path`` is a fresh runtime :class:`DecisionPath` of the stage: its
     ``stage_plan()`` gives the schedule, its ``graph()`` the memoised graphs, and the flexible policy decides with
-    it."""
+    it (``downgrade``: its gate, ``"graded"`` or ``"paper"``). ``plan_hardware`` (default ``hardware``): the
+    profile plans are made with — a trainer plans with its
+    configured profile while its time is that of the machine (``hardware``, e.g. fitted to it); plans are made on
+    graphs of ``plan_hardware`` and timed (``cost``, ``pair_s``, ``choice``) on graphs of ``hardware``."""
 
-    def __init__(self, model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, stage: int):
+    def __init__(self, model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, stage: int, *,
+                 plan_hardware: Hardware | None = None, downgrade: str = "graded"):
         self.model, self.parallel, self.hardware, self.stage = model, parallel, hardware, stage
-        self.path = DecisionPath(model, parallel, hardware, stage=stage)
+        self.plan_hardware = hardware if plan_hardware is None else plan_hardware
+        self.path = DecisionPath(model, parallel, self.plan_hardware, stage=stage, downgrade=downgrade)
+        self._timing: dict[tuple, OpGraph] = {}
         memory, steps = self.path.stage_plan()
         self.memory: StageMemory = memory
         self.steps = steps
@@ -50,14 +57,31 @@ class StageContext:
         """What each in-flight chunk may keep when M_max is split evenly: the static policies' target."""
         return self.memory.m_max_bytes // self.memory.inflight_chunks
 
+    @property
+    def separate_timing(self) -> bool:
+        """Are plans timed on another profile than the one they are made with?"""
+        return self.plan_hardware != self.hardware
+
     def graph(self, chunk: int, imbalance: float) -> OpGraph:
+        """The graph plans are made on (``plan_hardware``'s)."""
         return self.path.graph(chunk, imbalance)
+
+    def timing_graph(self, chunk: int, imbalance: float) -> OpGraph:
+        """The graph plans are timed on (``hardware``'s; the planning graph when both profiles are one)."""
+        if not self.separate_timing:
+            return self.path.graph(chunk, imbalance)
+        found = self._timing.get((chunk, imbalance))
+        if found is None:
+            found = self._timing[(chunk, imbalance)] = build_graph(self.model, self.parallel, self.hardware,
+                                                                   imbalance=imbalance, stage=self.stage,
+                                                                   chunk=chunk)
+        return found
 
     def cost(self, chunk: int, imbalance: float, plan: Plan) -> PlanCost:
         key = (chunk, imbalance, plan.entries)
         found = self._costs.get(key)
         if found is None:
-            found = self._costs[key] = evaluate(self.graph(chunk, imbalance), plan)
+            found = self._costs[key] = evaluate(self.timing_graph(chunk, imbalance), plan)
         return found
 
     def pair_s(self, chunk: int, imbalance: float, plan: Plan) -> float:
@@ -66,7 +90,7 @@ class StageContext:
         key = (chunk, imbalance, plan.entries)
         found = self._pairs.get(key)
         if found is None:
-            graph = self.graph(chunk, imbalance)
+            graph = self.timing_graph(chunk, imbalance)
             chains = build_chains(graph, plan, graph, plan, hardware=self.hardware)
             found = self._pairs[key] = dp.solve(chains, pipeline_degree=self.parallel.pp).makespan_s
         return found
