@@ -54,7 +54,8 @@ def measured(policy: str, summary: dict, metrics: Path) -> Measured:
         record = json.loads(line)
         if "loss" in record and not record.get("summary"):
             steps[record["step"]] = record
-            peak = max(peak, record["peak_activation_bytes"])
+        if "loss" in record or record.get("oom"):  # an OOM record: the failed launch's peak (0 if not known)
+            peak = max(peak, record.get("peak_activation_bytes", 0))
     ordered = [steps[k] for k in sorted(steps)]
     other_s = 0.0
     if not summary["restarts"]:  # the loop's seconds beyond its steps' (checkpoints, metrics), per step

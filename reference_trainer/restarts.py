@@ -69,6 +69,8 @@ class RunState:
         incident = self.last_oom()
         self.data["restarts"] = max(self.data["restarts"], restart_count)
         if incident is not None:
+            incident = {**incident, "peak_activation_bytes": max(m.get("peak_activation_bytes", 0)
+                                                                 for m in self.markers())}
             self.data["oom_events"] += 1
             self.data["steps_lost"] += max(incident["step"] - resume_step, 0)
             self.pending_error_at = incident["time"]
@@ -93,8 +95,11 @@ class RunState:
         if self.dir is not None:
             _write_json(self.dir / STATE, self.data)
 
-    def record_oom(self, *, rank: int, step: int, policy: str, message: str) -> None:
-        """This rank ran out of memory (called right before it exits)."""
+    def record_oom(self, *, rank: int, step: int, policy: str, message: str, peak_bytes: int = 0) -> None:
+        """This rank ran out of memory (called right before it exits); ``peak_bytes``: the most activation bytes
+        the launch held (its completed steps over all ranks, and this rank's failing step up to the cap) — the
+        steps the restart re-runs lose their records, not this."""
         if self.dir is not None:
             _write_json(self.dir / f"oom-rank{rank}.json", {"time": time.time(), "step": step, "rank": rank,
-                                                           "policy": policy, "message": message})
+                                                           "policy": policy, "message": message,
+                                                           "peak_activation_bytes": peak_bytes})

@@ -275,7 +275,8 @@ class Session:
         if incident is not None:
             writer.write({"step": incident["step"], "oom": True, "policy": incident["policy"],
                           "restart": self.restarts, "resumed_from_step": self.start_step,
-                          "continues_as": config.policy, "message": incident["message"]})
+                          "continues_as": config.policy, "message": incident["message"],
+                          "peak_activation_bytes": incident.get("peak_activation_bytes", 0)})
         progress = Progress(config.steps, rank=groups.rank, start_step=self.start_step)
         tokens_per_step = config.global_batch_sequences * config.model.seq_length
         flops = flops_per_token(config)
@@ -296,7 +297,7 @@ class Session:
                     oom = _out_of_memory_cause(exc)
                     if oom is None:
                         raise
-                    self._out_of_memory(step, oom)
+                    self._out_of_memory(step, oom, max(totals["peak"], self.provisioner.tracker.peak_bytes))
                 reduce_gradients(self.params, groups)
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
@@ -338,10 +339,11 @@ class Session:
         print_summary(summary, rank=groups.rank)
         return summary
 
-    def _out_of_memory(self, step: int, exc: BaseException) -> None:
+    def _out_of_memory(self, step: int, exc: BaseException, peak_bytes: int) -> None:
         """A fixed policy overflowed the cap: leave a marker, say so in one line, exit for torchrun to restart."""
         message = " ".join(str(exc).split())
-        self.run_state.record_oom(rank=self.groups.rank, step=step, policy=self.config.policy, message=message)
+        self.run_state.record_oom(rank=self.groups.rank, step=step, policy=self.config.policy, message=message,
+                                  peak_bytes=peak_bytes)
         sys.stderr.write(f"error: rank {self.groups.rank} ran out of activation memory at step {step} under "
                          f"--policy {self.config.policy} ({message}); exit code {OOM_EXIT_CODE} (torchrun "
                          "--max-restarts restarts the run)\n")

@@ -17,12 +17,16 @@ def _step(n, step_s, peak, rates):
 
 def test_measured_takes_the_last_record_of_each_step_and_the_steps_after_the_first(tmp_path):
     lines = [_step(0, 0.9, 10, [1.0, 1.2]), _step(1, 0.3, 30, [1.1, 1.0]), _step(2, 0.5, 40, [1.0, 1.0]),
-             {"step": 3, "oom": True, "policy": "static-under"}, _step(2, 0.4, 25, [1.3, 1.0])]
+             {"step": 3, "oom": True, "policy": "static-under", "peak_activation_bytes": 45},
+             _step(2, 0.4, 25, [1.3, 1.0])]
     path = tmp_path / "run.jsonl"
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     summary = {"tokens_per_s": 100.0, "restart_s": 4.0, "steps_lost": 1, "restarts": 1, "seconds": 9.0}
     run = measured("static-under", summary, path)
-    assert run.step_s == pytest.approx(0.35) and run.peak_activation_bytes == 40  # the first launch's step 2
+    assert run.step_s == pytest.approx(0.35) and run.peak_activation_bytes == 45  # the failed launch's, from its record
+    without = path.read_text().replace(', "peak_activation_bytes": 45', "")
+    path.write_text(without)
+    assert measured("static-under", summary, path).peak_activation_bytes == 40  # the first launch's step 2
     assert run.trace == ((1.0, 1.2), (1.1, 1.0), (1.3, 1.0)) and run.other_s == 0.0  # restarted: not measured
     plain = measured("ideal", {**summary, "restarts": 0, "restart_s": 0.0, "steps_lost": 0}, path)
     assert plain.other_s == pytest.approx((9.0 - 0.9 - 0.3 - 0.4) / 3)
