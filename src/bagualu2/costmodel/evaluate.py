@@ -172,16 +172,45 @@ def _saving(graph: OpGraph, op_name: str, tensor: str) -> Saving:
     return next(s for s in graph.op(op_name).saves if s.tensor == tensor)
 
 
+_CLASSIFIED: "weakref.WeakKeyDictionary[OpGraph, dict]" = weakref.WeakKeyDictionary()
+MAX_PLANS_PER_GRAPH = 512  # plans whose classification is remembered per graph object
+
+
+def _classified(graph: OpGraph, plan: Plan | None) -> tuple:
+    """``_classify(graph, resolve(graph, plan))`` and the least re-run closure, memoised per graph object and plan
+    (the evaluator and :func:`mitigation_ops` ask for the same plans: the runtime costs a plan, then orders it)."""
+    if plan is not None and not isinstance(plan, Plan):
+        return _classify_closed(graph, resolve(graph, plan))
+    memo = _CLASSIFIED.setdefault(graph, {})
+    key = () if plan is None else plan.entries
+    found = memo.get(key)
+    if found is None:
+        if len(memo) >= MAX_PLANS_PER_GRAPH:
+            memo.clear()
+        found = memo[key] = _classify_closed(graph, resolve(graph, plan))
+    return found
+
+
+def _classify_closed(graph: OpGraph, strategies: Mapping[tuple[str, str], Strategy]) -> tuple:
+    device, host, quantized, recomputed = _classify(graph, strategies)
+    stored = device.keys() | host.keys() | quantized.keys()
+    rerun, unavailable = graph_closure(graph, recomputed - stored, stored)
+    return device, host, quantized, rerun, unavailable
+
+
 def evaluate(graph: OpGraph, plan: Plan | None = None) -> PlanCost:
     """Activation bytes, forward/backward/overhead time and per-resource time of ``plan`` on ``graph``."""
-    return evaluate_resolved(graph, resolve(graph, plan))
+    return _cost(graph, *_classified(graph, plan))
 
 
 def evaluate_resolved(graph: OpGraph, strategies: Mapping[tuple[str, str], Strategy]) -> PlanCost:
     """:func:`evaluate` on an already resolved ``{(op, tensor): Strategy}`` map (missing savings are KEEP)."""
+    return _cost(graph, *_classify_closed(graph, strategies))
+
+
+def _cost(graph: OpGraph, device: dict, host: dict, quantized: dict, rerun: set, unavailable: set) -> PlanCost:
     hardware = graph.hardware
     tensors = graph.tensors
-    device, host, quantized, recomputed = _classify(graph, strategies)
     activation_bytes = routed_bytes = 0
     by_layer: dict[int, int] = {}
     for name, dtypes in device.items():
@@ -213,8 +242,6 @@ def evaluate_resolved(graph: OpGraph, strategies: Mapping[tuple[str, str], Strat
         quant_fwd_ns += fwd
         quant_bwd_ns += bwd
 
-    stored = device.keys() | host.keys() | quantized.keys()
-    rerun, unavailable = graph_closure(graph, recomputed - stored, stored)
     recompute_by_resource = {Resource.COMPUTE: 0, Resource.COMM: 0}
     recompute_flops = 0
     for op_name in rerun:
@@ -285,7 +312,7 @@ class MitigationOps:
 
 def mitigation_ops(graph: OpGraph, plan: Plan | None) -> MitigationOps:
     """The copies, casts and re-runs ``plan`` adds to ``graph`` — the same ones :func:`evaluate` charges."""
-    device, host, quantized, recomputed = _classify(graph, resolve(graph, plan))
+    _, host, quantized, rerun, _ = _classified(graph, plan)
     order = {name: i for i, name in enumerate(graph.tensors)}
     offloads = []
     for name in sorted(host, key=order.__getitem__):
@@ -297,8 +324,6 @@ def mitigation_ops(graph: OpGraph, plan: Plan | None) -> MitigationOps:
     for name in sorted(quantized, key=order.__getitem__):
         spec = graph.tensors[name]
         casts.append((name, spec.producer, *tensor_quantize_ns(spec, graph.hardware)))
-    stored = device.keys() | host.keys() | quantized.keys()
-    rerun, _ = graph_closure(graph, recomputed - stored, stored)
     return MitigationOps(tuple(offloads), tuple(casts), tuple(op.name for op in graph.ops if op.name in rerun))
 
 

@@ -53,15 +53,25 @@ class Space:
 _CACHE: "weakref.WeakKeyDictionary[OpGraph, Space]" = weakref.WeakKeyDictionary()
 
 
-def decision_space(graph: OpGraph) -> Space:
-    """The tensor-level decisions of ``graph`` (cached per graph object)."""
+def decision_space(graph: OpGraph, *, like: OpGraph | None = None) -> Space:
+    """The tensor-level decisions of ``graph`` (cached per graph object). ``like``: a graph of the same chunk (at
+    another imbalance, say) whose decisions are reused for every tensor that is the same in both — same spec, same
+    consumers, same hardware — instead of being costed again."""
     space = _CACHE.get(graph)
     if space is None:
-        space = _CACHE[graph] = _build(graph)
+        base = None
+        if like is not None and like is not graph and like.hardware == graph.hardware \
+                and like.activation_dtype == graph.activation_dtype:
+            base = (like, decision_space(like))
+        space = _CACHE[graph] = _build(graph, base)
     return space
 
 
-def _build(graph: OpGraph) -> Space:
+def _build(graph: OpGraph, base: tuple[OpGraph, Space] | None = None) -> Space:
+    reuse: dict[str, TensorChoice] = {}
+    if base is not None:
+        like, like_space = base
+        reuse = {c.tensor: c for c in like_space.choices}
     consumers: dict[str, list] = {}
     pinned_tensors = {tensor for _, tensor in graph.pinned}
     for op, saving in graph.savings:
@@ -71,6 +81,11 @@ def _build(graph: OpGraph) -> Space:
     fixed = 0
     for tensor, users in consumers.items():
         spec = graph.tensors[tensor]
+        found = reuse.get(tensor)
+        if found is not None and tensor not in pinned_tensors and like.tensors[tensor] == spec \
+                and like.consumers(tensor) == graph.consumers(tensor):
+            choices.append(found)  # the same tensor, saved by the same ops in the same precisions
+            continue
         dtypes = sorted({s.dtype for _, s in users})
         keep = sum(spec.numel * ITEM_BYTES[d] for d in dtypes)
         if tensor in pinned_tensors:

@@ -42,6 +42,7 @@ from ..costmodel.build import check_imbalance
 from ..costmodel.validate import require_int, require_number
 from ..fusion import Order, build_chains, dp
 from ..mitigation import greedy
+from ..mitigation.space import decision_space
 from .buckets import ceil_bucket
 from .gate import GateAction, after_gate, check_downgrade
 from .keys import NeedGrid, PlannedImbalance, chunk_aliases, shift_plan
@@ -181,6 +182,9 @@ class DecisionPath:
         if found is None:
             found = self._graphs[key] = build_graph(self.model, self.parallel, self.hardware, imbalance=imbalance,
                                                     stage=self.stage, chunk=chunk)
+            balanced = self._graphs.get((chunk, 1.0))
+            if balanced is not None:  # the decisions of tensors that do not scale with the imbalance, reused
+                decision_space(found, like=balanced)
         return found
 
     def planned(self, chunk: int) -> float:
