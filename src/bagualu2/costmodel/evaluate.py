@@ -173,22 +173,29 @@ def _saving(graph: OpGraph, op_name: str, tensor: str) -> Saving:
 
 
 _CLASSIFIED: "weakref.WeakKeyDictionary[OpGraph, dict]" = weakref.WeakKeyDictionary()
-MAX_PLANS_PER_GRAPH = 512  # plans whose classification is remembered per graph object
+MAX_PLANS_PER_GRAPH = 512  # plans whose result a per-plan memo remembers per graph object
 
 
-def _classified(graph: OpGraph, plan: Plan | None) -> tuple:
-    """``_classify(graph, resolve(graph, plan))`` and the least re-run closure, memoised per graph object and plan
-    (the evaluator and :func:`mitigation_ops` ask for the same plans: the runtime costs a plan, then orders it)."""
+def memoised_per_plan(cache: "weakref.WeakKeyDictionary[OpGraph, dict]", graph: OpGraph, plan, compute):
+    """``compute(graph, plan)``, memoised in ``cache`` per graph object and plan entries (a pure function of them),
+    at most ``MAX_PLANS_PER_GRAPH`` plans per graph; a plan that is not a :class:`Plan` (its text form) is not
+    memoised."""
     if plan is not None and not isinstance(plan, Plan):
-        return _classify_closed(graph, resolve(graph, plan))
-    memo = _CLASSIFIED.setdefault(graph, {})
+        return compute(graph, plan)
+    memo = cache.setdefault(graph, {})
     key = () if plan is None else plan.entries
     found = memo.get(key)
     if found is None:
         if len(memo) >= MAX_PLANS_PER_GRAPH:
             memo.clear()
-        found = memo[key] = _classify_closed(graph, resolve(graph, plan))
+        found = memo[key] = compute(graph, plan)
     return found
+
+
+def _classified(graph: OpGraph, plan: Plan | None) -> tuple:
+    """``_classify(graph, resolve(graph, plan))`` and the least re-run closure, memoised per graph object and plan
+    (the evaluator and :func:`mitigation_ops` ask for the same plans: the runtime costs a plan, then orders it)."""
+    return memoised_per_plan(_CLASSIFIED, graph, plan, lambda g, p: _classify_closed(g, resolve(g, p)))
 
 
 def _classify_closed(graph: OpGraph, strategies: Mapping[tuple[str, str], Strategy]) -> tuple:

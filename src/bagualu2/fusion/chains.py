@@ -23,7 +23,7 @@ from operator import itemgetter
 from typing import Iterator
 
 from ..costmodel import Hardware, OpGraph, Plan, Resource
-from ..costmodel.evaluate import MitigationOps, mitigation_ops
+from ..costmodel.evaluate import MitigationOps, memoised_per_plan, mitigation_ops
 
 CHAIN_KINDS = ("F", "B", "O", "R")
 EP_COMM_KINDS = frozenset({"dispatch", "combine"})
@@ -192,22 +192,12 @@ def build_chains(forward_graph: OpGraph | None, forward_plan: Plan | None, backw
 
 _PLAIN: "weakref.WeakKeyDictionary[OpGraph, tuple]" = weakref.WeakKeyDictionary()
 _MITIGATION: "weakref.WeakKeyDictionary[OpGraph, dict]" = weakref.WeakKeyDictionary()
-MAX_PLANS_PER_GRAPH = 256  # plans whose mitigation ops are remembered per graph object
 
 
 def _mitigation_ops(graph: OpGraph, plan: Plan | None) -> MitigationOps:
     """``mitigation_ops(graph, plan)``, memoised per graph object and plan entries (a pure function of them; the
     runtime asks for the warmup and the steady point of one plan, and repeats plans)."""
-    if plan is not None and not isinstance(plan, Plan):
-        return mitigation_ops(graph, plan)
-    memo = _MITIGATION.setdefault(graph, {})
-    key = () if plan is None else plan.entries
-    found = memo.get(key)
-    if found is None:
-        if len(memo) >= MAX_PLANS_PER_GRAPH:
-            memo.clear()
-        found = memo[key] = mitigation_ops(graph, plan)
-    return found
+    return memoised_per_plan(_MITIGATION, graph, plan, mitigation_ops)
 
 
 def _plain(graph: OpGraph) -> tuple[tuple[RawOp, ...], Chain | None, Chain | None]:
