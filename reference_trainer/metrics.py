@@ -16,7 +16,8 @@ JSONL schema (one JSON object a line, written by rank 0; the trainer fills the f
   ``planning_s_all_ranks``, ``agree_s`` (the EP group's after-forward all-reduce, communication), ``step_s`` (the slowest
   rank), ``recompute_flops``, ``reruns``, ``policy``. After an out-of-memory restart one extra record
   ``{"step", "oom": true, "policy", "restart", "resumed_from_step", "continues_as", "message",
-  "peak_activation_bytes"}`` (the most the failed launch held: the steps the restart re-runs lose their records);
+  "peak_activation_bytes"}`` (the most the failed launch's completed steps held: the steps the restart re-runs lose
+  their records);
 * one final record, ``SUMMARY_FIELDS``: ``"summary": true``, ``recipe``, ``steps`` (configured), ``steps_run``
   (this launch), ``first_loss``, ``final_loss``, ``max_prediction_error``, ``seconds``, ``oom_events``,
   ``restarts``, ``restart_s`` (from each error to the first step completed after it), ``steps_lost``,

@@ -97,8 +97,8 @@ class RunState:
 
     def record_oom(self, *, rank: int, step: int, policy: str, message: str, peak_bytes: int = 0) -> None:
         """This rank ran out of memory (called right before it exits); ``peak_bytes``: the most activation bytes
-        the launch held (its completed steps over all ranks, and this rank's failing step up to the cap) — the
-        steps the restart re-runs lose their records, not this."""
+        the launch's completed steps held over all ranks (the failed step is lost, as in the simulator) — the steps
+        the restart re-runs lose their records, not this."""
         if self.dir is not None:
             _write_json(self.dir / f"oom-rank{rank}.json", {"time": time.time(), "step": step, "rank": rank,
                                                            "policy": policy, "message": message,

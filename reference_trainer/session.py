@@ -297,7 +297,7 @@ class Session:
                     oom = _out_of_memory_cause(exc)
                     if oom is None:
                         raise
-                    self._out_of_memory(step, oom, max(totals["peak"], self.provisioner.tracker.peak_bytes))
+                    self._out_of_memory(step, oom, totals["peak"])  # the failed step is lost: not counted
                 reduce_gradients(self.params, groups)
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
