@@ -66,11 +66,11 @@ class RunState:
 
     def restarted(self, *, restart_count: int, resume_step: int, policy: str, is_logger: bool) -> dict | None:
         """Fold the OOM markers into the state (rank 0 writes it); returns the incident, if any."""
-        incident = self.last_oom()
+        markers = self.markers()  # read once: the logger rank deletes them below while the others read
+        incident = min(markers, key=lambda m: m["time"]) if markers else None
         self.data["restarts"] = max(self.data["restarts"], restart_count)
         if incident is not None:
-            incident = {**incident, "peak_activation_bytes": max(m.get("peak_activation_bytes", 0)
-                                                                 for m in self.markers())}
+            incident = {**incident, "peak_activation_bytes": max(m.get("peak_activation_bytes", 0) for m in markers)}
             self.data["oom_events"] += 1
             self.data["steps_lost"] += max(incident["step"] - resume_step, 0)
             self.pending_error_at = incident["time"]
@@ -97,8 +97,8 @@ class RunState:
 
     def record_oom(self, *, rank: int, step: int, policy: str, message: str, peak_bytes: int = 0) -> None:
         """This rank ran out of memory (called right before it exits); ``peak_bytes``: the most activation bytes
-        the launch's completed steps held over all ranks (the failed step is lost, as in the simulator) — the steps
-        the restart re-runs lose their records, not this."""
+        the launch's completed steps held on this rank (on the logger rank: on every rank; the failed step is lost,
+        as in the simulator) — the steps the restart re-runs lose their records, not this."""
         if self.dir is not None:
             _write_json(self.dir / f"oom-rank{rank}.json", {"time": time.time(), "step": step, "rank": rank,
                                                            "policy": policy, "message": message,

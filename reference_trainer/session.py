@@ -284,6 +284,7 @@ class Session:
         began = time.perf_counter()
         totals = {"steps": 0, "planning_s": 0.0, "peak": 0, "recompute_flops": 0.0, "loss": None, "step_s": 0.0,
                   "first_loss": None, "error": 0.0}
+        own_peak = 0  # this rank's activation peak over the steps this launch completed
         try:
             for step in range(self.start_step, config.steps):
                 started = time.perf_counter()
@@ -297,13 +298,16 @@ class Session:
                     oom = _out_of_memory_cause(exc)
                     if oom is None:
                         raise
-                    self._out_of_memory(step, oom, totals["peak"])  # the failed step is lost: not counted
+                    # the completed steps' peak (all ranks' on the logger, this rank's elsewhere); the failed
+                    # step is lost, as in the simulator
+                    self._out_of_memory(step, oom, max(totals["peak"], own_peak))
                 reduce_gradients(self.params, groups)
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 self._balance()
                 self.run.batches.advance()
                 step_s = time.perf_counter() - started
+                own_peak = max(own_peak, self.provisioner.tracker.peak_bytes)
                 mine = {"loss_sum": loss_sum, "count": count, "peak": self.provisioner.tracker.peak_bytes,
                         "microbatches": self.provisioner.log, "order": self.provisioner.points,
                         "planning_s": self.provisioner.planning_s, "agree_s": self.provisioner.agree_s,

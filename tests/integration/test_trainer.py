@@ -196,7 +196,8 @@ def test_static_under_runs_out_of_memory_is_restarted_by_torchrun_and_continues_
     oom = next(r for r in rows if r.get("oom") is True)
     assert oom["continues_as"] == "static-over"
     before = [r["peak_activation_bytes"] for r in rows if "loss" in r and r["step"] < oom["resumed_from_step"]]
-    assert oom["peak_activation_bytes"] == max(before, default=0)  # the failed launch's completed steps
+    assert oom["peak_activation_bytes"] <= max(before, default=0)  # the failed ranks' share of those steps
+    assert oom["peak_activation_bytes"] > 0 or not before
     assert [r["step"] for r in rows if "loss" in r][-1] == 3
 
 
