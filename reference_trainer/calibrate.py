@@ -47,7 +47,8 @@ TRAINER_DOWNGRADE = {False: "graded", True: "paper"}
 
 def measured(policy: str, summary: dict, metrics: Path) -> Measured:
     """A run as the simulator's calibration takes it: the last record of each step (a restart re-runs steps), the
-    mean of the steps after the first (it warms up), the peak of every step of every launch."""
+    mean of the steps after the first (it warms up) and the first's excess over it, the peak of every step of
+    every launch (a failed launch's completed steps from its OOM record)."""
     steps: dict[int, dict] = {}
     peak = 0  # of every launch: the steps a restart re-ran keep their first launch's peak too
     for line in metrics.read_text().splitlines():
@@ -60,8 +61,9 @@ def measured(policy: str, summary: dict, metrics: Path) -> Measured:
     other_s = 0.0
     if not summary["restarts"]:  # the loop's seconds beyond its steps' (checkpoints, metrics), per step
         other_s = max(summary["seconds"] - sum(r["step_s"] for r in ordered), 0.0) / len(ordered)
-    return Measured(policy=policy, trace=load_trace(metrics), other_s=other_s,
-                    step_s=statistics.fmean(r["step_s"] for r in ordered[1:] or ordered),
+    step_s = statistics.fmean(r["step_s"] for r in ordered[1:] or ordered)
+    return Measured(policy=policy, trace=load_trace(metrics), other_s=other_s, step_s=step_s,
+                    warmup_s=max(ordered[0]["step_s"] - step_s, 0.0) if not summary["restarts"] else 0.0,
                     tokens_per_s=summary["tokens_per_s"],
                     peak_activation_bytes=peak,
                     restart_s=summary["restart_s"], steps_lost=summary["steps_lost"])
@@ -86,7 +88,8 @@ def table(rows: list[dict], hardware, fit_steps: int, mode: str, command: str) -
              "`copy_launch_s`, the cost per host copy (columns *fit*; medians "
              f"{hardware.kernel_launch_s * 1e6:.1f} us and {hardware.copy_setup_s * 1e6:.1f} us); the `cpu` "
              "profile's other fields unchanged; the `ideal` fit run's seconds per step outside the steps "
-             "(checkpoints every `--checkpoint-every` steps, metrics) are added to every predicted step. Every "
+             "(checkpoints every `--checkpoint-every` steps, metrics) are added to every predicted step, its first "
+             "step's warm-up (its excess over the others) once per run. Every "
              "policy below is a separate run of `--steps` steps.", "",
              "| policy | tokens/s measured | predicted | error | peak activation B measured | predicted | error "
              "| mean step s measured | predicted | restarts measured / predicted | fit launch / copy us |",
@@ -132,7 +135,8 @@ def main(argv=None) -> None:
             summary = run_policy(policy, args, work)
             run = measured(policy, summary, work / f"{policy}.jsonl")
             row = predict(model, parallel, hardware, run, m_max_bytes=None if policy == "ideal" else cap,
-                          other_s=ideal.other_s, plan_hardware=base, downgrade=TRAINER_DOWNGRADE[parallel.ep > 1])
+                          other_s=ideal.other_s, warmup_s=ideal.warmup_s, plan_hardware=base,
+                          downgrade=TRAINER_DOWNGRADE[parallel.ep > 1])
             rows.append({**row, "measured_restarts": summary["restarts"], "kernel_launch_s": hardware.kernel_launch_s,
                          "copy_launch_s": hardware.copy_setup_s})
     hardware = dataclasses.replace(base, name=f"{base.name}-fitted",

@@ -37,6 +37,8 @@ def test_fit_recovers_the_launch_cost_of_a_simulated_run_and_predicts_it_back():
     assert abs(row["tokens_error"]) < 1e-6 and row["peak_error"] == 0 and row["restarts"] == 0
     slower = predict(MODEL, parallel, fitted, other, other_s=row["step_s"])  # as long again outside each step
     assert slower["tokens_per_s"] == pytest.approx(row["tokens_per_s"] / 2, rel=1e-9)
+    warm = predict(MODEL, parallel, fitted, other, warmup_s=row["step_s"] * len(TRACE))  # one warm-up: as long again
+    assert warm["tokens_per_s"] == pytest.approx(row["tokens_per_s"] / 2, rel=1e-9)
 
 
 def test_fit_recovers_a_separate_copy_cost_from_a_run_that_offloads():
@@ -90,7 +92,7 @@ def test_predict_charges_the_measured_restart_seconds_and_lost_steps():
                                            ({"peak_activation_bytes": -1}, "peak_activation_bytes"),
                                            ({"restart_s": float("nan")}, "restart_s"),
                                            ({"steps_lost": -1}, "steps_lost"), ({"trace": ()}, "trace"),
-                                           ({"other_s": -0.5}, "other_s")])
+                                           ({"other_s": -0.5}, "other_s"), ({"warmup_s": -1.0}, "warmup_s")])
 def test_measured_rejects_bad_fields(fields, match):
     good = dict(policy="ideal", trace=TRACE, step_s=0.1, tokens_per_s=10.0, peak_activation_bytes=1)
     with pytest.raises(ValueError, match=match):

@@ -28,8 +28,10 @@ def test_measured_takes_the_last_record_of_each_step_and_the_steps_after_the_fir
     path.write_text(without)
     assert measured("static-under", summary, path).peak_activation_bytes == 40  # the first launch's step 2
     assert run.trace == ((1.0, 1.2), (1.1, 1.0), (1.3, 1.0)) and run.other_s == 0.0  # restarted: not measured
+    assert run.warmup_s == 0.0  # restarted: its first step is not the warm-up of one launch
     plain = measured("ideal", {**summary, "restarts": 0, "restart_s": 0.0, "steps_lost": 0}, path)
     assert plain.other_s == pytest.approx((9.0 - 0.9 - 0.3 - 0.4) / 3)
+    assert plain.warmup_s == pytest.approx(0.9 - 0.35)
     row = {"policy": "ideal", "measured_tokens_per_s": 100.0, "tokens_per_s": 110.0, "tokens_error": 0.1,
            "measured_peak_activation_bytes": 30, "peak_activation_bytes": 30, "peak_error": 0.0,
            "measured_step_s": 0.35, "step_s": 0.3, "measured_restarts": 0, "restarts": 0,

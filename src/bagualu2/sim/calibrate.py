@@ -34,7 +34,8 @@ class Measured:
     warms up) that had no restart (> 0);
     tokens_per_s: effective tokens/s (restarts and lost steps included, > 0); peak_activation_bytes: the largest
     in-flight activation bytes of any rank (>= 0); restart_s: seconds its restarts cost in all (>= 0);
-    steps_lost: steps it ran again after its restarts (>= 0); other_s: mean seconds per step the run spent
+    steps_lost: steps it ran again after its restarts (>= 0); warmup_s: how much longer its first step took than
+    the mean of the others (>= 0; the simulator has no warm-up); other_s: mean seconds per step the run spent
     outside its steps (checkpoints, metrics; >= 0)."""
 
     policy: str
@@ -45,9 +46,11 @@ class Measured:
     restart_s: float = 0.0
     steps_lost: int = 0
     other_s: float = 0.0
+    warmup_s: float = 0.0
 
     def __post_init__(self) -> None:
         require_number("other_s", self.other_s, 0)
+        require_number("warmup_s", self.warmup_s, 0)
         require_int("steps_lost", self.steps_lost, 0)
         require_number("step_s", self.step_s, 0, low_open=True)
         require_number("tokens_per_s", self.tokens_per_s, 0, low_open=True)
@@ -117,14 +120,16 @@ def fit_hardware(model: ModelConfig, parallel: ParallelConfig, base: Hardware, f
 
 
 def predict(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, run: Measured, *,
-            m_max_bytes: int | None = None, other_s: float = 0.0, plan_hardware: Hardware | None = None,
+            m_max_bytes: int | None = None, other_s: float = 0.0, warmup_s: float = 0.0,
+            plan_hardware: Hardware | None = None,
             downgrade: str = "graded") -> dict:
     """The simulator's numbers for ``run`` beside the measured ones: tokens/s (effective: each simulated restart
     costs the run's measured restart seconds plus its re-run steps at the simulated step time, shared over the
     simulated restarts — docs/sim.md: ``restart_s`` stands for all a restart loses), mean step seconds, the
     activation peak (max over stages and steps), and the relative error of each. ``other_s``: seconds per step
     outside the steps (checkpoints, metrics) that the simulator does not model, measured on the fit run
-    (``Measured.other_s``), added to every simulated step. ``plan_hardware``: the profile the trainer planned the
+    (``Measured.other_s``), added to every simulated step; ``warmup_s``: the first step's excess over the others
+    (``Measured.warmup_s`` of the fit run), added once. ``plan_hardware``: the profile the trainer planned the
     run with (its recipe's; default ``hardware``) — the simulator makes the trainer's plans with it and times
     them on ``hardware``; ``downgrade``: the gate the trainer's flexible policy ran (``"paper"`` under expert
     parallelism: a changed plan is the module's full downgrade on every rank of the group)."""
@@ -135,8 +140,9 @@ def predict(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, ru
                   plan_hardware=plan_hardware, downgrade=downgrade)
     peak = max(max(it.peak_bytes) for it in result.iterations)
     other_s = require_number("other_s", other_s, 0)
+    warmup_s = require_number("warmup_s", warmup_s, 0)
     tokens = result.tokens_per_iteration * len(result.iterations) / (result.total_time_s
-                                                                      + other_s * len(result.iterations))
+                                                                      + other_s * len(result.iterations) + warmup_s)
     step = _mean_s(result)
     return {"policy": run.policy, "tokens_per_s": tokens, "measured_tokens_per_s": run.tokens_per_s,
             "tokens_error": tokens / run.tokens_per_s - 1, "step_s": step, "measured_step_s": run.step_s,
