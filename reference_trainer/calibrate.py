@@ -36,13 +36,11 @@ from bagualu2.sim import load_trace
 from bagualu2.sim.calibrate import Measured, fit_hardware, predict
 
 from .compare import add_run_arguments, run_policy, write_block
+from .policies import executed_downgrade
 from .recipes import default_cap, recipe
 
 BEGIN, END = "<!-- calibrate:begin -->", "<!-- calibrate:end -->"
 FIT_POLICIES = ("ideal", "static-over")  # no host copies (fits the launch cost); offloads (fits the copy cost)
-# the gate the trainer's flexible policy runs, without / with expert parallelism (provision.py: under EP a changed
-# plan is the module's full downgrade on every rank of the group)
-TRAINER_DOWNGRADE = {False: "graded", True: "paper"}
 
 
 def measured(policy: str, summary: dict, metrics: Path) -> Measured:
@@ -136,7 +134,7 @@ def main(argv=None) -> None:
             run = measured(policy, summary, work / f"{policy}.jsonl")
             row = predict(model, parallel, hardware, run, m_max_bytes=None if policy == "ideal" else cap,
                           other_s=ideal.other_s, warmup_s=ideal.warmup_s, plan_hardware=base,
-                          downgrade=TRAINER_DOWNGRADE[parallel.ep > 1])
+                          downgrade=executed_downgrade("graded", parallel.ep > 1))
             rows.append({**row, "measured_restarts": summary["restarts"], "kernel_launch_s": hardware.kernel_launch_s,
                          "copy_launch_s": hardware.copy_setup_s})
     hardware = dataclasses.replace(base, name=f"{base.name}-fitted",

@@ -41,6 +41,7 @@ from bagualu2.exec import ActivationTracker, DeferredPlanner, PlanExecutor
 from bagualu2.runtime import DecisionPath, PointOrders, ceil_bucket
 
 from .parallel import agree_max
+from .policies import executed_downgrade
 
 WARMUP = "warmup"
 # the gates decide for the measured imbalance rounded up to 0.05 and the budget rounded down to 1/32 of the
@@ -84,7 +85,7 @@ class Provisioner:
             chunk: PlanExecutor(self.path.graph(chunk, 1.0), None, tracker=self.tracker, deferred=(
                 _Recorder() if fixed is not None else _TimedPlanner(
                     self, model, parallel, hardware, budget_bytes=0, stage=stage, chunk=chunk,
-                    downgrade="paper" if ep_group is not None else downgrade,
+                    downgrade=executed_downgrade(downgrade, ep_group is not None),
                     imbalance_step=GATE_IMBALANCE_STEP,
                     budget_quantum_bytes=max(self.path.graph(chunk, 1.0).unmitigated_bytes >> GATE_BUDGET_SHIFT, 1))))
             for chunk in range(parallel.vp)}

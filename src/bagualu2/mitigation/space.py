@@ -53,17 +53,23 @@ class Space:
 _CACHE: "weakref.WeakKeyDictionary[OpGraph, Space]" = weakref.WeakKeyDictionary()
 
 
-def decision_space(graph: OpGraph, *, like: OpGraph | None = None) -> Space:
-    """The tensor-level decisions of ``graph`` (cached per graph object). ``like``: a graph of the same chunk (at
-    another imbalance, say) whose decisions are reused for every tensor that is the same in both — same spec, same
-    consumers, same hardware — instead of being costed again."""
+_LIKE: "weakref.WeakKeyDictionary[OpGraph, OpGraph]" = weakref.WeakKeyDictionary()
+
+
+def share_decisions(graph: OpGraph, like: OpGraph) -> None:
+    """When ``graph``'s decisions are first needed, reuse ``like``'s (a graph of the same chunk at another
+    imbalance, say) for every tensor that is the same in both — same spec, same consumers, same hardware — instead
+    of costing it again. Nothing is built now."""
+    if like is not graph and like.hardware == graph.hardware and like.activation_dtype == graph.activation_dtype:
+        _LIKE[graph] = like
+
+
+def decision_space(graph: OpGraph) -> Space:
+    """The tensor-level decisions of ``graph`` (cached per graph object; see :func:`share_decisions`)."""
     space = _CACHE.get(graph)
     if space is None:
-        base = None
-        if like is not None and like is not graph and like.hardware == graph.hardware \
-                and like.activation_dtype == graph.activation_dtype:
-            base = (like, decision_space(like))
-        space = _CACHE[graph] = _build(graph, base)
+        like = _LIKE.get(graph)
+        space = _CACHE[graph] = _build(graph, None if like is None else (like, decision_space(like)))
     return space
 
 

@@ -26,8 +26,8 @@ MoE module, which the gate re-plans at the fine grid. On a miss, a gate decision
 ``reuse_levels`` away) stands in when it is as good: a smaller-need one that fits this budget at the measured
 imbalance, or a larger-need one that fits and costs at most ``1 + need_step`` times the smaller-need one (with no
 smaller-need one cached: one at most ``UNREFERENCED_LEVELS`` levels up). Kept bytes are reported exactly at the
-measured imbalance (routed tensors scale with the routed token count; ``PlanCost.activation_bytes_at``); ``overhead_s`` is the
-plan's on the bucket's graph. docs/runtime.md has the measured quality.
+measured imbalance (routed tensors scale with the routed token count; ``PlanCost.activation_bytes_at``);
+``overhead_s`` is the plan's on the bucket's graph. docs/runtime.md has the measured quality.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from ..costmodel.build import check_imbalance
 from ..costmodel.validate import require_int, require_number
 from ..fusion import Order, build_chains, dp
 from ..mitigation import greedy
-from ..mitigation.space import decision_space
+from ..mitigation.space import share_decisions
 from .buckets import ceil_bucket
 from .gate import GateAction, after_gate, check_downgrade
 from .keys import NeedGrid, PlannedImbalance, chunk_aliases, shift_plan
@@ -184,7 +184,7 @@ class DecisionPath:
                                                     stage=self.stage, chunk=chunk)
             balanced = self._graphs.get((chunk, 1.0))
             if balanced is not None:  # the decisions of tensors that do not scale with the imbalance, reused
-                decision_space(found, like=balanced)
+                share_decisions(found, balanced)
         return found
 
     def planned(self, chunk: int) -> float:
@@ -207,8 +207,7 @@ class DecisionPath:
         planned = self._planner.get(chunk) if planned is None else check_imbalance(planned)
         plan = self._pre_gate(budget_bytes, planned, canonical).plan
         if offset and plan.entries:
-            key = (plan.entries, offset)
-            plan = self._shifted.get(key) or self._shifted.setdefault(key, shift_plan(plan, offset))
+            plan = self._moved(plan, offset)
         return plan
 
     def state_dict(self) -> dict:
@@ -274,9 +273,7 @@ class DecisionPath:
         if offset and plan.entries:  # plans are moved back to this chunk's layers by ``offset``
             shifted = outcome.shifted.get(offset)
             if shifted is None:
-                key = (plan.entries, offset)
-                shifted = outcome.shifted[offset] = self._shifted.get(key) or self._shifted.setdefault(
-                    key, shift_plan(plan, offset))
+                shifted = outcome.shifted[offset] = self._moved(plan, offset)
             plan = shifted
         warm = phase == WARMUP
         order = outcome.orders.get(warm)
@@ -284,6 +281,14 @@ class DecisionPath:
             order = outcome.orders[warm] = self._order(outcome.graph, outcome.plan, chunk, warm)
         return Decision(plan, outcome.fixed_bytes + outcome.per_token_bytes * tokens, outcome.overhead_s,
                         outcome.changed, order, outcome.action)
+
+    def _moved(self, plan: Plan, offset: int) -> Plan:
+        """``plan`` moved by ``offset`` layers (memoised: chunks sharing caches share their plans)."""
+        key = (plan.entries, offset)
+        found = self._shifted.get(key)
+        if found is None:
+            found = self._shifted[key] = shift_plan(plan, offset)
+        return found
 
     def _seen_row(self, imbalance: float, chunk: int) -> list:
         """``[row, routed tokens, exact unmitigated bytes, covered decision (steady), (warmup), canonical chunk,

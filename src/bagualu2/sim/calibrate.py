@@ -101,8 +101,9 @@ def fit_hardware(model: ModelConfig, parallel: ParallelConfig, base: Hardware, f
     copies, e.g. ``ideal``) equals its measured mean step; then, given ``copies`` (a run that offloads, e.g.
     ``static-over``, at the cap ``copies_m_max_bytes``), ``copy_launch_s`` fitted the same way with the kernels'
     cost fixed; ``plan_hardware`` (default: each candidate profile) is the profile the runs were planned with.
-    Bisection: the iteration time grows with either. The copies run's time stops growing once a copy
-    costs more than recomputing (its plan then recomputes): a run slower than that plateau fits the copy cost where
+    Bisection: the iteration time grows with either. Planned with each candidate profile, the copies run's time
+    stops growing once a copy costs more than recomputing (its plan then recomputes): a run slower than that
+    plateau (or, with ``plan_hardware``, than the range's top) fits the copy cost where
     the plateau starts; a run no slower than free copies allow (two short runs differ by the machine's noise)
     fits the range's bottom. The launch cost is never clamped: a one-line ``ValueError`` when even the range's
     bounds cannot reach the measured time."""

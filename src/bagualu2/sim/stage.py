@@ -35,6 +35,7 @@ class StageContext:
                  plan_hardware: Hardware | None = None, downgrade: str = "graded"):
         self.model, self.parallel, self.hardware, self.stage = model, parallel, hardware, stage
         self.plan_hardware = hardware if plan_hardware is None else plan_hardware
+        self.separate_timing = self.plan_hardware != hardware  # are plans timed on another profile?
         self.path = DecisionPath(model, parallel, self.plan_hardware, stage=stage, downgrade=downgrade)
         self._timing: dict[tuple, OpGraph] = {}
         memory, steps = self.path.stage_plan()
@@ -56,11 +57,6 @@ class StageContext:
     def per_chunk_bytes(self) -> int:
         """What each in-flight chunk may keep when M_max is split evenly: the static policies' target."""
         return self.memory.m_max_bytes // self.memory.inflight_chunks
-
-    @property
-    def separate_timing(self) -> bool:
-        """Are plans timed on another profile than the one they are made with?"""
-        return self.plan_hardware != self.hardware
 
     def graph(self, chunk: int, imbalance: float) -> OpGraph:
         """The graph plans are made on (``plan_hardware``'s)."""
