@@ -17,6 +17,7 @@ manifest and renames, so all ranks must see one shared file system (as DCP's Fil
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -178,13 +179,58 @@ def _check(path: Path, step: int | None, hashes: bool) -> dict[str, Any]:
     return manifest
 
 
-def save(directory: str | os.PathLike[str], step: int, state: dict[str, Any], *, keep: int = 2) -> Path:
+class _FailingWriter(dcp.FileSystemWriter):
+    """DCP's file-system writer whose writes end with ``error`` after writing (fault injection: a full disk)."""
+
+    def __init__(self, path: Path, error: OSError):
+        super().__init__(path)
+        self.error = error
+
+    def write_data(self, plan, planner):
+        super().write_data(plan, planner).wait()
+        raise self.error
+
+
+def _os_cause(exc: BaseException | None, where: Path) -> str:
+    """Why a write failed, in words: the OSError behind ``exc`` (also inside DCP's gathered failures), else a full
+    file system when that is what torch's zip writer's bare error means, else the error's first line."""
+    seen, queue, first = set(), [exc], None
+    while queue:
+        item = queue.pop(0)
+        if item is None or id(item) in seen:
+            continue
+        seen.add(id(item))
+        first = first or item
+        if isinstance(item, OSError) and item.errno is not None:
+            name = errno.errorcode.get(item.errno, str(item.errno))
+            return f"{item.strerror or os.strerror(item.errno)} ({name})"
+        if isinstance(item, dcp.CheckpointException):
+            queue.extend(inner for inner, _ in item.failures.values())
+        queue.extend((item.__cause__, item.__context__))
+    try:
+        free = shutil.disk_usage(where if where.exists() else where.parent).free
+    except OSError:
+        free = None
+    if free is not None and free < (64 << 20):
+        return f"{os.strerror(errno.ENOSPC)} (ENOSPC: {free} bytes free)"
+    text = (str(first).splitlines() or [""])[0] if first is not None else ""
+    return f"{type(first).__name__}: {text}"
+
+
+def save(directory: str | os.PathLike[str], step: int, state: dict[str, Any], *, keep: int = 2,
+         write_error: OSError | None = None, after_write: Callable[[], None] | None = None) -> Path:
     """Collective: write ``state`` (this rank's tensors) as checkpoint ``<directory>/step-<step:08d>``.
 
     DCP writes every rank's shards to ``.tmp-step-<step>-<random>``; after a barrier rank 0 writes and fsyncs the
     manifest, renames the directory into place, deletes all but the newest ``keep`` complete checkpoints and
     stale ``.tmp-*`` directories of earlier saves. Re-saving a step replaces its checkpoint; any other existing
     path of that name is refused. Returns the checkpoint's path.
+
+    A write that fails on any rank (a full disk, a directory that cannot be written) raises
+    :class:`CheckpointError` on every rank with one line naming the path and the cause; the temporary directory is
+    removed and the earlier checkpoints are untouched. ``write_error`` makes this rank's write fail with it after
+    writing (fault injection); ``after_write`` runs when this rank's shards are written, before the checkpoint is
+    complete.
     """
     if not isinstance(step, int) or step < 0 or not isinstance(keep, int) or keep < 1:
         raise CheckpointError(f"checkpoint save: step must be an int >= 0 and keep >= 1, got {step!r}, {keep!r}")
@@ -200,18 +246,34 @@ def save(directory: str | os.PathLike[str], step: int, state: dict[str, Any], *,
         if root.exists() and not root.is_dir():
             raise CheckpointError(f"checkpoint directory {root}: exists and is not a directory")
         refuse_final()
-        root.mkdir(parents=True, exist_ok=True)
         tmp = root / f".tmp-step-{step:08d}-{secrets.token_hex(4)}"
-        tmp.mkdir()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            tmp.mkdir()
+            probe = tmp / ".probe"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"checkpoint {final} not written: {root} cannot be written: "
+                                  f"{_os_cause(exc, root)}; earlier checkpoints are kept") from None
         return str(tmp), tmp.stat().st_mtime
 
     tmp_name, started = _on_rank0(prepare)
     tmp = Path(tmp_name)
     try:
         with _quiet():
-            dcp.save(state, checkpoint_id=tmp)
-    except dcp.CheckpointException as exc:
-        raise CheckpointError(f"checkpoint {tmp}: DCP save failed: {_failure(exc)}") from exc
+            if write_error is not None:
+                dcp.save(state, storage_writer=_FailingWriter(tmp, write_error))
+            else:
+                dcp.save(state, checkpoint_id=tmp)
+    except Exception as exc:  # noqa: BLE001 - DCP gathers every rank's failure: every rank is here alike
+        cause = _os_cause(exc, tmp)
+        _on_rank0(lambda: shutil.rmtree(tmp, ignore_errors=True))
+        raise CheckpointError(f"checkpoint {final} not written: {cause} (writing {tmp}); earlier checkpoints "
+                              "are kept") from None
+    if after_write is not None:
+        after_write()
     if _distributed():
         dist.barrier()
 
@@ -220,11 +282,16 @@ def save(directory: str | os.PathLike[str], step: int, state: dict[str, Any], *,
         manifest = {"format": FORMAT, "step": step, "world_size": _world(), "torch_version": torch.__version__,
                     "files": {p.relative_to(tmp).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)}
                               for p in files}}
-        with open(tmp / MANIFEST, "w") as f:
-            json.dump(manifest, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        try:
+            with open(tmp / MANIFEST, "w") as f:
+                json.dump(manifest, f, indent=1, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(tmp)
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"checkpoint {final} not written: {_os_cause(exc, tmp)} (writing {tmp / MANIFEST}); "
+                                  "earlier checkpoints are kept") from None
         refuse_final()
         old = root / f"{tmp.name}-replaced"
         if final.exists():

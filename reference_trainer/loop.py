@@ -40,6 +40,9 @@ def prepare(config: TrainConfig) -> "Run":
     if cap < floor:
         raise ValueError(f"--memory-cap must be at least {floor} bytes ({floor / 2**20:.2f} MiB: full recompute of "
                          f"every in-flight chunk on the busiest stage), got {cap}")
+    from .faults import ENV, parse
+
+    parse(os.environ.get(ENV, ""))  # fault injections (tests, chaos runs): a bad spec is a user error
     if config.checkpoint_dir and os.path.exists(config.checkpoint_dir) and not os.path.isdir(config.checkpoint_dir):
         raise ValueError(f"--checkpoint-dir {config.checkpoint_dir} exists and is not a directory")
     if config.metrics_file:
@@ -57,16 +60,23 @@ class Run:
     cap_bytes: int
     hardware: Any
 
+    session: Any = None
+
     def close(self) -> None:
         import torch.distributed as dist
 
-        if dist.is_initialized():
-            try:
-                dist.barrier()
-            finally:
-                dist.destroy_process_group()
+        try:
+            if dist.is_initialized():
+                try:
+                    dist.barrier()
+                finally:
+                    dist.destroy_process_group()
+        finally:
+            if self.session is not None:
+                self.session.guard.close()
 
     def train(self) -> dict:
         from .session import Session
 
-        return Session(self).train()
+        self.session = Session(self)
+        return self.session.train()

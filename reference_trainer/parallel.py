@@ -1,8 +1,9 @@
 """Parallel wiring: world = pp x dp, expert parallelism carved out of the data-parallel ranks (Megatron-Core,
 torchtitan).
 
-Global rank ``r = pp_rank * dp + dp_rank`` (a ``DeviceMesh`` with dims ``("pp", "dp")``): the ``dp`` ranks of one
-pipeline stage are consecutive. The expert-parallel groups are consecutive runs of ``ep`` of them: DP rank ``d``
+Global rank ``r = pp_rank * dp + dp_rank`` (a ``("pp", "dp")`` mesh): the ``dp`` ranks of one pipeline stage are
+consecutive. Every group is made with the run's collective timeout (``--collective-timeout``), so no collective
+waits forever. The expert-parallel groups are consecutive runs of ``ep`` of them: DP rank ``d``
 is EP rank ``d % ep`` of group ``d // ep`` and holds experts ``[(d % ep) * E/ep, (d % ep + 1) * E/ep)``. The
 ``dp / ep`` ranks holding the same experts form a *replica* group.
 
@@ -13,11 +14,11 @@ EP group sent it (the all-to-all's backward), so it is summed over its ``dp / ep
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
 @dataclass
@@ -32,7 +33,6 @@ class Groups:
     pp_rank: int
     dp_rank: int
     ep_rank: int
-    mesh: DeviceMesh | None
     pp_group: dist.ProcessGroup | None
     dp_group: dist.ProcessGroup | None
     ep_group: dist.ProcessGroup | None
@@ -43,32 +43,35 @@ class Groups:
         return self.rank == 0
 
 
-def build_groups(*, pp: int, dp: int, ep: int, device_type: str) -> Groups:
-    """Create the mesh and the EP / replica groups (collective: every rank calls it). Without an initialised
-    process group: one process, no groups."""
+def build_groups(*, pp: int, dp: int, ep: int, timeout_s: float = 600.0) -> Groups:
+    """Create the pipeline, data-, expert-parallel and replica groups (collective: every rank calls it, creating
+    every group in the same order), each with ``timeout_s``. Without an initialised process group: one process,
+    no groups."""
     if not dist.is_initialized():
-        return Groups(0, 1, 1, 1, 1, 0, 0, 0, None, None, None, None, None)
+        return Groups(0, 1, 1, 1, 1, 0, 0, 0, None, None, None, None)
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != pp * dp:
         raise ValueError(f"the world size {world} must equal --pp x --dp = {pp * dp}")
-    mesh = init_device_mesh(device_type, (pp, dp), mesh_dim_names=("pp", "dp"))
+    timeout = datetime.timedelta(seconds=timeout_s)
     pp_rank, dp_rank = divmod(rank, dp)
-    ep_group = replica_group = None
-    for stage in range(pp):  # every rank creates every group, in the same order
+    mine: dict[str, dist.ProcessGroup | None] = {"pp": None, "dp": None, "ep": None, "replica": None}
+
+    def make(kind: str, members: list[int]) -> None:
+        group = dist.new_group(members, timeout=timeout) if len(members) > 1 else None
+        if rank in members:
+            mine[kind] = group
+
+    for index in range(dp):
+        make("pp", [stage * dp + index for stage in range(pp)])
+    for stage in range(pp):
         base = stage * dp
+        make("dp", list(range(base, base + dp)))
         for first in range(0, dp, ep):
-            members = list(range(base + first, base + first + ep))
-            group = dist.new_group(members) if ep > 1 else None
-            if rank in members:
-                ep_group = group
+            make("ep", list(range(base + first, base + first + ep)))
         for index in range(ep):
-            members = list(range(base + index, base + dp, ep))
-            group = dist.new_group(members) if len(members) > 1 else None
-            if rank in members:
-                replica_group = group
-    return Groups(rank, world, pp, dp, ep, pp_rank, dp_rank, dp_rank % ep, mesh,
-                  mesh.get_group("pp") if pp > 1 else None, mesh.get_group("dp") if dp > 1 else None,
-                  ep_group, replica_group)
+            make("replica", list(range(base + index, base + dp, ep)))
+    return Groups(rank, world, pp, dp, ep, pp_rank, dp_rank, dp_rank % ep, mine["pp"], mine["dp"], mine["ep"],
+                  mine["replica"])
 
 
 def is_expert_parameter(name: str) -> bool:

@@ -103,6 +103,9 @@ class Provisioner:
         self._warm(parallel.ep)
         self.setup_s = time.perf_counter() - started  # before the first step, reported apart
         self._last: _Forward | None = None
+        # progress(kind, micro-batch) before each forward ("forward") and after each backward ("backward"): the
+        # trainer's watchdog and fault injections
+        self.progress: Callable[[str, str], None] | None = None
         self.begin_step()
 
     def _warm(self, ep: int) -> None:
@@ -223,6 +226,8 @@ class Provisioner:
         """Run ``layers(x)`` as the forward of (chunk, mb) under its plan (called by the chunk's module;
         ``moes``: its MoE modules, whose routing counts a re-run must not count twice)."""
         forward = self.prepare(chunk, mb)
+        if self.progress is not None:
+            self.progress("forward", forward.name)
         executor = self.executors[chunk]
         loads = [moe.load for moe in moes]
         with executor.micro_batch(forward.name, plan=forward.plan, budget_bytes=forward.gate_budget_bytes) as record:
@@ -274,6 +279,8 @@ class Provisioner:
             forward = self._done.pop((chunk, mb))
             self.executors[chunk].release(forward.name)
             self.assigner.record_backward(forward.index)
+            if self.progress is not None:
+                self.progress("backward", forward.name)
         return done
 
     # ---- fused points -------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from .policies import POLICIES
 SCHEDULES = ("runtime", "plain")
 DEVICES = ("cpu", "cuda")
 DOWNGRADES = ("graded", "paper")
+NONFINITE = ("stop", "skip")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30,
           "k": 2**10, "m": 2**20, "g": 2**30}
 
@@ -72,6 +73,10 @@ class TrainConfig:
       hardware              cost-model hardware profile (``bagualu2 presets``) for the runtime's durations.
       data                  the user's .txt / .jsonl file or directory; None: the bundled corpus.
       metrics_file, checkpoint_dir, checkpoint_every, resume   see docs/trainer.md.
+      collective_timeout_s  seconds (> 0): the process groups' timeout and the step watchdog's limit; a rank that
+                            makes no progress for that long dumps its stacks and exits for torchrun to restart.
+      on_nonfinite          a non-finite loss or gradient: ``stop`` (one line naming the step, the last complete
+                            checkpoint kept) or ``skip`` (every rank drops that step's update).
     """
 
     model: ModelConfig
@@ -101,6 +106,8 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     resume: bool = False
+    collective_timeout_s: float = 600.0
+    on_nonfinite: str = "stop"
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -117,8 +124,10 @@ class TrainConfig:
         require_number("--spike-rate", self.spike_rate, 0, 1)
         require_number("--bias-update-rate", self.bias_update_rate, 0, 1)
         require_number("--prediction-scale", self.prediction_scale, 0, 1, low_open=True)
+        require_number("--collective-timeout", self.collective_timeout_s, 0, 1e7, low_open=True)
         for option, value, allowed in (("--schedule", self.schedule, SCHEDULES), ("--policy", self.policy, POLICIES),
-                                       ("--device", self.device, DEVICES), ("--downgrade", self.downgrade, DOWNGRADES)):
+                                       ("--device", self.device, DEVICES), ("--downgrade", self.downgrade, DOWNGRADES),
+                                       ("--on-nonfinite", self.on_nonfinite, NONFINITE)):
             if value not in allowed:
                 raise ValueError(f"{option} must be one of {', '.join(allowed)}, got {value!r}")
         if self.memory_cap_bytes is not None:

@@ -6,6 +6,13 @@ elastic agent (``--max-restarts``) stops the group and starts it again. The rest
 ``run_state.json``: OOM events, restarts, steps lost (the failed step minus the checkpoint it resumes from), and,
 once its first step completes, the restart seconds (from the error to that step). ``started_at`` is the first
 launch's time, so the effective tokens/s count every restart and every lost step. Files are written atomically.
+
+Other faults restart the same way: a rank whose watchdog saw no progress, or whose collective failed, writes
+``fault-rank<r>.json`` before it exits (``STALL_EXIT_CODE``); the restart counts it in ``stalls``, its lost steps
+and its restart seconds alike. A rank killed outright leaves no marker: its restart's seconds are counted from the
+restarted launch's start (a lower bound) and its lost steps are unknown (not counted). A run stopped on a
+non-finite loss (``--on-nonfinite stop``) is recorded as ``stopped``: torchrun's automatic restarts refuse to go
+on; a new launch (``--resume``) may.
 """
 
 from __future__ import annotations
@@ -34,15 +41,16 @@ class RunState:
 
     def __init__(self, directory: str | None, *, fresh: bool):
         self.dir = Path(directory) if directory else None
-        self.data: dict[str, Any] = {"started_at": time.time(), "oom_events": 0, "restarts": 0, "restart_s": 0.0,
-                                     "steps_lost": 0, "policies": []}
+        self.launched_at = time.time()
+        self.data: dict[str, Any] = {"started_at": self.launched_at, "oom_events": 0, "stalls": 0, "restarts": 0,
+                                     "restart_s": 0.0, "steps_lost": 0, "policies": [], "stopped": None}
         self.pending_error_at: float | None = None  # an OOM whose restart has not completed a step yet
         if self.dir is None:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.dir / STATE
         if fresh:
-            for marker in self.dir.glob("oom-rank*.json"):
+            for marker in [*self.dir.glob("oom-rank*.json"), *self.dir.glob("fault-rank*.json")]:
                 marker.unlink(missing_ok=True)
         elif path.is_file():
             try:
@@ -50,9 +58,9 @@ class RunState:
             except (OSError, ValueError):
                 pass
 
-    def markers(self) -> list[dict]:
+    def markers(self, pattern: str = "oom-rank*.json") -> list[dict]:
         found = []
-        for marker in sorted(self.dir.glob("oom-rank*.json")) if self.dir else ():
+        for marker in sorted(self.dir.glob(pattern)) if self.dir else ():
             try:
                 found.append(json.loads(marker.read_text()))
             except (OSError, ValueError):
@@ -67,18 +75,25 @@ class RunState:
     def restarted(self, *, restart_count: int, resume_step: int, policy: str, is_logger: bool) -> dict | None:
         """Fold the OOM markers into the state (rank 0 writes it); returns the incident, if any."""
         markers = self.markers()  # read once: the logger rank deletes them below while the others read
+        faults = self.markers("fault-rank*.json")
         incident = min(markers, key=lambda m: m["time"]) if markers else None
         self.data["restarts"] = max(self.data["restarts"], restart_count)
+        self.pending_error_at = self.launched_at  # a rank killed outright: from this launch's start (lower bound)
         if incident is not None:
             incident = {**incident, "peak_activation_bytes": max(m.get("peak_activation_bytes", 0) for m in markers)}
             self.data["oom_events"] += 1
             self.data["steps_lost"] += max(incident["step"] - resume_step, 0)
             self.pending_error_at = incident["time"]
+        elif faults:
+            first = min(faults, key=lambda m: m["time"])
+            self.data["stalls"] = self.data.get("stalls", 0) + 1
+            self.data["steps_lost"] += max(first["step"] - resume_step, 0)
+            self.pending_error_at = first["time"]
         self.data["policies"] = [*self.data["policies"], policy] if self.data["policies"][-1:] != [policy] else \
             self.data["policies"]
         if is_logger:
             self.save()
-            for marker in self.dir.glob("oom-rank*.json") if self.dir else ():
+            for marker in [*self.dir.glob("oom-rank*.json"), *self.dir.glob("fault-rank*.json")] if self.dir else ():
                 marker.unlink(missing_ok=True)
         return incident
 
@@ -103,3 +118,15 @@ class RunState:
             _write_json(self.dir / f"oom-rank{rank}.json", {"time": time.time(), "step": step, "rank": rank,
                                                            "policy": policy, "message": message,
                                                            "peak_activation_bytes": peak_bytes})
+
+    def record_fault(self, *, rank: int, step: int, kind: str, message: str) -> None:
+        """This rank stalled or lost a collective (called right before it exits)."""
+        if self.dir is not None:
+            _write_json(self.dir / f"fault-rank{rank}.json", {"time": time.time(), "step": step, "rank": rank,
+                                                             "kind": kind, "message": message})
+
+    def record_stop(self, *, step: int, message: str, is_logger: bool) -> None:
+        """The run stopped on purpose at ``step`` (a non-finite loss): automatic restarts must not go on."""
+        self.data["stopped"] = {"step": step, "message": message}
+        if is_logger:
+            self.save()

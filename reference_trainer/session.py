@@ -22,6 +22,7 @@ from .parallel import build_groups, is_expert_parameter, reduce_gradients
 from .pipeline import RuntimeSchedule, build_stages, plain_schedule
 from .policies import OOM_EXIT_CODE, fallback, fixed_plans
 from .provision import Provisioner
+from .resilience import NONFINITE_EXIT_CODE, Guard
 from .restarts import RunState
 from bagualu2.exec import ActivationOutOfMemoryError
 
@@ -71,17 +72,21 @@ class Session:
             backend = "nccl" if config.device == "cuda" else "gloo"
             if config.device == "cuda":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10), store=_store(),
-                                    rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=config.collective_timeout_s),
+                                    store=_store(), rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]))
         self.device = (torch.device("cuda", torch.cuda.current_device()) if config.device == "cuda"
                        else torch.device("cpu"))
-        self.groups = groups = build_groups(pp=config.pp, dp=config.dp, ep=config.ep, device_type=config.device)
+        self.groups = groups = build_groups(pp=config.pp, dp=config.dp, ep=config.ep,
+                                            timeout_s=config.collective_timeout_s)
         self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.resume = config.resume or (self.restarts > 0 and bool(config.checkpoint_dir))
         state_dir = config.checkpoint_dir or (os.path.dirname(os.path.abspath(config.metrics_file))
                                               if config.metrics_file else None)
         self.run_state = RunState(state_dir, fresh=self.restarts == 0 and not config.resume)
         self.incident = self.run_state.last_oom() if self.restarts > 0 else None
+        self.guard = Guard(timeout_s=config.collective_timeout_s, rank=groups.rank, world_size=groups.world_size,
+                           launch=self.restarts, run_state=self.run_state)
         if self.incident is not None:  # restarted after running out of memory: the operator's fallback
             config = self.config = config.with_overrides(policy=fallback(self.incident["policy"]))
         self.parallel = config.parallel
@@ -267,6 +272,13 @@ class Session:
             self.run_state.data["policies"] = [config.policy]
             self.run_state.save()
         incident = None
+        stopped = self.run_state.data.get("stopped")
+        if self.restarts > 0 and stopped:  # torchrun restarted a run that stopped on purpose: do not go on
+            if groups.is_logger:
+                sys.stderr.write(f"error: the run stopped at step {stopped['step']} ({stopped['message']}); not "
+                                 "restarting it: fix the cause, then launch again with --resume\n")
+                sys.stderr.flush()
+            os._exit(NONFINITE_EXIT_CODE)
         if self.restarts > 0:
             incident = self.run_state.restarted(restart_count=self.restarts, resume_step=self.start_step,
                                                 policy=config.policy, is_logger=groups.is_logger)
@@ -283,29 +295,46 @@ class Session:
         peak_flops = self.run.hardware.peak_flops
         began = time.perf_counter()
         totals = {"steps": 0, "planning_s": 0.0, "peak": 0, "recompute_flops": 0.0, "loss": None, "step_s": 0.0,
-                  "first_loss": None, "error": 0.0}
+                  "first_loss": None, "error": 0.0, "skipped": 0, "checkpoint_failures": 0}
+        guard = self.guard
+        self.provisioner.progress = lambda kind, name: (guard.forward(f"the forward of {name}") if kind == "forward"
+                                                        else guard.beat(f"the backward of {name}"))
+        guard.start()
         own_peak = 0  # this rank's activation peak over the steps this launch completed
         try:
             for step in range(self.start_step, config.steps):
                 started = time.perf_counter()
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr_at(config, step)
+                guard.beat("the step's start", step)
                 self.provisioner.begin_step()
                 self._set_spikes(step)
                 try:
                     loss_sum, count = self._run_step(step)
+                    guard.beat("the non-finite check")
+                    bad = guard.nonfinite(step, loss_sum, self.params)
+                    if bad and config.on_nonfinite == "stop":
+                        self._stop_nonfinite(step, bad)
+                    guard.beat("the gradient reduction")
+                    if bad:  # --on-nonfinite skip: every rank drops the step's update alike
+                        self.optimizer.zero_grad(set_to_none=True)
+                        for moe in self._moes():
+                            moe.load = None
+                        totals["skipped"] += 1
+                    else:
+                        reduce_gradients(self.params, groups)
+                        self.optimizer.step()
+                        self.optimizer.zero_grad(set_to_none=True)
+                        self._balance()
+                    self.run.batches.advance()
                 except Exception as exc:  # pipelining wraps a stage's errors: look for an OOM in the chain
+                    guard.fatal(exc, step)  # a failed collective: one line, exit for torchrun to restart
                     oom = _out_of_memory_cause(exc)
                     if oom is None:
                         raise
                     # the completed steps' peak (all ranks' on the logger, this rank's elsewhere); the failed
                     # step is lost, as in the simulator
                     self._out_of_memory(step, oom, max(totals["peak"], own_peak))
-                reduce_gradients(self.params, groups)
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                self._balance()
-                self.run.batches.advance()
                 step_s = time.perf_counter() - started
                 own_peak = max(own_peak, self.provisioner.tracker.peak_bytes)
                 mine = {"loss_sum": loss_sum, "count": count, "peak": self.provisioner.tracker.peak_bytes,
@@ -313,13 +342,25 @@ class Session:
                         "planning_s": self.provisioner.planning_s, "agree_s": self.provisioner.agree_s,
                         "reruns": self.provisioner.reruns,
                         "step_s": step_s}
-                gathered = self._gather(mine)
-                self.run_state.step_done(groups.is_logger)
-                if config.checkpoint_every and config.checkpoint_dir and (step + 1) % config.checkpoint_every == 0:
-                    checkpoint.save(config.checkpoint_dir, step + 1, self._state(step + 1))
+                try:
+                    guard.beat("the step's records")
+                    gathered = self._gather(mine)
+                    guard.end_step(step)
+                    self.run_state.step_done(groups.is_logger)
+                    if config.checkpoint_every and config.checkpoint_dir and (step + 1) % config.checkpoint_every == 0:
+                        warning = guard.save(config.checkpoint_dir, step + 1, self._state(step + 1))
+                        if warning is not None:
+                            totals["checkpoint_failures"] += 1
+                            if groups.is_logger:
+                                print(warning, file=sys.stderr, flush=True)
+                except Exception as exc:
+                    guard.fatal(exc, step)
+                    raise
                 if gathered is None:
                     continue
                 record = self._record(step, gathered, tokens_per_step, flops, peak_flops)
+                if bad:
+                    record["skipped"] = "non-finite loss or gradient on rank " + ", ".join(map(str, bad))
                 writer.write(record)
                 progress.update(step, record["loss"], record["tokens_per_s"])
                 totals["steps"] += 1
@@ -336,12 +377,28 @@ class Session:
                                                            for mb in record["microbatches"]])
         finally:
             progress.close()
+            guard.beat("the run's end")
         elapsed = time.perf_counter() - began
         summary = self._summary(totals, elapsed, tokens_per_step, flops, peak_flops)
         writer.write(summary)
         writer.close()
         print_summary(summary, rank=groups.rank)
         return summary
+
+    def _stop_nonfinite(self, step: int, ranks: list[int]) -> None:
+        """--on-nonfinite stop: one line from rank 0 naming the step, the run marked stopped, every rank exits."""
+        found = checkpoint.find_latest(self.config.checkpoint_dir) if self.config.checkpoint_dir else None
+        kept = f"the last complete checkpoint is {found[0]}" if found else "no checkpoint was written"
+        message = f"non-finite loss or gradient at step {step} on rank {', '.join(map(str, ranks))}"
+        self.run_state.record_stop(step=step, message=message, is_logger=self.groups.is_logger)
+        if self.groups.is_logger:
+            sys.stderr.write(f"error: {message}; stopping (--on-nonfinite stop; skip drops such steps); {kept}; "
+                             f"exit code {NONFINITE_EXIT_CODE}\n")
+            sys.stderr.flush()
+        if dist.is_initialized():
+            dist.barrier()  # rank 0's line is out before any rank exits (torchrun stops the others at the first)
+        self.guard.close()
+        os._exit(NONFINITE_EXIT_CODE)
 
     def _out_of_memory(self, step: int, exc: BaseException, peak_bytes: int) -> None:
         """A fixed policy overflowed the cap: leave a marker, say so in one line, exit for torchrun to restart."""
@@ -380,7 +437,9 @@ class Session:
                 "steps_run": steps, "first_loss": totals["first_loss"], "max_prediction_error": totals["error"],
                 "seconds": elapsed,
                 "final_loss": finite(totals["loss"]) if totals["loss"] is not None else None,
-                "oom_events": state["oom_events"], "restarts": self.restarts, "restart_s": state["restart_s"],
+                "oom_events": state["oom_events"], "stalls": state.get("stalls", 0), "restarts": self.restarts,
+                "restart_s": state["restart_s"], "skipped_steps": totals["skipped"],
+                "checkpoint_failures": totals["checkpoint_failures"],
                 "steps_lost": state["steps_lost"], "reruns": totals.get("reruns", 0), "policy": self.config.policy,
                 "policies": state["policies"] or [self.config.policy],
                 "tokens_per_s": done_tokens / seconds,

@@ -19,9 +19,9 @@ import time
 from typing import Any, NoReturn, Sequence
 
 from .policies import POLICIES
-from .recipes import RECIPES, SCHEDULES, TrainConfig, parse_bytes, recipe
+from .recipes import NONFINITE, RECIPES, SCHEDULES, TrainConfig, parse_bytes, recipe
 
-CHOICES = {"--schedule": SCHEDULES, "--policy": POLICIES}
+CHOICES = {"--schedule": SCHEDULES, "--policy": POLICIES, "--on-nonfinite": NONFINITE}
 
 FLAGS = {  # flag -> (TrainConfig field, type)
     "--steps": ("steps", int), "--pp": ("pp", int), "--dp": ("dp", int), "--ep": ("ep", int), "--vp": ("vp", int),
@@ -32,7 +32,8 @@ FLAGS = {  # flag -> (TrainConfig field, type)
     "--hardware": ("hardware", str), "--data": ("data", str), "--metrics-file": ("metrics_file", str),
     "--checkpoint-dir": ("checkpoint_dir", str), "--checkpoint-every": ("checkpoint_every", int),
     "--bias-update-rate": ("bias_update_rate", float), "--warmup-steps": ("warmup_steps", int),
-    "--prediction-scale": ("prediction_scale", float),
+    "--prediction-scale": ("prediction_scale", float), "--collective-timeout": ("collective_timeout_s", float),
+    "--on-nonfinite": ("on_nonfinite", str),
 }
 
 
@@ -98,6 +99,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         summary = run.train()
     except KeyboardInterrupt:
         raise SystemExit(130) from None
+    except Exception as exc:  # a collective that failed outside the step loop (set-up, resume): one line
+        from .watchdog import STALL_EXIT_CODE, collective_failure
+
+        failed = collective_failure(exc)
+        if failed is None:
+            raise
+        sys.stderr.write(f"error: rank {_rank()}: a collective failed ({type(failed).__name__}: "
+                         f"{' '.join(str(failed).split())[:300]}); exit code {STALL_EXIT_CODE}\n")
+        sys.stderr.flush()
+        os._exit(STALL_EXIT_CODE)
     run.close()
     if args.json and _rank() == 0:
         print(json.dumps(summary))

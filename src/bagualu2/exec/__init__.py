@@ -18,7 +18,7 @@ from .tracker import ActivationOutOfMemoryError, ActivationTracker, storage_byte
 
 def __getattr__(name: str):
     # DualBatchExecutor needs bagualu2.fusion (and so OR-Tools): imported on first use only
-    if name in ("DualBatchExecutor", "PointResult"):
+    if name in ("DualBatchExecutor", "PointAborted", "PointResult"):
         from . import dual
 
         return getattr(dual, name)
@@ -26,6 +26,6 @@ def __getattr__(name: str):
 
 
 __all__ = ["ActivationOutOfMemoryError", "ActivationTracker", "CopyEngine", "DeferredPlanner", "DualBatchExecutor",
-           "HostPool", "InstrumentedModel", "TraceResult", "instrument",
+           "HostPool", "InstrumentedModel", "PointAborted", "TraceResult", "instrument",
            "MicroBatchRecord", "OP_SCOPE", "PlanExecutor", "after_gate", "apply_plan", "downgrade_module",
            "flop_counter", "op_scope", "quantize_fp8", "run_op", "storage_bytes"]

@@ -16,7 +16,11 @@ The four chains of ``bagualu2.fusion.build_chains`` are executed stage by stage,
 * ``R`` stage: the recovery of micro-batch y+1: reloads of its host copies and early re-runs of its replays
   (``recover``); dequantisation happens on unpack.
 
-A stage is done when its worker blocks at a gate of a later stage or finishes. Stages of one barrier group are
+A stage is done when its worker blocks at a gate of a later stage or finishes. An error in any stage ends the
+point at once: the scheduler issues no further stage, and the other worker, parked at a gate, is released with
+:class:`PointAborted` raised from that gate, so it runs no further op (and issues no further collective) before the
+error reaches the caller. Under expert parallelism this keeps every rank of a group on one collective order: the
+order is agreed, so a rank either follows it or stops; it never runs ahead into another stage's collectives. Stages of one barrier group are
 issued one after the other (one worker at a time), so any order that keeps the chain orders computes exactly what
 sequential execution computes. On CPU that is also how they run. On CUDA the issue is asynchronous: the O and R
 copies run on the copy engine's side streams and overlap the compute issued next, and NCCL all-to-alls run on
@@ -39,6 +43,10 @@ from .apply import PlanExecutor
 from .ops import FORWARD_GATE
 
 
+class PointAborted(RuntimeError):
+    """Raised inside a worker released after another stage of its scheduling point failed."""
+
+
 class _Worker:
     """A thread that runs ``work`` and pauses at the gates of ops whose stage has not been let through yet."""
 
@@ -49,6 +57,7 @@ class _Worker:
         self.started = False
         self.cond = threading.Condition()
         self.allowed = -1
+        self.aborted = False
         self.waiting: int | None = None
         self.done = False
         self.result: Any = None
@@ -72,8 +81,10 @@ class _Worker:
             if stage is not None and stage > self.allowed:
                 self.waiting = stage
                 self.cond.notify_all()
-                self.cond.wait_for(lambda: stage <= self.allowed)
+                self.cond.wait_for(lambda: stage <= self.allowed or self.aborted)
                 self.waiting = None
+            if self.aborted:
+                raise PointAborted(f"{self.kind} stopped before {op}: another stage of the point failed")
             self.ops.append(op)
             self.trace.append((self.kind, op))
 
@@ -86,6 +97,14 @@ class _Worker:
             self.allowed = max(self.allowed, stage)
             self.cond.notify_all()
             self.cond.wait_for(lambda: self.done or (self.waiting is not None and self.waiting > stage))
+
+    def abort(self) -> None:
+        """Stop at the next gate (raising :class:`PointAborted` there) and wait for the thread to end."""
+        with self.cond:
+            self.aborted = True
+            self.cond.notify_all()
+        if self.started:
+            self.thread.join()
 
     def finish(self):
         self.run_through(1 << 30)
@@ -181,6 +200,8 @@ class DualBatchExecutor:
                     stage = chains.get(kind).stages[index]
                     if kind in workers:
                         workers[kind].run_through(index)
+                        if workers[kind].error is not None:  # stop here: no later stage, no later collective
+                            raise workers[kind].error
                     elif kind == "O":
                         self.owner(offload).offload_now(offload, {op.split(":")[1] for op in stage.ops})
                     else:
@@ -196,10 +217,9 @@ class DualBatchExecutor:
         finally:
             if backward_record is not None:
                 backward_record.backward_gate = None
-            for worker in workers.values():  # an error: let the others run to their end, not hang
+            for worker in workers.values():  # an error: the others stop at their next gate, running nothing more
                 if worker.started and worker.thread.is_alive():
-                    worker.run_through(1 << 30)
-                    worker.thread.join()
+                    worker.abort()
         return result
 
     @staticmethod

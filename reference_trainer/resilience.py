@@ -1,0 +1,112 @@
+"""What keeps a training session from hanging or dying with a traceback: one :class:`Guard` per rank.
+
+* **Progress** — :meth:`Guard.beat` feeds the step :class:`~.watchdog.Watchdog` (``--collective-timeout``).
+* **Collective order** — with ``BAGUALU2_CHECK_COLLECTIVES=1`` a :class:`~.collectives.CollectiveRecorder`
+  records every collective and :meth:`Guard.end_step` compares the groups' sequences after every step.
+* **Failures** — :meth:`Guard.fatal` turns a failed collective (a peer died, stopped, timed out) or a diverged
+  collective order into one line and a distinct exit code; :meth:`Guard.nonfinite` finds a non-finite loss or
+  gradient on any rank (one all-reduce, so every rank decides alike); :meth:`Guard.save` writes a checkpoint and
+  turns a write failure (a full disk, a directory that cannot be written) into one warning line.
+* **Faults** — the ``BAGUALU2_FAULTS`` injections of :mod:`.faults` fire at these same points.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from typing import NoReturn
+
+import torch
+import torch.distributed as dist
+
+from . import checkpoint, collectives
+from .faults import Faults
+from .watchdog import STALL_EXIT_CODE, Watchdog, collective_failure
+
+NONFINITE_EXIT_CODE = 65  # EX_DATAERR: a non-finite loss or gradient under --on-nonfinite stop
+
+
+class Guard:
+    """The rank's watchdog, collective checker and fault injections (module docstring)."""
+
+    def __init__(self, *, timeout_s: float, rank: int, world_size: int, launch: int, run_state):
+        self.rank, self.world_size, self.run_state = rank, world_size, run_state
+        self.faults = Faults.from_env(rank=rank, launch=launch)
+        self.recorder = (collectives.CollectiveRecorder().install()
+                         if collectives.enabled() and dist.is_initialized() else None)
+        self.watchdog = Watchdog(timeout_s=timeout_s, rank=rank,
+                                 describe=self.recorder.describe if self.recorder is not None else None,
+                                 on_stall=self._stalled)
+        self.step = 0
+
+    def start(self) -> None:
+        self.watchdog.start()
+
+    def close(self) -> None:
+        self.watchdog.stop()
+        if self.recorder is not None:
+            self.recorder.close()
+
+    # ---- progress -----------------------------------------------------------------------------------------------
+    def beat(self, label: str, step: int | None = None) -> None:
+        if step is not None:
+            self.step = step
+        self.watchdog.beat(label, step)
+
+    def forward(self, label: str) -> None:
+        """A forward starts (the provisioner's progress hook)."""
+        self.watchdog.beat(label)
+        self.faults.forward(self.step)
+
+    def _stalled(self, line: str, step: int) -> None:
+        self.run_state.record_fault(rank=self.rank, step=step, kind="stall", message=line)
+
+    # ---- failures -----------------------------------------------------------------------------------------------
+    def fatal(self, exc: BaseException, step: int) -> None:
+        """Exit in one line if ``exc`` is a failed collective or a diverged collective order; else return."""
+        if isinstance(exc, collectives.CollectiveOrderError):
+            if self.rank == 0:
+                sys.stderr.write(f"error: {exc}; exit code {collectives.DIVERGENCE_EXIT_CODE}\n")
+                sys.stderr.flush()
+            os._exit(collectives.DIVERGENCE_EXIT_CODE)
+        failed = collective_failure(exc)
+        if failed is None:
+            return
+        message = " ".join(str(failed).split())[:300]
+        line = (f"error: rank {self.rank}: a collective failed at step {step} in {self.watchdog.label} "
+                f"({type(failed).__name__}: {message}); exit code {STALL_EXIT_CODE} (torchrun --max-restarts "
+                "restarts from the last complete checkpoint)")
+        self.run_state.record_fault(rank=self.rank, step=step, kind="collective", message=line)
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+        os._exit(STALL_EXIT_CODE)
+
+    def nonfinite(self, step: int, loss_sum: float, params) -> list[int]:
+        """The ranks whose loss or gradients of ``step`` are not finite (the same list on every rank)."""
+        self.faults.poison(step, params)
+        bad = not math.isfinite(loss_sum) or any(
+            p.grad is not None and not bool(torch.isfinite(p.grad).all()) for _, p in params)
+        flags = torch.zeros(self.world_size, dtype=torch.float64)
+        flags[self.rank] = float(bad)
+        if dist.is_initialized():
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return [rank for rank, flag in enumerate(flags.tolist()) if flag > 0]
+
+    def end_step(self, step: int) -> None:
+        """After the step's last collective: the ``diverge`` fault, then the collective-order check."""
+        self.faults.diverge(step)
+        if self.recorder is not None:
+            self.recorder.check(step)
+
+    # ---- checkpoints --------------------------------------------------------------------------------------------
+    def save(self, directory: str, step: int, state: dict) -> str | None:
+        """Write checkpoint ``step`` (collective); None, or the one-line warning of a write that failed (the
+        previous checkpoint is intact and training continues)."""
+        self.beat(f"checkpoint step {step}")
+        try:
+            checkpoint.save(directory, step, state, write_error=self.faults.write_error(step - 1),
+                            after_write=lambda: self.faults.checkpoint_written(step - 1))
+        except checkpoint.CheckpointError as exc:
+            return f"warning: {exc}; training continues"
+        return None

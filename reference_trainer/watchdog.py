@@ -1,0 +1,113 @@
+"""No wait is unbounded: a step watchdog, and one line for a collective that failed.
+
+Every rank runs a :class:`Watchdog` thread from its first step on. The training loop reports progress
+(:meth:`Watchdog.beat` with a short label: the step, each micro-batch's forward and backward, the gradient
+reduction, a checkpoint write); when a rank makes no progress for ``--collective-timeout`` seconds, its watchdog
+writes every thread's stack to the rank's log (``faulthandler``), prints one line naming the rank, the step and
+what it was doing (and, with the collective checker on, the last collective it issued), leaves a marker for the
+restarted run's bookkeeping and exits with :data:`STALL_EXIT_CODE`. ``torchrun --max-restarts`` then restarts the
+job, which resumes from its last complete checkpoint.
+
+The same ``--collective-timeout`` is the process groups' timeout, so a collective whose peer died or stopped raises
+on the live ranks at about the same time; :func:`collective_failure` recognises that error (anywhere in an
+exception's chain) so the loop reports it in one line and exits with the same code instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import threading
+import time
+from typing import Callable
+
+import torch.distributed as dist
+
+STALL_EXIT_CODE = 76  # no progress within --collective-timeout, or a collective failed: torchrun may restart
+
+
+def collective_failure(exc: BaseException | None) -> BaseException | None:
+    """The failed collective (timeout, peer gone, connection closed) behind ``exc``, if any."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, dist.DistError):
+            return exc
+        text = str(exc)
+        if isinstance(exc, RuntimeError) and any(mark in text for mark in (
+                "gloo", "Gloo", "Connection closed by peer", "Connection reset by peer", "Timed out",
+                "NCCL", "Broken pipe")):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+class Watchdog:
+    """Exits the process when :meth:`beat` is not called for ``timeout_s`` seconds (module docstring).
+
+      timeout_s   seconds without progress that count as a stall (> 0).
+      rank        the global rank named in the line.
+      describe    optional callable giving more context for the line (e.g. the last collective issued).
+      on_stall    called with the line before the process exits (e.g. to leave a marker); errors ignored.
+    """
+
+    def __init__(self, *, timeout_s: float, rank: int, describe: Callable[[], str] | None = None,
+                 on_stall: Callable[[str, int], None] | None = None, exit_code: int = STALL_EXIT_CODE):
+        if not timeout_s > 0:
+            raise ValueError(f"--collective-timeout must be > 0 seconds, got {timeout_s!r}")
+        self.timeout_s, self.rank, self.describe, self.on_stall = float(timeout_s), rank, describe, on_stall
+        self.exit_code = exit_code
+        self.step = -1
+        self.label = "starting"
+        self._last = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="bagualu2-watchdog", daemon=True)
+
+    def start(self) -> "Watchdog":
+        self._last = time.monotonic()
+        self._thread.start()
+        return self
+
+    def beat(self, label: str, step: int | None = None) -> None:
+        """Progress: ``label`` says what the rank starts doing now."""
+        if step is not None:
+            self.step = step
+        self.label = label
+        self._last = time.monotonic()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        poll_s = min(1.0, self.timeout_s / 10)
+        while not self._stop.wait(poll_s):
+            idle_s = time.monotonic() - self._last
+            if idle_s >= self.timeout_s:
+                self._stalled(idle_s)
+
+    def _stalled(self, idle_s: float) -> None:
+        context = ""
+        if self.describe is not None:
+            try:
+                context = self.describe()
+            except Exception:  # noqa: BLE001 - the report must go out whatever the context does
+                context = ""
+        line = (f"error: rank {self.rank} made no progress for {idle_s:.0f} s (--collective-timeout "
+                f"{self.timeout_s:g}) at step {self.step} in {self.label}{'; ' + context if context else ''}; "
+                f"stacks above; exit code {self.exit_code} (torchrun --max-restarts restarts from the last "
+                "complete checkpoint)")
+        try:
+            sys.stderr.write(f"watchdog: rank {self.rank}: stacks of every thread:\n")
+            sys.stderr.flush()
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        except Exception:  # noqa: BLE001
+            pass
+        if self.on_stall is not None:
+            try:
+                self.on_stall(line, self.step)
+            except Exception:  # noqa: BLE001
+                pass
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+        os._exit(self.exit_code)
