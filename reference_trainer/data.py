@@ -45,6 +45,7 @@ CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
 DOC_SEPARATOR = "\n\x1e\n"
 EOT, PAD = "<|endoftext|>", "<|pad|>"
 _ALLOWED = "expected a .txt file, a .jsonl file or a directory of them"
+MAX_DOCUMENT_BYTES = 8 << 20  # one document (a .txt document, a .jsonl line): larger ones are refused
 _MEMO: dict[tuple[str, str], dict[str, np.ndarray]] = {}
 
 
@@ -161,9 +162,32 @@ class TokenCorpus:
         return self._sha
 
 
+def read_text(file: Path) -> str:
+    """The UTF-8 text of ``file``; ValueError naming the file and the problem for anything else (binary data,
+    another encoding). Invalid bytes are refused, never replaced: training on mojibake is silent corruption."""
+    data = file.read_bytes()
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise ValueError(f"{file}: binary data (a NUL byte at offset {nul}); expected UTF-8 text ({_ALLOWED})")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{file}: not UTF-8 text (byte 0x{data[error.start]:02x} at offset {error.start}: "
+                         f"{error.reason}); convert it to UTF-8") from None
+
+
+def _check_size(file: Path, what: str, text: str) -> None:
+    if len(text) > MAX_DOCUMENT_BYTES // 4 and len(text.encode("utf-8")) > MAX_DOCUMENT_BYTES:
+        raise ValueError(f"{file}: {what} is {len(text.encode('utf-8'))} bytes, over the {MAX_DOCUMENT_BYTES >> 20} "
+                         "MiB limit for one document; split it (documents of a .txt file are separated by lines "
+                         "holding only \\x1e, a .jsonl file has one document per line)")
+
+
 def _read_txt(file: Path) -> Iterable[tuple[str, str]]:
-    text = file.read_text(encoding="utf-8", errors="replace")
+    text = read_text(file)
     docs = [doc for doc in text.replace("\r\n", "\n").split(DOC_SEPARATOR) if doc.strip()]
+    for number, doc in enumerate(docs, start=1):
+        _check_size(file, f"document {number}", doc)
     if not docs:
         raise ValueError(f"{file}: empty data (no text; {_ALLOWED})")
     return [(file.stem, doc) for doc in docs]
@@ -171,9 +195,10 @@ def _read_txt(file: Path) -> Iterable[tuple[str, str]]:
 
 def _read_jsonl(file: Path) -> Iterable[tuple[str, str]]:
     records = []
-    for number, line in enumerate(file.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
+    for number, line in enumerate(read_text(file).splitlines(), start=1):
         if not line.strip():
             continue
+        _check_size(file, f"line {number}", line)
         try:
             record = json.loads(line)
         except json.JSONDecodeError as error:

@@ -156,3 +156,59 @@ def test_invalid_orders_are_refused():
                  recovery="b")
     with pytest.raises(ValueError, match="no micro-batch was given"):
         dual.run(dp.solve(CHAINS), CHAINS, forward=("x", lambda: None))
+
+
+def test_an_error_ends_the_point_at_once_and_the_other_worker_runs_nothing_more():
+    """A stage that fails (an out-of-memory error, say) ends the point: the backward worker, parked at its next
+    stage, is released with PointAborted and runs no further op, so a rank never runs ahead into collectives its
+    group is not issuing."""
+    from bagualu2.exec.dual import PointAborted
+
+    model, inputs = _model(), _inputs()
+    executor = apply_plan(GRAPH, PLAN, exclude=[model])
+    dual = DualBatchExecutor(executor)
+    losses = []
+    for i in range(3):
+        with executor.micro_batch(f"mb{i}"):
+            losses.append(model.forward_layers(inputs[i]).pow(2).mean())
+    executor.offload_now("mb0")
+    executor.offload_now("mb1")
+    last = model.layers[len(model.layers) - 1]
+    handle = last.register_forward_pre_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("boom")))
+    backward_first = Order(((("B", 0),),) + tuple((("F", i),) for i in range(len(CHAINS.forward)))
+                           + tuple((("B", i),) for i in range(1, len(CHAINS.backward)))
+                           + tuple((("O", i),) for i in range(len(CHAINS.offload)))
+                           + tuple((("R", i),) for i in range(len(CHAINS.recovery))), barriers=False)
+    backward_error: list[BaseException] = []
+
+    def backward():
+        try:
+            losses[0].backward()
+        except BaseException as exc:
+            backward_error.append(exc)
+            raise
+
+    with pytest.raises(RuntimeError, match="boom"):
+        dual.run(backward_first, CHAINS, forward=("mb3", lambda: model.forward_layers(inputs[3])),
+                 backward=("mb0", backward), offload="mb2", recovery="mb1")
+    handle.remove()
+    assert backward_error and isinstance(backward_error[0], PointAborted)
+    first_layer = [p.grad for p in model.layers[0].parameters()]
+    assert all(g is None for g in first_layer)  # the backward never reached layer 0
+    assert any(p.grad is not None for p in last.parameters())  # its first stage did run
+
+
+def test_the_backward_is_held_at_its_stage_boundaries_too():
+    """An alternating order F0 B0 F1 B1 ...: both workers stop at every stage boundary, so the trace switches
+    between forward and backward ops at least once per stage pair (a backward that ran through in one go would
+    switch once)."""
+    stages = max(len(CHAINS.forward), len(CHAINS.backward))
+    groups = []
+    for i in range(stages):
+        groups += [(("F", i),)] if i < len(CHAINS.forward) else []
+        groups += [(("B", i),)] if i < len(CHAINS.backward) else []
+    order = Order(tuple(groups) + tuple((("O", i),) for i in range(len(CHAINS.offload)))
+                  + tuple((("R", i),) for i in range(len(CHAINS.recovery))), barriers=False)
+    kinds = [k for k, _ in _check(order).trace]
+    switches = sum(a != b for a, b in zip(kinds, kinds[1:]))
+    assert switches >= min(len(CHAINS.forward), len(CHAINS.backward)), switches

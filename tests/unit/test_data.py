@@ -209,3 +209,43 @@ def test_a_domain_shorter_than_one_sequence_is_refused(tmp_path, tokenizer):
 def test_the_data_module_does_not_import_torch():
     code = "import sys, reference_trainer.data; assert 'torch' not in sys.modules and 'bagualu2' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.parametrize("case, fragment", [
+    ("binary_txt", "binary data (a NUL byte at offset"),
+    ("binary_jsonl", "binary data (a NUL byte at offset"),
+    ("latin1_txt", "not UTF-8 text (byte 0xe9 at offset 3"),
+    ("latin1_jsonl", "not UTF-8 text (byte 0xe9"),
+    ("long_txt", "document 1 is 9437185 bytes, over the 8 MiB limit"),
+    ("long_jsonl", "line 2 is 9437196 bytes, over the 8 MiB limit"),
+])
+def test_binary_other_encodings_and_huge_documents_are_refused(tmp_path, tokenizer, case, fragment):
+    suffix = ".jsonl" if case.endswith("jsonl") else ".txt"
+    path = tmp_path / f"data{suffix}"
+    if case.startswith("binary"):
+        path.write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)) * 8)
+    elif case == "latin1_txt":
+        path.write_bytes("caf\u00e9 au lait\n".encode("latin-1"))
+    elif case == "latin1_jsonl":
+        path.write_bytes(('{"text": "caf\u00e9"}\n').encode("latin-1"))
+    elif case == "long_txt":
+        path.write_text("x" * (9 << 20) + "\n")
+    else:
+        path.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": "y" * (9 << 20)}) + "\n")
+    with pytest.raises(ValueError) as excinfo:
+        TokenCorpus.from_path(str(path), tokenizer)
+    one_line_error(excinfo, str(path), fragment)
+
+
+def test_the_trainer_refuses_bad_data_in_one_line_before_any_collective(tmp_path, capsys, monkeypatch):
+    from reference_trainer import train
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    path = tmp_path / "weights.txt"
+    path.write_bytes(b"PK\x03\x04\x00\x00" + bytes(range(256)))
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--pp", "1", "--dp", "1", "--ep", "1", "--steps", "1", "--data", str(path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1
+    assert err[0].startswith(f"error: {path}: binary data")

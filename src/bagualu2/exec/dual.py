@@ -115,11 +115,13 @@ class _Worker:
 
 
 def _stage_index(chain) -> dict[str, int]:
+    """``{op name: stage number}`` of a chain, by the names the gates see: a backward chain's ``<op>.bwd`` is gated
+    as ``<op>`` (the hook on the op's outputs runs right before its backward)."""
     index: dict[str, int] = {}
     if chain is not None:
         for number, stage in enumerate(chain.stages):
             for op in stage.ops:
-                index.setdefault(op, number)
+                index.setdefault(op.removesuffix(".bwd"), number)
     return index
 
 
