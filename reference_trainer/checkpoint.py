@@ -267,7 +267,7 @@ def save(directory: str | os.PathLike[str], step: int, state: dict[str, Any], *,
                 dcp.save(state, storage_writer=_FailingWriter(tmp, write_error))
             else:
                 dcp.save(state, checkpoint_id=tmp)
-    except Exception as exc:  # noqa: BLE001 - DCP gathers every rank's failure: every rank is here alike
+    except (Exception, dcp.CheckpointException) as exc:  # DCP gathers every rank's failure: all ranks are here
         cause = _os_cause(exc, tmp)
         _on_rank0(lambda: shutil.rmtree(tmp, ignore_errors=True))
         raise CheckpointError(f"checkpoint {final} not written: {cause} (writing {tmp}); earlier checkpoints "

@@ -71,7 +71,7 @@ class CollectiveRecorder:
     """Records the collectives this rank issues, per process group, and compares them after each step."""
 
     def __init__(self) -> None:
-        self.sequences: dict[tuple[int, ...], list[str]] = {}
+        self.sequences: dict[tuple[tuple[int, ...], str], list[str]] = {}  # (ranks, group name) -> signatures
         self.total = 0
         self.last: str | None = None
         self._lock = threading.Lock()
@@ -107,13 +107,13 @@ class CollectiveRecorder:
         return recorded
 
     def record(self, op: str, group, signature: str) -> None:
-        ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else \
-            tuple(range(dist.get_world_size()))
+        group = group if group is not None else dist.group.WORLD
+        key = (tuple(dist.get_process_group_ranks(group)), group.group_name)  # groups of one membership differ
         with self._lock:
-            sequence = self.sequences.setdefault(ranks, [])
+            sequence = self.sequences.setdefault(key, [])
             sequence.append(signature)
             self.total += 1
-            self.last = f"collective #{len(sequence)} {signature} on group {list(ranks)}"
+            self.last = f"collective #{len(sequence)} {signature} on group {list(key[0])}"
 
     def describe(self) -> str:
         """The last collective this rank issued (for the watchdog's line)."""
@@ -125,27 +125,28 @@ class CollectiveRecorder:
         start the next step's sequences. Raises :class:`CollectiveOrderError` on every rank alike."""
         with self._lock:
             sequences, self.sequences = self.sequences, {}
-        digests = {ranks: (len(seq), hashlib.sha256("\n".join(seq).encode()).hexdigest()[:16])
-                   for ranks, seq in sequences.items()}
+        digests = {key: (len(seq), hashlib.sha256("\n".join(seq).encode()).hexdigest()[:16])
+                   for key, seq in sequences.items()}
         world = dist.get_world_size()
         self._paused.on = True
         try:
             gathered: list[Any] = [None] * world
             dist.all_gather_object(gathered, digests)
-            diverged = sorted({ranks for ranks in {r for d in gathered for r in d}
-                               if len({gathered[m].get(ranks) for m in ranks}) > 1})
+            diverged = sorted({key for key in {k for d in gathered for k in d}
+                               if len({gathered[m].get(key) for m in key[0]}) > 1})
             if not diverged:
                 return
             full: list[Any] = [None] * world
-            dist.all_gather_object(full, {ranks: sequences.get(ranks, []) for ranks in diverged})
+            dist.all_gather_object(full, {key: sequences.get(key, []) for key in diverged})
         finally:
             self._paused.on = False
         raise CollectiveOrderError(first_difference(step, diverged[0], full))
 
 
-def first_difference(step: int, ranks: tuple[int, ...], sequences: list[dict]) -> str:
-    """One line: the first collective where the members of group ``ranks`` differ."""
-    seqs = {member: sequences[member].get(ranks, []) for member in ranks}
+def first_difference(step: int, key: tuple[tuple[int, ...], str], sequences: list[dict]) -> str:
+    """One line: the first collective where the members of group ``key`` (its ranks, its name) differ."""
+    ranks = key[0]
+    seqs = {member: sequences[member].get(key, []) for member in ranks}
     base_rank = ranks[0]
     base = seqs[base_rank]
     for member in ranks[1:]:
