@@ -1,0 +1,144 @@
+"""The trainer's resilience pieces in one process: fault specs, the collective-order checker's signatures and its
+one-line report, the watchdog (in a child process: it exits), the new flags' validation, checkpoint write causes."""
+
+from __future__ import annotations
+
+import errno
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from reference_trainer import collectives, faults, train
+from reference_trainer.checkpoint import CheckpointError, save
+from reference_trainer.watchdog import STALL_EXIT_CODE, Watchdog, collective_failure
+
+
+def test_fault_specs_parse_and_bad_ones_are_one_line():
+    parsed = faults.parse("kill@3:rank=1, stop@2:rank=0:at=checkpoint:launch=1,nan@5")
+    assert parsed == (faults.Fault(kind="kill", step=3, rank=1), faults.Fault(kind="stop", step=2, at="checkpoint",
+                                                                                launch=1),
+                      faults.Fault(kind="nan", step=5))
+    assert faults.parse("") == ()
+    for bad, fragment in [("boom@1", "kind must be one of"), ("kill", "must look like KIND@STEP"),
+                          ("kill@x", "must look like"), ("kill@1:rank=-1", "rank must be an integer"),
+                          ("kill@1:at=lunch", "at must be one of"), ("kill@1:who=2", "unknown option")]:
+        with pytest.raises(ValueError, match=fragment) as info:
+            faults.parse(bad)
+        assert str(info.value).startswith("BAGUALU2_FAULTS: ") and "\n" not in str(info.value)
+
+
+def test_faults_fire_only_on_their_rank_step_and_launch():
+    spec = faults.parse("nan@2:rank=1,enospc@3,eacces@4:launch=1")
+    mine = faults.Faults(spec, rank=1, launch=0)
+    params = [("w", torch.nn.Parameter(torch.ones(2)))]
+    params[0][1].grad = torch.ones(2)
+    assert not mine.poison(1, params) and torch.isfinite(params[0][1].grad).all()
+    assert mine.poison(2, params) and torch.isnan(params[0][1].grad).all()
+    assert mine.write_error(3) is None  # rank 0's
+    rank0 = faults.Faults(spec, rank=0, launch=0)
+    assert rank0.write_error(3).errno == errno.ENOSPC and rank0.write_error(4) is None
+    assert faults.Faults(spec, rank=0, launch=1).write_error(4).errno == errno.EACCES
+
+
+def test_signatures_keep_what_members_agree_on():
+    x = torch.zeros(5, 3)
+    assert collectives._signature("all_reduce", (x,), {"op": torch.distributed.ReduceOp.MAX}) == \
+        "all_reduce(float32[5, 3] MAX)"
+    # an uneven all-to-all: dim 0 differs between members, the rest must not
+    assert collectives._signature("all_to_all_single", (torch.zeros(7, 3), x), {}) == \
+        "all_to_all_single(float32[3])"
+    assert collectives._signature("all_gather_object", ([None], {"a": 1}), {}) == "all_gather_object"
+
+
+def test_first_difference_names_the_step_group_and_collective():
+    key = ((0, 1), "2")
+    sequences = [{key: ["all_gather(int64[8])", "all_to_all_single(float32[64])"]},
+                 {key: ["all_gather(int64[8])", "all_reduce(float64[2] MAX)"]}]
+    assert collectives.first_difference(4, key, sequences) == (
+        "collective order diverged at step 4 in group [0, 1]: collective #2 is all_to_all_single(float32[64]) on "
+        "rank 0 but all_reduce(float64[2] MAX) on rank 1")
+    shorter = [{key: ["barrier"]}, {key: ["barrier", "barrier"]}]
+    assert "collective #2 is nothing on rank 0 but barrier on rank 1" in collectives.first_difference(0, key, shorter)
+
+
+def test_the_watchdog_dumps_stacks_and_exits_with_one_line():
+    code = textwrap.dedent("""
+        import time
+        from reference_trainer.watchdog import Watchdog
+        dog = Watchdog(timeout_s=0.5, rank=3, describe=lambda: "last collective #2 barrier on group [0, 3]").start()
+        dog.beat("the forward of c0.m1", step=7)
+        time.sleep(30)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == STALL_EXIT_CODE
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1
+    assert lines[0].startswith("error: rank 3 made no progress for 1 s (--collective-timeout 0.5) at step 7 in the "
+                               "forward of c0.m1; last collective #2 barrier on group [0, 3]; stacks above")
+    assert "Thread" in proc.stderr and "time.sleep" not in lines[0]  # faulthandler's dump precedes the line
+
+
+def test_the_watchdog_stays_quiet_while_beats_come_and_refuses_a_bad_timeout():
+    dog = Watchdog(timeout_s=0.3, rank=0, on_stall=lambda *_: pytest.fail("stalled"))
+    dog._stalled = lambda idle: pytest.fail("stalled")  # must not be reached
+    dog.start()
+    import time
+
+    for _ in range(10):
+        dog.beat("busy")
+        time.sleep(0.05)
+    dog.stop()
+    with pytest.raises(ValueError, match="--collective-timeout must be > 0"):
+        Watchdog(timeout_s=0, rank=0)
+
+
+def test_collective_failures_are_recognised_in_a_chain():
+    inner = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1")
+    try:
+        try:
+            raise inner
+        except RuntimeError as exc:
+            raise ValueError("stage 1 failed") from exc
+    except ValueError as outer:
+        assert collective_failure(outer) is inner
+    assert collective_failure(ValueError("a bug")) is None
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--collective-timeout", "0"], "--collective-timeout must be a finite number"),
+    (["--collective-timeout", "nan"], "--collective-timeout must be a finite number"),
+    (["--on-nonfinite", "ignore"], "--on-nonfinite"),
+])
+def test_new_flags_are_validated_in_one_line(args, fragment, capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as info:
+        train.main(["--pp", "1", "--dp", "1", "--ep", "1", *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and len(err) == 1 and fragment in err[0], err
+
+
+def test_a_bad_fault_spec_is_a_user_error(capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("BAGUALU2_FAULTS", "kill@soon")
+    with pytest.raises(SystemExit) as info:
+        train.main(["--pp", "1", "--dp", "1", "--ep", "1", "--steps", "1"])
+    assert info.value.code == 2 and "BAGUALU2_FAULTS" in capsys.readouterr().err
+
+
+def test_a_failed_checkpoint_write_names_the_cause_and_leaves_nothing(tmp_path):
+    state = {"w": torch.arange(4.0)}
+    save(tmp_path, 1, state)
+    with pytest.raises(CheckpointError) as info:
+        save(tmp_path, 2, state, write_error=OSError(errno.ENOSPC, "No space left on device"))
+    message = str(info.value)
+    assert message.startswith(f"checkpoint {tmp_path / 'step-00000002'} not written: No space left on device "
+                              "(ENOSPC)") and "\n" not in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001"]  # no .tmp-* left, step 1 intact
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(CheckpointError, match="cannot be written: Not a directory"):
+        save(blocker / "ckpt", 1, state)
