@@ -10,8 +10,9 @@ the corpus is about 1.3 M tokens (0.37 M code, 0.40 M prose, 0.53 M tables).
 Cost: checking, decompressing and tokenizing the bundled corpus took 0.8-1.2 s (measured, cold process) on a 2-core
 CPU box: ``encode_batch_fast`` over up to 8 Python threads (the Rust side releases the GIL), about 0.5 s per MB per
 core, so less with more cores (single-threaded it is about 1.5-2 s). The token ids are memoised
-per process (keyed by the archives' and the tokenizer's sha256), so later :meth:`TokenCorpus.bundled` calls cost
-only the checksum check (a few ms). ``TOKENIZERS_PARALLELISM`` defaults to ``false`` here (no Rust thread pool
+per process and cached on disk (:func:`cache_dir`, one ``.npz`` written atomically, with a sha256 of the ids that
+is checked on load), both keyed by the archives' and the tokenizer's sha256, so later processes and calls cost only
+the checksum checks (tens of ms). ``TOKENIZERS_PARALLELISM`` defaults to ``false`` here (no Rust thread pool
 before torchrun forks); the helper threads are joined before returning.
 
 Sampling (:class:`DomainBatches`): micro-batch ``index`` of iteration ``step`` is a pure function of
@@ -29,6 +30,7 @@ import itertools
 import json
 import lzma
 import os
+import tempfile
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -119,8 +121,9 @@ class TokenCorpus:
             blobs[name] = blob
         key = ("".join(manifest["domains"][n]["sha256"] for n in DOMAINS), _sha256(tokenizer.to_str().encode()))
         if key not in _MEMO:
-            _MEMO[key] = {name: _encode(tokenizer, lzma.decompress(blob).decode("utf-8")[:-1].split(DOC_SEPARATOR))
-                          for name, blob in blobs.items()}
+            _MEMO[key] = _load_cached(key) or _store_cached(key, {
+                name: _encode(tokenizer, lzma.decompress(blob).decode("utf-8")[:-1].split(DOC_SEPARATOR))
+                for name, blob in blobs.items()})
         return cls(_MEMO[key], tokenizer.get_vocab_size(with_added_tokens=True), source=str(base))
 
     @classmethod
@@ -181,6 +184,54 @@ def _check_size(file: Path, what: str, text: str) -> None:
         raise ValueError(f"{file}: {what} is {len(text.encode('utf-8'))} bytes, over the {MAX_DOCUMENT_BYTES >> 20} "
                          "MiB limit for one document; split it (documents of a .txt file are separated by lines "
                          "holding only \\x1e, a .jsonl file has one document per line)")
+
+
+def cache_dir() -> Path:
+    """Where the bundled corpus's token ids are cached between processes: ``$BAGUALU2_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/bagualu2``, else ``~/.cache/bagualu2``."""
+    if os.environ.get("BAGUALU2_CACHE_DIR"):
+        return Path(os.environ["BAGUALU2_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bagualu2"
+
+
+def _ids_digest(domains: dict[str, np.ndarray]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(domains):
+        digest.update(name.encode() + b"\0" + np.ascontiguousarray(domains[name], dtype="<i4").tobytes())
+    return digest.hexdigest()
+
+
+def _cache_file(key: tuple[str, str]) -> Path:
+    return cache_dir() / f"corpus-{_sha256('/'.join(key).encode())[:32]}.npz"
+
+
+def _load_cached(key: tuple[str, str]) -> dict[str, np.ndarray] | None:
+    """The cached token ids of ``key`` (archives' and tokenizer's sha256), if a cache file holds them intact."""
+    try:
+        with np.load(_cache_file(key), allow_pickle=False) as data:
+            domains = {name: data[name] for name in DOMAINS}
+            expected = str(data["digest"])
+    except (OSError, KeyError, ValueError):
+        return None
+    return domains if _ids_digest(domains) == expected else None
+
+
+def _store_cached(key: tuple[str, str], domains: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Write the cache file atomically (best effort: a cache that cannot be written is skipped)."""
+    file = _cache_file(key)
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=f".{file.name}.", suffix=".npz")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, digest=np.array(_ids_digest(domains)), **domains)
+            os.replace(tmp, file)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError:
+        pass
+    return domains
 
 
 def _read_txt(file: Path) -> Iterable[tuple[str, str]]:
