@@ -31,6 +31,7 @@ import json
 import lzma
 import os
 import tempfile
+import zipfile
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -211,7 +212,7 @@ def _load_cached(key: tuple[str, str]) -> dict[str, np.ndarray] | None:
         with np.load(_cache_file(key), allow_pickle=False) as data:
             domains = {name: data[name] for name in DOMAINS}
             expected = str(data["digest"])
-    except (OSError, KeyError, ValueError):
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile, EOFError):
         return None
     return domains if _ids_digest(domains) == expected else None
 

@@ -1,7 +1,8 @@
 """Faults real clusters have, injected into the reference trainer under torchrun on CPU/gloo (``BAGUALU2_FAULTS``),
 each run compared with an uninterrupted run of the same seed: after recovery the losses are bitwise equal.
 
-* SIGKILL of one rank mid-step, and of a rank while it writes a checkpoint (the partial one is never loaded);
+* SIGKILL of one rank mid-step, and of a rank while it writes a checkpoint (the partial one is never loaded); a
+  corrupted newest checkpoint is refused and the previous one used;
 * SIGSTOP of one rank (a hang): the others' watchdog / collective timeout ends the launch within
   ``--collective-timeout``, torchrun restarts it, it resumes from the last complete checkpoint;
 * a diverged collective order is caught by ``BAGUALU2_CHECK_COLLECTIVES`` in one line;
@@ -78,6 +79,18 @@ def test_sigkill_mid_step_and_during_a_checkpoint_write_resume_bitwise(tmp_path,
     assert any(".tmp-step-00000003" in line and "partial" in line and "step-00000002" in line
                for line in refused), proc.stderr[-3000:]
     assert not has_traceback(proc.stderr)
+    # a corrupted newest checkpoint is refused in one line naming it; the previous one is used, bitwise
+    shard = sorted((ckpt / "step-00000005").glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    resumed = launch(4, *COMMON, "--metrics-file", str(metrics), "--checkpoint-dir", str(ckpt), "--resume")
+    ok(resumed)
+    refused = [line for line in resumed.stderr.splitlines() if line.startswith("warning: checkpoint")
+               and "step-00000005" in line]
+    assert len(refused) == 1 and "sha256 mismatch" in refused[0] and refused[0].endswith("step-00000004"), \
+        resumed.stderr[-3000:]
+    assert losses(metrics) == uninterrupted  # step 4 re-run from step 4's checkpoint
 
 
 def test_sigstop_is_detected_within_the_collective_timeout_restarted_and_resumed(tmp_path, uninterrupted):

@@ -249,3 +249,21 @@ def test_the_trainer_refuses_bad_data_in_one_line_before_any_collective(tmp_path
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(err) == 1
     assert err[0].startswith(f"error: {path}: binary data")
+
+
+def test_the_token_cache_is_reused_and_a_damaged_one_is_rebuilt(tmp_path, tokenizer, monkeypatch):
+    from reference_trainer import data
+
+    monkeypatch.setenv("BAGUALU2_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(data, "_MEMO", {})
+    first = TokenCorpus.bundled(tokenizer)
+    (cached,) = tmp_path.glob("corpus-*.npz")
+    monkeypatch.setattr(data, "_MEMO", {})
+    monkeypatch.setattr(data, "_encode", lambda *a: pytest.fail("the cache was not used"))
+    assert TokenCorpus.bundled(tokenizer).sha256 == first.sha256
+    cached.write_bytes(cached.read_bytes()[:-100])  # truncated: refused, rebuilt
+    monkeypatch.undo()
+    monkeypatch.setenv("BAGUALU2_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(data, "_MEMO", {})
+    assert TokenCorpus.bundled(tokenizer).sha256 == first.sha256
+    assert data._load_cached(next(iter(data._MEMO))) is not None  # rewritten intact
