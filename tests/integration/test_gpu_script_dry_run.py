@@ -1,6 +1,7 @@
 """The prepared GPU check (benchmarks/gpu/gpu_checks.py) runs end to end on CPU with --dry-run, so a session lent a
 GPU does not spend device time on the script's own bugs."""
 
+import pytest
 import json
 import subprocess
 import sys
@@ -9,6 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_gpu_checks_dry_run(tmp_path):
     proc = subprocess.run([sys.executable, "benchmarks/gpu/gpu_checks.py", "--dry-run", "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -131,6 +131,7 @@ def _cli(*args):
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_cli_prints_json():
     proc = _cli("--preset", "tiny-moe", "--imbalance", "1", "--plan", "none", "--seq-length", "32", "--json")
     assert proc.returncode == 0, proc.stderr
@@ -140,6 +141,7 @@ def test_cli_prints_json():
     assert abs(record["rel_error"]) <= 0.01
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [("--imbalance", "2"), ("--plan", "expert_act=SOMETIMES"),
                                   ("--imbalance", "0.5"), ("--preset", "nope"),
                                   ("--preset", "glm-188b-a20b"),  # far too large for this machine: refused

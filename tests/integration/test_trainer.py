@@ -58,6 +58,7 @@ def equivalence(tmp_path_factory):
     return runtime, plain, single
 
 
+@pytest.mark.slow
 def test_pp2_dp2_runtime_matches_one_process_and_the_plain_schedule(equivalence):
     runtime, plain, single = equivalence
     distributed, stock, alone = losses(runtime), losses(plain), losses(single)
@@ -69,6 +70,7 @@ def test_pp2_dp2_runtime_matches_one_process_and_the_plain_schedule(equivalence)
     assert distributed == stock
 
 
+@pytest.mark.slow
 def test_pp2_dp2_keeps_the_predicted_bytes_within_the_cap(equivalence):
     runtime = records(equivalence[0])
     summary = runtime[-1]
@@ -82,6 +84,7 @@ def test_pp2_dp2_keeps_the_predicted_bytes_within_the_cap(equivalence):
     assert all(r["order"] for r in steps)  # fused points ran
 
 
+@pytest.mark.slow
 def test_pp4_fused_points_with_offload_and_recovery(tmp_path):
     metrics = tmp_path / "pp4.jsonl"
     ok(torchrun(4, "--steps", "12", "--pp", "4", "--dp", "1", "--ep", "1", "--num-microbatches", "8",
@@ -102,6 +105,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_node_rendezvous_on_localhost(tmp_path):
     port = _free_port()
     metrics = tmp_path / "nodes.jsonl"
@@ -116,6 +120,7 @@ def test_two_node_rendezvous_on_localhost(tmp_path):
     assert records(metrics)[-1]["layout"] == {"pp": 2, "dp": 2, "ep": 2, "vp": 1}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, message", [
     (["--pp", "4", "--dp", "1", "--ep", "1"], "--pp x --dp"),   # world 2 != 4
     (["--pp", "2", "--dp", "1", "--ep", "2"], "--ep=2 must divide --dp=1"),
@@ -129,6 +134,7 @@ def test_bad_flags_are_one_line_from_rank_0(args, message):
     assert "reference_trainer/" not in proc.stderr  # no traceback through the trainer's code on any rank
 
 
+@pytest.mark.slow
 def test_interleaved_runtime_and_plain_agree_bitwise(tmp_path):
     runtime, plain = tmp_path / "runtime.jsonl", tmp_path / "plain.jsonl"
     ok(torchrun(4, "--steps", "3", "--vp", "2", "--metrics-file", str(runtime)))
@@ -140,6 +146,7 @@ def test_interleaved_runtime_and_plain_agree_bitwise(tmp_path):
     assert all(mb["kept_bytes"] == mb["predicted_bytes"] for r in steps for mb in r["microbatches"])
 
 
+@pytest.mark.slow
 def test_static_under_runs_out_of_memory_is_restarted_by_torchrun_and_continues_as_static_over(tmp_path):
     metrics, ckpt = tmp_path / "under.jsonl", tmp_path / "ckpt"
     proc = subprocess.run([str(TORCHRUN), "--standalone", "--nproc_per_node=4", "--max-restarts", "1", "-m",
@@ -161,6 +168,7 @@ def test_static_under_runs_out_of_memory_is_restarted_by_torchrun_and_continues_
     assert [r["step"] for r in rows if "loss" in r][-1] == 3
 
 
+@pytest.mark.slow
 def test_flexible_safety_net_reruns_a_mispredicted_micro_batch_without_a_restart(tmp_path):
     metrics = tmp_path / "net.jsonl"
     ok(torchrun(4, "--steps", "3", "--prediction-scale", "0.6", "--metrics-file", str(metrics)))
@@ -171,6 +179,7 @@ def test_flexible_safety_net_reruns_a_mispredicted_micro_batch_without_a_restart
     assert len(reruns) == summary["reruns"] and all(mb["kept_bytes"] == mb["predicted_bytes"] for mb in reruns)
 
 
+@pytest.mark.slow
 def test_ideal_runs_uncapped_and_kwai_adapipe_fixed_plans(tmp_path):
     for policy in ("ideal", "kwai"):
         metrics = tmp_path / f"{policy}.jsonl"

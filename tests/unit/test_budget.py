@@ -283,6 +283,7 @@ def test_budget_package_imports_only_stdlib():
             assert not roots & {"torch", "numpy"}, f"{source.name} imports {roots}"
 
 
+@pytest.mark.slow
 def test_budget_imports_with_torch_blocked():
     src = str(Path(__file__).resolve().parents[2] / "src")
     code = (

@@ -173,6 +173,7 @@ def test_markup_in_hardware_name_is_literal(files: Path, args: list[str], name: 
 
 
 # ---- typer's parse errors through the real entry point ------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize(("args", "option"), [
     (["demo", "-s", "abc"], "--stage"),
     (["memory", "--bogus"], "--bogus"),
@@ -189,6 +190,7 @@ def test_parse_errors_from_python_dash_m(args: list[str], option: str | None) ->
     assert "╭" not in line
 
 
+@pytest.mark.slow
 def test_help_still_works() -> None:
     done = subprocess.run([sys.executable, "-m", "bagualu2.cli", "budget", "--help"], capture_output=True,
                           text=True, timeout=120)

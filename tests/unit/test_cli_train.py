@@ -13,6 +13,7 @@ from bagualu2.cli import app
 from bagualu2.cli import train_cmd
 
 
+@pytest.mark.slow
 def test_dry_run_builds_the_torchrun_command():
     result = CliRunner().invoke(app, ["train", "--nproc-per-node", "2", "--dry-run", "--json", "--", "--steps", "3"])
     assert result.exit_code == 0, result.output
@@ -38,6 +39,7 @@ def test_missing_torch_is_one_line(monkeypatch):
     assert result.exit_code == 2 and result.output.startswith("error: torch (and with it torchrun) is not installed")
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_train_runs_the_trainer_under_torchrun():
     proc = subprocess.run([sys.executable, "-m", "bagualu2.cli", "train", "--json", "--", "--steps", "1"],
@@ -50,6 +52,7 @@ def test_train_runs_the_trainer_under_torchrun():
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == ["error: --steps must be an integer >= 1, got 0"]
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_under_torchrun_only_rank_0_reports_one_line():
     proc = subprocess.run([sys.executable, "-m", "bagualu2.cli", "train", "--nproc-per-node", "2", "--",
@@ -58,6 +61,7 @@ def test_under_torchrun_only_rank_0_reports_one_line():
     assert proc.stderr.strip().splitlines() == ["error: --lr must be a finite number in (0, 10000.0], got inf"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module, args, message", [
     ("reference_trainer.measure", ["--preset", "tiny-moe", "--seed", str(10**30)], "error: --seed:"),
     ("reference_trainer.measure", ["--preset", "tiny-moe", "--seed", "-1"], "error: --seed:"),

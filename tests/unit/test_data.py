@@ -206,6 +206,7 @@ def test_a_domain_shorter_than_one_sequence_is_refused(tmp_path, tokenizer):
     one_line_error(excinfo, str(tmp_path / "tiny.txt"), "'tiny'", "fewer than one sequence")
 
 
+@pytest.mark.slow
 def test_the_data_module_does_not_import_torch():
     code = "import sys, reference_trainer.data; assert 'torch' not in sys.modules and 'bagualu2' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -117,6 +117,7 @@ def test_png_bad_path(tmp_path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_import_is_light() -> None:
     code = ("import sys; import bagualu2.fusion.gantt; "
             "assert 'matplotlib' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules)")

@@ -9,6 +9,7 @@ replay of the decision benchmark's trace); the greedy sweep and the cost's per-l
 
 from __future__ import annotations
 
+import pytest
 import os
 import subprocess
 import sys
@@ -55,6 +56,7 @@ print(digest.hexdigest())
 """
 
 
+@pytest.mark.slow
 def test_decisions_do_not_depend_on_the_hash_seed():
     runs = {}
     for seed in HASH_SEEDS:  # started together: each is mostly interpreter start-up and imports

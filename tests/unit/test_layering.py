@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("bagualu2", "reference_trainer")
 
 
+@pytest.mark.slow
 def test_import_linter_contracts_hold():
     linter = Path(sys.executable).with_name("lint-imports")
     result = subprocess.run([str(linter)], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -67,6 +68,7 @@ def test_no_module_imports_a_private_name_of_another():
     assert offenders == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", ["bagualu2.runtime", "bagualu2.sim"])
 def test_runtime_imports_with_torch_blocked(module):
     code = ("import sys; sys.modules['torch'] = None\n"

@@ -73,6 +73,7 @@ PURE = ["bagualu2.costmodel", "bagualu2.budget", "bagualu2.mitigation", "bagualu
         "bagualu2.sim"]
 
 
+@pytest.mark.slow
 def test_pure_packages_import_without_torch():
     code = ("import sys; sys.modules['torch'] = None\n"
             "import importlib\n"
