@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 import os
 import sys
-from typing import NoReturn
 
 import torch
 import torch.distributed as dist

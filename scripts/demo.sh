@@ -8,6 +8,6 @@ python3 -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
 python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[dev]"
+python -m pip install -q -e ".[trainer,dev]"
 bagualu2 memory --model glm-1041b-a35b --hardware paper-gpu --imbalance 2.6
 bagualu2 demo  # plans one iteration with spikes, then trains the tiny model on CPU for 20 steps

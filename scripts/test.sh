@@ -6,6 +6,6 @@ python3 -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
 python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[dev]"
+python -m pip install -q -e ".[trainer,dev]"
 export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-$([ "${CI:-}" = "true" ] && echo ci || echo dev)}"
 python -m pytest -q tests

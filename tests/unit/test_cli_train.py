@@ -33,10 +33,15 @@ def test_bad_launcher_options_are_one_line(args, option):
     assert result.exit_code == 2 and option in result.output and "Traceback" not in result.output
 
 
-def test_missing_torch_is_one_line(monkeypatch):
-    monkeypatch.setattr(train_cmd.importlib.util, "find_spec", lambda name: None)
+def test_missing_torch_is_one_line_naming_the_extra(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     result = CliRunner().invoke(app, ["train", "--dry-run"])
-    assert result.exit_code == 2 and result.output.startswith("error: torch (and with it torchrun) is not installed")
+    assert result.exit_code == 2 and result.output.startswith(
+        "error: this needs the 'trainer' extra: pip install 'bagualu2[trainer]' (missing: torch, tokenizers")
+    demo = CliRunner().invoke(app, ["demo", "--train-steps", "2"])
+    assert demo.exit_code == 2 and "--train-steps" in demo.output and "bagualu2[trainer]" in demo.output
 
 
 @pytest.mark.slow

@@ -47,6 +47,19 @@ class CliError(Exception):
         self.option = option
 
 
+EXTRAS = {"torch": ("torch",), "trainer": ("torch", "tokenizers")}  # what each optional extra installs
+
+
+def require_extra(extra: str, option: str | None = None) -> None:
+    """A :class:`CliError` naming the extra to install when a module it provides is missing."""
+    import importlib.util
+
+    missing = [name for name in EXTRAS[extra] if importlib.util.find_spec(name) is None]
+    if missing:
+        raise CliError(f"this needs the '{extra}' extra: pip install 'bagualu2[{extra}]' (missing: "
+                       f"{', '.join(missing)}; on CPU install torch==2.13.0 first)", option)
+
+
 def _one_line(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         where = f"{exc.filename}: " if exc.filename is not None else ""

@@ -22,7 +22,8 @@ from rich.table import Table
 from bagualu2.costmodel import stage_memory
 from bagualu2.runtime import replay_iteration
 
-from .common import GIB, HARDWARE_HELP, JSON_HELP, MIB, MODEL_HELP, CliError, console, echo_json, handle_errors
+from .common import (GIB, HARDWARE_HELP, JSON_HELP, MIB, MODEL_HELP, CliError, console, echo_json, handle_errors,
+                     require_extra)
 from .iteration import MAX_IMBALANCE_HELP, SEED_HELP, SPIKE_RATE_HELP, prepare
 
 
@@ -84,6 +85,7 @@ def demo(
 def _train(steps: int, seed: int) -> dict:
     """The debug recipe trained in one process (``python -m reference_trainer.train --pp 1 --dp 1 --ep 1``), its
     summary record."""
+    require_extra("trainer", "--train-steps")
     proc = subprocess.run([sys.executable, "-m", "reference_trainer.train", "--recipe", "glm_moe_debug", "--pp", "1",
                            "--dp", "1", "--ep", "1", "--steps", str(steps), "--seed", str(seed), "--json"],
                           capture_output=True, text=True)

@@ -9,7 +9,6 @@ code is the trainer's; a failing trainer's one-line error is the only report (to
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -18,7 +17,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .common import CliError, handle_errors
+from .common import CliError, handle_errors, require_extra
 
 TRAINER = "reference_trainer.train"
 
@@ -26,9 +25,7 @@ TRAINER = "reference_trainer.train"
 def command(trainer_args: list[str], *, nproc_per_node: int, nnodes: int, node_rank: int, master_addr: str,
             master_port: int) -> list[str]:
     """The torchrun arguments (without the program) that run the trainer with ``trainer_args``."""
-    if importlib.util.find_spec("torch") is None:
-        raise CliError("torch (and with it torchrun) is not installed in this environment (pip install torch; "
-                       "CPU: torch==2.13.0)")
+    require_extra("trainer")
     launcher = [f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}"]
     if nnodes == 1:
         launcher.append("--standalone")
@@ -39,8 +36,7 @@ def command(trainer_args: list[str], *, nproc_per_node: int, nnodes: int, node_r
 
 def _world_size(trainer_args: list[str], nnodes: int) -> int:
     """Processes per node the trainer's flags need (asks the trainer; its one-line error is ours)."""
-    if importlib.util.find_spec("torch") is None:
-        command([], nproc_per_node=1, nnodes=1, node_rank=0, master_addr="", master_port=1)  # the torch error
+    require_extra("trainer")
     proc = subprocess.run([sys.executable, "-m", TRAINER, *trainer_args, "--world-size"], capture_output=True,
                           text=True)
     if proc.returncode != 0:
