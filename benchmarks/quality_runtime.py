@@ -29,7 +29,7 @@ try:
     from bagualu2.runtime import DecisionPath, spike_trace
     NEW = True
 except ImportError:  # the tree before the runtime package
-    from bagualu2.sim import DecisionPath, spike_trace
+    from bagualu2.runtime import DecisionPath, spike_trace
     NEW = False
 
 PRESETS = ("glm-188b-a20b", "glm-423b-a30b", "glm-1041b-a35b")

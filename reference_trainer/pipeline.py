@@ -35,8 +35,6 @@ from .instrumented import instrument_reference
 from .model import GLMMoEModel
 from .provision import Provisioner
 
-_Action = S._Action  # private (see the module docstring)
-
 
 class _BackwardEnd(torch.autograd.Function):
     """Identity whose backward (the last of the chunk's layers) calls ``done()``."""
@@ -105,23 +103,23 @@ class ChunkModule(nn.Module):
         return x
 
 
-def runtime_actions(parallel: ParallelConfig) -> dict[int, list[_Action]]:
+def runtime_actions(parallel: ParallelConfig) -> dict[int, list[S._Action]]:
     """Every pp rank's compute actions: the cost model's schedule, steady (F, B) pairs of different
     micro-batches as ``OVERLAP_F_B``."""
-    orders: dict[int, list[_Action]] = {}
+    orders: dict[int, list[S._Action]] = {}
     for rank in range(parallel.pp):
         steps = list(schedule(parallel, rank))
-        actions: list[_Action] = []
+        actions: list[S._Action] = []
         index = 0
         while index < len(steps):
             step = steps[index]
-            action = _Action(step.chunk * parallel.pp + rank, FORWARD if step.kind == "F" else FULL_BACKWARD,
+            action = S._Action(step.chunk * parallel.pp + rank, FORWARD if step.kind == "F" else FULL_BACKWARD,
                              step.microbatch)
             following = steps[index + 1] if index + 1 < len(steps) else None
             if (step.kind == "F" and following is not None and following.kind == "B"
                     and following.microbatch != step.microbatch):
-                backward = _Action(following.chunk * parallel.pp + rank, FULL_BACKWARD, following.microbatch)
-                actions.append(_Action(-1, OVERLAP_F_B, None, (action, backward)))
+                backward = S._Action(following.chunk * parallel.pp + rank, FULL_BACKWARD, following.microbatch)
+                actions.append(S._Action(-1, OVERLAP_F_B, None, (action, backward)))
                 index += 2
                 continue
             actions.append(action)
@@ -172,7 +170,7 @@ class RuntimeSchedule:
         return self.schedule.step(*args, **kwargs)
 
     @staticmethod
-    def _point_neighbours(actions: list[_Action]) -> dict[int, tuple]:
+    def _point_neighbours(actions: list[S._Action]) -> dict[int, tuple]:
         """Per OVERLAP action position: (previous forward, next backward) as (stage index, micro-batch) or None."""
         flat = []
         for action in actions:
@@ -201,7 +199,7 @@ class RuntimeSchedule:
     def _chunk(self, index: int) -> int:
         return index // self.parallel.pp
 
-    def _forward(self, action: _Action, ctx) -> None:
+    def _forward(self, action: S._Action, ctx) -> None:
         schedule, stage, mb = ctx.schedule_ref, self._stage(ctx, action.stage_index), action.microbatch_index
         if not stage.is_first:
             S._wait_batch_p2p(schedule.fwd_recv_ops.pop((action.stage_index, mb)))
@@ -210,7 +208,7 @@ class RuntimeSchedule:
         output = stage.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb])
         schedule._maybe_compute_loss(stage, output, ctx.target_mbs, mb)
 
-    def _overlap(self, action: _Action, ctx) -> None:
+    def _overlap(self, action: S._Action, ctx) -> None:
         schedule = ctx.schedule_ref
         forward, backward = action.sub_actions
         f_stage, b_stage = self._stage(ctx, forward.stage_index), self._stage(ctx, backward.stage_index)

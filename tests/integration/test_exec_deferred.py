@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from bagualu2.costmodel import ParallelConfig, Plan, build_graph, evaluate, presets
-from bagualu2.exec import ActivationOutOfMemoryError, ActivationTracker, DeferredPlanner, apply_plan, downgrade_module
+from bagualu2.exec import ActivationOutOfMemoryError, ActivationTracker, DeferredPlanner, apply_plan
+from bagualu2.runtime import downgrade_plan
 from exec_run import run_plan
 from reference_trainer.instrumented import instrument_reference
 from reference_trainer.model import GLMMoEModel
@@ -53,7 +54,7 @@ def _all_moe_downgraded(graph, config):
     plan = Plan()
     for layer in graph.layers:
         if config.is_moe_layer(layer):
-            plan = downgrade_module(graph, plan, layer)
+            plan = downgrade_plan(graph, plan, layers=(layer,))
     return plan
 
 
@@ -84,13 +85,13 @@ def test_no_downgrade_when_the_plan_fits():
 
 def test_downgrade_keeps_what_exists_at_the_gate():
     config, _, graph = _setup()
-    plan = downgrade_module(graph, None, 1)
+    plan = downgrade_plan(graph, None, layers=(1,))
     strategies = {k: s.value for k, s in plan.entries}
     assert "L1.unpermute/L1.combined" in strategies and "L1.expert_fc1/L1.dispatched" in strategies
     assert not any(k.startswith(("L1.router/", "L0.", "L2.")) for k in strategies)
     assert "L1.unpermute/L1.router_probs" not in strategies  # made by the router: stays
     with pytest.raises(ValueError, match="layer 0 is not a MoE layer"):
-        downgrade_module(graph, None, 0)
+        downgrade_plan(graph, None, layers=(0,))
     with pytest.raises(ValueError, match="budget_bytes"):
         DeferredPlanner(config, ParallelConfig(), presets.hardware("cpu"), budget_bytes=-1)
 
@@ -187,7 +188,7 @@ def test_replays_the_gate_drops_hold_nothing():
 
 def test_paper_mode_downgrades_only_the_module_whose_gate_fired():
     config, hardware, graph = _setup()
-    budget = evaluate(graph, downgrade_module(graph, None, 1)).activation_bytes
+    budget = evaluate(graph, downgrade_plan(graph, None, layers=(1,))).activation_bytes
     planner = DeferredPlanner(config, ParallelConfig(), hardware, budget_bytes=budget, downgrade="paper")
     record, _, _ = _run(config, graph, "none", deferred=planner)
     downgraded = sorted({graph.op(key.partition("/")[0]).layer for key, _ in record.plan.entries})

@@ -7,7 +7,7 @@ from collections import deque
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bagualu2.budget import BudgetAssigner, BudgetPhase, downgrade_needed
+from bagualu2.budget import BudgetAssigner, BudgetPhase
 
 
 @st.composite
@@ -107,8 +107,3 @@ def test_random_config_constructs_or_raises_value_error(m_max_bytes, m0_bytes, n
     assert 1 <= num_warmup <= num_microbatches
     assert 0 <= m0_bytes and num_warmup * m0_bytes <= m_max_bytes
     assert assigner.next_forward_budget() >= m0_bytes
-
-
-@given(routed_bytes=st.integers(0, 10**12), budget=st.integers(0, 10**12))
-def test_downgrade_needed_iff_routed_exceeds_budget(routed_bytes, budget):
-    assert downgrade_needed(routed_bytes, budget) is (routed_bytes > budget)

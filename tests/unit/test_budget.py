@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bagualu2.budget import BudgetAssigner, BudgetPhase, downgrade_needed
+from bagualu2.budget import BudgetAssigner, BudgetPhase
 
 
 def make(m_max_bytes=1200, m0_bytes=100, num_microbatches=6, num_warmup=4) -> BudgetAssigner:
@@ -254,18 +254,6 @@ def test_budget_after_all_forwards_launched_raises():
 
 
 # --------------------------------------------------------------------------------------------- deferred planning
-def test_downgrade_needed():
-    assert downgrade_needed(301, 300) is True
-    assert downgrade_needed(300, 300) is False
-    assert downgrade_needed(0, 0) is False
-
-
-@pytest.mark.parametrize(("routed", "budget"), [(-1, 0), (0, -1), (1.0, 2), (1, True), (None, 1)])
-def test_downgrade_needed_validates(routed, budget):
-    with pytest.raises(ValueError, match="routed_bytes|budget"):
-        downgrade_needed(routed, budget)
-
-
 # ------------------------------------------------------------------------------------------------- purity
 def test_budget_package_imports_only_stdlib():
     package_dir = Path(__file__).resolve().parents[2] / "src" / "bagualu2" / "budget"

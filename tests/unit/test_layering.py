@@ -4,6 +4,7 @@ modules (grimp's graph), no module importing another module's private name, the 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -69,6 +70,67 @@ def test_no_module_imports_a_private_name_of_another():
                     if alias.name.startswith("_") and not alias.name.startswith("__"):
                         offenders.append(f"{path.relative_to(ROOT)}: from {node.module} import {alias.name}")
     assert offenders == []
+
+
+# torch's private pipelining APIs the runtime schedule builds on (the torch range is pinned for them)
+PRIVATE_ALLOWED = {("reference_trainer/pipeline.py", "torch.distributed.pipelining.schedules")}
+PUBLIC_DESPITE_UNDERSCORE = {("os", "_exit")}  # documented public API
+
+
+def _module_bindings(tree: ast.AST, path: Path) -> dict[str, str]:
+    """``{local name: module}`` for the names a module binds to other modules by ``import`` / ``from ... import``."""
+    package = ".".join(path.relative_to(ROOT / "src" if "src" in path.parts else ROOT).with_suffix("").parts[:-1])
+    bound: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                bound[alias.asname or alias.name.split(".")[0]] = alias.name if alias.asname else \
+                    alias.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, node.module] if node.module else parts)
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                try:
+                    found = importlib.util.find_spec(full) is not None
+                except (ImportError, ValueError):
+                    found = False
+                if found:
+                    bound[alias.asname or alias.name] = full
+    return bound
+
+
+def private_attribute_uses(path: Path) -> list[str]:
+    """``module._name`` reads of another module's private names through a module alias (``S._Action``)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    bound = _module_bindings(tree, path)
+    where = path.relative_to(ROOT).as_posix()
+    found = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound
+                and node.attr.startswith("_") and not node.attr.startswith("__")
+                and (where, bound[node.value.id]) not in PRIVATE_ALLOWED
+                and (bound[node.value.id], node.attr) not in PUBLIC_DESPITE_UNDERSCORE):
+            found.append(f"{where}:{node.lineno}: {node.value.id}.{node.attr} ({bound[node.value.id]})")
+    return found
+
+
+def test_no_module_reads_a_private_name_of_another_through_its_module():
+    offenders = [use for path in _sources() for use in private_attribute_uses(path)]
+    assert offenders == []
+
+
+def test_the_private_attribute_rule_finds_one(tmp_path):
+    source = ROOT / "reference_trainer" / "zz_private_probe.py"
+    try:
+        source.write_text("from . import checkpoint\nimport torch.distributed as dist\n"
+                          "x = checkpoint._sha256\ny = dist._coalescing_manager\n")
+        assert [use.split(": ", 1)[1] for use in private_attribute_uses(source)] == [
+            "checkpoint._sha256 (reference_trainer.checkpoint)", "dist._coalescing_manager (torch.distributed)"]
+    finally:
+        source.unlink()
 
 
 @pytest.mark.slow

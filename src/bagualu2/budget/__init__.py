@@ -4,6 +4,6 @@
 Pure Python on top of the cost model: never imports torch.
 """
 
-from bagualu2.budget.assigner import BudgetAssigner, BudgetPhase, downgrade_needed
+from bagualu2.budget.assigner import BudgetAssigner, BudgetPhase
 
-__all__ = ["BudgetAssigner", "BudgetPhase", "downgrade_needed"]
+__all__ = ["BudgetAssigner", "BudgetPhase"]

@@ -54,7 +54,7 @@ import enum
 
 from ..costmodel.validate import require_int
 
-__all__ = ["BudgetAssigner", "BudgetPhase", "downgrade_needed"]
+__all__ = ["BudgetAssigner", "BudgetPhase"]
 
 
 class BudgetPhase(enum.Enum):
@@ -63,18 +63,6 @@ class BudgetPhase(enum.Enum):
     WARMUP = "warmup"
     STEADY = "steady"
     DONE = "done"
-
-
-def downgrade_needed(routed_bytes: int, budget: int) -> bool:
-    """Deferred planning: should this micro-batch's MoE module downgrade to full recompute?
-
-    Called after the MoE gate, when the routed token counts are known. ``routed_bytes`` is what the micro-batch's
-    current plan would keep given those tokens; ``budget`` is the bytes it was granted (both ints >= 0). Returns True
-    when ``routed_bytes > budget``.
-    """
-    routed_bytes = require_int("routed_bytes", routed_bytes, 0)
-    budget = require_int("budget", budget, 0)
-    return routed_bytes > budget
 
 
 class BudgetAssigner:

@@ -9,7 +9,7 @@ from .apply import MicroBatchRecord, PlanExecutor, apply_plan
 from .instrument import InstrumentedModel, instrument
 from .trace import TraceResult
 from .ops import OP_SCOPE, after_gate, op_scope, run_op
-from .deferred import DeferredPlanner, downgrade_module
+from .deferred import DeferredPlanner
 from .flops import flop_counter
 from .packing import CopyEngine, HostPool, quantize_fp8
 from .tracker import ActivationOutOfMemoryError, ActivationTracker, storage_bytes
@@ -17,7 +17,7 @@ from .tracker import ActivationOutOfMemoryError, ActivationTracker, storage_byte
 
 
 def __getattr__(name: str):
-    # DualBatchExecutor needs bagualu2.fusion (and so OR-Tools): imported on first use only
+    # the dual-batch executor (and with it bagualu2.fusion) loads on first use: most users never run a fused point
     if name in ("DualBatchExecutor", "PointAborted", "PointResult"):
         from . import dual
 
@@ -27,5 +27,5 @@ def __getattr__(name: str):
 
 __all__ = ["ActivationOutOfMemoryError", "ActivationTracker", "CopyEngine", "DeferredPlanner", "DualBatchExecutor",
            "HostPool", "InstrumentedModel", "PointAborted", "TraceResult", "instrument",
-           "MicroBatchRecord", "OP_SCOPE", "PlanExecutor", "after_gate", "apply_plan", "downgrade_module",
+           "MicroBatchRecord", "OP_SCOPE", "PlanExecutor", "after_gate", "apply_plan",
            "flop_counter", "op_scope", "quantize_fp8", "run_op", "storage_bytes"]

@@ -26,13 +26,6 @@ from bagualu2.runtime import after_gate, ceil_bucket, check_downgrade, downgrade
 MAX_DECISIONS = 4096  # a long run's planner keeps only its latest gate decisions
 
 
-def downgrade_module(graph: OpGraph, plan: Plan | None, layer: int) -> Plan:
-    """``plan`` with MoE layer ``layer`` downgraded after its gate (``runtime.downgrade_plan`` of that layer):
-    every saving of a tensor the module makes after its router set to RECOMPUTE; what exists when the gate is known
-    (the module's input, the router's outputs) stays as planned, so backward restarts the module from it."""
-    return downgrade_plan(graph, plan, layers=(layer,))
-
-
 class DeferredPlanner:
     """After-gate decisions for micro-batches of one chunk with a budget of ``budget_bytes`` each."""
 
@@ -120,4 +113,4 @@ class DeferredPlanner:
 
     def downgrade(self, plan: Plan, layer: int) -> Plan:
         """The full downgrade of ``layer`` (what every EP rank runs when any rank had to change its plan)."""
-        return downgrade_module(self.graph(), plan, layer)
+        return downgrade_plan(self.graph(), plan, layers=(layer,))

@@ -1,16 +1,14 @@
 """The paper-scale simulator (issue [sim], DESIGN.md "sim"): seeded imbalance traces (:func:`paper_trace`) or the
 trainer's log (:func:`load_trace`), the policies (``POLICIES``: flexible, static-under, static-over, kwai, adapipe,
 ideal, oracle; the ablation levels ``ABLATION``: L1-L4) and :func:`simulate` — whole iterations of every pipeline
-stage with OOMs, restarts and MFU; :mod:`.reproduce` regenerates docs/reproduction.md. docs/sim.md has the formulas and measured numbers. The decision path's names that used to live here are still
-re-exported from :mod:`bagualu2.runtime` for one release. Never imports torch."""
+stage with OOMs, restarts and MFU; :mod:`.reproduce` regenerates docs/reproduction.md. docs/sim.md has the formulas and measured
+numbers. Never imports torch."""
 
-from ..runtime import Decision, DecisionPath, ForwardDecision, IterationReplay, replay_iteration, spike_trace
 from .policies import ABLATION, FALLBACKS, POLICIES, StagePolicy, check_policy, make_policy
 from .simulate import ON_OOM, IterationResult, SimConfig, SimResult, check_trace, simulate
 from .stage import Choice, StageContext
 from .traces import PaperTrace, load_trace, paper_trace
 
-__all__ = ["ABLATION", "ON_OOM", "Choice", "Decision", "DecisionPath", "FALLBACKS", "ForwardDecision", "IterationReplay",
-           "IterationResult", "POLICIES", "PaperTrace", "SimConfig", "SimResult", "StageContext", "StagePolicy",
-           "check_policy", "check_trace", "load_trace", "make_policy", "paper_trace", "replay_iteration",
-           "simulate", "spike_trace"]
+__all__ = ["ABLATION", "ON_OOM", "Choice", "FALLBACKS", "IterationResult", "POLICIES", "PaperTrace", "SimConfig",
+           "SimResult", "StageContext", "StagePolicy", "check_policy", "check_trace", "load_trace", "make_policy",
+           "paper_trace", "simulate"]
