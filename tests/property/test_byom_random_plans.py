@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from hypothesis import assume, given, settings
+from conftest import scaled
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
@@ -38,7 +39,7 @@ def plans(draw):
     return case, Plan(tuple(entries))
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=scaled(15), deadline=None)
 @given(plans())
 def test_random_per_tensor_plans_match_the_evaluator(case_plan):
     case, plan = case_plan

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given, settings
+from conftest import scaled
 from hypothesis import strategies as st
 
 from bagualu2.costmodel import ParallelConfig, build_graph, presets
@@ -141,7 +142,7 @@ def valid_orders(draw):
     return Order(tuple(tuple(g) for g in groups), barriers=barriers)
 
 
-@settings(max_examples=12)
+@settings(max_examples=scaled(12))
 @given(valid_orders())
 def test_random_valid_orders_match_sequential(order):
     _check(order)

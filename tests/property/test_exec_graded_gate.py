@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 from hypothesis import given, settings
+from conftest import scaled
 from hypothesis import strategies as st
 
 from bagualu2.costmodel import ParallelConfig, Plan, Strategy, build_graph, evaluate, presets
@@ -40,7 +41,7 @@ def cases(draw):
     return SPACE.plan(chosen), GRAPH.floor_bytes + int((GRAPH.unmitigated_bytes - GRAPH.floor_bytes) * share)
 
 
-@settings(max_examples=10)
+@settings(max_examples=scaled(10))
 @given(cases())
 def test_graded_gates_keep_exact_bytes_and_bitwise_gradients(case):
     plan, budget = case

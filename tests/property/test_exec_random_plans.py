@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from hypothesis import given, settings
+from conftest import scaled
 from hypothesis import strategies as st
 
 from bagualu2.costmodel import ParallelConfig, Plan, Strategy, build_graph, evaluate, presets
@@ -45,7 +46,7 @@ def plans(draw):
     return dtype, Plan(tuple(entries))
 
 
-@settings(max_examples=12)
+@settings(max_examples=scaled(12))
 @given(plans())
 def test_random_plans_match_the_evaluator(case):
     dtype, plan = case

@@ -7,6 +7,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from hypothesis import given, settings
+from conftest import scaled
 from hypothesis import strategies as st
 
 from bagualu2.budget import BudgetAssigner
@@ -33,7 +34,7 @@ def graph_at(name: str, stage: int, chunk: int, imbalance: float):
     return build_graph(model, parallel, HW, imbalance=imbalance, stage=stage, chunk=chunk)
 
 
-@settings(max_examples=25)
+@settings(max_examples=scaled(25))
 @given(name=st.sampled_from(PRESETS), stage=st.integers(0, 3), downgrade=st.sampled_from(["graded", "paper"]),
        data=st.data())
 def test_in_flight_never_exceeds_m_max_for_any_imbalance_sequence(name, stage, downgrade, data):
@@ -46,7 +47,7 @@ def test_in_flight_never_exceeds_m_max_for_any_imbalance_sequence(name, stage, d
         assert decision.in_flight_bytes <= replay.m_max_bytes
 
 
-@settings(max_examples=40)
+@settings(max_examples=scaled(40))
 @given(name=st.sampled_from(PRESETS), chunk=st.integers(0, 1), imbalance=imbalances,
        extra=st.integers(0, 1 << 34), phase=st.sampled_from(["warmup", "steady"]))
 def test_a_covering_budget_gives_the_empty_plan_and_exact_bytes(name, chunk, imbalance, extra, phase):
@@ -57,7 +58,7 @@ def test_a_covering_budget_gives_the_empty_plan_and_exact_bytes(name, chunk, imb
     assert len(decision.plan) == 0 and decision.kept_bytes == exact.unmitigated_bytes
 
 
-@settings(max_examples=30)
+@settings(max_examples=scaled(30))
 @given(name=st.sampled_from(PRESETS), chunk=st.integers(0, 1), imbalance=imbalances,
        share=st.floats(0.0, 1.0), phase=st.sampled_from(["warmup", "steady"]))
 def test_kept_bytes_are_exact_at_the_measured_imbalance_and_fit(name, chunk, imbalance, share, phase):
@@ -70,7 +71,7 @@ def test_kept_bytes_are_exact_at_the_measured_imbalance_and_fit(name, chunk, imb
     assert decision.kept_bytes <= budget  # without a limit there is no absorption: it fits
 
 
-@settings(max_examples=30)
+@settings(max_examples=scaled(30))
 @given(name=st.sampled_from(PRESETS), planned=imbalances, measured=imbalances, pre_share=st.floats(0.0, 1.0),
        share=st.floats(0.0, 1.0))
 def test_graded_gate_never_costs_more_than_the_full_downgrade_and_fits_when_it_does(name, planned, measured,
@@ -92,7 +93,7 @@ def test_graded_gate_never_costs_more_than_the_full_downgrade_and_fits_when_it_d
     assert all("/" in key and key.partition("/")[2] in free for key in changed)
 
 
-@settings(max_examples=40)
+@settings(max_examples=scaled(40))
 @given(name=st.sampled_from(PRESETS), planned=imbalances, measured=imbalances, pre_share=st.floats(0.0, 1.0),
        share=st.floats(0.0, 1.2))
 def test_paper_downgrade_is_the_behaviour_before_graded_replanning(name, planned, measured, pre_share, share):
@@ -125,7 +126,7 @@ def test_warmup_absorption_never_leaves_a_later_warmup_budget_below_m0(m0, warmu
     assert assigner.absorb_limit_bytes() == assigner.next_forward_budget()  # steady: no absorption
 
 
-@settings(max_examples=20)
+@settings(max_examples=scaled(20))
 @given(name=st.sampled_from(PRESETS), stage=st.integers(0, 3), data=st.data())
 def test_replay_absorbs_only_in_warmup_and_every_budget_stays_above_m0(name, stage, data):
     model, parallel = presets.model(name)

@@ -5,6 +5,7 @@ flexible or oracle, and the summary is the sum of its iterations."""
 from __future__ import annotations
 
 from hypothesis import given, settings
+from conftest import scaled
 from hypothesis import strategies as st
 
 from bagualu2.costmodel import presets
@@ -16,7 +17,7 @@ rates = st.floats(1.0, 2.6, allow_nan=False).map(lambda r: round(r, 1))
 traces = st.lists(rates, min_size=1, max_size=4).map(tuple)
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=scaled(8), deadline=None)
 @given(traces)
 def test_flexible_fits_and_ideal_bounds_it(trace):
     flexible = simulate(MODEL, PARALLEL, HW, "flexible", trace)
@@ -28,7 +29,7 @@ def test_flexible_fits_and_ideal_bounds_it(trace):
     assert flexible.total_time_s == sum(it.time_s for it in flexible.iterations)
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=scaled(8), deadline=None)
 @given(traces, st.floats(0.0, 1000.0))
 def test_static_under_restarts_once_per_oom(trace, restart_s):
     under = simulate(MODEL, PARALLEL, HW, "static-under", trace, restart_s=restart_s)
@@ -44,7 +45,7 @@ def test_static_under_restarts_once_per_oom(trace, restart_s):
 ordinary = st.floats(1.0, 1.2, allow_nan=False).map(lambda r: round(r, 2))
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=scaled(6), deadline=None)
 @given(st.lists(ordinary, min_size=1, max_size=4).map(tuple))
 def test_without_spikes_flexible_is_between_the_static_plans(trace):
     """No spikes: flexible is never slower than static-over (iteration by iteration) and never below static-under
@@ -56,7 +57,7 @@ def test_without_spikes_flexible_is_between_the_static_plans(trace):
     assert flexible.mean_mfu >= under.mean_mfu
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=scaled(6), deadline=None)
 @given(traces)
 def test_ideal_oracle_flexible_mfu_order(trace):
     ideal, oracle, flexible = (simulate(MODEL, PARALLEL, HW, p, trace).mean_mfu for p in ("ideal", "oracle",
@@ -64,7 +65,7 @@ def test_ideal_oracle_flexible_mfu_order(trace):
     assert ideal * (1 + 1e-9) >= oracle and oracle * (1 + 1e-9) >= flexible
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=scaled(6), deadline=None)
 @given(traces)
 def test_the_dual_batch_overlap_never_slows_flexible_down(trace):
     """Ablation L3 (flexible without the fused order) vs L4 (flexible): the same memory, never faster."""
@@ -73,7 +74,7 @@ def test_the_dual_batch_overlap_never_slows_flexible_down(trace):
         assert fused.peak_bytes == unfused.peak_bytes and fused.time_s <= unfused.time_s * (1 + 1e-9)
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=scaled(6), deadline=None)
 @given(traces, st.sampled_from(["kwai", "adapipe", "L1", "L2"]))
 def test_replan_restarts_only_on_a_new_largest_imbalance(trace, policy):
     """on_oom="replan": a crash happens only on a rate above the one the plans in force were made for; the restart

@@ -16,6 +16,7 @@ import dataclasses
 
 import torch
 from hypothesis import given, settings
+from conftest import scaled
 from hypothesis import strategies as st
 
 from bagualu2.costmodel import ParallelConfig, Plan, build_graph, evaluate, presets
@@ -49,7 +50,7 @@ def test_received_bytes_match_a_rebuilt_graph(r, plan):
         assert only_first - cost.activation_bytes == cost.routed_bytes_by_layer[first] // built * (tokens - built)
 
 
-@settings(max_examples=20)
+@settings(max_examples=scaled(20))
 @given(fraction=st.floats(0.3, 1.0), gates=st.lists(st.floats(1.0, 2.0), min_size=1, max_size=20))
 def test_pre_gate_is_what_forward_commits_and_state_round_trips(fraction, gates):
     path = DecisionPath(MODEL, EP2, HW, stage=0)

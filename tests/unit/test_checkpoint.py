@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
+from conftest import scaled
 from hypothesis import strategies as st
 
 from reference_trainer import checkpoint
@@ -209,7 +210,7 @@ def test_pack_json_round_trip(obj):
 _dtypes = st.sampled_from([torch.float32, torch.int64, torch.uint8, torch.bfloat16, torch.float64, torch.bool])
 
 
-@settings(max_examples=15)
+@settings(max_examples=scaled(15))
 @given(st.dictionaries(st.from_regex(r"[a-z]{1,6}", fullmatch=True),
                        st.tuples(_dtypes, st.lists(st.integers(0, 4), max_size=3), st.integers(0, 2**31)),
                        min_size=1, max_size=5))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from hypothesis import given, settings
+from conftest import scaled
 from hypothesis import strategies as st
 
 from bagualu2.costmodel import evaluate, presets
@@ -20,7 +21,7 @@ PLANS = [greedy.solve(BASE, BASE.floor_bytes + int(f * (BASE.unmitigated_bytes -
 LAYERS = sorted({op.layer for op in BASE.ops if op.kind == "router"})
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=scaled(40), deadline=None)
 @given(st.sampled_from(PLANS), st.sampled_from(LAYERS), st.floats(1.0, 3.0), st.floats(0.2, 1.3))
 def test_paper_fast_path_equals_the_runtime_decision(plan, layer, rate, fraction):
     tokens = int(BASE.mean_routed_tokens * rate)
