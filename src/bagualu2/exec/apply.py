@@ -37,7 +37,7 @@ from bagualu2.costmodel.strategy import Strategy
 
 from .instrument import InstrumentedModel, check_device
 from .plancheck import check_replayable
-from .ops import ACTIVE, FORWARD_GATE, OP_HINTS, OP_SCOPE, RECORDING
+from .ops import ACTIVE, FORWARD_GATE, OP_HINTS, OP_SCOPE
 from .provisional import Provisional, settle, standby_ops
 from .packing import CopyEngine, HostCopy, Offloaded, Quantized, View, flat_storage, quantize_fp8, unpack
 from .record import TORCH_TO_NAME, MicroBatchRecord
@@ -106,7 +106,6 @@ class PlanExecutor:
         record.budget_bytes = budget_bytes
         record.forward_gate = FORWARD_GATE.get()
         token = ACTIVE.set((self, record))
-        RECORDING[0] += 1
         try:
             with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(record, t), unpack):
                 yield record
@@ -116,7 +115,6 @@ class PlanExecutor:
             self.tracker.drop(name)
             raise
         finally:
-            RECORDING[0] -= 1
             ACTIVE.reset(token)
             record.storages.clear()  # naming is per forward; the packed copies live in autograd's graph
 

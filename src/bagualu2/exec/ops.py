@@ -22,7 +22,6 @@ OP_HINTS: ContextVar[dict | None] = ContextVar("bagualu2_op_hints", default=None
 ACTIVE: ContextVar[tuple[Any, Any] | None] = ContextVar("bagualu2_active", default=None)
 #: The dual-batch executor's forward gate for a forward that records its own micro-batch (see ``DualBatchExecutor``).
 FORWARD_GATE: ContextVar[Callable[[str], None] | None] = ContextVar("bagualu2_forward_gate", default=None)
-RECORDING = [0]  # micro-batches being recorded right now (op_scope does nothing when 0)
 
 
 class op_scope:
@@ -40,7 +39,7 @@ class op_scope:
         self._tokens = None
 
     def __enter__(self) -> None:
-        if RECORDING[0]:
+        if ACTIVE.get() is not None:  # a micro-batch records in this context (its hooks are this thread's)
             hints = ({storage_key(t): n for n, t in self.names.items()} if self.names else None)
             self._tokens = (OP_SCOPE.set(self.name), OP_HINTS.set(hints))
 
