@@ -139,7 +139,8 @@ def markdown(rows: list[Outcome], command: str) -> str:
                      + f" | {sum(r.restarts for r in group)} | {seconds:.0f} |")
     others = [r for r in rows if r.outcome != "finished"]
     if others:
-        lines += ["", "| policy | layout | seed | spike rate | outcome | line |", "| --- | --- | --- | --- | --- | --- |"]
+        lines += ["", "| policy | layout | seed | spike rate | outcome | line |",
+                  "| --- | --- | --- | --- | --- | --- |"]
         lines += [f"| {r.policy} | {r.layout} | {r.seed} | {r.spike_rate:g} | {r.outcome} | `{r.detail}` |"
                   for r in others]
     return "\n".join(lines)

@@ -27,7 +27,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 TIMEOUT_S = 300
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "BAGUALU2_CHECK_COLLECTIVES": "1"}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+       "BAGUALU2_CHECK_COLLECTIVES": "1"}  # every run checks its collective order
 COMMON = ["--steps", "5", "--seed", "11", "--spike-rate", "0.15", "--spike-max", "2.6"]
 
 

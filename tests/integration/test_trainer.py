@@ -25,7 +25,8 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 TIMEOUT_S = 240
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+       "BAGUALU2_CHECK_COLLECTIVES": "1"}  # every run checks its collective order
 
 
 def torchrun(nproc: int, *args: str, launcher: tuple[str, ...] = ("--standalone",)) -> subprocess.CompletedProcess:
