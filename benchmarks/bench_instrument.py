@@ -1,6 +1,6 @@
 """Tracing overhead of a model instrumented from outside: ``trace_graph`` (one recorded forward + backward) against
 one plain forward + backward of the same 2-layer stock-module MoE decoder (``tests/byom_model.py``), measured in
-the same run. Target (issue #14): tracing adds under 2x the plain step, i.e. trace / plain < 3.
+the same run. Target: tracing adds under 2x the plain step, i.e. trace / plain < 3.
 
     python -m pytest benchmarks/bench_instrument.py --benchmark-only
 """

@@ -1,7 +1,7 @@
 """The chaos run: every policy x seeds x layouts x spike rates under torchrun, each with a wall-clock bound.
 
     python -m reference_trainer.chaos                        # the full grid (long: hours on 2 cores)
-    python -m reference_trainer.chaos --policies flexible --seeds 1 --layouts pp1-dp2 --spike-rates 0.15 --steps 2
+    python -m reference_trainer.chaos --policies flexible --seeds 1 --layouts pp1-dp2-ep2 --spike-rates 0.15 --steps 2
 
 Every run is ``torchrun --max-restarts`` of the reference trainer (checkpoints every step, the collective checker
 on, ``--collective-timeout`` short) and ends in one of three ways: ``finished`` (exit 0, OOM restarts included),

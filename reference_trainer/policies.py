@@ -1,4 +1,4 @@
-"""The trainer's provisioning policies (DESIGN.md "Policies"; the simulator's, on the run's activation cap).
+"""The trainer's provisioning policies (the simulator's, :mod:`bagualu2.sim.policies`, on the run's activation cap).
 
 * ``flexible``      bagualu2: per-micro-batch budgets, plans and gate decisions (:mod:`.provision`), plus a safety
                     net the paper lacks: a micro-batch that still overflows the cap (a misprediction) is freed and

@@ -1,4 +1,4 @@
-"""One prepared GPU check of the exec layer (issue #5), for a session lent a CUDA device.
+"""One prepared GPU check of the exec layer, for a machine with a CUDA device.
 
     PYTHONPATH=src:. PYTHONUNBUFFERED=1 python3 benchmarks/gpu/gpu_checks.py --out "$OUT"
     python benchmarks/gpu/gpu_checks.py --dry-run     # on CPU, a tiny config: checks the script's own logic

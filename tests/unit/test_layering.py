@@ -1,5 +1,6 @@
-"""The layering of DESIGN.md, enforced: import-linter's contracts (pyproject.toml), no import cycle between any two
-modules (grimp's graph), no module importing another module's private name, the pure packages without torch."""
+"""The package layering (docs/architecture.md), enforced: import-linter's contracts (pyproject.toml), no import
+cycle between any two modules (grimp's graph), no module importing another module's private name, the pure packages
+without torch."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The trainer's fixed policies are the simulator's plans on the run's cap, and the debug recipe's default cap
 makes the comparison meaningful: static-under fits at balanced load and overflows on a spike, static-over always
-fits (issue: policies, item 4)."""
+fits."""
 
 from __future__ import annotations
 

@@ -22,12 +22,13 @@ point at once: the scheduler issues no further stage, and the other worker, park
 error reaches the caller. Under expert parallelism this keeps every rank of a group on one collective order: the
 order is agreed, so a rank either follows it or stops; it never runs ahead into another stage's collectives.
 
-Stages of one barrier group are issued one after the other (one worker at a time), so any order that keeps the
-chain orders computes exactly what sequential execution computes. On CPU that is also how they run. On CUDA the issue is asynchronous: the O and R
-copies run on the copy engine's side streams and overlap the compute issued next, and NCCL all-to-alls run on
-NCCL's stream. Forward and backward compute kernels are issued on the streams autograd assigns (a backward op runs
-on its forward op's stream); a second compute stream for alternate micro-batches (F_x and B_y compute overlapping
-each other) is not implemented — it needs cross-stream allocator bookkeeping that can only be validated on a GPU.
+Stages of one barrier group are issued one after the other (one worker at a time), so any order that keeps the chain
+orders computes exactly what sequential execution computes. On CPU that is also how they run. On CUDA the issue is
+asynchronous: the O and R copies run on the copy engine's side streams and overlap the compute issued next, and NCCL
+all-to-alls run on NCCL's stream. Forward and backward compute kernels are issued on the streams autograd assigns (a
+backward op runs on its forward op's stream); a second compute stream for alternate micro-batches (F_x and B_y
+compute overlapping each other) is not implemented — it needs cross-stream allocator bookkeeping that can only be
+validated on a GPU.
 """
 
 from __future__ import annotations

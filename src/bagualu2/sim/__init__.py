@@ -1,4 +1,4 @@
-"""The paper-scale simulator (issue [sim], DESIGN.md "sim"): seeded imbalance traces (:func:`paper_trace`) or the
+"""The paper-scale simulator: seeded imbalance traces (:func:`paper_trace`) or the
 trainer's log (:func:`load_trace`), the policies (``POLICIES``: flexible, static-under, static-over, kwai, adapipe,
 ideal, oracle; the ablation levels ``ABLATION``: L1-L4) and :func:`simulate` — whole iterations of every pipeline
 stage with OOMs, restarts and MFU; :mod:`.reproduce` regenerates docs/reproduction.md. docs/sim.md has the formulas and measured

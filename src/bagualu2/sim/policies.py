@@ -1,11 +1,11 @@
-"""The simulator's policies (DESIGN.md "Policies"), each per pipeline stage: ``forward(chunk, imbalance, phase,
+"""The simulator's policies, each per pipeline stage: ``forward(chunk, imbalance, phase,
 budget, limit) -> Choice``. Every plan's bytes and time come from ``costmodel.evaluate`` (through
 :class:`~.stage.StageContext`).
 
 * ``flexible``     bagualu2: Algorithm 1's budget and the runtime :class:`~bagualu2.runtime.DecisionPath` (pre-gate
                    plan, after-gate keep / absorb / graded re-plan / downgrade); steady pairs run the path's fused
                    order.
-Plans fixed before training are made at ``plan_imbalance`` (default 1.0, DESIGN.md's balanced load; simulate's
+Plans fixed before training are made at ``plan_imbalance`` (default 1.0, balanced load; simulate's
 ``plan_imbalance=`` changes it, e.g. 1.2 to provision for the ordinary iterations and fail on spikes only).
 
 * ``static-under`` one plan per chunk fixed before training for balanced load: ``greedy.solve(graph at r=1,
@@ -282,6 +282,6 @@ CLASSES = {cls.name: cls for cls in (Flexible, StaticUnder, StaticOver, Kwai, Ad
 
 def make_policy(name: str, ctx: StageContext, *, plan_imbalance: float = 1.0) -> StagePolicy:
     """Policy ``name`` (one of ``POLICIES`` or ``ABLATION``) on the stage of ``ctx``; the plans fixed before
-    training (static-*, kwai, adapipe, L1, L2) are made at ``plan_imbalance`` (DESIGN.md: balanced load, 1)."""
+    training (static-*, kwai, adapipe, L1, L2) are made at ``plan_imbalance`` (default 1: balanced load)."""
     cls = CLASSES[check_policy(name)]
     return cls(ctx, plan_imbalance=plan_imbalance) if issubclass(cls, Static) else cls(ctx)

@@ -51,7 +51,7 @@ ON_OOM = ("fallback", "replan")
 @dataclass(frozen=True, kw_only=True)
 class SimConfig:
     """restart_s: seconds an OOM restart costs (checkpoint reload, re-launch), a finite number >= 0.
-    plan_imbalance: the imbalance the plans fixed before training are made for (>= 1; DESIGN.md: 1).
+    plan_imbalance: the imbalance the plans fixed before training are made for (>= 1; default 1: balanced load).
     on_oom: what a policy with a fallback restarts with after an OOM: ``"fallback"`` (``FALLBACKS``, static-over)
     or ``"replan"`` (its own plans re-made for the largest imbalance seen; the paper's §VI-A baselines).
     m_max_bytes: every stage's activation capacity instead of what its memory leaves (the trainer's
