@@ -60,16 +60,22 @@ def _sequential():
     return _grads(model), out.detach()
 
 
-def _fused(order):
+def _three_in_flight():
+    """The model, its inputs, an executor with mb0..mb2 forwarded (mb0 and mb1 offloaded by earlier points)."""
     model, inputs = _model(), _inputs()
     executor = apply_plan(GRAPH, PLAN, exclude=[model])
-    dual = DualBatchExecutor(executor)
     losses = []
     for i in range(3):
         with executor.micro_batch(f"mb{i}"):
             losses.append(model.forward_layers(inputs[i]).pow(2).mean())
-    executor.offload_now("mb0")  # earlier scheduling points offloaded mb0 and mb1
+    executor.offload_now("mb0")
     executor.offload_now("mb1")
+    return model, inputs, executor, losses
+
+
+def _fused(order):
+    model, inputs, executor, losses = _three_in_flight()
+    dual = DualBatchExecutor(executor)
     result = dual.run(order, CHAINS, forward=("mb3", lambda: model.forward_layers(inputs[3])),
                       backward=("mb0", losses[0]), offload="mb2", recovery="mb1")
     executor.release("mb0")
@@ -165,15 +171,8 @@ def test_an_error_ends_the_point_at_once_and_the_other_worker_runs_nothing_more(
     group is not issuing."""
     from bagualu2.exec.dual import PointAborted
 
-    model, inputs = _model(), _inputs()
-    executor = apply_plan(GRAPH, PLAN, exclude=[model])
+    model, inputs, executor, losses = _three_in_flight()
     dual = DualBatchExecutor(executor)
-    losses = []
-    for i in range(3):
-        with executor.micro_batch(f"mb{i}"):
-            losses.append(model.forward_layers(inputs[i]).pow(2).mean())
-    executor.offload_now("mb0")
-    executor.offload_now("mb1")
     last = model.layers[len(model.layers) - 1]
     handle = last.register_forward_pre_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("boom")))
     backward_first = Order(((("B", 0),),) + tuple((("F", i),) for i in range(len(CHAINS.forward)))
