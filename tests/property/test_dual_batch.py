@@ -61,21 +61,22 @@ def _sequential():
 
 
 def _three_in_flight():
-    """The model, its inputs, an executor with mb0..mb2 forwarded (mb0 and mb1 offloaded by earlier points)."""
+    """The model, its inputs, a dual-batch executor over an executor with mb0..mb2 forwarded (mb0 and mb1 offloaded
+    by earlier points); made before the forwards, whose ops then get the backward's stage hooks."""
     model, inputs = _model(), _inputs()
     executor = apply_plan(GRAPH, PLAN, exclude=[model])
+    dual = DualBatchExecutor(executor)
     losses = []
     for i in range(3):
         with executor.micro_batch(f"mb{i}"):
             losses.append(model.forward_layers(inputs[i]).pow(2).mean())
     executor.offload_now("mb0")
     executor.offload_now("mb1")
-    return model, inputs, executor, losses
+    return model, inputs, executor, dual, losses
 
 
 def _fused(order):
-    model, inputs, executor, losses = _three_in_flight()
-    dual = DualBatchExecutor(executor)
+    model, inputs, executor, dual, losses = _three_in_flight()
     result = dual.run(order, CHAINS, forward=("mb3", lambda: model.forward_layers(inputs[3])),
                       backward=("mb0", losses[0]), offload="mb2", recovery="mb1")
     executor.release("mb0")
@@ -171,8 +172,7 @@ def test_an_error_ends_the_point_at_once_and_the_other_worker_runs_nothing_more(
     group is not issuing."""
     from bagualu2.exec.dual import PointAborted
 
-    model, inputs, executor, losses = _three_in_flight()
-    dual = DualBatchExecutor(executor)
+    model, inputs, executor, dual, losses = _three_in_flight()
     last = model.layers[len(model.layers) - 1]
     handle = last.register_forward_pre_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("boom")))
     backward_first = Order(((("B", 0),),) + tuple((("F", i),) for i in range(len(CHAINS.forward)))
