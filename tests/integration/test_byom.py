@@ -71,6 +71,7 @@ def check(case: str, plan) -> None:
         assert all(torch.equal(a, b) for a, b in zip(grads0, grads))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_traced_graph_is_what_autograd_saves(case):
     model, x, instrumented, graph, _ = traced(case)
@@ -86,6 +87,7 @@ def test_traced_graph_is_what_autograd_saves(case):
     assert graph.op("L1.router").flops > 0 and graph.op("L0.core_attn").flops > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_greedy_plans_at_five_budgets(case):
     _, _, _, graph, _ = traced(case)
@@ -123,6 +125,7 @@ def test_kind_plans(case, plan):
     check(case, plan)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_recompute_everything_recomputable(case):
     _, _, _, graph, _ = traced(case)
@@ -139,6 +142,7 @@ def test_recompute_everything_recomputable(case):
     check(case, plan)
 
 
+@pytest.mark.slow
 def test_unmapped_parts_are_counted_and_kept():
     config = StockConfig()
     torch.manual_seed(0)

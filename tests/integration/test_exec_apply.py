@@ -73,6 +73,7 @@ def _train_step(config, graph, plan):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["tiny-moe", "tiny-dense"])
 @pytest.mark.parametrize("plan", ["none", *OFFLOAD_PLANS, *QUANT_PLANS, *MIXED_PLANS])
 def test_measured_bytes_match_cost_model(preset, plan):
@@ -89,6 +90,7 @@ def test_measured_bytes_match_cost_model(preset, plan):
     assert (record.host_bytes > 0) == (Strategy.OFFLOAD in used)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["tiny-moe", "tiny-dense"])
 @pytest.mark.parametrize("plan", OFFLOAD_PLANS + MIXED_PLANS[1:])
 def test_offload_is_bitwise_exact(preset, plan):
@@ -101,6 +103,7 @@ def test_offload_is_bitwise_exact(preset, plan):
         assert torch.equal(grads0[name], grads1[name]), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["tiny-moe", "tiny-dense"])
 @pytest.mark.parametrize("plan", QUANT_PLANS + MIXED_PLANS[:1])
 def test_quantize_gradients_are_close(preset, plan):
@@ -131,6 +134,7 @@ def test_op_scope_is_inert_without_a_recording():
     assert OP_SCOPE.get() is None
 
 
+@pytest.mark.slow
 def test_tracker_cap_and_accounting_are_shared():
     config, graph = _setup("tiny-moe")
     cost = evaluate(graph, "core_attn=OFFLOAD")

@@ -58,6 +58,7 @@ def _all_moe_downgraded(graph, config):
     return plan
 
 
+@pytest.mark.slow
 def test_deferred_downgrade_avoids_the_cap_error():
     config, hardware, graph = _setup()
     floor = evaluate(graph, _all_moe_downgraded(graph, config)).activation_bytes
@@ -75,6 +76,7 @@ def test_deferred_downgrade_avoids_the_cap_error():
         assert torch.equal(g0, grads[name]), name
 
 
+@pytest.mark.slow
 def test_no_downgrade_when_the_plan_fits():
     config, hardware, graph = _setup()
     planner = DeferredPlanner(config, ParallelConfig(), hardware, budget_bytes=graph.unmitigated_bytes)
@@ -121,6 +123,7 @@ def test_spike_under_expert_parallelism_is_downgraded():
     assert record["grads_sha256"] == measure()["grads_sha256"]  # bitwise the unmitigated gradients
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("step", [1, 2, 3, 4, 5])
 def test_graded_gate_replans_the_module_and_keeps_bytes_and_gradients(step):
     """The graded re-plan may change what the router and its norm saved (held provisionally until the gate):
@@ -138,6 +141,7 @@ def test_graded_gate_replans_the_module_and_keeps_bytes_and_gradients(step):
         assert torch.equal(g0, grads[name]), name
 
 
+@pytest.mark.slow
 def test_graded_gate_changes_savings_made_before_it():
     """At some budget the cheapest plan after the gate re-runs the MoE norm (its output's FP32 copy, kept by the
     router before the gate, is then dropped): the provisional path is what makes that exact."""
@@ -163,6 +167,7 @@ def _run_bf16(plan, deferred, gate=True):
     return graph, record, list(grads.values())
 
 
+@pytest.mark.slow
 def test_a_gate_never_reported_settles_at_the_end_and_backward_reads_the_stored_copy():
     """bf16: the router keeps an FP32 copy of the norm's output; the shared expert's BF16 saving is RECOMPUTE, so
     nothing re-runs the norm and the standby replay is forgotten — backward must read the FP32 copy."""
@@ -175,6 +180,7 @@ def test_a_gate_never_reported_settles_at_the_end_and_backward_reads_the_stored_
     assert all(torch.equal(a, b) for a, b in zip(plain, grads))
 
 
+@pytest.mark.slow
 def test_replays_the_gate_drops_hold_nothing():
     """A pre-gate plan that re-runs the router; when the gate's plan no longer does, no replay of it is left."""
     config, hardware, graph = _setup()

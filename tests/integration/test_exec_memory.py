@@ -43,6 +43,7 @@ def _forward(plan):
     return executor, record, out, saved
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("plan", ["none", "expert_fc1=QUANTIZE,core_attn=RECOMPUTE", FULL])
 def test_saved_tensors_are_freed_by_backward_not_held_by_the_record(plan):
     executor, record, out, saved = _forward(plan)

@@ -47,6 +47,7 @@ def _plan(graph, plan: str) -> str:
     return ",".join(f"{op}/{tensor}=RECOMPUTE" for op, tensor in graph.decisions)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["tiny-moe", "tiny-dense", "tiny-moe-bf16"])
 @pytest.mark.parametrize("plan", [*RECOMPUTE_PLANS, FULL])
 def test_recompute_bytes_gradients_and_flops(preset, plan):
@@ -78,6 +79,7 @@ def test_recompute_bytes_gradients_and_flops(preset, plan):
     assert all(r.runs == 1 for r in record.replays if r.op in replayed)
 
 
+@pytest.mark.slow
 def test_full_recompute_reaches_the_floor():
     config, graph = _setup("tiny-moe")
     plan = _plan(graph, FULL)

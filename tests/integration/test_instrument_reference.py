@@ -58,6 +58,7 @@ def test_traced_graph_equals_build_graph_per_op(traced):
         [op.name for op in analytic.ops if op.resource.name == "COMM"]
 
 
+@pytest.mark.slow
 def test_plans_from_outside_on_the_traced_and_the_analytic_graph(traced):
     """The same instrumented model runs plans of its traced graph and of ``build_graph``'s: bytes = prediction,
     loss and gradients bitwise equal to the plain run."""

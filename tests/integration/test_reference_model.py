@@ -30,6 +30,7 @@ def test_gradcheck_rmsnorm():
     assert torch.autograd.gradcheck(lambda x, w: RMSNormFunction.apply(x, w, 1e-6), (_r(2, 3, 8), _r(8)))
 
 
+@pytest.mark.slow
 def test_gradcheck_rope():
     """Stock autograd (no custom function: it keeps only the cos/sin constants)."""
     torch.manual_seed(0)
@@ -65,6 +66,7 @@ def test_gradcheck_permute_unpermute():
 
 
 # ---- predicted vs measured activation bytes -------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
 @pytest.mark.parametrize("seq_length", [32, 64])
 def test_measured_matches_cost_model(preset, seq_length):

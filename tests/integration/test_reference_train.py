@@ -1,3 +1,4 @@
+import pytest
 """The trainer in one process (PP=1, DP=1: the cost model's F/B order) on the bundled corpus under its activation
 cap: the loss falls, every micro-batch keeps exactly the bytes the cost model predicts for the plan it ran, the
 peak stays within the cap, and the mitigated run's losses equal an uncapped run's bitwise (recompute and offload
@@ -18,6 +19,7 @@ def _run(capsys, tmp_path, name, *args):
     return summary, steps
 
 
+@pytest.mark.slow
 def test_one_process_training_falls_and_matches_the_cost_model(capsys, tmp_path, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     summary, steps = _run(capsys, tmp_path, "capped")
@@ -33,6 +35,7 @@ def test_one_process_training_falls_and_matches_the_cost_model(capsys, tmp_path,
         assert [s["loss"] for s in steps] == [s["loss"] for s in free_steps]
 
 
+@pytest.mark.slow
 def test_user_data_txt_and_jsonl(capsys, tmp_path, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     text = "def f(x):\n    return x + 1\n" * 200

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from collections import deque
 
 from hypothesis import given
@@ -32,6 +33,7 @@ def forward(assigner: BudgetAssigner, mb: int, data, budgets: list[int]) -> None
     assert assigner.in_flight_bytes <= assigner.m_max_bytes
 
 
+@pytest.mark.slow
 @given(config=configs(), data=st.data())
 def test_1f1b_schedule_stays_within_capacity_and_budgets_above_floor(config, data):
     assigner = BudgetAssigner(**config)

@@ -6,6 +6,7 @@ executor refuses with a ValueError (re-running the routing from an FP8 copy) are
 
 from __future__ import annotations
 
+import pytest
 import sys
 from pathlib import Path
 
@@ -39,6 +40,7 @@ def plans(draw):
     return case, Plan(tuple(entries))
 
 
+@pytest.mark.slow
 @settings(max_examples=scaled(15), deadline=None)
 @given(plans())
 def test_random_per_tensor_plans_match_the_evaluator(case_plan):

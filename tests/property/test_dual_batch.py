@@ -110,6 +110,7 @@ def test_chains_have_all_four_kinds():
     assert len(CHAINS.forward) > 3  # split at the all-to-alls
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("solver", ["dp", "sequential", "megatron_core", "megatron_kwai"])
 def test_solver_orders(solver):
     order = dp.solve(CHAINS) if solver == "dp" else getattr(baselines, solver)(CHAINS)
@@ -117,6 +118,7 @@ def test_solver_orders(solver):
     assert result.forward_ops[0] == "L0.norm1" and result.forward_ops[-1] == "L3.residual2"
 
 
+@pytest.mark.slow
 def test_stages_really_interleave():
     """The gates hold each worker at its stage boundaries: the trace follows the order, not the threads."""
     forward_first = baselines.sequential(CHAINS)  # F..., B..., O..., R...
@@ -149,6 +151,7 @@ def valid_orders(draw):
     return Order(tuple(tuple(g) for g in groups), barriers=barriers)
 
 
+@pytest.mark.slow
 @settings(max_examples=scaled(12))
 @given(valid_orders())
 def test_random_valid_orders_match_sequential(order):
@@ -198,6 +201,7 @@ def test_an_error_ends_the_point_at_once_and_the_other_worker_runs_nothing_more(
     assert any(p.grad is not None for p in last.parameters())  # its first stage did run
 
 
+@pytest.mark.slow
 def test_the_backward_is_held_at_its_stage_boundaries_too():
     """An alternating order F0 B0 F1 B1 ...: both workers stop at every stage boundary, so the trace switches
     between forward and backward ops at least once per stage pair (a backward that ran through in one go would

@@ -5,6 +5,7 @@ gradients are bitwise those of the plain run; nothing is left unsettled."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from conftest import scaled
@@ -41,6 +42,7 @@ def cases(draw):
     return SPACE.plan(chosen), GRAPH.floor_bytes + int((GRAPH.unmitigated_bytes - GRAPH.floor_bytes) * share)
 
 
+@pytest.mark.slow
 @settings(max_examples=scaled(10))
 @given(cases())
 def test_graded_gates_keep_exact_bytes_and_bitwise_gradients(case):
@@ -55,6 +57,7 @@ def test_graded_gates_keep_exact_bytes_and_bitwise_gradients(case):
         assert all(torch.equal(a, b) for a, b in zip(grads0, grads))
 
 
+@pytest.mark.slow
 def test_a_plan_of_kind_policies_falls_back_to_the_full_downgrade():
     """A plan that is not one strategy per tensor cannot be re-planned part by part: the gate keeps or downgrades."""
     plan = Plan.from_str("expert_act=RECOMPUTE,shared_fc1=OFFLOAD")

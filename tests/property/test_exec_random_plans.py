@@ -9,6 +9,7 @@ bitwise equal to the plain run.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from conftest import scaled
@@ -46,6 +47,7 @@ def plans(draw):
     return dtype, Plan(tuple(entries))
 
 
+@pytest.mark.slow
 @settings(max_examples=scaled(12))
 @given(plans())
 def test_random_plans_match_the_evaluator(case):

@@ -4,6 +4,7 @@ warmup absorption keeps M0 for later warmup batches; ``downgrade="paper"`` is th
 
 from __future__ import annotations
 
+import pytest
 from functools import lru_cache
 
 from hypothesis import given, settings
@@ -126,6 +127,7 @@ def test_warmup_absorption_never_leaves_a_later_warmup_budget_below_m0(m0, warmu
     assert assigner.absorb_limit_bytes() == assigner.next_forward_budget()  # steady: no absorption
 
 
+@pytest.mark.slow
 @settings(max_examples=scaled(20))
 @given(name=st.sampled_from(PRESETS), stage=st.integers(0, 3), data=st.data())
 def test_replay_absorbs_only_in_warmup_and_every_budget_stays_above_m0(name, stage, data):

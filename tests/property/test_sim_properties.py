@@ -4,6 +4,7 @@ flexible or oracle, and the summary is the sum of its iterations."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from conftest import scaled
 from hypothesis import strategies as st
@@ -17,6 +18,7 @@ rates = st.floats(1.0, 2.6, allow_nan=False).map(lambda r: round(r, 1))
 traces = st.lists(rates, min_size=1, max_size=4).map(tuple)
 
 
+@pytest.mark.slow
 @settings(max_examples=scaled(8), deadline=None)
 @given(traces)
 def test_flexible_fits_and_ideal_bounds_it(trace):
@@ -29,6 +31,7 @@ def test_flexible_fits_and_ideal_bounds_it(trace):
     assert flexible.total_time_s == sum(it.time_s for it in flexible.iterations)
 
 
+@pytest.mark.slow
 @settings(max_examples=scaled(8), deadline=None)
 @given(traces, st.floats(0.0, 1000.0))
 def test_static_under_restarts_once_per_oom(trace, restart_s):
@@ -45,6 +48,7 @@ def test_static_under_restarts_once_per_oom(trace, restart_s):
 ordinary = st.floats(1.0, 1.2, allow_nan=False).map(lambda r: round(r, 2))
 
 
+@pytest.mark.slow
 @settings(max_examples=scaled(6), deadline=None)
 @given(st.lists(ordinary, min_size=1, max_size=4).map(tuple))
 def test_without_spikes_flexible_is_between_the_static_plans(trace):
@@ -57,6 +61,7 @@ def test_without_spikes_flexible_is_between_the_static_plans(trace):
     assert flexible.mean_mfu >= under.mean_mfu
 
 
+@pytest.mark.slow
 @settings(max_examples=scaled(6), deadline=None)
 @given(traces)
 def test_ideal_oracle_flexible_mfu_order(trace):
@@ -65,6 +70,7 @@ def test_ideal_oracle_flexible_mfu_order(trace):
     assert ideal * (1 + 1e-9) >= oracle and oracle * (1 + 1e-9) >= flexible
 
 
+@pytest.mark.slow
 @settings(max_examples=scaled(6), deadline=None)
 @given(traces)
 def test_the_dual_batch_overlap_never_slows_flexible_down(trace):
@@ -74,6 +80,7 @@ def test_the_dual_batch_overlap_never_slows_flexible_down(trace):
         assert fused.peak_bytes == unfused.peak_bytes and fused.time_s <= unfused.time_s * (1 + 1e-9)
 
 
+@pytest.mark.slow
 @settings(max_examples=scaled(6), deadline=None)
 @given(traces, st.sampled_from(["kwai", "adapipe", "L1", "L2"]))
 def test_replan_restarts_only_on_a_new_largest_imbalance(trace, policy):

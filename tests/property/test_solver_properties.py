@@ -1,3 +1,4 @@
+import pytest
 """Solvers against each other and against brute force on random graphs with shared, mixed-precision tensors."""
 
 from hypothesis import assume, given
@@ -75,6 +76,7 @@ def test_solutions_fit_and_are_conflict_free(graph, fraction):
         assert best.stats["objective_ns"] == best.cost.overhead_ns
 
 
+@pytest.mark.slow
 @given(random_graphs(), budget_fraction)
 def test_exact_equals_brute_force(graph, fraction):
     budget = _budget(graph, fraction)
@@ -86,6 +88,7 @@ def test_exact_equals_brute_force(graph, fraction):
         assert best.cost.overhead_ns == reference.cost.overhead_ns
 
 
+@pytest.mark.slow
 @given(random_graphs(), budget_fraction, budget_fraction)
 def test_more_budget_never_costs_more(graph, a, b):
     low, high = sorted((_budget(graph, a), _budget(graph, b)))
@@ -95,6 +98,7 @@ def test_more_budget_never_costs_more(graph, a, b):
         assert second.ok and second.cost.overhead_ns <= first.cost.overhead_ns
 
 
+@pytest.mark.slow
 @given(random_graphs(max_savings=8))
 def test_floor_is_the_feasibility_edge(graph):
     for solve in (greedy.solve, exact.solve):
@@ -112,6 +116,7 @@ def _unregenerable(graph) -> bool:
                for name, spec in graph.tensors.items())
 
 
+@pytest.mark.slow
 @given(random_graphs(), budget_fraction, st.data())
 def test_partial_greedy_keeps_the_fixed_part_and_is_never_better_than_brute_force(graph, fraction, data):
     """``greedy.solve(fixed=, free=)`` (the runtime's re-plan after the gate) against an enumeration of the free

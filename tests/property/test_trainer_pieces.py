@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import pytest
 import dataclasses
 
 import torch
@@ -148,6 +149,7 @@ def _run(fused: bool):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.slow
 def test_dual_batch_over_two_executors_is_bitwise_sequential():
     reference, fused = _run(False), _run(True)
     assert reference.keys() == fused.keys()

@@ -3,6 +3,7 @@ stock-module MoE decoder of ``tests/byom_model.py``), so the walkthrough cannot 
 
 from __future__ import annotations
 
+import pytest
 import sys
 from pathlib import Path
 
@@ -12,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BYOM = ROOT / "docs" / "byom.md"
 
 
+@pytest.mark.slow
 def test_byom_walkthrough_runs(capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "tests"))
     blocks = python_blocks(BYOM)

@@ -202,6 +202,7 @@ _json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow
                      | st.text(), lambda inner: st.lists(inner) | st.dictionaries(st.text(), inner), max_leaves=20)
 
 
+@pytest.mark.slow
 @given(_json)
 def test_pack_json_round_trip(obj):
     assert unpack_json(pack_json(obj)) == obj

@@ -55,6 +55,7 @@ def test_budget_json_matches_replay_iteration() -> None:
     assert spiked and all(row["imbalance"] == 2.6 and row["action"] in ("replan", "downgrade") for row in spiked)
 
 
+@pytest.mark.slow
 def test_budget_compact_view_and_all() -> None:
     compact = run("budget", "--spike", "30=2.6")
     assert compact.exit_code == 0, compact.stderr
@@ -107,6 +108,7 @@ def test_curve_json_is_the_schedule_walk() -> None:
         assert p["peak_bytes"] == max(p["in_flight_bytes"]) and min(p["in_flight_bytes"]) >= 0
 
 
+@pytest.mark.slow
 def test_curve_sparkline_and_png(tmp_path: Path) -> None:
     target = tmp_path / "curve.png"
     result = run("curve", "--policy", "flexible", "--policy", "ideal", "--spike", "30=2.6", "--png", str(target))
@@ -126,6 +128,7 @@ def test_sparkline_levels() -> None:
 
 
 # ---- compare -----------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_compare_json_points_and_summary() -> None:
     result = run("compare", "-m", "tiny-moe", "-m", "glm-188b-a20b", "-r", "1", "--budgets", "2", "-H", "cpu",
                  "--time-limit", "2", "--json")

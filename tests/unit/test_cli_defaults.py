@@ -31,6 +31,7 @@ def test_command_runs_on_its_defaults(command):
     assert FIELDS[command] <= set(data), set(FIELDS[command]) - set(data)
 
 
+@pytest.mark.slow
 def test_simulate_runs_on_its_defaults():
     result = CliRunner().invoke(app, ["simulate", "--json"])
     assert result.exit_code == 0, result.output

@@ -131,6 +131,7 @@ def test_bad_input_is_one_line(files: Path, args: list[str], option: str) -> Non
         assert "--time-limit" not in line
 
 
+@pytest.mark.slow
 def test_special_files_are_left_alone(files: Path) -> None:
     for name in ("fifo.png", "dir.png", "link.png"):
         assert run("curve", "--policy", "static-over", "--png", str(files / name)).exit_code == 2
@@ -143,6 +144,7 @@ def test_special_files_are_left_alone(files: Path) -> None:
     assert not [p for p in files.iterdir() if p.name.endswith(".tmp")]
 
 
+@pytest.mark.slow
 def test_long_filename_works(tmp_path: Path) -> None:
     target = tmp_path / ("c" * 196 + ".png")
     result = run("curve", "--policy", "static-over", "--png", str(target))

@@ -96,6 +96,7 @@ def test_json_matches_the_solvers(model: str, hardware: str, budget: float | Non
     assert data["png"] is None
 
 
+@pytest.mark.slow
 def test_png(tmp_path) -> None:
     target = tmp_path / "gantt.png"
     result = run("--png", str(target))

@@ -97,6 +97,7 @@ def test_tokenizer_vocab_and_round_trip(tokenizer, corpus):
 
 # --- the sampler ----------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @given(step=st.integers(0, 10**9), index=st.integers(0, 10**6))
 def test_micro_batch_is_pure_and_targets_shift_by_one(batches, corpus, step, index):
     inputs, targets, domain = batches.micro_batch(step, index)
@@ -244,6 +245,7 @@ def test_the_trainer_refuses_bad_data_in_one_line_before_any_collective(tmp_path
     assert err[0].startswith(f"error: {path}: binary data")
 
 
+@pytest.mark.slow
 def test_the_token_cache_is_reused_and_a_damaged_one_is_rebuilt(tmp_path, tokenizer, monkeypatch):
     from reference_trainer import data
 

@@ -3,6 +3,7 @@ returns, the one-chain DP shortcut is the recurrence's order, and a replay is re
 
 from __future__ import annotations
 
+import pytest
 from bagualu2.costmodel import build_graph, evaluate, presets
 from bagualu2.costmodel.evaluate import evaluate_resolved, mitigation_ops, resolve
 from bagualu2.fusion import Chain, Chains, Stage, build_chains, dp, simulate
@@ -43,6 +44,7 @@ def test_one_chain_dp_order_is_one_stage_per_group():
     assert str(dp.solve(recovery)) == "R0|R1" and dp.solve(recovery).makespan_ns == 8
 
 
+@pytest.mark.slow
 def test_replays_are_reproducible_within_a_process():
     trace = spike_trace(4 * PARALLEL.num_microbatches, spike_rate=0.1, max_imbalance=2.6, base_jitter=0.1, seed=3)
 

@@ -41,6 +41,7 @@ def test_the_documents_have_their_examples():
     assert len([b for b in BLOCKS if b[0] == README]) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("path", "line", "code"), BLOCKS,
                          ids=[f"{path.name}:{line}" for path, line, _ in BLOCKS])
 def test_example_runs(path: Path, line: int, code: str, capsys):

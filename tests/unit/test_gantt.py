@@ -96,6 +96,7 @@ def test_empty_timeline() -> None:
     assert rows(gantt_text(Timeline((), 0, {}, 0), width=5)) == {r.value: "....." for r in Resource}
 
 
+@pytest.mark.slow
 def test_png_written_atomically(tmp_path) -> None:
     target = tmp_path / "gantt.png"
     target.write_bytes(b"old")

@@ -121,6 +121,7 @@ def test_trace_graph_checks_its_arguments():
         instrument(model, {})
 
 
+@pytest.mark.slow
 def test_the_gate_runs_after_each_router_in_forward_only():
     model, x = make()
     seen = []

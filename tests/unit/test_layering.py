@@ -61,6 +61,7 @@ def _sources():
         yield from sorted(base.rglob("*.py"))
 
 
+@pytest.mark.slow
 def test_no_module_imports_a_private_name_of_another():
     offenders = []
     for path in _sources():
@@ -118,6 +119,7 @@ def private_attribute_uses(path: Path) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 def test_no_module_reads_a_private_name_of_another_through_its_module():
     offenders = [use for path in _sources() for use in private_attribute_uses(path)]
     assert offenders == []

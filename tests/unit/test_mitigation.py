@@ -20,6 +20,7 @@ def _budgets(graph, n=6):
     return [lo + (hi - lo) * i // (n - 1) for i in range(n)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["glm-188b-a20b", "glm-1041b-a35b"])
 @pytest.mark.parametrize("imbalance", [1.0, 2.6])
 def test_solvers_fit_budget_conflict_free_and_exact_not_worse(name, imbalance):

@@ -76,6 +76,7 @@ def test_load_trace_names_the_bad_line(tmp_path, lines, match):
 
 
 # ---- policies --------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_without_spikes_flexible_beats_the_static_plans():
     flexible, over, under = (run(p, NO_SPIKES) for p in ("flexible", "static-over", "static-under"))
     assert flexible.oom_events == 0
@@ -99,6 +100,7 @@ def test_static_under_pays_one_restart_per_oom_then_runs_static_over():
     assert run("static-under", WITH_SPIKES, 0.0).time_lost_s == pytest.approx(lost - 284.0)
 
 
+@pytest.mark.slow
 def test_flexible_never_exceeds_any_stages_capacity():
     result = run("flexible", WITH_SPIKES)
     assert result.oom_events == 0
@@ -107,12 +109,14 @@ def test_flexible_never_exceeds_any_stages_capacity():
     assert max(run("ideal", WITH_SPIKES).iterations[1].peak_bytes) > max(result.iterations[1].peak_bytes)
 
 
+@pytest.mark.slow
 def test_ideal_oracle_flexible_order():
     trace = WITH_SPIKES + NO_SPIKES[:4]
     ideal, oracle, flexible = (run(p, trace).mean_mfu for p in ("ideal", "oracle", "flexible"))
     assert ideal >= oracle >= flexible > 0
 
 
+@pytest.mark.slow
 def test_every_policy_runs_and_summarises():
     for policy in POLICIES:
         result = run(policy, WITH_SPIKES)
@@ -123,6 +127,7 @@ def test_every_policy_runs_and_summarises():
     assert run("ideal", WITH_SPIKES).oom_events == 0
 
 
+@pytest.mark.slow
 def test_per_microbatch_trace_equals_the_uniform_one():
     model, parallel = presets.model(MODEL)
     per = ((1.1,) * parallel.num_microbatches,)
@@ -147,6 +152,7 @@ def test_simulate_rejects_bad_inputs(kwargs, match):
 
 
 # ---- CLI ---------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_cli_json_fields():
     result = runner.invoke(app, ["simulate", "-m", MODEL, "-n", "6", "--seed", "1", "-p", "static-over",
                                  "-p", "flexible", "--json"])
@@ -181,6 +187,7 @@ def test_cli_malformed_trace(tmp_path):
     assert result.stderr.strip().startswith("error: --trace:") and "line 1" in result.stderr
 
 
+@pytest.mark.slow
 def test_simulate_png_is_written_atomically_and_refuses_non_files(tmp_path):
     import os
 
@@ -199,6 +206,7 @@ def test_simulate_png_is_written_atomically_and_refuses_non_files(tmp_path):
     assert bad.exit_code == 2 and bad.output.startswith("error: --png:") and fifo.exists()
 
 
+@pytest.mark.slow
 def test_a_memory_cap_replaces_every_stages_capacity():
     """``m_max_bytes`` (the trainer's --memory-cap): budgets, fixed plans and OOMs use it on every stage."""
     model, parallel = presets.model(MODEL)

@@ -26,6 +26,7 @@ def _measured(policy: str, hardware, **fields) -> Measured:
                     peak_activation_bytes=max(max(it.peak_bytes) for it in result.iterations), **fields)
 
 
+@pytest.mark.slow
 def test_fit_recovers_the_launch_cost_of_a_simulated_run_and_predicts_it_back():
     parallel = PARALLEL
     truth = dataclasses.replace(BASE, kernel_launch_s=3e-4)
@@ -41,6 +42,7 @@ def test_fit_recovers_the_launch_cost_of_a_simulated_run_and_predicts_it_back():
     assert warm["tokens_per_s"] == pytest.approx(row["tokens_per_s"] / 2, rel=1e-9)
 
 
+@pytest.mark.slow
 def test_fit_recovers_a_separate_copy_cost_from_a_run_that_offloads():
     truth = dataclasses.replace(BASE, kernel_launch_s=3e-4, copy_launch_s=4e-5)
     copies = _measured("static-over", truth)
@@ -51,6 +53,7 @@ def test_fit_recovers_a_separate_copy_cost_from_a_run_that_offloads():
     assert abs(row["tokens_error"]) < 1e-6
 
 
+@pytest.mark.slow
 def test_a_copies_run_outside_what_copy_costs_reach_fits_the_nearest_end():
     """Dear copies make the plan recompute instead, so the run's time stops growing with the copy cost: a copies
     run slower than that fits the copy cost where the plateau starts (not the range's top)."""

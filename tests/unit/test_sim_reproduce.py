@@ -52,6 +52,7 @@ def test_layer_level_plan_recomputes_whole_layers_until_the_chunk_fits():
             assert evaluate(graph, fewer).activation_bytes > ctx.per_chunk_bytes
 
 
+@pytest.mark.slow
 def test_ablation_levels_build_on_each_other():
     trace = (1.1, 2.4, 1.0, 1.15)
     model, parallel = presets.model(MODEL)
@@ -81,6 +82,7 @@ def test_replan_restarts_the_same_policy_for_the_largest_imbalance_seen():
     assert on_oom("flexible") == "fallback"
 
 
+@pytest.mark.slow
 def test_reproduce_reports_every_figure():
     report, labels = small_report()
     assert len(labels) == steps(report.config) and labels[0] == MODEL
@@ -109,6 +111,7 @@ def test_reproduce_config_rejects_bad_fields(kwargs, field):
         ReproduceConfig(**kwargs)
 
 
+@pytest.mark.slow
 def test_cli_reproduce_writes_the_report_and_plots_atomically(tmp_path, monkeypatch):
     import bagualu2.cli.reproduce_cmd as command
 

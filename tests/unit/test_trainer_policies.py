@@ -18,6 +18,7 @@ HW = presets.hardware(CONFIG.hardware)
 CAP = default_cap(CONFIG)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", FIXED)
 def test_fixed_plans_are_the_simulators_on_the_cap(policy):
     config = CONFIG.with_overrides(policy=policy)
