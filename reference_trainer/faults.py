@@ -130,4 +130,5 @@ class Faults:
         if not dist.is_initialized():
             return
         op = dist.ReduceOp.MAX if self._mine("diverge", step) else dist.ReduceOp.SUM
-        dist.all_reduce(torch.zeros(1), op=op)
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        dist.all_reduce(torch.zeros(1, device=device), op=op)

@@ -26,6 +26,13 @@ from .watchdog import STALL_EXIT_CODE, Watchdog, collective_failure
 NONFINITE_EXIT_CODE = 65  # EX_DATAERR: a non-finite loss or gradient under --on-nonfinite stop
 
 
+def collective_device() -> torch.device:
+    """Where a small tensor for a collective on the default group lives (CUDA under NCCL, else the CPU)."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class Guard:
     """The rank's watchdog, collective checker and fault injections (module docstring)."""
 
@@ -84,10 +91,11 @@ class Guard:
     def nonfinite(self, step: int, loss_sum: float, params) -> list[int]:
         """The ranks whose loss or gradients of ``step`` are not finite (the same list on every rank)."""
         self.faults.poison(step, params)
-        bad = not math.isfinite(loss_sum) or any(
-            p.grad is not None and not bool(torch.isfinite(p.grad).all()) for _, p in params)
-        flags = torch.zeros(self.world_size, dtype=torch.float64)
-        flags[self.rank] = float(bad)
+        grads = [p.grad for _, p in params if p.grad is not None]
+        finite = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
+        device = collective_device()
+        flags = torch.zeros(self.world_size, dtype=torch.float64, device=device)
+        flags[self.rank] = float(not math.isfinite(loss_sum)) + (~finite).to(device, torch.float64)  # one sync
         if dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return [rank for rank, flag in enumerate(flags.tolist()) if flag > 0]
