@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from . import checkpoint, collectives
 from .faults import Faults
-from .watchdog import STALL_EXIT_CODE, Watchdog, collective_failure
+from .watchdog import STALL_EXIT_CODE, Watchdog, collective_failure, exit_after_failure
 
 NONFINITE_EXIT_CODE = 65  # EX_DATAERR: a non-finite loss or gradient under --on-nonfinite stop
 
@@ -84,9 +84,7 @@ class Guard:
                 f"({type(failed).__name__}: {message}); exit code {STALL_EXIT_CODE} (torchrun --max-restarts "
                 "restarts from the last complete checkpoint)")
         self.run_state.record_fault(rank=self.rank, step=step, kind="collective", message=line)
-        sys.stderr.write(line + "\n")
-        sys.stderr.flush()
-        os._exit(STALL_EXIT_CODE)
+        exit_after_failure(failed, line)
 
     def nonfinite(self, step: int, loss_sum: float, params) -> list[int]:
         """The ranks whose loss or gradients of ``step`` are not finite (the same list on every rank)."""

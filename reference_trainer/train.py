@@ -100,15 +100,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     except KeyboardInterrupt:
         raise SystemExit(130) from None
     except Exception as exc:  # a collective that failed outside the step loop (set-up, resume): one line
-        from .watchdog import STALL_EXIT_CODE, collective_failure
+        from .watchdog import STALL_EXIT_CODE, collective_failure, exit_after_failure
 
         failed = collective_failure(exc)
         if failed is None:
             raise
-        sys.stderr.write(f"error: rank {_rank()}: a collective failed ({type(failed).__name__}: "
-                         f"{' '.join(str(failed).split())[:300]}); exit code {STALL_EXIT_CODE}\n")
-        sys.stderr.flush()
-        os._exit(STALL_EXIT_CODE)
+        exit_after_failure(failed, f"error: rank {_rank()}: a collective failed ({type(failed).__name__}: "
+                                   f"{' '.join(str(failed).split())[:300]}); exit code {STALL_EXIT_CODE}")
     run.close()
     if args.json and _rank() == 0:
         print(json.dumps(summary))

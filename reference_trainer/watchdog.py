@@ -25,6 +25,8 @@ from typing import Callable
 import torch.distributed as dist
 
 STALL_EXIT_CODE = 76  # no progress within --collective-timeout, or a collective failed: torchrun may restart
+PEER_GONE_GRACE_S = 3.0  # a rank whose peer closed the connection lets the peer's own exit reach torchrun first
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
 def collective_failure(exc: BaseException | None) -> BaseException | None:
@@ -41,6 +43,17 @@ def collective_failure(exc: BaseException | None) -> BaseException | None:
         seen.add(id(exc))
         exc = exc.__cause__ or exc.__context__
     return None
+
+
+def exit_after_failure(failed: BaseException, line: str) -> None:
+    """Print ``line`` and exit with :data:`STALL_EXIT_CODE`. When the peer closed the connection, the cause is the
+    peer's (an out-of-memory exit, a kill): wait ``PEER_GONE_GRACE_S`` first, so that torchrun records the peer's exit
+    as the job's first failure (it stops this rank meanwhile)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+    if any(mark in str(failed) for mark in PEER_GONE):
+        time.sleep(PEER_GONE_GRACE_S)
+    os._exit(STALL_EXIT_CODE)
 
 
 class Watchdog:
