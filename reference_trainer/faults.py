@@ -130,5 +130,6 @@ class Faults:
         if not dist.is_initialized():
             return
         op = dist.ReduceOp.MAX if self._mine("diverge", step) else dist.ReduceOp.SUM
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-        dist.all_reduce(torch.zeros(1, device=device), op=op)
+        from .parallel import collective_device
+
+        dist.all_reduce(torch.zeros(1, device=collective_device()), op=op)

@@ -109,12 +109,17 @@ def reduce_gradients(named_parameters, groups: Groups) -> None:
         _all_reduce_flat(grads, groups.replica_group, scale)
 
 
+def collective_device(group=None) -> torch.device:
+    """Where a small tensor for a collective on ``group`` (default: the world) lives: CUDA under NCCL, else CPU."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def agree_max(values: list[float], group) -> list[float]:
     """Element-wise maximum over ``group`` (identity without one); float64, so byte counts up to 2**53 are exact."""
     if group is None:
         return values
-    backend = dist.get_backend(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    tensor = torch.tensor(values, dtype=torch.float64, device=collective_device(group))
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return tensor.tolist()

@@ -21,16 +21,10 @@ import torch.distributed as dist
 
 from . import checkpoint, collectives
 from .faults import Faults
+from .parallel import collective_device
 from .watchdog import STALL_EXIT_CODE, Watchdog, collective_failure, exit_after_failure
 
 NONFINITE_EXIT_CODE = 65  # EX_DATAERR: a non-finite loss or gradient under --on-nonfinite stop
-
-
-def collective_device() -> torch.device:
-    """Where a small tensor for a collective on the default group lives (CUDA under NCCL, else the CPU)."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 class Guard:

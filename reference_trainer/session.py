@@ -24,6 +24,7 @@ from .policies import OOM_EXIT_CODE, fallback, fixed_plans
 from .provision import Provisioner
 from .resilience import NONFINITE_EXIT_CODE, Guard
 from .restarts import RunState
+from .watchdog import find_cause
 from bagualu2.exec import ActivationOutOfMemoryError
 
 
@@ -51,13 +52,7 @@ def _store() -> dist.Store:
 
 def _out_of_memory_cause(exc: BaseException | None) -> BaseException | None:
     """The out-of-memory error (activation cap or CUDA allocator) behind ``exc``, if any."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, (ActivationOutOfMemoryError, torch.cuda.OutOfMemoryError)):
-            return exc
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return None
+    return find_cause(exc, lambda e: isinstance(e, (ActivationOutOfMemoryError, torch.cuda.OutOfMemoryError)))
 
 
 def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -29,20 +29,26 @@ PEER_GONE_GRACE_S = 3.0  # a rank whose peer closed the connection lets the peer
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
-def collective_failure(exc: BaseException | None) -> BaseException | None:
-    """The failed collective (timeout, peer gone, connection closed) behind ``exc``, if any."""
+def find_cause(exc: BaseException | None, matches: Callable[[BaseException], bool]) -> BaseException | None:
+    """The first exception in ``exc``'s chain (causes, then contexts) that ``matches``, if any."""
     seen = set()
     while exc is not None and id(exc) not in seen:
-        if isinstance(exc, dist.DistError):
-            return exc
-        text = str(exc)
-        if isinstance(exc, RuntimeError) and any(mark in text for mark in (
-                "gloo", "Gloo", "Connection closed by peer", "Connection reset by peer", "Timed out",
-                "NCCL", "Broken pipe")):
+        if matches(exc):
             return exc
         seen.add(id(exc))
         exc = exc.__cause__ or exc.__context__
     return None
+
+
+def _is_collective_failure(exc: BaseException) -> bool:
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and any(mark in str(exc) for mark in (
+        "gloo", "Gloo", "Connection closed by peer", "Connection reset by peer", "Timed out", "NCCL",
+        "Broken pipe")))
+
+
+def collective_failure(exc: BaseException | None) -> BaseException | None:
+    """The failed collective (timeout, peer gone, connection closed) behind ``exc``, if any."""
+    return find_cause(exc, _is_collective_failure)
 
 
 def exit_after_failure(failed: BaseException, line: str) -> None:
