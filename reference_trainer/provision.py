@@ -2,8 +2,8 @@
 
 For every chunk-forward, in the schedule's order:
 
-1. **budget** — the rank's :class:`~bagualu2.budget.BudgetAssigner` (Algorithm 1; reset every iteration, phases
-   from the cost model's schedule) gives the budget and, in warmup under graded planning, the most an overrun may
+1. **budget** — the runtime's iteration driver (``bagualu2.runtime.Iteration`` over the rank's stage engine:
+   Algorithm 1, a new one every iteration, phases from the stage's steps) gives the budget and, in warmup under graded planning, the most an overrun may
    keep (absorbed by the next budgets); the gates decide against the latter.
 2. **agreement** — under expert parallelism the ranks of an EP group must re-run the same collectives in
    backward, so they run the same plans. They agree without a collective before the forward: every rank records
@@ -35,10 +35,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from bagualu2.budget import BudgetAssigner
-from bagualu2.costmodel import Hardware, ModelConfig, ParallelConfig, Plan, evaluate
+from bagualu2.costmodel import Hardware, ModelConfig, ParallelConfig, Plan
 from bagualu2.exec import ActivationTracker, DeferredPlanner, PlanExecutor
-from bagualu2.runtime import DecisionPath, PointOrders, ceil_bucket
+from bagualu2.runtime import DecisionPath, Iteration, PointOrders, Stage, ceil_bucket
 
 from .parallel import agree_max
 from .policies import executed_downgrade
@@ -72,10 +71,12 @@ class Provisioner:
         self.fixed = fixed                    # a fixed policy's plan per chunk (None: flexible)
         self.safety_net = fixed is None       # flexible: an overflow is re-run with full recompute, no restart
         self.prediction_scale = prediction_scale
-        self.path = DecisionPath(model, parallel, hardware, stage=stage, downgrade=downgrade)
-        memory, steps = self.path.stage_plan()
+        self.engine = engine = Stage(model, parallel, hardware, stage=stage)  # shared by path, gates and orders
+        self.path = DecisionPath.on(engine, downgrade=downgrade)
+        memory = engine.memory
         self.m0_bytes, self.inflight_chunks, self.cap_bytes = memory.m0_bytes, memory.inflight_chunks, cap_bytes
-        self._index = {(chunk, mb): (index, phase) for is_forward, index, mb, chunk, phase in steps if is_forward}
+        self._index = {(step.chunk, step.microbatch): (step.index, step.phase) for step in engine.steps
+                       if step.forward}
         # fixed policies: the tracker's cap raises (out of memory -> restart); flexible checks after each
         # chunk-forward (the safety net); ideal: no cap
         self.tracker = ActivationTracker(cap_bytes=cap_bytes if capped and fixed is not None else None,
@@ -86,7 +87,7 @@ class Provisioner:
                 _Recorder() if fixed is not None else _TimedPlanner(
                     self, model, parallel, hardware, budget_bytes=0, stage=stage, chunk=chunk,
                     downgrade=executed_downgrade(downgrade, ep_group is not None),
-                    imbalance_step=GATE_IMBALANCE_STEP,
+                    imbalance_step=GATE_IMBALANCE_STEP, engine=engine,
                     budget_quantum_bytes=max(self.path.graph(chunk, 1.0).unmitigated_bytes >> GATE_BUDGET_SHIFT, 1))))
             for chunk in range(parallel.vp)}
         for executor in self.executors.values():
@@ -96,8 +97,7 @@ class Provisioner:
             from bagualu2.exec import DualBatchExecutor
 
             self.dual = DualBatchExecutor(*self.executors.values())
-        self.orders = PointOrders(hardware, pipeline_degree=parallel.pp)
-        self._costs: dict[tuple, Any] = {}
+        self.orders = PointOrders(engine)
         self._pending: tuple[int, float] | None = None  # (chunk, local imbalance) of the last forward
         started = time.perf_counter()
         self._warm(parallel.ep)
@@ -148,8 +148,7 @@ class Provisioner:
 
     # ---- iteration ----------------------------------------------------------------------------------------------
     def begin_step(self) -> None:
-        self.assigner = BudgetAssigner(m_max_bytes=self.cap_bytes, m0_bytes=self.m0_bytes,
-                                       num_microbatches=len(self._index), num_warmup=self.inflight_chunks)
+        self.iteration = Iteration(self.engine, m_max_bytes=self.cap_bytes)
         self._prepared: dict[tuple[int, int], _Forward] = {}
         self._done: dict[tuple[int, int], _Forward] = {}
         self.log: list[dict] = []
@@ -174,8 +173,8 @@ class Provisioner:
             return found
         started = time.perf_counter()
         index, phase = self._index[(chunk, mb)]
-        budget = self.assigner.next_forward_budget()
-        gate = self.assigner.absorb_limit_bytes() if phase == WARMUP and self.downgrade == "graded" else budget
+        budget, limit = self.iteration.budget(phase)
+        gate = limit if limit is not None and self.downgrade == "graded" else budget
         pending = self._pending
         if self.fixed is not None:  # the plan is fixed: nothing to agree on
             self._pending = None
@@ -198,14 +197,14 @@ class Provisioner:
         self.planning_s += time.perf_counter() - started
         return found
 
-    def _after_forward(self, record, graph) -> tuple[bool, int, int]:
+    def _after_forward(self, record, graph, chunk: int) -> tuple[bool, int, int]:
         """``(overflow, recorded bytes, own prediction)`` of a forward just run. Overflow: are the activations in
         flight above the cap on any rank of the EP group (which re-runs together; only with the safety net)?
         Recorded bytes: what the budget assigner records — the bytes measured, under EP the most any rank of the
         group kept (so every rank records the same number). One all-reduce under EP, none otherwise."""
         started = time.perf_counter()
         kept = record.device_bytes
-        own = self._cost(graph, record.plan)[0].activation_bytes_received(graph, dict(record.received_tokens))
+        own = self._cost(chunk, record.plan).activation_bytes_received(graph, dict(record.received_tokens))
         over = float(self.safety_net and self.capped and self.tracker.in_flight_bytes > self.cap_bytes)
         agreed = time.perf_counter()
         self.planning_s += agreed - started
@@ -215,12 +214,9 @@ class Provisioner:
         self.agree_s += time.perf_counter() - agreed
         return over > 0, int(most), own
 
-    def _cost(self, graph, plan):
-        key = (graph, plan.entries)
-        found = self._costs.get(key)
-        if found is None:
-            found = self._costs[key] = (evaluate(graph, plan), _summary(plan))
-        return found
+    def _cost(self, chunk: int, plan: Plan):
+        """``evaluate`` of ``plan`` on the chunk's traced graph (the stage engine's memo)."""
+        return self.engine.cost(plan, 1.0, chunk)
 
     def run(self, chunk: int, mb: int, layers: Callable[[Any], Any], x: Any, moes=()) -> Any:
         """Run ``layers(x)`` as the forward of (chunk, mb) under its plan (called by the chunk's module;
@@ -234,7 +230,7 @@ class Provisioner:
             out = layers(x)
         rerun = False
         graph = executor.graph
-        over, recorded, predicted = self._after_forward(record, graph)  # its own time into planning_s, agree_s
+        over, recorded, predicted = self._after_forward(record, graph, chunk)  # its own time into planning_s, agree_s
         if over:
             # a misprediction: free this micro-batch and run it again with full recompute (no restart)
             executor.release(forward.name)
@@ -244,17 +240,17 @@ class Provisioner:
             self.reruns += 1
             with executor.micro_batch(forward.name, plan=self.path.pre_gate(0, chunk), budget_bytes=0) as record:
                 out = layers(x)
-            _, recorded, predicted = self._after_forward(record, graph)
+            _, recorded, predicted = self._after_forward(record, graph, chunk)
         started = time.perf_counter()
         kept = record.device_bytes
-        self.assigner.record_forward(forward.index, recorded)
+        self.iteration.record_forward(forward.index, recorded)
         mean = graph.mean_routed_tokens
         received = dict(record.received_tokens)
         most = record.group_max_tokens  # = received without an EP group
         rates = [received[layer] / mean for layer in sorted(received)] if mean else []
         if mean and most:  # the estimate of the next forward's imbalance: the group's busiest rank
             self._pending = (chunk, max(max(most[layer] / mean for layer in most), 1.0))
-        cost, summary = self._cost(graph, record.plan)
+        cost, summary = self._cost(chunk, record.plan), _summary(record.plan)
         forward.plan = record.plan
         self._last = forward
         del self._prepared[(chunk, mb)]
@@ -278,7 +274,7 @@ class Provisioner:
         def done() -> None:
             forward = self._done.pop((chunk, mb))
             self.executors[chunk].release(forward.name)
-            self.assigner.record_backward(forward.index)
+            self.iteration.record_backward(forward.index)
             if self.progress is not None:
                 self.progress("backward", forward.name)
         return done

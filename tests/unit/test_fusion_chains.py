@@ -5,7 +5,7 @@ import pytest
 from bagualu2.costmodel import Plan, Resource, build_graph, evaluate, presets
 from bagualu2.costmodel.evaluate import mitigation_ops
 from bagualu2.fusion import build_chains, dp, simulate
-from bagualu2.runtime import OrderCache
+from bagualu2.runtime import Stage
 from bagualu2.mitigation import greedy
 
 HW = presets.hardware("paper-gpu")
@@ -42,7 +42,7 @@ def test_mitigation_ops_become_offload_and_recovery_chains():
     assert split.offload.duration_ns == chains.offload.duration_ns
 
 
-def test_dp_beats_sequential_on_a_real_point_and_cache_hits():
+def test_dp_beats_sequential_on_a_real_point_and_the_stage_memoises_it():
     graph = build_graph(MODEL, PARALLEL, HW, imbalance=2.6)
     budget = (graph.floor_bytes + graph.unmitigated_bytes) // 3
     plan = greedy.solve(graph, budget).plan
@@ -50,12 +50,11 @@ def test_dp_beats_sequential_on_a_real_point_and_cache_hits():
     order = dp.solve(chains)
     timeline = simulate(order, chains)
     assert timeline.makespan_ns == order.makespan_ns < chains.sequential_ns
-    cache = OrderCache(budget_quantum_bytes=1 << 26)
-    first = cache.get(budget, 2.6, "steady", lambda: chains, dp.solve)
-    again = cache.get(budget + 10, 2.55, "steady", lambda: chains, dp.solve)
-    assert again is first and (cache.hits, cache.misses) == (1, 1)
-    with pytest.raises(ValueError, match="budget_bytes"):
-        cache.get(-1, 1.0, "steady", lambda: chains, dp.solve)
+    engine = Stage(MODEL, PARALLEL, HW)
+    first = engine.order(chains)
+    assert first == dp.solve(chains, pipeline_degree=PARALLEL.pp)  # pp = 8
+    assert engine.order(build_chains(graph, plan, graph, plan, hardware=HW)) is first  # same durations: a hit
+    assert Stage(MODEL, PARALLEL, HW, cache=False).order(chains) == first
 
 
 def test_build_chains_checks_hardware():

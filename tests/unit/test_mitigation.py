@@ -4,7 +4,7 @@ import pytest
 
 from bagualu2.costmodel import Plan, Strategy, build_graph, evaluate, presets
 from bagualu2.mitigation import SolveStatus, check_conflicts, exact, greedy
-from bagualu2.runtime import PlanCache, after_gate, downgrade_plan
+from bagualu2.runtime import after_gate, downgrade_plan
 from bagualu2.mitigation.greedy import GreedyConfig
 
 HW = presets.hardware("paper-gpu")
@@ -108,31 +108,6 @@ def test_recompute_unavailable_rule():
     assert check_conflicts(unpinned, solution.plan) == []
 
 
-def test_plan_cache_hits_are_safe_and_counted():
-    model, parallel = presets.model("glm-1041b-a35b")
-    cache = PlanCache(budget_quantum_bytes=32 << 20, imbalance_step=0.2)
-    graphs = {}
-
-    def build(imbalance):
-        return graphs.setdefault(imbalance, build_graph(model, parallel, HW, imbalance=imbalance))
-
-    base = _graph()
-    budget = (base.floor_bytes + base.unmitigated_bytes) // 2
-    first = cache.get(budget, 1.05, "steady", build)
-    again = cache.get(budget + 1000, 1.1, "steady", build)
-    assert again is first and (cache.hits, cache.misses) == (1, 1)
-    cache.get(budget, 1.05, "warmup", build)
-    assert cache.misses == 2
-    # the cached plan fits every request of its bucket
-    for imbalance in (1.0, 1.1, 1.19):
-        actual = build_graph(model, parallel, HW, imbalance=imbalance)
-        assert evaluate(actual, first.plan).activation_bytes <= budget
-    with pytest.raises(ValueError):
-        PlanCache(budget_quantum_bytes=0)
-    with pytest.raises(ValueError, match="imbalance"):
-        cache.get(budget, 0.5, "steady", build)
-
-
 def test_deferred_downgrade_fits_a_spike():
     model, parallel = presets.model("glm-1041b-a35b")
     planned_for = build_graph(model, parallel, HW, imbalance=1.0)
@@ -179,7 +154,6 @@ def test_public_functions_reject_wrong_types_with_value_error():
     graph = _graph()
     assert evaluate(graph, "core_attn=R") == evaluate(graph, Plan.uniform({"core_attn": "R"}))
     for call in (lambda: evaluate(graph, 3), lambda: Plan.uniform({"qkv": 3}), lambda: presets.model(["x"]),
-                 lambda: presets.hardware({}), lambda: PlanCache(imbalance_step=float("inf")),
-                 lambda: PlanCache(imbalance_step=True)):
+                 lambda: presets.hardware({})):
         with pytest.raises(ValueError):
             call()

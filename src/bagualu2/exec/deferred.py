@@ -17,43 +17,56 @@ before a spike, which keep what they stored).
 from __future__ import annotations
 
 from collections import deque
+from typing import NamedTuple
 
-from bagualu2.costmodel import Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, build_graph, evaluate
+from bagualu2.costmodel import Hardware, ModelConfig, OpGraph, ParallelConfig, Plan
 from bagualu2.costmodel.validate import require_int, require_number
-from bagualu2.runtime import after_gate, ceil_bucket, check_downgrade, downgrade_plan
-
+from bagualu2.runtime import Stage, after_gate, ceil_bucket, check_downgrade, downgrade_plan
 
 MAX_DECISIONS = 4096  # a long run's planner keeps only its latest gate decisions
 
 
+class GateKey(NamedTuple):
+    """A gate decision of a running chunk: the plan in force, the gate's layer, the imbalance bucket, the
+    (quantised) budget, the chunk and the mode."""
+
+    entries: tuple
+    layer: int
+    imbalance: float
+    budget: int
+    chunk: int
+    mode: str
+
+
 class DeferredPlanner:
-    """After-gate decisions for micro-batches of one chunk with a budget of ``budget_bytes`` each."""
+    """After-gate decisions for micro-batches of one chunk with a budget of ``budget_bytes`` each. ``engine``: the
+    stage's :class:`~bagualu2.runtime.Stage` (its graphs, costs and memo; default: a new one)."""
 
     def __init__(self, model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, *, budget_bytes: int,
                  stage: int = 0, chunk: int = 0, downgrade: str = "graded", imbalance_step: float = 0.02,
-                 budget_quantum_bytes: int | None = None):
+                 budget_quantum_bytes: int | None = None, engine: Stage | None = None):
         self.budget_bytes = require_int("budget_bytes", budget_bytes, 0)
         self.mode = check_downgrade(downgrade)
         self.imbalance_step = require_number("imbalance_step", imbalance_step, 0, 10, low_open=True)
         self.model, self.parallel, self.hardware = model, parallel, hardware
+        if engine is None:
+            engine = Stage(model, parallel, hardware, stage=stage)
+        elif not isinstance(engine, Stage) or (engine.model, engine.parallel, engine.hardware, engine.stage) != (
+                model, parallel, hardware, stage):
+            raise ValueError("engine must be a runtime Stage of the same model, parallel config, hardware and stage")
+        self.engine = engine
+        engine.check_chunk(chunk)
         self.stage, self.chunk = stage, chunk
-        self._graphs: dict[float, OpGraph] = {}
         # decisions memoised by (plan, layer, imbalance bucket, budget); with ``budget_quantum_bytes`` the budget
         # is floored to that grid first (a decision for the floored budget fits the real one; more hits)
         self.quantum_bytes = 1 if budget_quantum_bytes is None else require_int("budget_quantum_bytes",
                                                                                   budget_quantum_bytes, 1)
-        self._decided: dict[tuple, tuple[Plan | None, int]] = {}
-        self._paper: dict[tuple, tuple[int, Plan]] = {}  # paper mode: (plan, layer, imbalance) -> (bytes, downgrade)
-        self._costs: dict[tuple, object] = {}
+        self._decided = engine.memo.table(GateKey)
         # (layer, imbalance, predicted bytes of the plan in force, plan changed)
         self.decisions: deque[tuple[int, float, int, bool]] = deque(maxlen=MAX_DECISIONS)  # the latest only
 
     def graph(self, imbalance: float = 1.0) -> OpGraph:
-        found = self._graphs.get(imbalance)
-        if found is None:
-            found = self._graphs[imbalance] = build_graph(self.model, self.parallel, self.hardware,
-                                                          imbalance=imbalance, stage=self.stage, chunk=self.chunk)
-        return found
+        return self.engine.graph(self.chunk, imbalance)
 
     def imbalance(self, layer: int, received_tokens: int) -> float:
         """Realised imbalance: routed copies received over the mean (``T*K`` per rank), at least 1."""
@@ -62,54 +75,27 @@ class DeferredPlanner:
 
     def after_gate(self, plan: Plan, layer: int, received_tokens: int, *,
                    budget_bytes: int | None = None) -> Plan | None:
-        """The plan to switch to after layer ``layer``'s gate, or None to keep ``plan``. The graph is built at the
-        realised imbalance rounded *up* to ``imbalance_step`` (the runtime's buckets: a conservative decision, and
-        a bounded number of graphs however continuous the measurements). ``budget_bytes`` overrides the
-        planner's budget for this micro-batch."""
+        """The plan to switch to after layer ``layer``'s gate, or None to keep ``plan``: the one after-gate
+        decision, ``runtime.after_gate``, in this planner's mode. The graph is built at the realised imbalance
+        rounded *up* to ``imbalance_step`` (the runtime's buckets: a conservative decision, and a bounded number
+        of graphs however continuous the measurements). ``budget_bytes`` overrides the planner's budget for this
+        micro-batch."""
         imbalance = ceil_bucket(self.imbalance(layer, received_tokens), self.imbalance_step)
         budget = self.budget_bytes if budget_bytes is None else require_int("budget_bytes", budget_bytes, 0)
         budget -= budget % self.quantum_bytes
-        if self.mode == "paper":
-            return self._keep_or_downgrade(plan, layer, imbalance, budget)
-        key = (plan.entries, layer, imbalance, budget)
+        key = GateKey(plan.entries, layer, imbalance, budget, self.chunk, self.mode)
         found = self._decided.get(key)
         if found is None:
+            engine, chunk = self.engine, self.chunk
             graph = self.graph(imbalance)
             later = sorted({op.layer for op in graph.ops if op.kind == "router" and op.layer >= layer})
             decision = after_gate(graph, plan, budget, downgrade=self.mode, layers=later,
-                                  downgrade_layers=(layer,), cost=lambda candidate: self._cost(candidate, imbalance))
-            if len(self._decided) > 4096:
-                self._decided.clear()
+                                  downgrade_layers=(layer,),
+                                  cost=lambda candidate: engine.cost(candidate, imbalance, chunk))
             found = self._decided[key] = (decision.plan if decision.changed else None,
-                                          self._cost(plan, imbalance).activation_bytes)
+                                          engine.cost(plan, imbalance, chunk).activation_bytes)
         self.decisions.append((layer, imbalance, found[1], found[0] is not None))
         return found[0]
-
-    def _keep_or_downgrade(self, plan: Plan, layer: int, imbalance: float, budget: int) -> Plan | None:
-        """``downgrade="paper"``: ``runtime.after_gate`` keeps the plan iff its bytes fit the budget, else runs the
-        full downgrade of this module — so the bytes and the downgrade are memoised per (plan, layer, imbalance)
-        and only the comparison depends on the budget (the same decisions, with far fewer misses)."""
-        key = (plan.entries, layer, imbalance)
-        found = self._paper.get(key)
-        if found is None:
-            if len(self._paper) > MAX_DECISIONS:
-                self._paper.clear()
-            graph = self.graph(imbalance)
-            found = self._paper[key] = (self._cost(plan, imbalance).activation_bytes,
-                                        downgrade_plan(graph, plan, layers=(layer,)))
-        kept, full = found
-        changed = kept > budget
-        self.decisions.append((layer, imbalance, kept, changed))
-        return full if changed else None
-
-    def _cost(self, plan: Plan, imbalance: float):
-        key = (plan.entries, imbalance)
-        found = self._costs.get(key)
-        if found is None:
-            if len(self._costs) > 4096:
-                self._costs.clear()
-            found = self._costs[key] = evaluate(self.graph(imbalance), plan)
-        return found
 
     def downgrade(self, plan: Plan, layer: int) -> Plan:
         """The full downgrade of ``layer`` (what every EP rank runs when any rank had to change its plan)."""

@@ -14,10 +14,10 @@ Per chunk-forward, ``DecisionPath.forward(budget, imbalance, phase, chunk)``:
 4. **order** — the fused dual-batch order of the forward's scheduling point (``fusion.dp``): F_x B_y (with O and
    R) in the steady phase; F_x and the offload of x−1 in warmup, where no backward runs.
 
-Chunks whose graphs are the same up to layer numbering (the virtual chunks of a stage, usually) share one set of
-caches; only the names in their plans differ. Caches, each hit safe for every request of its key: measured
-imbalance -> its *ceiling* bucket (``imbalance_step``, ``spike_step`` above ``spike_threshold``) with the bucket's
-graph; pre-gate plans by (need level, planned bucket, chunk); gate decisions by (pre-gate plan, need level,
+The path works over a :class:`~.stage.Stage` (its graphs, schedule and memo; chunks whose graphs are the same up
+to layer numbering share their canonical chunk's results, only the names in their plans differ). Memoised, each
+hit safe for every request of its key: measured imbalance -> its *ceiling* bucket (``imbalance_step``,
+``spike_step`` above ``spike_threshold``) with the bucket's graph; pre-gate plans by (need level, planned bucket, chunk); gate decisions by (pre-gate plan, need level,
 imbalance bucket, chunk); orders by what the DP reads. The *need* of a decision is ``unmitigated bytes - budget``;
 its level rounds it *up* on a geometric grid (ratio ``1 + need_step`` from one ``budget_quantum_bytes``), so a
 decision frees at least what is needed, finely for small needs and coarsely for the large, rare needs of spikes.
@@ -28,7 +28,12 @@ imbalance, or a larger-need one that fits and costs at most ``1 + need_step`` ti
 smaller-need one cached: one at most ``UNREFERENCED_LEVELS`` levels up). Kept bytes are reported exactly at the
 measured imbalance (routed tensors scale with the routed token count; ``PlanCost.activation_bytes_at``);
 ``overhead_s`` is the plan's on the bucket's graph. docs/runtime.md has the measured quality.
+
+Besides the stage's memo (pure results; ``Stage(cache=False)`` turns it off), the path has state: the gates it
+has seen (the planned imbalance) and the gate decisions it has made per need level (what the stand-ins read).
+Decisions are the same with the memo on or off.
 """
+
 
 from __future__ import annotations
 
@@ -36,19 +41,18 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..budget import BudgetPhase
-from ..costmodel import (Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, PlanCost, StageMemory, Strategy,
-                         build_graph, evaluate, schedule, stage_memory)
+from ..costmodel import Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, PlanCost, StageMemory, Strategy
 from ..costmodel.build import check_imbalance
 from ..costmodel.validate import require_int, require_number
-from ..fusion import Order, build_chains, dp
+from ..fusion import Order
 from ..mitigation import greedy
-from ..mitigation.space import share_decisions
 from .buckets import ceil_bucket
 from .gate import GateAction, after_gate, check_downgrade
-from .keys import NeedGrid, PlannedImbalance, chunk_aliases, shift_plan
+from .keys import NeedGrid, PlannedImbalance, shift_plan
+from .stage import Stage, Step
 
-MAX_ROWS = 4096  # measured imbalance values whose bucket is remembered
-UNREFERENCED_LEVELS = 2  # with no smaller-need decision cached, a larger-need one this many levels up stands in
+MAX_DECISIONS = 1 << 16  # gate decisions remembered per need level (the stand-ins' history)
+UNREFERENCED_LEVELS = 2  # with no smaller-need decision made, a larger-need one this many levels up stands in
 NO_PLAN = Plan()
 STAY_ON_DEVICE = (Strategy.KEEP, Strategy.RECOMPUTE)  # strategies that add no forward cast and no copy
 WARMUP = BudgetPhase.WARMUP.value
@@ -68,7 +72,7 @@ class Decision(NamedTuple):
 
 
 class _Pre(NamedTuple):
-    """A pre-gate plan and the small integer that stands for it in cache keys (a plan's entries are long)."""
+    """A pre-gate plan and the small integer that stands for it in keys (a plan's entries are long)."""
 
     plan: Plan
     id: int
@@ -77,10 +81,48 @@ class _Pre(NamedTuple):
 NO_PRE = _Pre(NO_PLAN, 0)
 
 
+# ---- the memo's key types (``Stage.memo``) ------------------------------------------------------------------------
+class SeenKey(NamedTuple):
+    """A measured imbalance on a chunk."""
+
+    imbalance: float
+    chunk: int
+
+
+class RowKey(NamedTuple):
+    """An imbalance bucket of a canonical chunk."""
+
+    bucket: float
+    chunk: int
+
+
+class PreGateKey(NamedTuple):
+    """A pre-gate plan: need level (pre-gate grid), planned imbalance, canonical chunk."""
+
+    level: object
+    planned: float
+    chunk: int
+
+
+class PreBytesKey(NamedTuple):
+    """A pre-gate plan's bytes on an imbalance bucket's graph."""
+
+    pre: int
+    bucket: float
+    chunk: int
+
+
+class ShiftKey(NamedTuple):
+    """A plan moved by a layer offset (an aliased chunk's names)."""
+
+    entries: tuple
+    offset: int
+
+
 @dataclass(frozen=True)
 class _Outcome:
-    """A cached decision: the plan, and its bytes as ``fixed + per_token * routed tokens`` (exact at any
-    imbalance; ``PlanCost.activation_bytes_at``)."""
+    """A gate decision: the plan, and its bytes as ``fixed + per_token * routed tokens`` (exact at any imbalance;
+    ``PlanCost.activation_bytes_at``)."""
 
     plan: Plan
     action: GateAction
@@ -90,8 +132,8 @@ class _Outcome:
     per_token_bytes: int
     graph: OpGraph         # the bucket's, on which it was decided (its order is solved there)
     activation_bytes: int  # at the bucket's imbalance
-    orders: dict = field(default_factory=dict, compare=False, repr=False)  # warmup? -> its scheduling point's
-    shifted: dict = field(default_factory=dict, compare=False, repr=False)  # layer offset -> the moved plan
+    orders: dict = field(default_factory=dict, compare=False, repr=False)  # warmup? -> its point's (memo on)
+    shifted: dict = field(default_factory=dict, compare=False, repr=False)  # layer offset -> moved plan (memo on)
 
 
 @dataclass(frozen=True)
@@ -103,8 +145,21 @@ class _Row:
     per_token_bytes: int
 
 
+class _Seen:
+    """A measured imbalance on a chunk: its bucket row, routed tokens, exact unmitigated bytes, the covered
+    decisions (steady, warmup; made on first use), the canonical chunk and the layer offset."""
+
+    __slots__ = ("row", "tokens", "unmitigated_bytes", "steady", "warmup", "chunk", "offset")
+
+    def __init__(self, row: _Row, tokens: int, chunk: int, offset: int):
+        self.row, self.tokens, self.chunk, self.offset = row, tokens, chunk, offset
+        self.unmitigated_bytes = row.fixed_bytes + row.per_token_bytes * tokens
+        self.steady = self.warmup = None
+
+
 class DecisionPath:
-    """Decisions of one stage, memoised. ``forward(budget, imbalance, phase, chunk)`` is the hot path.
+    """Decisions of one stage over its :class:`~.stage.Stage` engine. ``forward(budget, imbalance, phase,
+    chunk)`` is the hot path.
 
       stage                 pipeline stage.
       downgrade             ``"graded"`` (default) or ``"paper"`` (keep or full MoE-module downgrade, no absorption).
@@ -117,75 +172,62 @@ class DecisionPath:
       spike_step            bucket width of spikes (> 0).
       need_step             ratio - 1 of the need grid of gate decisions (in (0, 1]).
       pregate_need_step     ratio - 1 of the need grid of pre-gate plans (in (0, 1]).
-      reuse_levels          how many need levels away a cached decision may stand in (>= 0).
+      reuse_levels          how many need levels away a decision made may stand in (>= 0).
+      engine                the stage's :class:`~.stage.Stage` (default: a new one); shared with the other
+                            users of the stage (``DecisionPath.on(engine)``).
 
-    ``hits`` / ``misses`` count the decisions found in / added to the caches.
+    ``hits`` / ``misses`` count the decisions found / made.
     """
 
     def __init__(self, model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, *, stage: int = 0,
                  downgrade: str = "graded", planned_imbalance: float | None = None, window: int = 16,
                  budget_quantum_bytes: int | None = None, imbalance_step: float = 0.02,
                  spike_threshold: float = 1.2, spike_step: float = 0.2, need_step: float = 0.05,
-                 pregate_need_step: float = 0.15, reuse_levels: int = 16):
+                 pregate_need_step: float = 0.15, reuse_levels: int = 16, engine: Stage | None = None):
         self.model, self.parallel, self.hardware = model, parallel, hardware
         self.stage = require_int("stage", stage, 0, parallel.pp)
+        if engine is None:
+            engine = Stage(model, parallel, hardware, stage=self.stage)
+        elif not isinstance(engine, Stage) or (engine.model, engine.parallel, engine.hardware, engine.stage) != (
+                model, parallel, hardware, self.stage):
+            raise ValueError("engine must be a Stage of the same model, parallel config, hardware and stage")
+        self.engine = engine
         self.downgrade = check_downgrade(downgrade)
         self.planned_imbalance = None if planned_imbalance is None else check_imbalance(planned_imbalance)
         self.step = require_number("imbalance_step", imbalance_step, 0, 10, low_open=True)
         self._planner = PlannedImbalance(window, self.step, self.planned_imbalance)
         self.spike_threshold = check_imbalance(spike_threshold)
         self.spike_step = require_number("spike_step", spike_step, 0, 10, low_open=True)
-        self._graphs: dict[tuple[int, float], OpGraph] = {}
         if budget_quantum_bytes is None:
             budget_quantum_bytes = max(min(self.graph(c, 1.0).unmitigated_bytes for c in range(parallel.vp)) >> 10, 1)
         self.needs = NeedGrid(budget_quantum_bytes, need_step)
         self.pregate_needs = NeedGrid(budget_quantum_bytes, pregate_need_step, name="pregate_need_step")
-        # chunks that are the same graph up to layer numbering share the caches of the first such chunk
-        self._alias = chunk_aliases({c: self.graph(c, 1.0) for c in range(parallel.vp)})
-        self._shifted: dict[tuple, Plan] = {}
         self.reuse_levels = require_int("reuse_levels", reuse_levels, 0)
-        self._rows: dict[tuple[float, int], list] = {}
-        self._balanced: dict[int, int] = {}    # chunk -> unmitigated bytes at r = 1
-        self._buckets: dict[tuple[float, int], _Row] = {}
-        self._costs: dict[tuple, PlanCost] = {}
-        self._pregate: dict[tuple, _Pre] = {}
-        self._pre_ids: dict[tuple, int] = {(): 0}  # pre-gate plan entries -> the small id the cache keys use
-        self._pre_rows: dict[tuple, tuple[int, int]] = {}  # (pre id, bucket, chunk) -> its bytes, fixed + per token
+        self._alias = engine.aliases
+        memo = engine.memo
+        self._cached = memo.enabled
+        self._seen, self._rows = memo.table(SeenKey), memo.table(RowKey)
+        self._pregate, self._pre_bytes, self._shifted = memo.table(PreGateKey), memo.table(PreBytesKey), memo.table(
+            ShiftKey)
+        # state, not memo: the ids of the pre-gate plans made, and the gate decisions made per need level
+        self._pre_ids: dict[tuple, int] = {(): 0}
         self._outcomes: dict[tuple, _Outcome] = {}
-        self._orders: dict[tuple, Order] = {}
-        self._solved: dict[tuple, Order] = {}
-        self._stage_plan: tuple | None = None
         self.hits = self.misses = 0
 
+    @classmethod
+    def on(cls, engine: Stage, **options) -> "DecisionPath":
+        """A decision path over ``engine`` (``options``: the keywords of the constructor)."""
+        if not isinstance(engine, Stage):
+            raise ValueError(f"engine must be a Stage, got {type(engine).__name__}")
+        return cls(engine.model, engine.parallel, engine.hardware, stage=engine.stage, engine=engine, **options)
+
     # ---- the stage ----------------------------------------------------------------------------------------------
-    def stage_plan(self) -> tuple[StageMemory, tuple[tuple[bool, int, int, int, str], ...]]:
-        """The stage's memory (M_max, M0, in-flight count) and its schedule as ``(is_forward, forward index,
-        micro-batch, chunk, phase)`` steps; constants of the stage, computed once. ``phase`` is the budget phase
-        of a forward (the first B_w = in-flight count forwards are warmup, the others steady; "" for a backward)."""
-        if self._stage_plan is None:
-            memory = stage_memory(self.model, self.parallel, self.hardware, stage=self.stage)
-            index: dict[tuple[int, int], int] = {}
-            steps = []
-            for action in schedule(self.parallel, self.stage):
-                key = (action.microbatch, action.chunk)
-                phase = ""
-                if action.kind == "F":
-                    phase = (BudgetPhase.WARMUP if len(index) < memory.inflight_chunks else BudgetPhase.STEADY).value
-                    index[key] = len(index)
-                steps.append((action.kind == "F", index[key], action.microbatch, action.chunk, phase))
-            self._stage_plan = (memory, tuple(steps))
-        return self._stage_plan
+    def stage_plan(self) -> tuple[StageMemory, tuple[Step, ...]]:
+        """The stage's memory (M_max, M0, in-flight count) and its schedule (``Stage.memory``, ``Stage.steps``)."""
+        return self.engine.memory, self.engine.steps
 
     def graph(self, chunk: int, imbalance: float) -> OpGraph:
-        key = (chunk, imbalance)
-        found = self._graphs.get(key)
-        if found is None:
-            found = self._graphs[key] = build_graph(self.model, self.parallel, self.hardware, imbalance=imbalance,
-                                                    stage=self.stage, chunk=chunk)
-            balanced = self._graphs.get((chunk, 1.0))
-            if balanced is not None:  # the decisions of tensors that do not scale with the imbalance, reused
-                share_decisions(found, balanced)
-        return found
+        return self.engine.graph(chunk, imbalance)
 
     def planned(self, chunk: int) -> float:
         """The imbalance the pre-gate plan of ``chunk`` is made for (a bucket, rounded down)."""
@@ -200,10 +242,7 @@ class DecisionPath:
         ``planned`` (a value every expert-parallel rank agrees on); the gates then decide through
         :func:`~.gate.after_gate`. A pure function of its arguments and the gates observed."""
         budget_bytes = require_int("budget_bytes", budget_bytes, 0)
-        alias = self._alias.get(chunk)
-        if alias is None:
-            raise ValueError(f"chunk must be an integer in [0, vp={self.parallel.vp}), got {chunk!r}")
-        canonical, offset = alias
+        canonical, offset = self.engine.check_chunk(chunk)
         planned = self._planner.get(chunk) if planned is None else check_imbalance(planned)
         plan = self._pre_gate(budget_bytes, planned, canonical).plan
         if offset and plan.entries:
@@ -211,8 +250,8 @@ class DecisionPath:
         return plan
 
     def state_dict(self) -> dict:
-        """What decisions depend on besides the arguments (the gates remembered per chunk), JSON-able; caches are
-        not state: a hit decides as a miss would, except stand-ins of nearby need levels in ``forward``."""
+        """What decisions depend on besides the arguments (the gates remembered per chunk), JSON-able; the memo is
+        not state, and the gate decisions per need level only choose among equally good stand-ins."""
         return {"seen": {str(chunk): list(values) for chunk, values in self._planner.seen().items()}}
 
     def load_state_dict(self, state: dict) -> None:
@@ -235,35 +274,39 @@ class DecisionPath:
         ``BudgetAssigner.absorb_limit_bytes()``) is absorbed instead of re-planned."""
         if type(budget_bytes) is not int or budget_bytes < 0:
             budget_bytes = require_int("budget_bytes", budget_bytes, 0)
-        seen = self._rows.get((imbalance, chunk))
+        seen = self._seen.get((imbalance, chunk))
         if seen is None:
             seen = self._seen_row(imbalance, chunk)  # validates the chunk and the imbalance
         planned = self._planner.observe(chunk, imbalance)  # the estimate before this gate
-        if budget_bytes >= seen[2]:
+        if budget_bytes >= seen.unmitigated_bytes:
             # covered at the measured imbalance, so at r = 1 too: nothing was committed before the gate
             self.hits += 1
-            covered = seen[4] if phase == WARMUP else seen[3]
+            covered = seen.warmup if phase == WARMUP else seen.steady
             return covered if covered is not None else self._covered(seen, phase == WARMUP, budget_bytes)
         return self._decide(seen, budget_bytes, imbalance, phase, planned, limit_bytes)
 
-    def _covered(self, seen: list, warm: bool, budget_bytes: int) -> Decision:
-        row, chunk = seen[0], seen[5]
+    def _covered(self, seen: _Seen, warm: bool, budget_bytes: int) -> Decision:
+        row, chunk = seen.row, seen.chunk
         outcome = self._outcome(NO_PRE, COVERED, row, chunk, budget_bytes)
-        covered = seen[3 + warm] = Decision(outcome.plan, seen[2], outcome.overhead_s, False,
-                                            self._order(row.graph, NO_PLAN, chunk, warm), outcome.action)
+        covered = Decision(outcome.plan, seen.unmitigated_bytes, outcome.overhead_s, False,
+                           self._order(row.graph, NO_PLAN, chunk, warm), outcome.action)
+        if warm:
+            seen.warmup = covered
+        else:
+            seen.steady = covered
         return covered
 
-    def _decide(self, seen: list, budget_bytes: int, imbalance: float, phase: str, planned: float,
+    def _decide(self, seen: _Seen, budget_bytes: int, imbalance: float, phase: str, planned: float,
                 limit_bytes: int | None) -> Decision:
         """A forward whose budget does not cover its unmitigated bytes: steps 2-4 of the module docstring."""
-        row, tokens, chunk, offset = seen[0], seen[1], seen[5], seen[6]  # the caches are the canonical chunk's
+        row, tokens, chunk, offset = seen.row, seen.tokens, seen.chunk, seen.offset  # the canonical chunk's
         pre = self._pre_gate(budget_bytes, planned, chunk)
         outcome = None
         if limit_bytes is not None and phase == WARMUP and self.downgrade == "graded":
-            split = self._pre_rows.get((pre.id, row.bucket, chunk))
+            key = PreBytesKey(pre.id, row.bucket, chunk)
+            split = self._pre_bytes.get(key)
             if split is None:
-                split = self._pre_rows[(pre.id, row.bucket, chunk)] = self._split(
-                    row.graph, self._cost(pre.plan, row.bucket, chunk))
+                split = self._pre_bytes[key] = _split(row.graph, self.engine.cost(pre.plan, row.bucket, chunk))
             if budget_bytes < split[0] + split[1] * tokens <= limit_bytes:  # the pre-gate plan's bytes at r
                 outcome = self._outcome(pre, ABSORBED, row, chunk, budget_bytes)  # the next budgets shrink
         if outcome is None:
@@ -273,66 +316,54 @@ class DecisionPath:
         if offset and plan.entries:  # plans are moved back to this chunk's layers by ``offset``
             shifted = outcome.shifted.get(offset)
             if shifted is None:
-                shifted = outcome.shifted[offset] = self._moved(plan, offset)
+                shifted = self._moved(plan, offset)
+                if self._cached:
+                    outcome.shifted[offset] = shifted
             plan = shifted
         warm = phase == WARMUP
         order = outcome.orders.get(warm)
         if order is None:
-            order = outcome.orders[warm] = self._order(outcome.graph, outcome.plan, chunk, warm)
+            order = self._order(outcome.graph, outcome.plan, chunk, warm)
+            if self._cached:
+                outcome.orders[warm] = order
         return Decision(plan, outcome.fixed_bytes + outcome.per_token_bytes * tokens, outcome.overhead_s,
                         outcome.changed, order, outcome.action)
 
     def _moved(self, plan: Plan, offset: int) -> Plan:
-        """``plan`` moved by ``offset`` layers (memoised: chunks sharing caches share their plans)."""
-        key = (plan.entries, offset)
+        """``plan`` moved by ``offset`` layers (memoised: chunks sharing results share their plans)."""
+        key = ShiftKey(plan.entries, offset)
         found = self._shifted.get(key)
         if found is None:
             found = self._shifted[key] = shift_plan(plan, offset)
         return found
 
-    def _seen_row(self, imbalance: float, chunk: int) -> list:
-        """``[row, routed tokens, exact unmitigated bytes, covered decision (steady), (warmup), canonical chunk,
-        layer offset]`` of a measured imbalance on ``chunk`` (its canonical chunk's bucket row)."""
-        alias = self._alias.get(chunk)
-        if alias is None:
-            raise ValueError(f"chunk must be an integer in [0, vp={self.parallel.vp}), got {chunk!r}")
-        canonical, offset = alias
+    def _seen_row(self, imbalance: float, chunk: int) -> _Seen:
+        """The :class:`_Seen` of a measured imbalance on ``chunk`` (its canonical chunk's bucket row)."""
+        canonical, offset = self.engine.check_chunk(chunk)
         row = self._row(imbalance, canonical)
-        tokens = row.graph.routed_tokens(imbalance)
-        if len(self._rows) >= MAX_ROWS:  # measured imbalances may be continuous: bound the memo of their buckets
-            self._rows.clear()
-        seen = self._rows[(imbalance, chunk)] = [row, tokens, row.fixed_bytes + row.per_token_bytes * tokens, None,
-                                                  None, canonical, offset]
+        seen = self._seen[SeenKey(imbalance, chunk)] = _Seen(row, row.graph.routed_tokens(imbalance), canonical,
+                                                             offset)
         return seen
 
     def _row(self, imbalance: float, chunk: int) -> _Row:
         """The ceiling bucket of a measured imbalance, with its graph and unmitigated cost."""
         imbalance = check_imbalance(imbalance)
         bucket = ceil_bucket(imbalance, self.step if imbalance <= self.spike_threshold else self.spike_step)
-        row = self._buckets.get((bucket, chunk))
+        key = RowKey(bucket, chunk)
+        row = self._rows.get(key)
         if row is None:
             graph = self.graph(chunk, bucket)
-            fixed, per_token = self._split(graph, self._cost(NO_PLAN, bucket, chunk))
-            row = self._buckets[(bucket, chunk)] = _Row(bucket, graph, graph.unmitigated_bytes, fixed, per_token)
+            fixed, per_token = _split(graph, self.engine.cost(NO_PLAN, bucket, chunk))
+            row = self._rows[key] = _Row(bucket, graph, graph.unmitigated_bytes, fixed, per_token)
         return row
-
-    def _cost(self, plan: Plan, imbalance: float, chunk: int) -> PlanCost:
-        key = (plan.entries, imbalance, chunk)
-        found = self._costs.get(key)
-        if found is None:
-            found = self._costs[key] = evaluate(self.graph(chunk, imbalance), plan)
-        return found
 
     def _pre_gate(self, budget_bytes: int, planned: float, chunk: int) -> _Pre:
         """The plan in force before the gate (step 2 of the module docstring), with its id."""
-        balanced = self._balanced.get(chunk)
-        if balanced is None:
-            balanced = self._balanced[chunk] = self.graph(chunk, 1.0).unmitigated_bytes
-        if budget_bytes >= balanced:
+        if budget_bytes >= self.graph(chunk, 1.0).unmitigated_bytes:
             return NO_PRE
         graph = self.graph(chunk, planned)
         level, decided = self.pregate_needs.level(graph.unmitigated_bytes, graph.floor_bytes, budget_bytes)
-        key = (level, planned, chunk)
+        key = PreGateKey(level, planned, chunk)
         found = self._pregate.get(key)  # no stand-ins: what runs before the gate cannot be undone
         if found is None:
             solution = greedy.solve(graph, decided)
@@ -340,7 +371,7 @@ class DecisionPath:
                 solution = greedy.solve(graph, graph.floor_bytes)
             plan = solution.plan
             found = self._pregate[key] = _Pre(plan, self._pre_ids.setdefault(plan.entries, len(self._pre_ids)))
-            self._costs.setdefault((plan.entries, planned, chunk), solution.cost)  # the evaluator's, once
+            self.engine.remember_cost(plan, planned, chunk, solution.cost)  # the evaluator's, once
         return found
 
     def _outcome(self, pre: _Pre, level, row: _Row, chunk: int, decided: int, budget_bytes: int = 0,
@@ -354,28 +385,27 @@ class DecisionPath:
             self.hits += 1
             return found
         self.misses += 1
+        engine = self.engine
         if level == COVERED or level == ABSORBED:
             plan, action = pre.plan, GateAction.KEEP if level == COVERED else GateAction.ABSORB
         else:
             gate = after_gate(row.graph, pre.plan, decided, downgrade=self.downgrade,
-                              cost=lambda plan: self._cost(plan, row.bucket, chunk))
+                              cost=lambda plan: engine.cost(plan, row.bucket, chunk))
             plan, action = gate.plan, gate.action
-            self._costs.setdefault((plan.entries, row.bucket, chunk), gate.cost)  # the evaluator's, once
-        found = self._outcomes[key] = self._outcome_of(row.graph, plan, action, chunk)
+            engine.remember_cost(plan, row.bucket, chunk, gate.cost)  # the evaluator's, once
+        cost = engine.cost(plan, row.bucket, chunk)
+        fixed, per_token = _split(row.graph, cost)
+        if len(outcomes) >= MAX_DECISIONS:
+            outcomes.clear()
+        found = outcomes[key] = _Outcome(plan, action, action in (GateAction.REPLAN, GateAction.DOWNGRADE),
+                                         cost.overhead_s, fixed, per_token, row.graph, cost.activation_bytes)
         return found
 
-    @staticmethod
-    def _split(graph: OpGraph, cost: PlanCost) -> tuple[int, int]:
-        """``cost``'s bytes as ``(fixed, per routed token)``: routed tensors hold ``routed_tokens(r)`` copies."""
-        built = graph.routed_tokens(graph.imbalance)
-        per_token = cost.routed_bytes // built if built else 0
-        return cost.activation_bytes - per_token * built, per_token
-
     def _nearby(self, pre: _Pre, level: int, row: _Row, chunk: int, budget_bytes: int, tokens: int):
-        """A cached decision of a nearby need level that is as good here (the greedy's cost grows with the need):
+        """A decision made for a nearby need level that is as good here (the greedy's cost grows with the need):
         the nearest smaller-need decision if it fits this budget at the measured imbalance, else the nearest
         larger-need one if it fits and costs at most ``1 + need_step`` times the smaller-need one — or, with no
-        smaller-need decision cached, if it is at most ``UNREFERENCED_LEVELS`` levels up (made for a need at most
+        smaller-need decision made, if it is at most ``UNREFERENCED_LEVELS`` levels up (made for a need at most
         ``(1 + need_step) ** UNREFERENCED_LEVELS`` times this one)."""
         outcomes, pid, bucket = self._outcomes, pre.id, row.bucket
         lower = None
@@ -396,28 +426,16 @@ class DecisionPath:
                 return higher if higher.overhead_s <= lower.overhead_s * self.needs.ratio + 1e-6 else None
         return None
 
-    def _outcome_of(self, graph: OpGraph, plan: Plan, action: GateAction, chunk: int) -> _Outcome:
-        cost = self._cost(plan, graph.imbalance, chunk)
-        fixed, per_token = self._split(graph, cost)
-        return _Outcome(plan, action, action in (GateAction.REPLAN, GateAction.DOWNGRADE), cost.overhead_s,
-                        fixed, per_token, graph, cost.activation_bytes)
-
     def _order(self, graph: OpGraph, plan: Plan, chunk: int, warmup: bool) -> Order:
-        """The fused order of the scheduling point of a forward running ``plan``: in the steady phase F_x B_y
-        with the same graph and plan for x and y (and O, R from them); in warmup no backward runs, so F_x with
-        the offload of x-1 only."""
+        """The fused order of the scheduling point of a forward running ``plan`` (``Stage.point_order``); in warmup
+        a plan that adds no cast and no copy runs the plain forward's point, whatever is recomputed."""
         if warmup and plan.entries and all(strategy in STAY_ON_DEVICE for _, strategy in plan.entries):
-            plan = NO_PLAN  # no cast, no copy: the warmup point runs the plain forward, whatever is recomputed
-        key = (plan.entries, graph.imbalance, chunk, warmup)  # the chains depend on the plan and graph only
-        order = self._orders.get(key)
-        if order is None:
-            chains = (build_chains(graph, plan, None, None, hardware=self.hardware) if warmup
-                      else build_chains(graph, plan, graph, plan, hardware=self.hardware))
-            # the DP reads only each chain's stage resources and durations: plans that differ elsewhere share it
-            solved = tuple(None if chain is None else tuple((s.resource, s.duration_ns) for s in chain.stages)
-                           for chain in (chains.forward, chains.backward, chains.offload, chains.recovery))
-            order = self._solved.get(solved)
-            if order is None:
-                order = self._solved[solved] = dp.solve(chains, pipeline_degree=self.parallel.pp)
-            self._orders[key] = order
-        return order
+            plan = NO_PLAN
+        return self.engine.point_order(plan, graph.imbalance, chunk, warmup=warmup)
+
+
+def _split(graph: OpGraph, cost: PlanCost) -> tuple[int, int]:
+    """``cost``'s bytes as ``(fixed, per routed token)``: routed tensors hold ``routed_tokens(r)`` copies."""
+    built = graph.routed_tokens(graph.imbalance)
+    per_token = cost.routed_bytes // built if built else 0
+    return cost.activation_bytes - per_token * built, per_token

@@ -3,8 +3,8 @@
 :meth:`DecisionPath.forward <bagualu2.runtime.DecisionPath.forward>` orders a point as if x-1, x, y and y+1 ran
 one plan (what the simulator needs). A running pipeline knows better: each micro-batch has its own plan (and, after
 its gate, the plan it really ran) and its own chunk. :class:`PointOrders` builds the chains of F_x, B_y, O_{x-1}
-and R_{y+1} from those, one ``(graph, plan)`` each (None: that chain is absent), and solves the DP, memoised by
-what the DP reads (each chain's stage resources and durations), so repeated points are nearly free.
+and R_{y+1} from those, one ``(graph, plan)`` each (None: that chain is absent), and orders them with the stage's
+one order function (``Stage.order``: the DP, memoised by what it reads), so repeated points are nearly free.
 
 The F chain's ops do not depend on x's plan beyond its FP8 casts, so an order solved with x's *pre-gate* plan
 stays executable when the gate changes the plan. ``pipeline_degree <= 2`` gives the sequential order.
@@ -12,27 +12,34 @@ stays executable when the gate changes the plan. ``pipeline_degree <= 2`` gives 
 
 from __future__ import annotations
 
-import warnings
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
-from ..costmodel import Hardware, OpGraph, Plan
-from ..costmodel.validate import require_int
-from ..fusion import Chains, Order, build_chains, dp
-from ..fusion.baselines import sequential
+from ..costmodel import OpGraph, Plan
+from ..fusion import Chains, Order, build_chains
+from .stage import Stage
 
 Batch = Optional[Tuple[OpGraph, Plan]]
-MAX_ORDERS = 4096
+
+
+class ChainKey(NamedTuple):
+    """One chain (F, B, O or R) of one micro-batch's graph and plan (``split``: the copy split of O and R)."""
+
+    kind: str
+    graph: int  # id() of a graph of the stage (checked on a hit)
+    entries: tuple
+    split: int | None
 
 
 class PointOrders:
-    """Orders of running scheduling points of one stage (``pipeline_degree``: the pipeline's, as in the DP)."""
+    """Orders of running scheduling points of one :class:`~.stage.Stage` (its hardware and pipeline degree)."""
 
-    def __init__(self, hardware: Hardware, *, pipeline_degree: int):
-        self.hardware = hardware
-        self.pipeline_degree = require_int("pipeline_degree", pipeline_degree, 1)
-        self._orders: dict[tuple, Order] = {}
-        self._chains: dict[tuple, tuple[Chains, tuple]] = {}
-        self.hits = self.misses = 0
+    def __init__(self, stage: Stage):
+        if not isinstance(stage, Stage):
+            raise ValueError(f"stage must be a runtime Stage, got {type(stage).__name__}")
+        self.engine = stage
+        self.hardware = stage.hardware
+        self.pipeline_degree = stage.parallel.pp
+        self._chains = stage.memo.table(ChainKey)
 
     def chains(self, *, forward: Batch = None, backward: Batch = None, offload: Batch = None,
                recovery: Batch = None) -> Chains:
@@ -53,7 +60,7 @@ class PointOrders:
         if batch is None:
             return None
         graph, plan = batch
-        key = (kind, id(graph), plan.entries, split)
+        key = ChainKey(kind, id(graph), plan.entries, split)
         found = self._chains.get(key)
         if found is not None and found[1] is graph:
             return found[0]
@@ -62,27 +69,9 @@ class PointOrders:
         else:
             built = build_chains(None, None, graph, plan, hardware=self.hardware, copy_split_ns=split)
         chain = {"F": built.forward, "B": built.backward, "O": built.offload, "R": built.recovery}[kind]
-        if len(self._chains) >= MAX_ORDERS:
-            self._chains.clear()
         self._chains[key] = (chain, graph)
         return chain
 
     def order(self, chains: Chains) -> Order:
-        """The DP's order of ``chains`` (sequential at ``pipeline_degree <= 2``), memoised by stage durations."""
-        key = tuple(None if chain is None else tuple((s.resource, s.duration_ns) for s in chain.stages)
-                    for chain in (chains.forward, chains.backward, chains.offload, chains.recovery))
-        found = self._orders.get(key)
-        if found is not None:
-            self.hits += 1
-            return found
-        self.misses += 1
-        if len(self._orders) >= MAX_ORDERS:
-            self._orders.clear()
-        if self.pipeline_degree <= 2:
-            found = sequential(chains)
-        else:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)
-                found = dp.solve(chains, pipeline_degree=self.pipeline_degree)
-        self._orders[key] = found
-        return found
+        """The order of ``chains`` (``Stage.order``: the DP's; sequential at ``pipeline_degree <= 2``)."""
+        return self.engine.order(chains)

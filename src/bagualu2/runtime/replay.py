@@ -1,20 +1,20 @@
 """Replay one pipeline stage's iteration through the runtime decision path, and seeded imbalance traces.
 
-For every forward of the (interleaved) 1F1B schedule: Algorithm 1 hands out a budget (and, in warmup, the most an
-overrun may keep), the memoised :class:`~.path.DecisionPath` decides for the imbalance the gate measured, the bytes
-the micro-batch keeps are recorded back into the budget (re-basing); backwards free them.
+The stage's iteration driver (:func:`~.iteration.run_iteration`) runs the (interleaved) 1F1B schedule: for every
+forward Algorithm 1 hands out a budget (and, in warmup, the most an overrun may keep), the memoised
+:class:`~.path.DecisionPath` decides for the imbalance the gate measured, the bytes the micro-batch keeps are
+recorded back into the budget (re-basing); backwards free them.
 """
 
 from __future__ import annotations
 
 import random
-import time
 from dataclasses import dataclass
 
-from ..budget import BudgetAssigner
 from ..costmodel import Hardware, ModelConfig, ParallelConfig
 from ..costmodel.build import check_imbalance
 from ..costmodel.validate import require_int, require_number
+from .iteration import run_iteration
 from .path import DecisionPath
 
 
@@ -86,7 +86,7 @@ def replay_iteration(model: ModelConfig, parallel: ParallelConfig, hardware: Har
     """Run the decision path for every forward of ``stage``; ``imbalances[m]`` is micro-batch m's measured rate.
 
     Pass the same ``path`` to consecutive calls to replay a trace of iterations with warm caches (``downgrade``
-    only applies to a path made here).
+    only applies to a path made here). The loop is :func:`~.iteration.run_iteration` over the path's engine.
     """
     if len(imbalances) != parallel.num_microbatches:
         raise ValueError(f"imbalances must have num_microbatches={parallel.num_microbatches} entries, "
@@ -94,30 +94,14 @@ def replay_iteration(model: ModelConfig, parallel: ParallelConfig, hardware: Har
     for value in imbalances:
         check_imbalance(value)
     path = path if path is not None else DecisionPath(model, parallel, hardware, stage=stage, downgrade=downgrade)
-    memory, steps = path.stage_plan()
-    assigner = BudgetAssigner(m_max_bytes=memory.m_max_bytes, m0_bytes=memory.m0_bytes,
-                              num_microbatches=len(steps) // 2, num_warmup=memory.inflight_chunks)
+    forward = path.forward
     hits, misses = path.hits, path.misses
-    raw = []
-    peak = 0
-    forward, record_forward, record_backward = path.forward, assigner.record_forward, assigner.record_backward
-    next_budget, limit, keep = assigner.next_forward_budget, assigner.absorb_limit_bytes, raw.append
-    started = time.perf_counter()
-    for is_forward, index, microbatch, chunk, phase in steps:  # the timed hot path: budget, decision, re-basing
-        if not is_forward:
-            record_backward(index)
-            continue
-        budget = next_budget()
-        decision = forward(budget, imbalances[microbatch], phase, chunk,
-                           limit_bytes=limit() if phase == "warmup" else None)
-        held = record_forward(index, decision.kept_bytes)  # the in-flight bytes after it
-        if held > peak:
-            peak = held
-        keep((budget, decision, held))
-    elapsed = time.perf_counter() - started
-    forwards = [(mb, chunk, phase) for is_forward, _, mb, chunk, phase in steps if is_forward]
-    decisions = [ForwardDecision(i, mb, chunk, phase, imbalances[mb], budget, d.kept_bytes, d.overhead_s,
-                                 len(d.plan), d.downgraded, held, d.order.makespan_s, d.action.value, str(d.plan))
-                 for i, ((mb, chunk, phase), (budget, d, held)) in enumerate(zip(forwards, raw))]
-    return IterationReplay(tuple(decisions), memory.m_max_bytes, memory.m0_bytes, peak, path.hits - hits,
-                           path.misses - misses, elapsed)
+    run = run_iteration(path.engine, lambda step, imbalance, budget, limit: forward(budget, imbalance, step.phase,
+                                                                                     step.chunk, limit_bytes=limit),
+                        imbalances)
+    decisions = tuple(ForwardDecision(i, f.step.microbatch, f.step.chunk, f.step.phase, f.imbalance, f.budget_bytes,
+                                      d.kept_bytes, d.overhead_s, len(d.plan), d.downgraded, f.held_bytes,
+                                      d.order.makespan_s, d.action.value, str(d.plan))
+                      for i, f in enumerate(run.forwards) for d in (f.result,))
+    return IterationReplay(decisions, run.m_max_bytes, run.m0_bytes, run.peak_bytes, path.hits - hits,
+                           path.misses - misses, run.elapsed_s)

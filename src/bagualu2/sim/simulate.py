@@ -1,10 +1,10 @@
 """The paper-scale simulator (§VI): whole training iterations of every pipeline stage under one policy, with OOMs,
 restarts and MFU.
 
-Per iteration and stage, the stage's (interleaved) 1F1B schedule (``DecisionPath.stage_plan()``) is replayed:
-each forward asks the policy what it runs (:class:`~.stage.Choice`: bytes kept, exact at the micro-batch's
-imbalance; forward and backward seconds from ``evaluate``), in-flight bytes rise at forwards and fall at
-backwards; the peak above the stage's ``M_max`` is an OOM (never for ``ideal``).
+Per iteration and stage, the stage's (interleaved) 1F1B schedule (``runtime.Stage.steps``) is run by the
+runtime's iteration driver (``runtime.run_iteration``): each forward asks the policy what it runs
+(:class:`~.stage.Choice`: bytes kept, exact at the micro-batch's imbalance; forward and backward seconds from
+``evaluate``), in-flight bytes rise at forwards and fall at backwards; the peak above the stage's ``M_max`` is an OOM (never for ``ideal``).
 
 Time. A stage is busy for the sum of its steps: a forward takes its plan's ``forward_s``, a backward its plan's
 ``backward_s`` (recompute, reloads and casts included); for ``flexible`` and ``oracle`` a steady forward F_x and
@@ -32,19 +32,16 @@ keeps the first result for each rate vector.
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
 from dataclasses import dataclass
 
-from ..budget import BudgetAssigner
 from ..costmodel import Hardware, ModelConfig, ParallelConfig
 from ..costmodel.build import check_imbalance
 from ..costmodel.validate import require_int, require_number
-from ..runtime.gate import check_downgrade
+from ..runtime import check_downgrade, run_iteration
 from .policies import FALLBACKS, STEADY, StagePolicy, check_policy, make_policy
 from .stage import StageContext
 
-WARMUP = "warmup"
 ON_OOM = ("fallback", "replan")
 
 
@@ -148,48 +145,31 @@ def check_trace(trace, parallel: ParallelConfig) -> list:
 
 
 def _stage_time(policy: StagePolicy, rates: tuple[float, ...]) -> tuple[float, int]:
-    """Busy seconds and in-flight peak of one stage over one iteration."""
+    """Busy seconds and in-flight peak of one stage over one iteration (the runtime's iteration driver)."""
     ctx = policy.ctx
-    steps = ctx.steps
-    assigner = None
-    if policy.budgeted:
-        memory = ctx.memory
-        assigner = BudgetAssigner(m_max_bytes=memory.m_max_bytes, m0_bytes=memory.m0_bytes,
-                                  num_microbatches=len(steps) // 2, num_warmup=memory.inflight_chunks)
     forward = policy.forward
+    run = run_iteration(ctx.engine, lambda step, rate, budget, limit: forward(step.chunk, rate, step.phase, budget,
+                                                                              limit),
+                        rates, m_max_bytes=ctx.m_max_bytes, budgeted=policy.budgeted)
+    choices = iter(f.result for f in run.forwards)
     running: dict[int, object] = {}
-    held = peak = 0
     busy = 0.0
     fused = False
+    steps = ctx.steps
     last = len(steps) - 1
-    for i, (is_forward, index, microbatch, chunk, phase) in enumerate(steps):
-        if is_forward:
-            if assigner is not None:
-                budget = assigner.next_forward_budget()
-                limit = assigner.absorb_limit_bytes() if phase == WARMUP else None
-                choice = forward(chunk, rates[microbatch], phase, budget, limit)
-                assigner.record_forward(index, choice.kept_bytes)
-            else:
-                choice = forward(chunk, rates[microbatch], phase)
-            running[index] = choice
-            held += choice.kept_bytes
-            if held > peak:
-                peak = held
-            if choice.pair_s is not None and phase == STEADY and i < last and not steps[i + 1][0]:
+    for i, step in enumerate(steps):
+        if step.forward:
+            choice = running[step.index] = next(choices)
+            if choice.pair_s is not None and step.phase == STEADY and i < last and not steps[i + 1].forward:
                 busy += choice.pair_s
                 fused = True
             else:
                 busy += choice.forward_s
+        elif fused:
+            fused = False
         else:
-            choice = running.pop(index)
-            held -= choice.kept_bytes
-            if assigner is not None:
-                assigner.record_backward(index)
-            if fused:
-                fused = False
-            else:
-                busy += choice.backward_s
-    return busy, peak
+            busy += running[step.index].backward_s
+    return busy, run.peak_bytes
 
 
 class _Run:
@@ -198,11 +178,8 @@ class _Run:
     def __init__(self, model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, config: SimConfig,
                  plan_hardware: Hardware | None = None, downgrade: str = "graded"):
         self.parallel, self.hardware, self.config = parallel, hardware, config
-        self.stages = [StageContext(model, parallel, hardware, s, plan_hardware=plan_hardware, downgrade=downgrade)
-                       for s in range(parallel.pp)]
-        if config.m_max_bytes is not None:
-            for ctx in self.stages:
-                ctx.memory = dataclasses.replace(ctx.memory, m_max_bytes=config.m_max_bytes)
+        self.stages = [StageContext(model, parallel, hardware, s, plan_hardware=plan_hardware, downgrade=downgrade,
+                                    m_max_bytes=config.m_max_bytes) for s in range(parallel.pp)]
         self.flops = sum(ctx.model_flops() for ctx in self.stages) / parallel.pp
         self._policies: dict[str, list[StagePolicy]] = {}
         self._memo: dict[tuple, IterationResult] = {}

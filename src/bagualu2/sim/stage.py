@@ -1,15 +1,16 @@
-"""What the simulator knows of one pipeline stage: its memory and schedule, its graphs at any imbalance, and the
-memoised cost (``costmodel.evaluate``, the one evaluator) and fused order (``fusion.dp``) of a plan on them."""
+"""What the simulator knows of one pipeline stage: the runtime's stage engine (memory, schedule, graphs at any
+imbalance, memoised cost — ``costmodel.evaluate``, the one evaluator — and fused order of a plan) for planning,
+and for timing when the timing profile differs."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
-from ..costmodel import (Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, PlanCost, StageMemory, build_graph,
-                         evaluate)
+from ..costmodel import Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, PlanCost, StageMemory
 from ..costmodel.graph import MATMUL_KINDS
-from ..fusion import build_chains, dp
-from ..runtime import DecisionPath
+from ..costmodel.validate import require_int
+from ..runtime import DecisionPath, Stage
 
 
 class Choice(NamedTuple):
@@ -23,27 +24,38 @@ class Choice(NamedTuple):
     pair_s: float | None = None
 
 
+class ChoiceKey(NamedTuple):
+    """What running a plan on (chunk, imbalance) costs a policy, fused or not."""
+
+    chunk: int
+    imbalance: float
+    entries: tuple
+    fused: bool
+
+
 class StageContext:
-    """One stage of one model on one hardware. ``path`` is a fresh runtime :class:`DecisionPath` of the stage: its
-    ``stage_plan()`` gives the schedule, its ``graph()`` the memoised graphs, and the flexible policy decides with
-    it (``downgrade``: its gate, ``"graded"`` or ``"paper"``). ``plan_hardware`` (default ``hardware``): the
-    profile plans are made with — a trainer plans with its
-    configured profile while its time is that of the machine (``hardware``, e.g. fitted to it); plans are made on
-    graphs of ``plan_hardware`` and timed (``cost``, ``pair_s``, ``choice``) on graphs of ``hardware``."""
+    """One stage of one model on one hardware, for the simulator's policies. ``engine`` is the runtime
+    :class:`~bagualu2.runtime.Stage` plans are made on (``plan_hardware``'s): its memory and steps are the stage's,
+    its graphs the planning graphs, and ``path`` (a :class:`~bagualu2.runtime.DecisionPath` over it;
+    ``downgrade``: its gate, ``"graded"`` or ``"paper"``) decides for the flexible policies. ``plan_hardware``
+    (default ``hardware``): the profile plans are made with — a trainer plans with its configured profile while
+    its time is that of the machine (``hardware``, e.g. fitted to it); plans are timed (``cost``, ``pair_s``,
+    ``choice``) on the graphs of ``timing``, the engine of ``hardware`` (the planning engine when both profiles
+    are one). ``m_max_bytes``: the stage's activation capacity (default its ``M_max``)."""
 
     def __init__(self, model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, stage: int, *,
-                 plan_hardware: Hardware | None = None, downgrade: str = "graded"):
+                 plan_hardware: Hardware | None = None, downgrade: str = "graded", m_max_bytes: int | None = None):
         self.model, self.parallel, self.hardware, self.stage = model, parallel, hardware, stage
         self.plan_hardware = hardware if plan_hardware is None else plan_hardware
         self.separate_timing = self.plan_hardware != hardware  # are plans timed on another profile?
-        self.path = DecisionPath(model, parallel, self.plan_hardware, stage=stage, downgrade=downgrade)
-        self._timing: dict[tuple, OpGraph] = {}
-        memory, steps = self.path.stage_plan()
-        self.memory: StageMemory = memory
-        self.steps = steps
-        self._costs: dict[tuple, PlanCost] = {}
-        self._choices: dict[tuple, Choice] = {}
-        self._pairs: dict[tuple, float] = {}
+        self.engine = Stage(model, parallel, self.plan_hardware, stage=stage)
+        self.timing = Stage(model, parallel, hardware, stage=stage) if self.separate_timing else self.engine
+        self.path = DecisionPath.on(self.engine, downgrade=downgrade)
+        self.memory: StageMemory = self.engine.memory
+        if m_max_bytes is not None:
+            self.memory = dataclasses.replace(self.memory, m_max_bytes=require_int("m_max_bytes", m_max_bytes, 1))
+        self.steps = self.engine.steps
+        self._choices = self.timing.memo.table(ChoiceKey)
 
     @property
     def m_max_bytes(self) -> int:
@@ -60,40 +72,23 @@ class StageContext:
 
     def graph(self, chunk: int, imbalance: float) -> OpGraph:
         """The graph plans are made on (``plan_hardware``'s)."""
-        return self.path.graph(chunk, imbalance)
+        return self.engine.graph(chunk, imbalance)
 
     def timing_graph(self, chunk: int, imbalance: float) -> OpGraph:
         """The graph plans are timed on (``hardware``'s; the planning graph when both profiles are one)."""
-        if not self.separate_timing:
-            return self.path.graph(chunk, imbalance)
-        found = self._timing.get((chunk, imbalance))
-        if found is None:
-            found = self._timing[(chunk, imbalance)] = build_graph(self.model, self.parallel, self.hardware,
-                                                                   imbalance=imbalance, stage=self.stage,
-                                                                   chunk=chunk)
-        return found
+        return self.timing.graph(chunk, imbalance)
 
     def cost(self, chunk: int, imbalance: float, plan: Plan) -> PlanCost:
-        key = (chunk, imbalance, plan.entries)
-        found = self._costs.get(key)
-        if found is None:
-            found = self._costs[key] = evaluate(self.timing_graph(chunk, imbalance), plan)
-        return found
+        return self.timing.cost(plan, imbalance, chunk)
 
     def pair_s(self, chunk: int, imbalance: float, plan: Plan) -> float:
         """Fused makespan of a steady F_x B_y scheduling point with x's graph and plan on both sides (the
-        runtime's convention, ``DecisionPath``'s orders)."""
-        key = (chunk, imbalance, plan.entries)
-        found = self._pairs.get(key)
-        if found is None:
-            graph = self.timing_graph(chunk, imbalance)
-            chains = build_chains(graph, plan, graph, plan, hardware=self.hardware)
-            found = self._pairs[key] = dp.solve(chains, pipeline_degree=self.parallel.pp).makespan_s
-        return found
+        runtime's convention, ``Stage.point_order``)."""
+        return self.timing.point_order(plan, imbalance, chunk).makespan_s
 
     def choice(self, chunk: int, imbalance: float, plan: Plan, *, fused: bool = False) -> Choice:
         """The :class:`Choice` of running ``plan`` on ``chunk`` at ``imbalance`` (memoised)."""
-        key = (chunk, imbalance, plan.entries, fused)
+        key = ChoiceKey(chunk, imbalance, plan.entries, fused)
         found = self._choices.get(key)
         if found is None:
             cost = self.cost(chunk, imbalance, plan)

@@ -1,0 +1,227 @@
+"""The stage engine: what every decision about one pipeline stage is made over.
+
+A :class:`Stage` owns
+
+* the stage's **memory** (``StageMemory``: ``M_max``, ``M0``, the in-flight count) and its **steps**: the
+  (interleaved) 1F1B schedule's forwards and backwards in order, each a :class:`Step`;
+* its **graphs** per (chunk, imbalance): built once and shared by every user of the stage (the graph of an
+  imbalance reuses the balanced graph's decisions for tensors that do not scale with it);
+* the **chunk aliases**: virtual chunks whose graphs are the same up to layer numbering decide alike, so they share
+  one canonical chunk's results and only the names in their plans move;
+* **one bounded memo** (:class:`Memo`) of pure results under typed keys: plan costs (``costmodel.evaluate``, the
+  one evaluator), fused orders (``fusion.dp``) and the intermediate results of the decision functions built on the
+  stage (``DecisionPath``, ``PointOrders``, ``exec.DeferredPlanner``, the simulator's policies).
+
+``cache=False`` turns the memo off: every lookup misses and nothing is stored, so every result is computed again
+(slower, and the same: a test compares every decision both ways). The graphs are the stage's, not the memo's.
+:func:`~.iteration.run_iteration` is the one loop over a stage's steps.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, NamedTuple
+
+from ..budget import BudgetPhase
+from ..costmodel import (Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, PlanCost, StageMemory, build_graph,
+                         evaluate, schedule, stage_memory)
+from ..costmodel.validate import require_int
+from ..fusion import Chains, Order, build_chains, dp
+from ..fusion.baselines import sequential
+from ..mitigation.space import share_decisions
+from .keys import chunk_aliases
+
+MAX_ENTRIES = 4096  # default bound of each key kind in the memo
+
+
+class Step(NamedTuple):
+    """One step of a stage's schedule: a chunk-forward (``forward``) or a chunk-backward of ``microbatch``.
+    ``index`` numbers the chunk-forwards in schedule order (the budget's slot; a backward carries its forward's);
+    ``phase`` is a forward's budget phase (``"warmup"`` for the first in-flight-count forwards, else
+    ``"steady"``; ``""`` for a backward)."""
+
+    forward: bool
+    index: int
+    microbatch: int
+    chunk: int
+    phase: str
+
+
+class CostKey(NamedTuple):
+    """``evaluate`` of a plan on the graph of (chunk, imbalance)."""
+
+    entries: tuple
+    imbalance: float
+    chunk: int
+
+
+class OrderKey(NamedTuple):
+    """A fused order: what the DP reads of the four chains, each chain's (resource, duration) stages."""
+
+    stages: tuple
+
+
+class PointKey(NamedTuple):
+    """The order of a scheduling point whose micro-batches all run one plan on one graph (``warmup``: F and O
+    only)."""
+
+    entries: tuple
+    imbalance: float
+    chunk: int
+    warmup: bool
+
+
+class Memo:
+    """One bounded memo of pure results, a table per key type. ``table(KeyType)`` is a dict the caller looks up
+    and stores into directly (the hot path); each table holds at most ``max_entries`` entries and is emptied when
+    full. ``enabled=False``: every table forgets what it is given (lookups miss, stores are dropped)."""
+
+    def __init__(self, *, enabled: bool = True, max_entries: int = MAX_ENTRIES):
+        self.enabled = bool(enabled)
+        self.max_entries = require_int("max_entries", max_entries, 1)
+        self._tables: dict[type, dict] = {}
+
+    def table(self, kind: type) -> dict:
+        found = self._tables.get(kind)
+        if found is None:
+            found = self._tables[kind] = _Bounded(self.max_entries) if self.enabled else _Forgetful()
+        return found
+
+    def sizes(self) -> dict[str, int]:
+        """Entries held per key type."""
+        return {kind.__name__: len(table) for kind, table in self._tables.items()}
+
+    def clear(self) -> None:
+        for table in self._tables.values():
+            table.clear()
+
+
+class _Bounded(dict):
+    __slots__ = ("limit",)
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.limit = limit
+
+    def __setitem__(self, key: Hashable, value) -> None:
+        if len(self) >= self.limit and key not in self:
+            self.clear()
+        dict.__setitem__(self, key, value)
+
+
+class _Forgetful(dict):
+    __slots__ = ()
+
+    def get(self, key, default=None):
+        return default
+
+    def __setitem__(self, key, value) -> None:
+        pass
+
+    def setdefault(self, key, default=None):
+        return default
+
+
+class Stage:
+    """The engine of pipeline stage ``stage`` of a model on a hardware profile (module docstring).
+
+      cache         the memo on (default) or off (every result recomputed; for checks).
+      max_entries   the most entries of one key type the memo holds.
+    """
+
+    def __init__(self, model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, *, stage: int = 0,
+                 cache: bool = True, max_entries: int = MAX_ENTRIES):
+        self.model, self.parallel, self.hardware = model, parallel, hardware
+        self.stage = require_int("stage", stage, 0, parallel.pp)
+        self.memo = Memo(enabled=cache, max_entries=max_entries)
+        self._graphs: dict[tuple[int, float], OpGraph] = {}
+        self.memory: StageMemory = stage_memory(model, parallel, hardware, stage=self.stage)
+        self.steps: tuple[Step, ...] = self._steps()
+        self.aliases: dict[int, tuple[int, int]] = chunk_aliases({c: self.graph(c, 1.0) for c in range(parallel.vp)})
+        self._costs = self.memo.table(CostKey)
+        self._orders = self.memo.table(OrderKey)
+        self._points = self.memo.table(PointKey)
+
+    @property
+    def cache(self) -> bool:
+        return self.memo.enabled
+
+    @property
+    def num_forwards(self) -> int:
+        """Chunk-forwards per iteration (micro-batches x virtual chunks)."""
+        return len(self.steps) // 2
+
+    def _steps(self) -> tuple[Step, ...]:
+        index: dict[tuple[int, int], int] = {}
+        steps = []
+        for action in schedule(self.parallel, self.stage):
+            key = (action.microbatch, action.chunk)
+            phase = ""
+            if action.kind == "F":
+                phase = (BudgetPhase.WARMUP if len(index) < self.memory.inflight_chunks else BudgetPhase.STEADY).value
+                index[key] = len(index)
+            steps.append(Step(action.kind == "F", index[key], action.microbatch, action.chunk, phase))
+        return tuple(steps)
+
+    def graph(self, chunk: int, imbalance: float) -> OpGraph:
+        """The graph of ``chunk`` at ``imbalance`` (built once)."""
+        key = (chunk, imbalance)
+        found = self._graphs.get(key)
+        if found is None:
+            found = self._graphs[key] = build_graph(self.model, self.parallel, self.hardware, imbalance=imbalance,
+                                                    stage=self.stage, chunk=chunk)
+            balanced = self._graphs.get((chunk, 1.0))
+            if balanced is not None:  # the decisions of tensors that do not scale with the imbalance, reused
+                share_decisions(found, balanced)
+        return found
+
+    def cost(self, plan: Plan, imbalance: float, chunk: int) -> PlanCost:
+        """``evaluate(graph(chunk, imbalance), plan)``, memoised."""
+        key = CostKey(plan.entries, imbalance, chunk)
+        found = self._costs.get(key)
+        if found is None:
+            found = self._costs[key] = evaluate(self.graph(chunk, imbalance), plan)
+        return found
+
+    def remember_cost(self, plan: Plan, imbalance: float, chunk: int, cost: PlanCost) -> None:
+        """Store a cost a solver already got from ``evaluate`` for this plan on this graph (never recomputed)."""
+        key = CostKey(plan.entries, imbalance, chunk)
+        if key not in self._costs:
+            self._costs[key] = cost
+
+    def order(self, chains: Chains) -> Order:
+        """The fused order of ``chains``: the DP's (``fusion.dp``), or the sequential order at pipeline degree
+        <= 2 (where the DP does not apply); memoised by what the DP reads, each chain's stage resources and
+        durations, so points that differ elsewhere share one order."""
+        key = OrderKey(tuple(None if chain is None else tuple((s.resource, s.duration_ns) for s in chain.stages)
+                             for chain in (chains.forward, chains.backward, chains.offload, chains.recovery)))
+        found = self._orders.get(key)
+        if found is None:
+            found = self._orders[key] = (sequential(chains) if self.parallel.pp <= 2
+                                         else dp.solve(chains, pipeline_degree=self.parallel.pp))
+        return found
+
+    def point_order(self, plan: Plan, imbalance: float, chunk: int, *, warmup: bool = False) -> Order:
+        """The order of a scheduling point whose micro-batches run ``plan`` on the graph of (chunk, imbalance): in
+        the steady phase F_x B_y (O and R from the same plan); in warmup F_x with the offload of x-1 only."""
+        key = PointKey(plan.entries, imbalance, chunk, warmup)
+        found = self._points.get(key)
+        if found is None:
+            graph = self.graph(chunk, imbalance)
+            chains = (build_chains(graph, plan, None, None, hardware=self.hardware) if warmup
+                      else build_chains(graph, plan, graph, plan, hardware=self.hardware))
+            found = self._points[key] = self.order(chains)
+        return found
+
+    def check_chunk(self, chunk) -> tuple[int, int]:
+        """``(canonical chunk, layer offset)`` of ``chunk``; one-line ``ValueError`` for a chunk not of the stage."""
+        try:
+            alias = None if isinstance(chunk, bool) else self.aliases.get(chunk)
+        except TypeError:  # unhashable
+            alias = None
+        if alias is None:
+            raise ValueError(f"chunk must be an integer in [0, vp={self.parallel.vp}), got {chunk!r}")
+        return alias
+
+    def __repr__(self) -> str:
+        return (f"Stage(stage={self.stage}, pp={self.parallel.pp}, vp={self.parallel.vp}, "
+                f"steps={len(self.steps)}, cache={self.cache})")
