@@ -1,5 +1,5 @@
-"""Fusion speed: the DP of one GLM-1041B-A35B scheduling point, an order-cache hit, and the whole decision path
-of one iteration replayed over a 100-iteration spike trace."""
+"""Fusion speed: the DP of one GLM-1041B-A35B scheduling point, a memo hit of the stage's order function
+(``runtime.Stage.order``), and the whole decision path of one iteration replayed over a 100-iteration spike trace."""
 
 import gc
 
@@ -8,7 +8,7 @@ import pytest
 from bagualu2.costmodel import build_graph, presets
 from bagualu2.fusion import build_chains, dp
 from bagualu2.mitigation import greedy
-from bagualu2.runtime import DecisionPath, OrderCache, replay_iteration, spike_trace
+from bagualu2.runtime import DecisionPath, Stage, replay_iteration, spike_trace
 
 MODEL, PARALLEL = presets.model("glm-1041b-a35b")
 HW = presets.hardware("paper-gpu")
@@ -29,11 +29,13 @@ def test_dp_scheduling_point(benchmark, step):
     benchmark.extra_info["stages"] = chains.counts()
 
 
-def test_order_cache_hit(benchmark):
+def test_order_memo_hit(benchmark):
+    """``Stage.order`` of the same chains again: the key (each chain's stage resources and durations) and a lookup
+    in the stage's memo."""
     chains = _chains(2)
-    cache = OrderCache()
-    cache.get(1 << 31, 1.6, "steady", lambda: chains, dp.solve)
-    assert benchmark(cache.get, 1 << 31, 1.6, "steady", lambda: chains, dp.solve).makespan_ns > 0
+    engine = Stage(MODEL, PARALLEL, HW, stage=0)
+    first = engine.order(chains)
+    assert benchmark(engine.order, chains) is first and first.makespan_ns > 0
 
 
 def _collect_garbage():

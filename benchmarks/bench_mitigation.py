@@ -1,10 +1,11 @@
-"""Solver speed: greedy and exact on one GLM-1041B-A35B stage micro-batch, and a plan-cache hit."""
+"""Solver speed: greedy and exact on one GLM-1041B-A35B stage micro-batch, and a memo hit of a plan's cost
+(``runtime.Stage.cost``)."""
 
 import pytest
 
 from bagualu2.costmodel import build_graph, presets
 from bagualu2.mitigation import exact, greedy
-from bagualu2.runtime import PlanCache
+from bagualu2.runtime import Stage
 
 MODEL, PARALLEL = presets.model("glm-1041b-a35b")
 HW = presets.hardware("paper-gpu")
@@ -25,9 +26,9 @@ def test_exact(benchmark, step):
     assert result.ok
 
 
-def test_cache_hit(benchmark):
-    cache = PlanCache()
-    budget = (LO + HI) // 2
-    cache.get(budget, 1.2, "steady", lambda r: GRAPH)
-    solution = benchmark(cache.get, budget, 1.2, "steady", lambda r: GRAPH)
-    assert solution.ok and cache.hits >= 1
+def test_cost_memo_hit(benchmark):
+    """``Stage.cost`` of the same plan on the same (chunk, imbalance) again: a lookup in the stage's memo."""
+    engine = Stage(MODEL, PARALLEL, HW, stage=0)
+    plan = greedy.solve(GRAPH, (LO + HI) // 2).plan
+    first = engine.cost(plan, 1.2, 0)
+    assert benchmark(engine.cost, plan, 1.2, 0) is first

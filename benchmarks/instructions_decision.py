@@ -1,7 +1,7 @@
 """Deterministic cost of the decision path: CPU instructions of the bench's 100-iteration round, under valgrind.
 
 Wall time on a shared machine drifts by ±20% from minute to minute; instruction counts do not. This script runs
-the timed loop of ``replay_iteration`` (budget, decision, re-basing; ``benchmarks/bench_fusion.py -k decision``'s
+the timed loop of ``run_iteration`` (budget, decision, re-basing; ``benchmarks/bench_fusion.py -k decision``'s
 trace and preset, fresh caches) and, with ``--setup-only``, everything but that loop. Their difference is the
 decision path's instruction count:
 
@@ -33,20 +33,20 @@ def main() -> None:
     args = parser.parse_args()
     trace = spike_trace(100 * PARALLEL.num_microbatches, spike_rate=0.029, max_imbalance=2.6, seed=0)
     path = DecisionPath(MODEL, PARALLEL, HW)
-    memory, steps = path.stage_plan()
+    memory, steps = path.engine.memory, path.engine.steps
 
-    def iteration(imbalances) -> None:  # replay_iteration's timed loop
+    def iteration(imbalances) -> None:  # run_iteration's timed loop (budget, decision, re-basing)
         assigner = BudgetAssigner(m_max_bytes=memory.m_max_bytes, m0_bytes=memory.m0_bytes,
                                   num_microbatches=len(steps) // 2, num_warmup=memory.inflight_chunks)
         peak = 0
-        for is_forward, index, microbatch, chunk, phase in steps:
-            if not is_forward:
-                assigner.record_backward(index)
+        for step in steps:
+            if not step.forward:
+                assigner.record_backward(step.index)
                 continue
             budget = assigner.next_forward_budget()
-            decision = path.forward(budget, imbalances[microbatch], phase, chunk,
-                                    limit_bytes=assigner.absorb_limit_bytes() if phase == "warmup" else None)
-            peak = max(peak, assigner.record_forward(index, decision.kept_bytes))
+            decision = path.forward(budget, imbalances[step.microbatch], step.phase, step.chunk,
+                                    limit_bytes=assigner.absorb_limit_bytes() if step.phase == "warmup" else None)
+            peak = max(peak, assigner.record_forward(step.index, decision.kept_bytes))
         assert peak <= memory.m_max_bytes
 
     rounds = 0 if args.setup_only else 2 if args.twice else 1

@@ -39,28 +39,28 @@ def replay(model, parallel, hardware, stage: int, trace, iterations: int, downgr
     """``(forward rows, peak in-flight bytes, M_max, decision seconds)`` of ``iterations`` replayed iterations."""
     options = {"downgrade": downgrade, **(extra or {})} if NEW else {}
     path = DecisionPath(model, parallel, hardware, stage=stage, **options)
-    memory, steps = path.stage_plan()
+    memory, steps = path.engine.memory, path.engine.steps
     rows, peak, spent = [], 0, 0.0
     for it in range(iterations):
         window = trace[it * parallel.num_microbatches:(it + 1) * parallel.num_microbatches]
         assigner = BudgetAssigner(m_max_bytes=memory.m_max_bytes, m0_bytes=memory.m0_bytes,
                                   num_microbatches=len(steps) // 2, num_warmup=memory.inflight_chunks)
-        for is_forward, index, microbatch, chunk, phase in steps:
-            if not is_forward:
-                assigner.record_backward(index)
+        for step in steps:
+            if not step.forward:
+                assigner.record_backward(step.index)
                 continue
             started = time.perf_counter()
             budget = assigner.next_forward_budget()
-            imbalance = window[microbatch]
+            imbalance = window[step.microbatch]
             if NEW:
-                limit = assigner.absorb_limit_bytes() if phase == "warmup" else None
-                decision = path.forward(budget, imbalance, phase, chunk, limit_bytes=limit)
+                limit = assigner.absorb_limit_bytes() if step.phase == "warmup" else None
+                decision = path.forward(budget, imbalance, step.phase, step.chunk, limit_bytes=limit)
             else:
-                decision = path.forward(budget, imbalance, phase, chunk)
-            held = assigner.record_forward(index, decision.kept_bytes)
+                decision = path.forward(budget, imbalance, step.phase, step.chunk)
+            held = assigner.record_forward(step.index, decision.kept_bytes)
             spent += time.perf_counter() - started
             peak = max(peak, held)
-            rows.append((chunk, imbalance, budget, decision.plan))
+            rows.append((step.chunk, imbalance, budget, decision.plan))
     return rows, peak, memory.m_max_bytes, spent
 
 

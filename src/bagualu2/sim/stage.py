@@ -41,15 +41,17 @@ class StageContext:
     (default ``hardware``): the profile plans are made with — a trainer plans with its configured profile while
     its time is that of the machine (``hardware``, e.g. fitted to it); plans are timed (``cost``, ``pair_s``,
     ``choice``) on the graphs of ``timing``, the engine of ``hardware`` (the planning engine when both profiles
-    are one). ``m_max_bytes``: the stage's activation capacity (default its ``M_max``)."""
+    are one). ``m_max_bytes``: the stage's activation capacity (default its ``M_max``); ``cache``: the engines'
+    memo on or off (``runtime.Stage``)."""
 
     def __init__(self, model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, stage: int, *,
-                 plan_hardware: Hardware | None = None, downgrade: str = "graded", m_max_bytes: int | None = None):
+                 plan_hardware: Hardware | None = None, downgrade: str = "graded", m_max_bytes: int | None = None,
+                 cache: bool = True):
         self.model, self.parallel, self.hardware, self.stage = model, parallel, hardware, stage
         self.plan_hardware = hardware if plan_hardware is None else plan_hardware
         self.separate_timing = self.plan_hardware != hardware  # are plans timed on another profile?
-        self.engine = Stage(model, parallel, self.plan_hardware, stage=stage)
-        self.timing = Stage(model, parallel, hardware, stage=stage) if self.separate_timing else self.engine
+        self.engine = Stage(model, parallel, self.plan_hardware, stage=stage, cache=cache)
+        self.timing = Stage(model, parallel, hardware, stage=stage, cache=cache) if self.separate_timing else self.engine
         self.path = DecisionPath.on(self.engine, downgrade=downgrade)
         self.memory: StageMemory = self.engine.memory
         if m_max_bytes is not None:
