@@ -112,6 +112,22 @@ class PreBytesKey(NamedTuple):
     chunk: int
 
 
+class PreBudgetKey(NamedTuple):
+    """The pre-gate plan of an exact budget (what the need grid maps it to)."""
+
+    budget: int
+    planned: float
+    chunk: int
+
+
+class LevelKey(NamedTuple):
+    """The gate's need level of an exact budget on an imbalance bucket's graph, and the budget decided for."""
+
+    budget: int
+    bucket: float
+    chunk: int
+
+
 class ShiftKey(NamedTuple):
     """A plan moved by a layer offset (an aliased chunk's names)."""
 
@@ -209,6 +225,7 @@ class DecisionPath:
         self._seen, self._rows = memo.table(SeenKey), memo.table(RowKey)
         self._pregate, self._pre_bytes, self._shifted = memo.table(PreGateKey), memo.table(PreBytesKey), memo.table(
             ShiftKey)
+        self._pre_budget, self._levels = memo.table(PreBudgetKey), memo.table(LevelKey)
         # state, not memo: the ids of the pre-gate plans made, and the gate decisions made per need level
         self._pre_ids: dict[tuple, int] = {(): 0}
         self._outcomes: dict[tuple, _Outcome] = {}
@@ -300,7 +317,10 @@ class DecisionPath:
                 limit_bytes: int | None) -> Decision:
         """A forward whose budget does not cover its unmitigated bytes: steps 2-4 of the module docstring."""
         row, tokens, chunk, offset = seen.row, seen.tokens, seen.chunk, seen.offset  # the canonical chunk's
-        pre = self._pre_gate(budget_bytes, planned, chunk)
+        pre = self._pre_budget.get((budget_bytes, planned, chunk))
+        if pre is None:
+            pre = self._pre_budget[PreBudgetKey(budget_bytes, planned, chunk)] = self._pre_gate(budget_bytes, planned,
+                                                                                              chunk)
         outcome = None
         if limit_bytes is not None and phase == WARMUP and self.downgrade == "graded":
             key = PreBytesKey(pre.id, row.bucket, chunk)
@@ -310,7 +330,11 @@ class DecisionPath:
             if budget_bytes < split[0] + split[1] * tokens <= limit_bytes:  # the pre-gate plan's bytes at r
                 outcome = self._outcome(pre, ABSORBED, row, chunk, budget_bytes)  # the next budgets shrink
         if outcome is None:
-            level, decided = self.needs.level(row.unmitigated_bytes, row.graph.floor_bytes, budget_bytes)
+            found = self._levels.get((budget_bytes, row.bucket, chunk))
+            if found is None:
+                found = self._levels[LevelKey(budget_bytes, row.bucket, chunk)] = self.needs.level(
+                    row.unmitigated_bytes, row.graph.floor_bytes, budget_bytes)
+            level, decided = found
             outcome = self._outcome(pre, level, row, chunk, decided, budget_bytes, tokens)
         plan = outcome.plan
         if offset and plan.entries:  # plans are moved back to this chunk's layers by ``offset``
