@@ -1,6 +1,6 @@
 """Cost-model accuracy on CPU: predicted vs measured activation bytes of the reference model, per configuration.
 
-Each row runs ``python -m reference_trainer.measure`` (EP=1) or ``torchrun --nproc_per_node=N ... --ep N`` (gloo)
+Each row runs ``python -m reference_trainer.experiments.measure`` (EP=1) or ``torchrun --nproc_per_node=N ... --ep N`` (gloo)
 for one configuration — dense and MoE, EP 1/2/4, imbalance 1.0–2.6, sequence lengths 32 and 64, FP32 and BF16,
 plans with each strategy, a full recompute and a deferred downgrade — and prints a markdown table with the
 relative error ``(measured - predicted) / predicted`` and its mean and max magnitude.
@@ -51,7 +51,7 @@ def _full_plan(preset: str, seq_length: int, dtype: str) -> str:
 def measure(preset: str, ep: int, imbalance: float, seq_length: int, dtype: str, plan: str, extra) -> dict:
     if plan == FULL_DENSE:
         plan = _full_plan(preset, seq_length, dtype)
-    args = ["-m", "reference_trainer.measure", "--preset", preset, "--ep", str(ep), "--imbalance", str(imbalance),
+    args = ["-m", "reference_trainer.experiments.measure", "--preset", preset, "--ep", str(ep), "--imbalance", str(imbalance),
             "--seq-length", str(seq_length), "--dtype", dtype, "--plan", plan, "--json", *extra]
     command = ([str(TORCHRUN), "--standalone", f"--nproc_per_node={ep}", *args] if ep > 1
                else [sys.executable, *args])

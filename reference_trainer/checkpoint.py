@@ -33,7 +33,6 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 FORMAT = "bagualu2-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -179,16 +178,23 @@ def _check(path: Path, step: int | None, hashes: bool) -> dict[str, Any]:
     return manifest
 
 
-class _FailingWriter(dcp.FileSystemWriter):
+def _dcp():
+    """``torch.distributed.checkpoint``, imported on first use (a second of start-up every run without
+    checkpoints would otherwise pay)."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
+
+
+def _failing_writer(path: Path, error: OSError):
     """DCP's file-system writer whose writes end with ``error`` after writing (fault injection: a full disk)."""
 
-    def __init__(self, path: Path, error: OSError):
-        super().__init__(path)
-        self.error = error
+    class FailingWriter(_dcp().FileSystemWriter):
+        def write_data(self, plan, planner):
+            super().write_data(plan, planner).wait()
+            raise error
 
-    def write_data(self, plan, planner):
-        super().write_data(plan, planner).wait()
-        raise self.error
+    return FailingWriter(path)
 
 
 def _os_cause(exc: BaseException | None, where: Path) -> str:
@@ -204,7 +210,7 @@ def _os_cause(exc: BaseException | None, where: Path) -> str:
         if isinstance(item, OSError) and item.errno is not None:
             name = errno.errorcode.get(item.errno, str(item.errno))
             return f"{item.strerror or os.strerror(item.errno)} ({name})"
-        if isinstance(item, dcp.CheckpointException):
+        if isinstance(item, _dcp().CheckpointException):
             queue.extend(inner for inner, _ in item.failures.values())
         queue.extend((item.__cause__, item.__context__))
     try:
@@ -261,10 +267,11 @@ def save(directory: str | os.PathLike[str], step: int, state: dict[str, Any], *,
 
     tmp_name, started = _on_rank0(prepare)
     tmp = Path(tmp_name)
+    dcp = _dcp()
     try:
         with _quiet():
             if write_error is not None:
-                dcp.save(state, storage_writer=_FailingWriter(tmp, write_error))
+                dcp.save(state, storage_writer=_failing_writer(tmp, write_error))
             else:
                 dcp.save(state, checkpoint_id=tmp)
     except (Exception, dcp.CheckpointException) as exc:  # DCP gathers every rank's failure: all ranks are here
@@ -364,6 +371,7 @@ def load(path: str | os.PathLike[str], state: dict[str, Any]) -> int:
         return int(manifest["step"])
 
     step = _on_rank0(check)
+    dcp = _dcp()
     try:
         with _quiet():
             dcp.load(state, checkpoint_id=ckpt)
@@ -372,7 +380,7 @@ def load(path: str | os.PathLike[str], state: dict[str, Any]) -> int:
     return step
 
 
-def _failure(exc: dcp.CheckpointException) -> str:
+def _failure(exc) -> str:
     """The first rank's underlying error of a DCP exception, on one line."""
     rank, (inner, _) = min(exc.failures.items(), key=lambda item: item[0])
     return f"rank {rank}: {type(inner).__name__}: {(str(inner).splitlines() or [''])[0]}"

@@ -162,7 +162,7 @@ def test_tracker_cap_and_accounting_are_shared():
 
 @pytest.mark.slow
 def test_measure_cli_with_offload_plan():
-    result = subprocess.run([sys.executable, "-m", "reference_trainer.measure", "--preset", "tiny-moe",
+    result = subprocess.run([sys.executable, "-m", "reference_trainer.experiments.measure", "--preset", "tiny-moe",
                              "--seq-length", "32", "--plan", "core_attn=OFFLOAD,expert_fc1=QUANTIZE", "--json"],
                             capture_output=True, text=True, cwd=ROOT, check=True)
     record = json.loads(result.stdout)

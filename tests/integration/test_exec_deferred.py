@@ -105,7 +105,7 @@ def test_spike_under_expert_parallelism_is_downgraded():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def measure(*extra):
-        proc = subprocess.run([str(TORCHRUN), "--standalone", "--nproc_per_node=2", "-m", "reference_trainer.measure",
+        proc = subprocess.run([str(TORCHRUN), "--standalone", "--nproc_per_node=2", "-m", "reference_trainer.experiments.measure",
                                "--preset", "tiny-moe", "--ep", "2", "--imbalance", "2", "--json", *extra],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr[-3000:]

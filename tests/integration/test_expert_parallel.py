@@ -1,6 +1,6 @@
 """Expert parallelism of the reference model on CPU/gloo: measured vs predicted activation bytes under torchrun.
 
-Each case launches ``torchrun --standalone --nproc_per_node=N -m reference_trainer.measure --ep N ...``: rank 0
+Each case launches ``torchrun --standalone --nproc_per_node=N -m reference_trainer.experiments.measure --ep N ...``: rank 0
 receives ``R`` x the mean routed tokens (router bias), measures what its forward keeps and prints one JSON line.
 Every rank runs backward, so a completed run also exercises the backward all-to-alls.
 """
@@ -30,7 +30,7 @@ def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
 
 
 def _measure(nproc: int, imbalance: float, plan: str = "none") -> dict:
-    proc = _torchrun(nproc, "-m", "reference_trainer.measure", "--preset", "tiny-moe", "--ep", str(nproc),
+    proc = _torchrun(nproc, "-m", "reference_trainer.experiments.measure", "--preset", "tiny-moe", "--ep", str(nproc),
                      "--imbalance", str(imbalance), "--plan", plan, "--json")
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -39,7 +39,7 @@ def _measure(nproc: int, imbalance: float, plan: str = "none") -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ep, imbalance", [(2, 1.0), (2, 2.0), (4, 1.0), (4, 2.0)])
+@pytest.mark.parametrize("ep, imbalance", [(2, 1.0), (4, 2.0)])  # (2, 2.0): test_offload_plan_under_ep
 def test_measured_bytes_match_prediction_under_ep(ep, imbalance):
     record = _measure(ep, imbalance)
     assert record["ep"] == ep
@@ -62,11 +62,11 @@ def test_offload_plan_under_ep():
 
 @pytest.mark.slow
 def test_ep_rejects_imbalance_above_ep_and_wrong_world_size():
-    proc = _torchrun(2, "-m", "reference_trainer.measure", "--preset", "tiny-moe", "--ep", "2", "--imbalance", "3",
+    proc = _torchrun(2, "-m", "reference_trainer.experiments.measure", "--preset", "tiny-moe", "--ep", "2", "--imbalance", "3",
                      "--json")
     assert proc.returncode != 0
     assert "error: --imbalance" in proc.stderr
-    single = subprocess.run([sys.executable, "-m", "reference_trainer.measure", "--preset", "tiny-moe", "--ep", "2",
+    single = subprocess.run([sys.executable, "-m", "reference_trainer.experiments.measure", "--preset", "tiny-moe", "--ep", "2",
                              "--json"], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert single.returncode == 2 and single.stderr.startswith("error: --ep")
 

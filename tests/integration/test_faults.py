@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from reference_trainer.chaos import has_traceback
+from reference_trainer.experiments.chaos import has_traceback
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -29,7 +29,9 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 TIMEOUT_S = 300
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
        "BAGUALU2_CHECK_COLLECTIVES": "1"}  # every run checks its collective order
-COMMON = ["--steps", "5", "--seed", "11", "--spike-rate", "0.15", "--spike-max", "2.6"]
+# two ranks, one pipeline of two stages (p2p, fused points, a checkpoint shard per stage); expert parallelism, spikes
+# and the collective checker across an EP group are the non-finite and divergence cases' layout (PP1 x DP2, EP2)
+COMMON = ["--steps", "5", "--seed", "11", "--pp", "2", "--dp", "1", "--ep", "1"]
 
 
 def launch(nproc: int, *args: str, faults: str = "", restarts: int = 0) -> subprocess.CompletedProcess:
@@ -64,13 +66,13 @@ def errors(proc: subprocess.CompletedProcess, prefix: str = "error:") -> list[st
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> list[tuple[int, float]]:
     metrics = tmp_path_factory.mktemp("uninterrupted") / "full.jsonl"
-    ok(launch(4, *COMMON, "--metrics-file", str(metrics)))
+    ok(launch(2, *COMMON, "--metrics-file", str(metrics)))
     return losses(metrics)
 
 
 def test_sigkill_mid_step_and_during_a_checkpoint_write_resume_bitwise(tmp_path, uninterrupted):
     metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
-    proc = launch(4, *COMMON, "--metrics-file", str(metrics), "--checkpoint-dir", str(ckpt), "--checkpoint-every",
+    proc = launch(2, *COMMON, "--metrics-file", str(metrics), "--checkpoint-dir", str(ckpt), "--checkpoint-every",
                   "1", faults="kill@1:rank=1,kill@2:rank=0:at=checkpoint:launch=1", restarts=2)
     ok(proc)
     assert losses(metrics) == uninterrupted
@@ -85,7 +87,7 @@ def test_sigkill_mid_step_and_during_a_checkpoint_write_resume_bitwise(tmp_path,
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    resumed = launch(4, *COMMON, "--metrics-file", str(metrics), "--checkpoint-dir", str(ckpt), "--resume")
+    resumed = launch(2, *COMMON, "--metrics-file", str(metrics), "--checkpoint-dir", str(ckpt), "--resume")
     ok(resumed)
     refused = [line for line in resumed.stderr.splitlines() if line.startswith("warning: checkpoint")
                and "step-00000005" in line]
@@ -96,8 +98,8 @@ def test_sigkill_mid_step_and_during_a_checkpoint_write_resume_bitwise(tmp_path,
 
 def test_sigstop_is_detected_within_the_collective_timeout_restarted_and_resumed(tmp_path, uninterrupted):
     metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
-    proc = launch(4, *COMMON, "--metrics-file", str(metrics), "--checkpoint-dir", str(ckpt), "--checkpoint-every",
-                  "1", "--collective-timeout", "4", faults="stop@2:rank=3", restarts=1)
+    proc = launch(2, *COMMON, "--metrics-file", str(metrics), "--checkpoint-dir", str(ckpt), "--checkpoint-every",
+                  "1", "--collective-timeout", "4", faults="stop@2:rank=1", restarts=1)
     ok(proc)
     assert losses(metrics) == uninterrupted
     stalled = [line for line in errors(proc) if "made no progress" in line or "a collective failed" in line]
@@ -160,7 +162,7 @@ def test_checkpoint_write_failures_are_one_warning_and_the_previous_checkpoint_i
 
 
 def test_a_small_chaos_subset_finishes_and_prints_its_table():
-    proc = subprocess.run([sys.executable, "-m", "reference_trainer.chaos", "--policies", "static-under", "--seeds",
+    proc = subprocess.run([sys.executable, "-m", "reference_trainer.experiments.chaos", "--policies", "static-under", "--seeds",
                            "3", "--layouts", "pp1-dp2-ep2", "--spike-rates", "0.3", "--steps", "3", "--bound-s",
                            "240", "--collective-timeout", "30", "--json"], cwd=ROOT, env=ENV, capture_output=True,
                           text=True, timeout=TIMEOUT_S)

@@ -25,7 +25,8 @@ def test_a_torch_free_install_runs_the_algorithms_and_names_the_extra(tmp_path):
     source = tmp_path / "source"  # a copy: building in place would leave build/ in the checkout
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", ".venv*", "build", "*.egg-info", "__pycache__",
                                                                 ".pytest_cache", ".hypothesis", ".benchmarks"))
-    install = subprocess.run([str(python), "-m", "pip", "install", "-q", str(source)], env=env, capture_output=True,
+    install = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-compile", "--disable-pip-version-check",
+                              str(source)], env=env, capture_output=True,
                              text=True, timeout=900)
     assert install.returncode == 0, install.stderr[-3000:]
     code = ("import importlib.util, sys\n"

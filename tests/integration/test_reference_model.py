@@ -12,7 +12,8 @@ import torch
 
 from bagualu2.costmodel import ParallelConfig, build_graph, evaluate, presets
 from bagualu2.exec import ActivationTracker
-from reference_trainer.measure import measure
+from reference_trainer.experiments.measure import main as measure_main
+from reference_trainer.experiments.measure import measure
 from reference_trainer.model import (RoPE, GLMMoEModel, PermuteFunction, RMSNormFunction, RouterFunction,
                                      SwiGLUFunction, UnpermuteFunction)
 
@@ -129,7 +130,7 @@ def test_backward_gives_finite_gradients(preset):
 
 # ---- the measure CLI ------------------------------------------------------------------------------------------
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "reference_trainer.measure", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "reference_trainer.experiments.measure", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -143,16 +144,20 @@ def test_cli_prints_json():
     assert abs(record["rel_error"]) <= 0.01
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("args", [("--imbalance", "2"), ("--plan", "expert_act=SOMETIMES"),
                                   ("--imbalance", "0.5"), ("--preset", "nope"),
                                   ("--preset", "glm-188b-a20b"),  # far too large for this machine: refused
                                   ("--budget-bytes", "-1"), ("--dtype", "fp64")])
-def test_cli_errors_are_one_line_exit_2(args):
+def test_cli_errors_are_one_line_exit_2(args, capsys):
+    """In-process (``test_cli_prints_json`` runs the command as a process)."""
     base = {"--preset": "tiny-dense", "--imbalance": "1", "--plan": "none"}
     base[args[0]] = args[1]
-    proc = _cli(*[item for pair in base.items() for item in pair], "--json")
-    assert proc.returncode == 2
-    assert proc.stdout == ""
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    try:
+        code = measure_main([item for pair in base.items() for item in pair] + ["--json"])
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err

@@ -175,7 +175,7 @@ def test_a_bogus_name_is_caught(bogus):
 
 @pytest.mark.parametrize("real", [
     "`bagualu2.runtime.after_gate`", "`bagualu2.exec.DualBatchExecutor`", "`reference_trainer.resilience.Guard`",
-    "`python -m reference_trainer.chaos`", "`mitigation/solution.py::make_solution`", "`watchdog.py`",
+    "`python -m reference_trainer.experiments.chaos`", "`mitigation/solution.py::make_solution`", "`watchdog.py`",
     "`bagualu2.costmodel.evaluate`", "`bagualu2.cli | reference_trainer`",
 ])
 def test_a_real_name_passes(real):

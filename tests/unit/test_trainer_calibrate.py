@@ -1,4 +1,4 @@
-"""``reference_trainer.calibrate``: a measured run as the simulator's calibration takes it, and its table."""
+"""``reference_trainer.experiments.calibrate``: a measured run as the simulator's calibration takes it, and its table."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from bagualu2.costmodel import presets
-from reference_trainer.calibrate import measured, table
+from reference_trainer.experiments.calibrate import measured, table
 
 
 def _step(n, step_s, peak, rates):
@@ -36,6 +36,6 @@ def test_measured_takes_the_last_record_of_each_step_and_the_steps_after_the_fir
            "measured_peak_activation_bytes": 30, "peak_activation_bytes": 30, "peak_error": 0.0,
            "measured_step_s": 0.35, "step_s": 0.3, "measured_restarts": 0, "restarts": 0,
            "kernel_launch_s": 5e-4, "copy_launch_s": 2e-4}
-    text = table([row], presets.hardware("cpu"), 8, "each", "python -m reference_trainer.calibrate")
+    text = table([row], presets.hardware("cpu"), 8, "each", "python -m reference_trainer.experiments.calibrate")
     assert "| ideal | 100.0 | 110.0 | +10.0% | 30 | 30 | +0.00% | 0.350 | 0.300 | 0 / 0 | 500 / 200 |" in text
     assert "right before each policy's run (`--fit each`) on two 8-step runs" in text

@@ -10,7 +10,7 @@ value.
 :func:`predict` then simulates a run of any policy on the fitted profile (its own trace, cap and measured restart
 seconds) for comparison with what it measured: tokens/s (effective, restarts included) and the activation peak.
 
-Pure: never imports torch (``reference_trainer.calibrate`` measures and reports).
+Pure: never imports torch (``reference_trainer.experiments.calibrate`` measures and reports).
 """
 
 from __future__ import annotations

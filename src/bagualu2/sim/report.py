@@ -100,10 +100,10 @@ def _overhead(report: Report) -> list[str]:
     rows = [[name, f"{ms:.2f}", f"{seconds:.2f}", f"{ms / 1e3 / seconds:.2e}"] for name, ms, seconds in report.overhead]
     return ["## Runtime decision overhead", "",
             f"The decision path (budget, pre-gate plan, gate decision, fused order) for every forward of stage 0, "
-            f"measured on this machine's CPU over {report.config.overhead_iterations} iterations of the trace "
-            f"(fresh caches), beside the simulated iteration time (paper: under {PAPER['overhead_ms']:g} ms per "
+            f"measured on this machine's CPU: the median over {report.config.overhead_iterations} iterations of the "
+            f"trace (from fresh caches), beside the simulated iteration time (paper: under {PAPER['overhead_ms']:g} ms per "
             f"iteration of more than {PAPER['iteration_s']:g} s).", ""] + _table(
-        ["model", "decision ms / iteration", "iteration s (simulated)", "share"], rows)
+        ["model", "decision ms / iteration (median)", "iteration s (simulated)", "share"], rows)
 
 
 def _why(report: Report) -> list[str]:
@@ -135,7 +135,7 @@ def _why(report: Report) -> list[str]:
             "the bytes autograd keeps equal to the cost model's prediction, byte for byte, on the reference model "
             "(`python benchmarks/accuracy_exec.py`, docs/exec.md; the paper: 1.56% mean error at scale), and the "
             "simulator's activation peak and tokens/s are checked against the trainer's measured runs per policy "
-            "(`python -m reference_trainer.calibrate`, docs/trainer.md \"Calibration\").",
+            "(`python -m reference_trainer.experiments.calibrate`, docs/trainer.md \"Calibration\").",
             "* Not modelled: cross-stage waits beyond the interleaved-1F1B bubble, data-parallel gradient "
             "reduction and the optimizer step, where in an iteration an OOM happens (the whole iteration is lost)."]
 

@@ -1,17 +1,17 @@
 """The simulator calibrated against this trainer on CPU, then checked against every policy's measured run.
 
-    python -m reference_trainer.calibrate [--fit each|once] [--fit-steps 8] [--steps 30]
+    python -m reference_trainer.experiments.calibrate [--fit each|once] [--fit-steps 8] [--steps 30]
                                           [--hardware-out cpu-fitted.json] [--write docs/trainer.md]
 
 1. **Fit** (a short measurement): ``ideal`` (no cap, no mitigation) and ``static-over`` (it offloads) run
-   ``--fit-steps`` steps each under torchrun as ``reference_trainer.compare`` runs every policy (``glm_moe_debug``,
+   ``--fit-steps`` steps each under torchrun as ``reference_trainer.experiments.compare`` runs every policy (``glm_moe_debug``,
    PP=2 x DP=2, EP=2); their mean steps and imbalance traces fit the ``cpu`` profile's per-op launch cost and its
    per-copy cost (``bagualu2.sim.calibrate.fit_hardware``). With ``--fit each`` (default) the two fit runs are
    made again right before every policy's run, so that each prediction uses a profile measured minutes, not
    half an hour, earlier (a shared machine's speed drifts by 10-20% between runs); ``--fit once`` fits before the
    first policy only. The fitted profile (the median of the fits' values) is written as Hardware JSON
    (``--hardware-out``; usable as ``bagualu2 ... -H FILE``).
-2. **Check**: every policy runs ``--steps`` steps (as ``reference_trainer.compare``, spikes and a real torchrun
+2. **Check**: every policy runs ``--steps`` steps (as ``reference_trainer.experiments.compare``, spikes and a real torchrun
    restart for ``static-under``); the simulator predicts each run from its own imbalance trace, the recipe's cap and
    its measured restart seconds (``bagualu2.sim.calibrate.predict``) on the profile fitted before it, and the table
    sets predicted beside measured tokens/s (effective) and peak activation bytes.
@@ -36,8 +36,8 @@ from bagualu2.sim import load_trace
 from bagualu2.sim.calibrate import Measured, fit_hardware, predict
 
 from .compare import add_run_arguments, run_policy, write_block
-from .policies import executed_downgrade
-from .recipes import default_cap, recipe
+from ..policies import executed_downgrade
+from ..recipes import default_cap, recipe
 
 BEGIN, END = "<!-- calibrate:begin -->", "<!-- calibrate:end -->"
 FIT_POLICIES = ("ideal", "static-over")  # no host copies (fits the launch cost); offloads (fits the copy cost)
@@ -102,7 +102,7 @@ def table(rows: list[dict], hardware, fit_steps: int, mode: str, command: str) -
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m reference_trainer.calibrate",
+    parser = argparse.ArgumentParser(prog="python -m reference_trainer.experiments.calibrate",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--fit", choices=("each", "once"), default="each",
                         help="fit right before every policy's run (default) or once before the first")
@@ -145,7 +145,7 @@ def main(argv=None) -> None:
         with os.fdopen(fd, "w") as handle:
             handle.write(hardware.to_json() + "\n")
         os.replace(tmp, args.hardware_out)
-    command = "python -m reference_trainer.calibrate " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    command = "python -m reference_trainer.experiments.calibrate " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     block = table(rows, hardware, args.fit_steps, args.fit, command.strip())
     print(block)
     if args.write is not None:

@@ -1,6 +1,6 @@
 """Predicted vs measured activation bytes of one micro-batch.
 
-    python -m reference_trainer.measure --preset NAME --imbalance R --plan SPEC [--seq-length N] [--seed S] --json
+    python -m reference_trainer.experiments.measure --preset NAME --imbalance R --plan SPEC [--seq-length N] [--seed S] --json
 
 Single process (EP=1): builds :class:`~reference_trainer.model.GLMMoEModel` from the preset, runs the forward of
 all its transformer layers on one micro-batch of random ``(b, s, h)`` hidden states under
@@ -16,7 +16,7 @@ cost model's FLOPs of the re-run closure). User errors are one line on stderr wi
 
 Expert parallelism::
 
-    torchrun --nproc_per_node=N -m reference_trainer.measure --preset NAME --ep N --imbalance R --plan SPEC --json
+    torchrun --nproc_per_node=N -m reference_trainer.experiments.measure --preset NAME --ep N --imbalance R --plan SPEC --json
 
 With ``WORLD_SIZE > 1`` every rank joins a gloo process group (the EP group is the world; its size must equal
 ``--ep``) and holds ``E/N`` experts. The imbalance ``1 <= R <= N`` is realised on rank 0 by biasing every rank's
@@ -87,8 +87,8 @@ def measure(preset: str, *, imbalance: float = 1.0, plan: str = "none", seq_leng
     from bagualu2.costmodel import ParallelConfig, Plan, build_graph, check_imbalance, evaluate, presets
     from bagualu2.exec import ActivationTracker, DeferredPlanner, apply_plan
 
-    from .instrumented import instrument_reference
-    from .model import TORCH_DTYPES, GLMMoEModel, imbalance_picks
+    from ..instrumented import instrument_reference
+    from ..model import TORCH_DTYPES, GLMMoEModel, imbalance_picks
 
     try:
         imbalance = check_imbalance(imbalance)
@@ -196,7 +196,7 @@ def measure(preset: str, *, imbalance: float = 1.0, plan: str = "none", seq_leng
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _Parser(prog="python -m reference_trainer.measure", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="python -m reference_trainer.experiments.measure", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", required=True, help="model preset (bagualu2 presets list)")
     parser.add_argument("--imbalance", type=float, default=1.0,
                         help="max/mean device load R realised on rank 0 (1 <= R <= --ep; 1.0 in a single process)")

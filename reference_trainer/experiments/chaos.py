@@ -1,7 +1,7 @@
 """The chaos run: every policy x seeds x layouts x spike rates under torchrun, each with a wall-clock bound.
 
-    python -m reference_trainer.chaos                        # the full grid (long: hours on 2 cores)
-    python -m reference_trainer.chaos --policies flexible --seeds 1 --layouts pp1-dp2-ep2 --spike-rates 0.15 --steps 2
+    python -m reference_trainer.experiments.chaos                        # the full grid (long: hours on 2 cores)
+    python -m reference_trainer.experiments.chaos --policies flexible --seeds 1 --layouts pp1-dp2-ep2 --spike-rates 0.15 --steps 2
 
 Every run is ``torchrun --max-restarts`` of the reference trainer (checkpoints every step, the collective checker
 on, ``--collective-timeout`` short) and ends in one of three ways: ``finished`` (exit 0, OOM restarts included),
@@ -26,9 +26,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .policies import POLICIES
+from ..policies import POLICIES
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LAYOUTS = {  # name -> (trainer flags, processes)
     "pp2-dp2-ep2": (["--pp", "2", "--dp", "2", "--ep", "2"], 4),
     "pp4": (["--pp", "4", "--dp", "1", "--ep", "1", "--num-microbatches", "8"], 4),
@@ -160,7 +160,7 @@ def write_docs(text: str, path: Path = ROOT / "docs" / "trainer.md") -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m reference_trainer.chaos", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m reference_trainer.experiments.chaos", description=__doc__.splitlines()[0])
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps([asdict(r) for r in rows]))
     if args.write_docs:
-        write_docs(markdown(rows, "python -m reference_trainer.chaos " + " ".join(argv if argv is not None
+        write_docs(markdown(rows, "python -m reference_trainer.experiments.chaos " + " ".join(argv if argv is not None
                                                                                   else sys.argv[1:])))
     return 0 if all(r.outcome in ("finished", "error") for r in rows) else 1
 

@@ -1,6 +1,6 @@
 """Every policy side by side on one model, data, seed, cap and spike trace (the paper's comparative claim, on CPU).
 
-    python -m reference_trainer.compare [--steps 30] [--spike-rate 0.05] [--spike-max 2.6] [--write docs/trainer.md]
+    python -m reference_trainer.experiments.compare [--steps 30] [--spike-rate 0.05] [--spike-max 2.6] [--write docs/trainer.md]
 
 Each policy runs as ``torchrun --standalone --nproc_per_node=4 --max-restarts 1 -m reference_trainer.train
 --recipe glm_moe_debug --policy P ...`` (PP=2 x DP=2, EP=2) with checkpoints every ``--checkpoint-every`` steps,
@@ -23,8 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .policies import POLICIES, describe
-from .recipes import default_cap, recipe
+from ..policies import POLICIES, describe
+from ..recipes import default_cap, recipe
 
 BEGIN, END = "<!-- compare:begin -->", "<!-- compare:end -->"
 
@@ -76,7 +76,7 @@ def write_block(path: Path, block: str, begin: str = BEGIN, end: str = END) -> N
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of the policy runs (:func:`run_policy`), shared with ``reference_trainer.calibrate``."""
+    """The flags of the policy runs (:func:`run_policy`), shared with ``reference_trainer.experiments.calibrate``."""
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--spike-rate", type=float, default=0.05)
@@ -87,7 +87,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m reference_trainer.compare", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m reference_trainer.experiments.compare", description=__doc__.splitlines()[0])
     add_run_arguments(parser)
     parser.add_argument("--write", type=Path, help="the markdown file whose compare block is replaced")
     args = parser.parse_args(argv)
@@ -111,7 +111,7 @@ def main(argv=None) -> None:
                 counts[strategy] = counts.get(strategy, 0) + 1
             summary = " ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "none"
             notes.append(f"- {policy}, {where}: {summary}")
-    command = "python -m reference_trainer.compare " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    command = "python -m reference_trainer.experiments.compare " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     block = table(results, notes, command.strip())
     print(block)
     if args.write is not None:
