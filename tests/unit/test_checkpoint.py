@@ -252,15 +252,17 @@ def test_rng_state_round_trip_through_a_checkpoint(tmp_path):
 
 
 def test_a_crash_mid_save_leaves_only_a_temporary_dir(tmp_path, monkeypatch, capsys):
+    import torch.distributed.checkpoint as dcp
+
     good = save(tmp_path, 1, _state(1))
-    real_save = checkpoint.dcp.save
+    real_save = dcp.save
 
     def crash(state, checkpoint_id):
         real_save(state, checkpoint_id=checkpoint_id)
         (Path(checkpoint_id) / ".metadata").write_bytes(b"torn")
         raise KeyboardInterrupt  # the process dies before rank 0 writes the manifest
 
-    monkeypatch.setattr(checkpoint.dcp, "save", crash)
+    monkeypatch.setattr(dcp, "save", crash)
     with pytest.raises(KeyboardInterrupt):
         save(tmp_path, 2, _state(2))
     monkeypatch.undo()

@@ -136,10 +136,12 @@ def _all_py_files() -> list[Path]:
 
 
 def path_exists(path: str, name: str | None) -> bool:
-    """``path`` is a file of the repository, of ``src/bagualu2`` (``runtime/path.py``), or, for a bare file name,
-    anywhere in the tree; ``name`` (``file.py::name``) is defined in it."""
+    """``path`` is a file of the repository, of ``src/bagualu2`` (``runtime/path.py``), of ``reference_trainer``
+    (``experiments/chaos.py``), or, for a bare file name, anywhere in the tree; ``name`` (``file.py::name``) is
+    defined in it."""
     if "/" in path:
-        found = [base / path for base in (ROOT, PACKAGES["bagualu2"]) if (base / path).is_file()]
+        found = [base / path for base in (ROOT, PACKAGES["bagualu2"], ROOT / "reference_trainer")
+                 if (base / path).is_file()]
     else:
         found = [p for p in _all_py_files() if p.name == path]
     return bool(found) and (name is None or any(_defined(p, [name]) for p in found))
