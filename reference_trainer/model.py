@@ -44,18 +44,15 @@ With ``ep_group`` (a ``torch.distributed`` process group of ``ep`` ranks; gloo o
 of the group holds the ``E/ep`` experts with global ids ``[i*E/ep, (i+1)*E/ep)``. ``permute`` sorts the routed
 copies by global expert id, which groups them by destination rank, then expert, so the send splits are contiguous.
 Right after the router every rank's per-expert counts are all-gathered (a plain collective on an int tensor), so
-the gate hook knows what this rank receives and what the busiest rank of the group receives; ``dispatch`` then sends the copies with the autograd ``torch.distributed.nn.functional.all_to_all_single`` (uneven splits) and
+the gate hook knows what this rank receives and what the busiest rank of the group receives; ``dispatch`` then
+sends the copies with the autograd ``torch.distributed.nn.functional.all_to_all_single`` (uneven splits) and
 regroups what arrived (source rank, then expert) by local expert (:class:`RowPermuteFunction`, which keeps its
 permutation on ``ctx``, not through saved-tensor hooks: it saves nothing the cost model counts). ``combine`` is
 the inverse: regroup back to (source rank, expert) order and ``all_to_all_single`` the expert outputs home.
 Neither saves a tensor for backward (their backward is the opposite all-to-all), as in the cost model.
 
-Imbalance on purpose (:meth:`GLMMoEModel.bias_router_towards`, :func:`imbalance_picks`): the routers' expert-bias
-buffers are set so that every token on a rank puts exactly ``j`` of its ``K`` picks on the target rank's experts
-(``+BIAS`` on ``j`` of them, ``-BIAS`` on the rest; the other picks follow the scores among the other ranks'
-experts). With ``j_i`` picks per token on source rank ``i``, the target receives ``T * sum_i j_i`` copies, i.e.
-an imbalance ``sum_i j_i / K`` of the mean ``T*K``; ``sum_i j_i = round(R*K)`` realises ``R`` exactly when ``R*K``
-is an integer (otherwise the nearest multiple of ``1/K``).
+Forced imbalance (spikes) and routing statistics are instrumentation, applied from outside
+(:mod:`reference_trainer.routing`).
 """
 
 from __future__ import annotations
@@ -229,21 +226,6 @@ class RowPermuteFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return torch.zeros_like(grad).index_copy_(0, ctx.order, grad), None
-
-
-ROUTER_BIAS = 10.0  # sigmoid scores lie in (0, 1): +-10 forces an expert in or out of every token's top-k
-
-
-def imbalance_picks(imbalance: float, ep: int, top_k: int) -> list[int]:
-    """Picks per token each source rank puts on the target rank so that it receives ``imbalance`` x the mean.
-
-    ``round(imbalance * top_k)`` picks in all, spread as evenly as possible over the ``ep`` source ranks (the first
-    ranks take one more); the realised imbalance is ``sum / top_k``. Needs ``1 <= imbalance <= ep``.
-    """
-    if not 1 <= imbalance <= ep:
-        raise ValueError(f"imbalance must lie in [1, ep={ep}], got {imbalance:g}")
-    total = round(imbalance * top_k)
-    return [total // ep + (1 if i < total % ep else 0) for i in range(ep)]
 
 
 def _all_to_all_single(output: torch.Tensor, x: torch.Tensor, output_splits: list[int], input_splits: list[int],
@@ -463,24 +445,7 @@ class MoE(nn.Module):
         self.shared = (MLP(m.hidden_size, m.moe_ffn_hidden_size * m.num_shared_experts)
                        if m.num_shared_experts else None)
         self.layer = layer
-        self.last_tokens_per_expert: torch.Tensor | None = None  # copies routed to each local expert (received)
-        self.last_counts: torch.Tensor | None = None  # this rank's routed copies per global expert (last forward)
-        self.load: torch.Tensor | None = None         # ... summed since the trainer last reset it
         self._routed = None  # (weakref to a routing map, its routing_counts): one exchange per forward
-
-    def bias_towards(self, rank: int, picks: int) -> None:
-        """Set ``expert_bias`` so that every token puts exactly ``picks`` of its top-k on EP rank ``rank``."""
-        local, k = self.num_local_experts, self.top_k
-        if not 0 <= rank < self.ep:
-            raise ValueError(f"rank must lie in [0, ep={self.ep}), got {rank}")
-        if not 0 <= picks <= min(k, local) or k - picks > self.num_experts - local:
-            raise ValueError(f"cannot put {picks} of top_k={k} picks on a rank holding {local} of "
-                             f"{self.num_experts} experts")
-        bias = torch.zeros_like(self.expert_bias)
-        first = rank * local
-        bias[first:first + picks] = ROUTER_BIAS
-        bias[first + picks:first + local] = -ROUTER_BIAS
-        self.expert_bias.copy_(bias)
 
     def exchange_counts(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """``(send, recv, most)``: this rank's copies per (destination rank, its local expert), the copies it
@@ -511,13 +476,10 @@ class MoE(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         probs, routing = self.gate(tokens, self.router, self.expert_bias)                 # [router]
-        counts, send, recv, _ = self.routing_counts(routing)
+        _, send, recv, _ = self.routing_counts(routing)
         self._routed = None
-        self.last_counts = counts  # this rank's tokens per (global) expert: the trainer's balancing and metrics
-        self.load = counts if self.load is None else self.load + counts
         permuted = self.permute(tokens, routing)                                          # [permute]
         received, counts, state = self.dispatch(permuted, (send, recv))                    # [dispatch]
-        self.last_tokens_per_expert = counts
         outputs = [expert(chunk) for expert, chunk in zip(self.experts, received.split(counts.tolist()))]
         combined = self.combine(state, *outputs)                                          # [combine]
         out = self.unpermute(combined, probs, routing)                                    # [unpermute]
@@ -615,14 +577,6 @@ class GLMMoEModel(nn.Module):
 
     def moe_layers(self) -> list[MoE]:
         return [layer.mlp for layer in self.layers if layer.is_moe]
-
-    def bias_router_towards(self, rank: int, picks: int) -> None:
-        """Every MoE router of this rank puts exactly ``picks`` of each token's top-k on EP rank ``rank``'s experts.
-
-        Use :func:`imbalance_picks` for the ``picks`` of each source rank that realise a given imbalance.
-        """
-        for moe in self.moe_layers():
-            moe.bias_towards(rank, picks)
 
     def forward_layers(self, x: torch.Tensor, layers: range | None = None) -> torch.Tensor:
         """Run transformer layers (all, or the global indices in ``layers``) on hidden states ``(b, s, h)``."""

@@ -34,6 +34,7 @@ from bagualu2.costmodel.build import chunk_layers
 from .instrumented import instrument_reference
 from .model import GLMMoEModel
 from .provision import Provisioner
+from .routing import bias_towards, record_routing, routing_stats
 
 
 class _BackwardEnd(torch.autograd.Function):
@@ -70,6 +71,7 @@ class ChunkModule(nn.Module):
         self.next_microbatch = 0
         self.spikes: dict[int, tuple[int, int]] = {}  # micro-batch -> (target EP rank, this rank's picks)
         self.moes = [model.layers[i].mlp for i in layers if model.layers[i].is_moe]
+        record_routing(self)  # (once per MoE module: the session's model records it already)
         self.instrumented = instrument_reference(self)  # its layers' op modules (paths layers.<global index>)
 
     def _layers(self, x: torch.Tensor) -> torch.Tensor:
@@ -88,15 +90,16 @@ class ChunkModule(nn.Module):
             if spike is not None:  # a new bias tensor: replays of the router read the spiked one
                 for moe, bias in zip(self.moes, learned):
                     moe.expert_bias = bias.clone()
-                    moe.bias_towards(*spike)
+                    bias_towards(moe, *spike)
             x = self.provisioner.run(self.chunk, mb, self._layers, x, self.moes)
         finally:
             for moe, bias in zip(self.moes, learned):
                 moe.expert_bias = bias
-        self.provisioner.note_routing([moe.last_counts for moe in self.moes])
+        stats = [routing_stats(moe) for moe in self.moes]
+        self.provisioner.note_routing([s.last for s in stats])
         if spike is not None:  # forced routing must not teach the balancing biases
-            for moe in self.moes:
-                moe.load = moe.load - moe.last_counts
+            for s in stats:
+                s.load = s.load - s.last
         if self.final_norm is not None:
             x = self.final_norm(x)
             x = x @ self.model[0].embedding.weight.t() if self.tied else self.output(x)

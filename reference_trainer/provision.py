@@ -41,6 +41,7 @@ from bagualu2.runtime import DecisionPath, Iteration, PointOrders, Stage, ceil_b
 
 from .parallel import agree_max
 from .policies import executed_downgrade
+from .routing import routing_stats
 
 WARMUP = "warmup"
 # the gates decide for the measured imbalance rounded up to 0.05 and the budget rounded down to 1/32 of the
@@ -225,7 +226,8 @@ class Provisioner:
         if self.progress is not None:
             self.progress("forward", forward.name)
         executor = self.executors[chunk]
-        loads = [moe.load for moe in moes]
+        stats = [routing_stats(moe) for moe in moes]
+        loads = [s.load for s in stats]
         with executor.micro_batch(forward.name, plan=forward.plan, budget_bytes=forward.gate_budget_bytes) as record:
             out = layers(x)
         rerun = False
@@ -234,8 +236,8 @@ class Provisioner:
         if over:
             # a misprediction: free this micro-batch and run it again with full recompute (no restart)
             executor.release(forward.name)
-            for moe, load in zip(moes, loads):
-                moe.load = load
+            for s, load in zip(stats, loads):
+                s.load = load
             rerun = True
             self.reruns += 1
             with executor.micro_batch(forward.name, plan=self.path.pre_gate(0, chunk), budget_bytes=0) as record:

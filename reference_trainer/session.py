@@ -24,6 +24,7 @@ from .policies import OOM_EXIT_CODE, fallback, fixed_plans
 from .provision import Provisioner
 from .resilience import NONFINITE_EXIT_CODE, Guard
 from .restarts import RunState
+from .routing import record_routing, routing_stats
 from .watchdog import find_cause
 from bagualu2.exec import ActivationOutOfMemoryError
 
@@ -87,6 +88,7 @@ class Session:
         self.parallel = config.parallel
         torch.manual_seed(config.seed)
         model = GLMMoEModel(config.model, ep_group=groups.ep_group)
+        record_routing(model)  # the balancing's load and the metrics' routing, from outside
         self.local_layers = [i for c in range(config.vp) for i in self._chunk_layers(c)]
         self._prune(model)
         self.model = model.to(self.device)
@@ -238,13 +240,14 @@ class Session:
         """Aux-loss-free balancing: move each expert's bias towards the mean load (counts summed over dp)."""
         rate = self.config.bias_update_rate
         for moe in self._moes():
-            load = moe.load if moe.load is not None else torch.zeros_like(moe.expert_bias)
+            stats = routing_stats(moe)
+            load = stats.load if stats.load is not None else torch.zeros_like(moe.expert_bias)
             load = load.to(torch.float64)
             if self.groups.dp_group is not None:
                 dist.all_reduce(load, group=self.groups.dp_group)
             if rate > 0:
                 moe.expert_bias.add_(torch.sign(load.mean() - load).to(moe.expert_bias.dtype), alpha=rate)
-            moe.load = None
+            stats.load = None
 
     def _gather(self, record: dict) -> list[dict] | None:
         if not dist.is_initialized():
@@ -314,7 +317,7 @@ class Session:
                     if bad:  # --on-nonfinite skip: every rank drops the step's update alike
                         self.optimizer.zero_grad(set_to_none=True)
                         for moe in self._moes():
-                            moe.load = None
+                            routing_stats(moe).load = None
                         totals["skipped"] += 1
                     else:
                         reduce_gradients(self.params, groups)

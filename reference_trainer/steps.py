@@ -17,7 +17,7 @@ def spikes_of(config: TrainConfig, step: int, group_index: int, num_microbatches
               top_k: int) -> dict[int, tuple[int, list[int]]]:
     """Micro-batches forced to spike in this iteration for one EP group: ``{i: (target rank, picks per source
     rank)}``, a pure function of (seed, step, group); the imbalance is uniform in [1.2, min(spike_max, ep)]."""
-    from .model import imbalance_picks
+    from .routing import imbalance_picks
 
     if config.spike_rate <= 0:
         return {}

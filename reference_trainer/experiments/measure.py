@@ -20,7 +20,7 @@ Expert parallelism::
 
 With ``WORLD_SIZE > 1`` every rank joins a gloo process group (the EP group is the world; its size must equal
 ``--ep``) and holds ``E/N`` experts. The imbalance ``1 <= R <= N`` is realised on rank 0 by biasing every rank's
-routers (:func:`reference_trainer.model.imbalance_picks`): each token of source rank ``i`` puts exactly ``j_i`` of
+routers (:func:`reference_trainer.routing.imbalance_picks`): each token of source rank ``i`` puts exactly ``j_i`` of
 its ``K`` picks on rank 0's experts with ``sum_i j_i = round(R*K)``, so rank 0 receives ``R*T*K`` routed copies
 per MoE layer, exactly when ``R*K`` is an integer (else ``R`` is rounded to the nearest multiple of ``1/K``).
 Rank 0 counts the copies it actually receives; ``realised_imbalance`` = received / ``(T*K)`` (the same in every
@@ -88,7 +88,8 @@ def measure(preset: str, *, imbalance: float = 1.0, plan: str = "none", seq_leng
     from bagualu2.exec import ActivationTracker, DeferredPlanner, apply_plan
 
     from ..instrumented import instrument_reference
-    from ..model import TORCH_DTYPES, GLMMoEModel, imbalance_picks
+    from ..model import TORCH_DTYPES, GLMMoEModel
+    from ..routing import bias_router_towards, imbalance_picks, record_routing, routing_stats
 
     try:
         imbalance = check_imbalance(imbalance)
@@ -139,8 +140,9 @@ def measure(preset: str, *, imbalance: float = 1.0, plan: str = "none", seq_leng
     torch.manual_seed(seed)
     model = GLMMoEModel(model_config, ep_group=group)  # the same weights on every rank (experts: its slice)
     instrument_reference(model)  # the exec layer's hooks on its op modules, the gates reported
+    record_routing(model)  # the copies each local expert receives
     if ep > 1:
-        model.bias_router_towards(0, picks[rank])
+        bias_router_towards(model, 0, picks[rank])
         torch.manual_seed(seed + rank)  # rank 0 draws the same input as EP=1, the others their own
     dtype = TORCH_DTYPES[model_config.dtype]
     x = torch.randn(model_config.micro_batch_size, model_config.seq_length, model_config.hidden_size,
@@ -153,7 +155,7 @@ def measure(preset: str, *, imbalance: float = 1.0, plan: str = "none", seq_leng
     with executor.micro_batch("mb0") as record:
         out = model.forward_layers(x)
     measured = record.device_bytes
-    received = [int(moe.last_tokens_per_expert.sum()) for moe in model.moe_layers()]
+    received = [int(routing_stats(moe).received.sum()) for moe in model.moe_layers()]
     out.float().pow(2).mean().backward()  # the graph is complete and runs backward (unpacking every saving)
     replayed = sorted({replay.op for replay in record.replays if replay.runs})
     executor.release("mb0")

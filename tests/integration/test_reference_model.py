@@ -11,9 +11,12 @@ import pytest
 import torch
 
 from bagualu2.costmodel import ParallelConfig, build_graph, evaluate, presets
-from bagualu2.exec import ActivationTracker
+from bagualu2.exec import ActivationTracker, apply_plan
+from bagualu2.runtime import downgrade_plan
 from reference_trainer.experiments.measure import main as measure_main
 from reference_trainer.experiments.measure import measure
+from reference_trainer.instrumented import instrument_reference
+from reference_trainer.routing import bias_router_towards, record_routing, routing_stats
 from reference_trainer.model import (RoPE, GLMMoEModel, PermuteFunction, RMSNormFunction, RouterFunction,
                                      SwiGLUFunction, UnpermuteFunction)
 
@@ -82,13 +85,14 @@ def test_routed_tokens_are_t_times_k():
     config = config.replace(seq_length=32)
     torch.manual_seed(1)
     model = GLMMoEModel(config)
+    record_routing(model)
     x = torch.randn(config.micro_batch_size, config.seq_length, config.hidden_size, requires_grad=True)
     model.forward_layers(x)
     T = config.micro_batch_size * config.seq_length
     graph = build_graph(config, ParallelConfig(), presets.hardware("cpu"))
     for layer in model.layers:
         if layer.is_moe:
-            counts = layer.mlp.last_tokens_per_expert
+            counts = routing_stats(layer.mlp).received
             assert int(counts.sum()) == T * config.top_k
             assert graph.tensors[f"L{layer.index}.dispatched"].numel == T * config.top_k * config.hidden_size
 
@@ -161,3 +165,29 @@ def test_cli_errors_are_one_line_exit_2(args, capsys):
     assert out == ""
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), err
+
+
+def test_routing_statistics_count_each_forward_once_whatever_the_plan_replays():
+    """The statistics are recorded from outside (a hook on each dispatch): a plan that re-runs the MoE module's ops
+    in backward does not count them again, and forced routing puts the picks where they were asked."""
+    config = presets.model("tiny-moe")[0].replace(seq_length=32)
+    torch.manual_seed(2)
+    model = GLMMoEModel(config)
+    instrument_reference(model)
+    record_routing(model)
+    graph = build_graph(config, ParallelConfig(), presets.hardware("cpu"))
+    plan = downgrade_plan(graph)  # every MoE tensor made after the router re-run in backward
+    executor = apply_plan(graph, plan, exclude=[model])
+    x = torch.randn(config.micro_batch_size, config.seq_length, config.hidden_size, requires_grad=True)
+    with executor.micro_batch("mb0") as record:
+        out = model.forward_layers(x)
+    out.pow(2).mean().backward()
+    assert record.replays and any(replay.runs for replay in record.replays)
+    for moe in model.moe_layers():
+        stats = routing_stats(moe)
+        assert torch.equal(stats.load, stats.last) and int(stats.last.sum()) == x.shape[0] * x.shape[1] * config.top_k
+    bias_router_towards(model, 0, config.top_k)  # every pick on "rank 0": at EP=1, every expert
+    with pytest.raises(ValueError, match="rank"):
+        bias_router_towards(model, 1, 1)
+    with pytest.raises(ValueError, match="not recorded"):
+        routing_stats(GLMMoEModel(config).moe_layers()[0])
