@@ -21,7 +21,7 @@ from bagualu2.costmodel import Plan, presets
 from bagualu2.exec import DeferredPlanner
 from bagualu2.runtime import DecisionPath, Iteration, Stage, replay_iteration, run_iteration, spike_trace
 from bagualu2.sim import StageContext, make_policy
-from bagualu2.sim.simulate import _stage_time
+from bagualu2.sim.simulate import stage_time
 
 PRESETS = ("glm-188b-a20b", "glm-319b-a30b", "glm-423b-a30b", "glm-1041b-a35b")
 
@@ -97,7 +97,7 @@ def test_simulated_stages_are_the_same_with_the_memo_on_and_off(name, policy, hb
         return
     off = StageContext(model, parallel, hardware, 0, cache=False)
     trace = spike_trace(parallel.num_microbatches, spike_rate=0.2, base_imbalance=1.1, base_jitter=0.1, seed=seed)
-    assert _stage_time(make_policy(policy, on), trace) == _stage_time(make_policy(policy, off), trace)
+    assert stage_time(make_policy(policy, on), trace) == stage_time(make_policy(policy, off), trace)
 
 
 def test_the_memo_is_bounded_and_a_memo_that_is_off_stores_nothing():

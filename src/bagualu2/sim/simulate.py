@@ -144,7 +144,7 @@ def check_trace(trace, parallel: ParallelConfig) -> list:
     return keys
 
 
-def _stage_time(policy: StagePolicy, rates: tuple[float, ...]) -> tuple[float, int]:
+def stage_time(policy: StagePolicy, rates: tuple[float, ...]) -> tuple[float, int]:
     """Busy seconds and in-flight peak of one stage over one iteration (the runtime's iteration driver)."""
     ctx = policy.ctx
     forward = policy.forward
@@ -196,7 +196,7 @@ class _Run:
         rates = key if isinstance(key, tuple) else (key,) * parallel.num_microbatches
         busy, peaks, oom = [], [], False
         for policy in policies:
-            seconds, peak = min((_stage_time(way, rates) for way in policy.alternatives()), key=lambda r: r[0])
+            seconds, peak = min((stage_time(way, rates) for way in policy.alternatives()), key=lambda r: r[0])
             busy.append(seconds)
             peaks.append(peak)
             oom = oom or (policy.bounded and peak > policy.ctx.m_max_bytes)
