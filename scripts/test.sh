@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Install (CPU torch first, so pip never pulls a CUDA build) and run the whole test suite.
+# Install (CPU torch first, so pip never pulls a CUDA build) and run the whole test suite: the tests that launch
+# nothing on two workers, then the tests that launch processes (torchrun, the CLI, a fresh install) one at a time,
+# each of which uses every core.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
@@ -8,4 +10,5 @@ python -m pip install -q --upgrade pip
 python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[trainer,dev]"
 export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-$([ "${CI:-}" = "true" ] && echo ci || echo dev)}"
-python -m pytest -q tests
+python -m pytest -q -n 2 --dist loadfile -m "not launch" tests
+python -m pytest -q -m launch tests

@@ -3,8 +3,10 @@
 * Hypothesis profiles ``dev`` (fast, random), ``ci`` (derandomized) and ``stress``. A costly property test names
   its example count under ``ci`` with ``scaled(n)``, which the active profile scales (``dev``: half, ``stress``: 6x),
   so every test follows the profile.
-* Tiers: a test that launches a process (``subprocess``, ``multiprocessing``, torchrun) must be marked ``slow``;
-  an unmarked one that tries fails at once with the reason. The quick tier is ``pytest -m "not slow"``.
+* Tiers: a test that launches a process (``subprocess``, ``multiprocessing``, torchrun) must be marked ``launch``
+  (which makes it ``slow`` too); an unmarked one that tries fails at once with the reason. A test of a second or
+  more is marked ``slow``. The quick tier is ``pytest -m "not slow"``; ``scripts/test.sh`` runs the tests that
+  launch nothing on two workers, then the launches one at a time (each uses every core).
 """
 
 from __future__ import annotations
@@ -29,13 +31,23 @@ def scaled(n: int) -> int:
     return max(1, round(n * settings.default.max_examples / CI_EXAMPLES))
 
 
-@pytest.fixture(autouse=True)
-def _process_launches_are_marked_slow(request, monkeypatch):
-    if request.node.get_closest_marker("slow") is not None:
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.get_closest_marker("launch") is not None and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """An unmarked test may not launch a process, in its own body or in a fixture it sets up (of any scope)."""
+    if item.get_closest_marker("launch") is not None:
+        yield
         return
 
     def refuse(*_args, **_kwargs):
-        raise AssertionError(f"{request.node.nodeid} launches a process: mark it @pytest.mark.slow")
+        raise AssertionError(f"{item.nodeid} launches a process: mark it @pytest.mark.launch")
 
-    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
-    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "__init__", refuse)
+        patch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+        yield

@@ -160,7 +160,7 @@ def test_tracker_cap_and_accounting_are_shared():
         model.forward_layers(x)
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_measure_cli_with_offload_plan():
     result = subprocess.run([sys.executable, "-m", "reference_trainer.experiments.measure", "--preset", "tiny-moe",
                              "--seq-length", "32", "--plan", "core_attn=OFFLOAD,expert_fc1=QUANTIZE", "--json"],

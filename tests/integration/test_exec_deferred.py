@@ -98,7 +98,7 @@ def test_downgrade_keeps_what_exists_at_the_gate():
         DeferredPlanner(config, ParallelConfig(), presets.hardware("cpu"), budget_bytes=-1)
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 @pytest.mark.integration
 def test_spike_under_expert_parallelism_is_downgraded():
     """EP=2, rank 0 receives 2x the mean: the plan sized for the mean would exceed its budget there."""

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.launch]
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -38,7 +38,6 @@ def _measure(nproc: int, imbalance: float, plan: str = "none") -> dict:
     return json.loads(lines[0])
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("ep, imbalance", [(2, 1.0), (4, 2.0)])  # (2, 2.0): test_offload_plan_under_ep
 def test_measured_bytes_match_prediction_under_ep(ep, imbalance):
     record = _measure(ep, imbalance)
@@ -51,7 +50,6 @@ def test_measured_bytes_match_prediction_under_ep(ep, imbalance):
     assert record["grads_finite"] is True
 
 
-@pytest.mark.slow
 def test_offload_plan_under_ep():
     record = _measure(2, 2.0, "expert_fc1=OFFLOAD,core_attn=OFFLOAD,expert_act=QUANTIZE")
     assert record["realised_imbalance"] == 2.0
@@ -60,7 +58,6 @@ def test_offload_plan_under_ep():
     assert record["grads_finite"] is True
 
 
-@pytest.mark.slow
 def test_ep_rejects_imbalance_above_ep_and_wrong_world_size():
     proc = _torchrun(2, "-m", "reference_trainer.experiments.measure", "--preset", "tiny-moe", "--ep", "2", "--imbalance", "3",
                      "--json")
@@ -98,7 +95,6 @@ EQUIVALENCE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow
 def test_ep_forward_backward_matches_ep1(tmp_path):
     """EP=2 gives the outputs and input gradients of the single-process model on each rank's tokens."""
     script = tmp_path / "ep_equivalence.py"
@@ -108,7 +104,6 @@ def test_ep_forward_backward_matches_ep1(tmp_path):
     assert sorted(line for line in proc.stdout.splitlines() if line.startswith("ok")) == ["ok 0", "ok 1"]
 
 
-@pytest.mark.slow
 def test_recompute_plan_under_ep_is_exact_and_bitwise():
     """RECOMPUTE under EP=4 with a 2x spike: bytes as predicted, gradients bitwise those of the plain run."""
     plan = "expert_act=RECOMPUTE,core_attn=RECOMPUTE,L2.expert_fc1/L2.dispatched=RECOMPUTE"

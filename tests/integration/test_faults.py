@@ -22,7 +22,7 @@ import pytest
 
 from reference_trainer.experiments.chaos import has_traceback
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.launch]
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).with_name("torchrun")

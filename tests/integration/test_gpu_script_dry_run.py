@@ -7,10 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+pytestmark = pytest.mark.launch
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
 def test_gpu_checks_dry_run(tmp_path):
     proc = subprocess.run([sys.executable, "benchmarks/gpu/gpu_checks.py", "--dry-run", "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -138,7 +138,7 @@ def _cli(*args):
                           capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_cli_prints_json():
     proc = _cli("--preset", "tiny-moe", "--imbalance", "1", "--plan", "none", "--seq-length", "32", "--json")
     assert proc.returncode == 0, proc.stderr

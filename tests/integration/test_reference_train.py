@@ -1,10 +1,11 @@
-import pytest
 """The trainer in one process (PP=1, DP=1: the cost model's F/B order) on the bundled corpus under its activation
 cap: the loss falls, every micro-batch keeps exactly the bytes the cost model predicts for the plan it ran, the
 peak stays within the cap, and the mitigated run's losses equal an uncapped run's bitwise (recompute and offload
 change no numbers)."""
 
 import json
+
+import pytest
 
 from reference_trainer.train import main
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.launch]
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -59,7 +59,6 @@ def equivalence(tmp_path_factory):
     return runtime, plain, single
 
 
-@pytest.mark.slow
 def test_pp2_dp2_runtime_matches_one_process_and_the_plain_schedule(equivalence):
     runtime, plain, single = equivalence
     distributed, stock, alone = losses(runtime), losses(plain), losses(single)
@@ -71,7 +70,6 @@ def test_pp2_dp2_runtime_matches_one_process_and_the_plain_schedule(equivalence)
     assert distributed == stock
 
 
-@pytest.mark.slow
 def test_pp2_dp2_keeps_the_predicted_bytes_within_the_cap(equivalence):
     runtime = records(equivalence[0])
     summary = runtime[-1]
@@ -85,7 +83,6 @@ def test_pp2_dp2_keeps_the_predicted_bytes_within_the_cap(equivalence):
     assert all(r["order"] for r in steps)  # fused points ran
 
 
-@pytest.mark.slow
 def test_pp4_fused_points_with_offload_and_recovery(tmp_path):
     metrics = tmp_path / "pp4.jsonl"
     ok(torchrun(4, "--steps", "12", "--pp", "4", "--dp", "1", "--ep", "1", "--num-microbatches", "8",
@@ -106,7 +103,6 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.slow
 def test_two_node_rendezvous_on_localhost(tmp_path):
     port = _free_port()
     metrics = tmp_path / "nodes.jsonl"
@@ -121,7 +117,6 @@ def test_two_node_rendezvous_on_localhost(tmp_path):
     assert records(metrics)[-1]["layout"] == {"pp": 2, "dp": 1, "ep": 1, "vp": 1}
 
 
-@pytest.mark.slow
 def test_a_bad_flag_is_one_line_from_rank_0_and_the_others_exit_quietly():
     """Under torchrun (the flag errors themselves are checked in-process: tests/unit/test_cli_train.py)."""
     proc = torchrun(2, "--steps", "1", "--pp", "2", "--dp", "1", "--ep", "1", "--memory-cap", "1KiB")
@@ -131,7 +126,6 @@ def test_a_bad_flag_is_one_line_from_rank_0_and_the_others_exit_quietly():
     assert "reference_trainer/" not in proc.stderr  # no traceback through the trainer's code on any rank
 
 
-@pytest.mark.slow
 def test_interleaved_runtime_and_plain_agree_bitwise(tmp_path):
     runtime, plain = tmp_path / "runtime.jsonl", tmp_path / "plain.jsonl"
     pipeline = ("--steps", "3", "--pp", "2", "--dp", "1", "--ep", "1", "--vp", "2")
@@ -144,7 +138,6 @@ def test_interleaved_runtime_and_plain_agree_bitwise(tmp_path):
     assert all(mb["kept_bytes"] == mb["predicted_bytes"] for r in steps for mb in r["microbatches"])
 
 
-@pytest.mark.slow
 def test_static_under_runs_out_of_memory_is_restarted_by_torchrun_and_continues_as_static_over(tmp_path):
     metrics, ckpt = tmp_path / "under.jsonl", tmp_path / "ckpt"
     proc = subprocess.run([str(TORCHRUN), "--standalone", "--nproc_per_node=2", "--max-restarts", "1", "-m",
@@ -166,7 +159,6 @@ def test_static_under_runs_out_of_memory_is_restarted_by_torchrun_and_continues_
     assert [r["step"] for r in rows if "loss" in r][-1] == 3
 
 
-@pytest.mark.slow
 def test_flexible_safety_net_reruns_a_mispredicted_micro_batch_without_a_restart(tmp_path):
     metrics = tmp_path / "net.jsonl"
     ok(torchrun(2, "--steps", "3", "--pp", "1", "--dp", "2", "--ep", "2", "--prediction-scale", "0.6",
@@ -178,7 +170,6 @@ def test_flexible_safety_net_reruns_a_mispredicted_micro_batch_without_a_restart
     assert len(reruns) == summary["reruns"] and all(mb["kept_bytes"] == mb["predicted_bytes"] for mb in reruns)
 
 
-@pytest.mark.slow
 def test_ideal_runs_uncapped_and_kwai_adapipe_fixed_plans(tmp_path):
     for policy in ("ideal", "kwai"):
         metrics = tmp_path / f"{policy}.jsonl"

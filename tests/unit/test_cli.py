@@ -141,7 +141,7 @@ def test_typer_usage_errors_keep_exit_code_2() -> None:
     assert run("no-such-command").exit_code == 2
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_subprocess_console_script() -> None:
     script = Path(sys.executable).with_name("bagualu2")
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "bagualu2.cli"]
@@ -157,7 +157,7 @@ def test_subprocess_console_script() -> None:
                                                "got 'abc'"]
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_python_dash_m() -> None:
     done = subprocess.run([sys.executable, "-m", "bagualu2.cli", "presets", "--json"], capture_output=True,
                           text=True, timeout=120)

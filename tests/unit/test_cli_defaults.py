@@ -22,7 +22,7 @@ FIELDS = {
 }
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 @pytest.mark.parametrize("command", sorted(FIELDS))
 def test_command_runs_on_its_defaults(command):
     result = CliRunner().invoke(app, [command, "--json"])
@@ -40,7 +40,7 @@ def test_simulate_runs_on_its_defaults():
     assert all({"policy", "mfu", "oom_events", "restarts", "tokens_per_s"} <= set(row) for row in rows)
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_train_on_its_defaults_is_one_torchrun_command():
     result = CliRunner().invoke(app, ["train", "--dry-run", "--json"])
     assert result.exit_code == 0, result.output

@@ -184,6 +184,7 @@ def test_markup_in_hardware_name_is_literal(files: Path, args: list[str], name: 
     (["plan", "--budget-gib"], "--budget-gib"),
     (["budget", "--spike-rate", "x"], "--spike-rate"),
 ])
+@pytest.mark.launch
 def test_parse_errors_from_python_dash_m(args: list[str], option: str | None) -> None:
     done = subprocess.run([sys.executable, "-m", "bagualu2.cli", *args], capture_output=True, text=True,
                           timeout=120, env={**os.environ, "NO_COLOR": "1"})
@@ -192,7 +193,7 @@ def test_parse_errors_from_python_dash_m(args: list[str], option: str | None) ->
     assert "╭" not in line
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_help_still_works() -> None:
     done = subprocess.run([sys.executable, "-m", "bagualu2.cli", "budget", "--help"], capture_output=True,
                           text=True, timeout=120)

@@ -13,7 +13,7 @@ from bagualu2.cli import app
 from bagualu2.cli import train_cmd
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_dry_run_builds_the_torchrun_command():
     result = CliRunner().invoke(app, ["train", "--nproc-per-node", "2", "--dry-run", "--json", "--", "--steps", "3"])
     assert result.exit_code == 0, result.output
@@ -44,7 +44,7 @@ def test_missing_torch_is_one_line_naming_the_extra(monkeypatch):
     assert demo.exit_code == 2 and "--train-steps" in demo.output and "bagualu2[trainer]" in demo.output
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 @pytest.mark.integration
 def test_train_runs_the_trainer_under_torchrun():
     proc = subprocess.run([sys.executable, "-m", "bagualu2.cli", "train", "--json", "--", "--steps", "1"],
@@ -54,7 +54,7 @@ def test_train_runs_the_trainer_under_torchrun():
     assert record["steps"] == 1 and record["max_prediction_error"] == 0.0  # 4 ranks: glm_moe_debug's PP=2 x DP=2
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 @pytest.mark.integration
 def test_under_torchrun_only_rank_0_reports_one_line():
     proc = subprocess.run([sys.executable, "-m", "bagualu2.cli", "train", "--nproc-per-node", "2", "--",

@@ -56,7 +56,7 @@ print(digest.hexdigest())
 """
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_decisions_do_not_depend_on_the_hash_seed():
     runs = {}
     for seed in HASH_SEEDS:  # started together: each is mostly interpreter start-up and imports

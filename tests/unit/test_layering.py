@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("bagualu2", "reference_trainer")
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_import_linter_contracts_hold():
     linter = Path(sys.executable).with_name("lint-imports")
     result = subprocess.run([str(linter)], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -136,7 +136,7 @@ def test_the_private_attribute_rule_finds_one(tmp_path):
         source.unlink()
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_the_pure_packages_import_with_torch_blocked():
     """One process with torch blocked: the data module imports neither torch nor bagualu2; the Gantt module no
     matplotlib; every pure package imports and Algorithm 1 runs."""

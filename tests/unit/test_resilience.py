@@ -64,7 +64,7 @@ def test_first_difference_names_the_step_group_and_collective():
     assert "collective #2 is nothing on rank 0 but barrier on rank 1" in collectives.first_difference(0, key, shorter)
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_the_watchdog_dumps_stacks_and_exits_with_one_line():
     code = textwrap.dedent("""
         import time

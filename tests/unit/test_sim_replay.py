@@ -38,7 +38,7 @@ def test_spike_trace_validates_and_is_seeded():
         spike_trace(10, max_imbalance=0.5)
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 @pytest.mark.filterwarnings("ignore:pipeline degree 2")  # tiny-moe has pp=2: sequential fallback, by design
 def test_demo_command():
     runner = CliRunner()

@@ -94,11 +94,8 @@ def replay_iteration(model: ModelConfig, parallel: ParallelConfig, hardware: Har
     for value in imbalances:
         check_imbalance(value)
     path = path if path is not None else DecisionPath(model, parallel, hardware, stage=stage, downgrade=downgrade)
-    forward = path.forward
     hits, misses = path.hits, path.misses
-    run = run_iteration(path.engine, lambda step, imbalance, budget, limit: forward(budget, imbalance, step.phase,
-                                                                                     step.chunk, limit_bytes=limit),
-                        imbalances)
+    run = run_iteration(path.engine, path.decide, imbalances)
     decisions = tuple(ForwardDecision(i, f.step.microbatch, f.step.chunk, f.step.phase, f.imbalance, f.budget_bytes,
                                       d.kept_bytes, d.overhead_s, len(d.plan), d.downgraded, f.held_bytes,
                                       d.order.makespan_s, d.action.value, str(d.plan))

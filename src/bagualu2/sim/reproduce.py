@@ -58,7 +58,8 @@ class ReproduceConfig:
     """iterations: paper-trace iterations per run (>= 10); seed: its seed; restart_s: seconds an OOM restart
     costs (the paper's 284); hardware: a hardware preset name; focus: the preset of Fig. 9-11 (the paper's
     GLM-423B-A30B); top_ks: Fig. 10a's top-k values (each in [1, experts]); seq_lengths: Fig. 10b's;
-    overhead_iterations: iterations of the decision-overhead replay (>= 1); plan_imbalance: the imbalance the
+    overhead_iterations: iterations of the decision-overhead replay, at most the trace's (>= 1; default the whole
+    trace: a run's typical iteration, its first iterations making the plans the later ones find); plan_imbalance: the imbalance the
     plans fixed before training are made for (>= 1; default the trace's highest ordinary rate)."""
 
     iterations: int = 1000
@@ -69,7 +70,7 @@ class ReproduceConfig:
     models: tuple[str, ...] = field(default_factory=table_ii)
     top_ks: tuple[int, ...] = (2, 4, 6, 8, 10)
     seq_lengths: tuple[int, ...] = (4096, 8192, 16384)
-    overhead_iterations: int = 100
+    overhead_iterations: int = 1000
     plan_imbalance: float = 1.2
 
     def __post_init__(self) -> None:
