@@ -8,7 +8,8 @@ from .buckets import ceil_bucket, floor_bucket
 from .gate import (DOWNGRADES, GateAction, GateDecision, after_gate, after_router_tensors, check_downgrade,
                    downgrade_plan, gate_free_tensors)
 from .iteration import Forward, Iteration, IterationRun, run_iteration
-from .path import Decision, DecisionPath
+from .path import DecisionPath
+from .records import Decision
 from .point import PointOrders
 from .replay import ForwardDecision, IterationReplay, replay_iteration, spike_trace
 from .stage import Memo, Stage, Step

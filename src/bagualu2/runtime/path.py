@@ -37,11 +37,8 @@ Decisions are the same with the memo on or off.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import NamedTuple
-
 from ..budget import BudgetPhase
-from ..costmodel import Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, PlanCost, StageMemory, Strategy
+from ..costmodel import Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, StageMemory, Strategy
 from ..costmodel.build import check_imbalance
 from ..costmodel.validate import require_int, require_number
 from ..fusion import Order
@@ -49,128 +46,15 @@ from ..mitigation import greedy
 from .buckets import ceil_bucket
 from .gate import GateAction, after_gate, check_downgrade
 from .keys import NeedGrid, PlannedImbalance, shift_plan
+from .records import (NO_PLAN, NO_PRE, Decision, LevelKey, Outcome, PreBudgetKey, PreBytesKey, PreGate, PreGateKey,
+                      Row, RowKey, Seen, SeenKey, ShiftKey, split_bytes)
 from .stage import Stage, Step
 
 MAX_DECISIONS = 1 << 16  # gate decisions remembered per need level (the stand-ins' history)
 UNREFERENCED_LEVELS = 2  # with no smaller-need decision made, a larger-need one this many levels up stands in
-NO_PLAN = Plan()
 STAY_ON_DEVICE = (Strategy.KEEP, Strategy.RECOMPUTE)  # strategies that add no forward cast and no copy
 WARMUP = BudgetPhase.WARMUP.value
 COVERED, ABSORBED = "covered", "absorbed"  # decision keys of the two outcomes that keep the plan in force
-
-
-class Decision(NamedTuple):
-    """What the runtime runs for one chunk-forward. ``kept_bytes`` is exact at the measured imbalance;
-    ``overhead_s`` is the plan's on the imbalance bucket's graph (an upper bound)."""
-
-    plan: Plan
-    kept_bytes: int
-    overhead_s: float
-    downgraded: bool  # the gate changed the plan (re-plan or full downgrade)
-    order: Order
-    action: GateAction = GateAction.KEEP
-
-
-class _Pre(NamedTuple):
-    """A pre-gate plan and the small integer that stands for it in keys (a plan's entries are long)."""
-
-    plan: Plan
-    id: int
-
-
-NO_PRE = _Pre(NO_PLAN, 0)
-
-
-# ---- the memo's key types (``Stage.memo``) ------------------------------------------------------------------------
-class SeenKey(NamedTuple):
-    """A measured imbalance on a chunk."""
-
-    imbalance: float
-    chunk: int
-
-
-class RowKey(NamedTuple):
-    """An imbalance bucket of a canonical chunk."""
-
-    bucket: float
-    chunk: int
-
-
-class PreGateKey(NamedTuple):
-    """A pre-gate plan: need level (pre-gate grid), planned imbalance, canonical chunk."""
-
-    level: object
-    planned: float
-    chunk: int
-
-
-class PreBytesKey(NamedTuple):
-    """A pre-gate plan's bytes on an imbalance bucket's graph."""
-
-    pre: int
-    bucket: float
-    chunk: int
-
-
-class PreBudgetKey(NamedTuple):
-    """The pre-gate plan of an exact budget (what the need grid maps it to)."""
-
-    budget: int
-    planned: float
-    chunk: int
-
-
-class LevelKey(NamedTuple):
-    """The gate's need level of an exact budget on an imbalance bucket's graph, and the budget decided for."""
-
-    budget: int
-    bucket: float
-    chunk: int
-
-
-class ShiftKey(NamedTuple):
-    """A plan moved by a layer offset (an aliased chunk's names)."""
-
-    entries: tuple
-    offset: int
-
-
-@dataclass(frozen=True)
-class _Outcome:
-    """A gate decision: the plan, and its bytes as ``fixed + per_token * routed tokens`` (exact at any imbalance;
-    ``PlanCost.activation_bytes_at``)."""
-
-    plan: Plan
-    action: GateAction
-    changed: bool
-    overhead_s: float
-    fixed_bytes: int
-    per_token_bytes: int
-    graph: OpGraph         # the bucket's, on which it was decided (its order is solved there)
-    activation_bytes: int  # at the bucket's imbalance
-    orders: dict = field(default_factory=dict, compare=False, repr=False)  # warmup? -> its point's (memo on)
-    shifted: dict = field(default_factory=dict, compare=False, repr=False)  # layer offset -> moved plan (memo on)
-
-
-@dataclass(frozen=True)
-class _Row:
-    bucket: float
-    graph: OpGraph
-    unmitigated_bytes: int   # on the bucket's graph ...
-    fixed_bytes: int         # ... = fixed + per_token * routed tokens, exact at any imbalance
-    per_token_bytes: int
-
-
-class _Seen:
-    """A measured imbalance on a chunk: its bucket row, routed tokens, exact unmitigated bytes, the covered
-    decisions (steady, warmup; made on first use), the canonical chunk and the layer offset."""
-
-    __slots__ = ("row", "tokens", "unmitigated_bytes", "steady", "warmup", "chunk", "offset")
-
-    def __init__(self, row: _Row, tokens: int, chunk: int, offset: int):
-        self.row, self.tokens, self.chunk, self.offset = row, tokens, chunk, offset
-        self.unmitigated_bytes = row.fixed_bytes + row.per_token_bytes * tokens
-        self.steady = self.warmup = None
 
 
 class DecisionPath:
@@ -228,7 +112,7 @@ class DecisionPath:
         self._pre_budget, self._levels = memo.table(PreBudgetKey), memo.table(LevelKey)
         # state, not memo: the ids of the pre-gate plans made, and the gate decisions made per need level
         self._pre_ids: dict[tuple, int] = {(): 0}
-        self._outcomes: dict[tuple, _Outcome] = {}
+        self._outcomes: dict[tuple, Outcome] = {}
         self.hits = self.misses = 0
 
     @classmethod
@@ -316,7 +200,7 @@ class DecisionPath:
             return covered if covered is not None else self._covered(seen, phase == WARMUP, budget_bytes)
         return self._decide(seen, budget_bytes, imbalance, phase, planned, limit_bytes)
 
-    def _covered(self, seen: _Seen, warm: bool, budget_bytes: int) -> Decision:
+    def _covered(self, seen: Seen, warm: bool, budget_bytes: int) -> Decision:
         row, chunk = seen.row, seen.chunk
         outcome = self._outcome(NO_PRE, COVERED, row, chunk, budget_bytes)
         covered = Decision(outcome.plan, seen.unmitigated_bytes, outcome.overhead_s, False,
@@ -327,7 +211,7 @@ class DecisionPath:
             seen.steady = covered
         return covered
 
-    def _decide(self, seen: _Seen, budget_bytes: int, imbalance: float, phase: str, planned: float,
+    def _decide(self, seen: Seen, budget_bytes: int, imbalance: float, phase: str, planned: float,
                 limit_bytes: int | None) -> Decision:
         """A forward whose budget does not cover its unmitigated bytes: steps 2-4 of the module docstring."""
         row, tokens, chunk, offset = seen.row, seen.tokens, seen.chunk, seen.offset  # the canonical chunk's
@@ -340,7 +224,7 @@ class DecisionPath:
             key = PreBytesKey(pre.id, row.bucket, chunk)
             split = self._pre_bytes.get(key)
             if split is None:
-                split = self._pre_bytes[key] = _split(row.graph, self.engine.cost(pre.plan, row.bucket, chunk))
+                split = self._pre_bytes[key] = split_bytes(row.graph, self.engine.cost(pre.plan, row.bucket, chunk))
             if budget_bytes < split[0] + split[1] * tokens <= limit_bytes:  # the pre-gate plan's bytes at r
                 outcome = self._outcome(pre, ABSORBED, row, chunk, budget_bytes)  # the next budgets shrink
         if outcome is None:
@@ -379,15 +263,15 @@ class DecisionPath:
             found = self._shifted[key] = shift_plan(plan, offset)
         return found
 
-    def _seen_row(self, imbalance: float, chunk: int) -> _Seen:
-        """The :class:`_Seen` of a measured imbalance on ``chunk`` (its canonical chunk's bucket row)."""
+    def _seen_row(self, imbalance: float, chunk: int) -> Seen:
+        """The :class:`Seen` of a measured imbalance on ``chunk`` (its canonical chunk's bucket row)."""
         canonical, offset = self.engine.check_chunk(chunk)
         row = self._row(imbalance, canonical)
-        seen = self._seen[SeenKey(imbalance, chunk)] = _Seen(row, row.graph.routed_tokens(imbalance), canonical,
+        seen = self._seen[SeenKey(imbalance, chunk)] = Seen(row, row.graph.routed_tokens(imbalance), canonical,
                                                              offset)
         return seen
 
-    def _row(self, imbalance: float, chunk: int) -> _Row:
+    def _row(self, imbalance: float, chunk: int) -> Row:
         """The ceiling bucket of a measured imbalance, with its graph and unmitigated cost."""
         imbalance = check_imbalance(imbalance)
         bucket = ceil_bucket(imbalance, self.step if imbalance <= self.spike_threshold else self.spike_step)
@@ -395,11 +279,11 @@ class DecisionPath:
         row = self._rows.get(key)
         if row is None:
             graph = self.graph(chunk, bucket)
-            fixed, per_token = _split(graph, self.engine.cost(NO_PLAN, bucket, chunk))
-            row = self._rows[key] = _Row(bucket, graph, graph.unmitigated_bytes, fixed, per_token)
+            fixed, per_token = split_bytes(graph, self.engine.cost(NO_PLAN, bucket, chunk))
+            row = self._rows[key] = Row(bucket, graph, graph.unmitigated_bytes, fixed, per_token)
         return row
 
-    def _pre_gate(self, budget_bytes: int, planned: float, chunk: int) -> _Pre:
+    def _pre_gate(self, budget_bytes: int, planned: float, chunk: int) -> PreGate:
         """The plan in force before the gate (step 2 of the module docstring), with its id."""
         if budget_bytes >= self.graph(chunk, 1.0).unmitigated_bytes:
             return NO_PRE
@@ -412,12 +296,12 @@ class DecisionPath:
             if not solution.ok:  # below M0 nothing fits: the least the micro-batch can keep (full recompute)
                 solution = greedy.solve(graph, graph.floor_bytes)
             plan = solution.plan
-            found = self._pregate[key] = _Pre(plan, self._pre_ids.setdefault(plan.entries, len(self._pre_ids)))
+            found = self._pregate[key] = PreGate(plan, self._pre_ids.setdefault(plan.entries, len(self._pre_ids)))
             self.engine.remember_cost(plan, planned, chunk, solution.cost)  # the evaluator's, once
         return found
 
-    def _outcome(self, pre: _Pre, level, row: _Row, chunk: int, decided: int, budget_bytes: int = 0,
-                 tokens: int = 0) -> _Outcome:
+    def _outcome(self, pre: PreGate, level, row: Row, chunk: int, decided: int, budget_bytes: int = 0,
+                 tokens: int = 0) -> Outcome:
         key = (pre.id, level, row.bucket, chunk)
         outcomes = self._outcomes
         found = outcomes.get(key)
@@ -436,14 +320,14 @@ class DecisionPath:
             plan, action = gate.plan, gate.action
             engine.remember_cost(plan, row.bucket, chunk, gate.cost)  # the evaluator's, once
         cost = engine.cost(plan, row.bucket, chunk)
-        fixed, per_token = _split(row.graph, cost)
+        fixed, per_token = split_bytes(row.graph, cost)
         if len(outcomes) >= MAX_DECISIONS:
             outcomes.clear()
-        found = outcomes[key] = _Outcome(plan, action, action in (GateAction.REPLAN, GateAction.DOWNGRADE),
+        found = outcomes[key] = Outcome(plan, action, action in (GateAction.REPLAN, GateAction.DOWNGRADE),
                                          cost.overhead_s, fixed, per_token, row.graph, cost.activation_bytes)
         return found
 
-    def _nearby(self, pre: _Pre, level: int, row: _Row, chunk: int, budget_bytes: int, tokens: int):
+    def _nearby(self, pre: PreGate, level: int, row: Row, chunk: int, budget_bytes: int, tokens: int):
         """A decision made for a nearby need level that is as good here (the greedy's cost grows with the need):
         the nearest smaller-need decision if it fits this budget at the measured imbalance, else the nearest
         larger-need one if it fits and costs at most ``1 + need_step`` times the smaller-need one — or, with no
@@ -474,10 +358,3 @@ class DecisionPath:
         if warmup and plan.entries and all(strategy in STAY_ON_DEVICE for _, strategy in plan.entries):
             plan = NO_PLAN
         return self.engine.point_order(plan, graph.imbalance, chunk, warmup=warmup)
-
-
-def _split(graph: OpGraph, cost: PlanCost) -> tuple[int, int]:
-    """``cost``'s bytes as ``(fixed, per routed token)``: routed tensors hold ``routed_tokens(r)`` copies."""
-    built = graph.routed_tokens(graph.imbalance)
-    per_token = cost.routed_bytes // built if built else 0
-    return cost.activation_bytes - per_token * built, per_token
