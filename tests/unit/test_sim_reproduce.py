@@ -117,8 +117,7 @@ def test_cli_reproduce_writes_the_report_and_plots_atomically(tmp_path, monkeypa
 
     report, _ = small_report()
     monkeypatch.setattr(command, "reproduce", lambda config, progress: report)  # the computation is tested above
-    (tmp_path / "img").mkdir()
-    result = runner.invoke(app, ["reproduce", "--docs", str(tmp_path), "-n", "40"])
+    result = runner.invoke(app, ["reproduce", "--docs", str(tmp_path), "-n", "40"])  # makes DIR/img
     assert result.exit_code == 0, result.output
     assert (tmp_path / "reproduction.md").read_text() == markdown(report)
     assert sorted(p.name for p in (tmp_path / "img").iterdir()) == sorted(figures(report))
@@ -129,6 +128,10 @@ def test_cli_reproduce_writes_the_report_and_plots_atomically(tmp_path, monkeypa
     os.symlink(tmp_path / "reproduction.md", tmp_path / "img" / "repro-fig9.png")
     refused = runner.invoke(app, ["reproduce", "--docs", str(tmp_path)])
     assert refused.exit_code == 2 and "symlink" in refused.output and "Traceback" not in refused.output
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "img").write_text("a file where the plots' folder goes")
+    clash = runner.invoke(app, ["reproduce", "--docs", str(tmp_path / "other")])
+    assert clash.exit_code == 2 and "is not a folder" in clash.output and len(clash.output.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("args, option", [(["-n", "3"], "--iterations"), (["--restart-s", "-1"], "--restart-s"),

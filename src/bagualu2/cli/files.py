@@ -41,7 +41,7 @@ def check_output_path(value: str, what: str = "file.png") -> Path:
     target = Path(value)
     folder = target.parent
     if not folder.is_dir():
-        raise ValueError(f"folder {str(folder)!r} does not exist")
+        raise ValueError(f"folder {str(folder)!r} " + ("is not a folder" if folder.exists() else "does not exist"))
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ValueError(f"folder {str(folder)!r} is not writable")
     limit = None

@@ -30,7 +30,7 @@ def reproduce_cmd(
     model: Annotated[Optional[list[str]], typer.Option("--model", "-m", help="Fig. 8's Table II presets; "
                                                        "repeatable; default: all of them.")] = None,
     docs: Annotated[str, typer.Option("--docs", metavar="DIR", help="Folder to write reproduction.md into (its "
-                                      "plots go to DIR/img).")] = "docs",
+                                      "plots go to DIR/img, made when missing).")] = "docs",
     json_output: Annotated[bool, typer.Option("--json", help=JSON_HELP + " (the report's ratios beside the "
                                               "paper's, after writing the files)")] = False,
 ) -> None:
@@ -50,6 +50,8 @@ def reproduce_cmd(
     with blame("--docs"):
         report_path = check_output_path(str(folder / "reproduction.md"), "reproduction.md")
         names = ("repro-fig8.png", "repro-fig9.png", "repro-fig10.png", "repro-fig11.png")
+        if not (folder / "img").exists() and not (folder / "img").is_symlink():
+            (folder / "img").mkdir()  # the plots' folder beside the report, made when missing
         image_paths = {name: check_output_path(str(folder / "img" / name)) for name in names}
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=Console(stderr=True), transient=True)
