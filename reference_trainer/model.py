@@ -58,182 +58,19 @@ Forced imbalance (spikes) and routing statistics are instrumentation, applied fr
 from __future__ import annotations
 
 import math
-import warnings
 import weakref
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.nn.functional import all_to_all_single as _autograd_all_to_all_single
 
 from bagualu2.costmodel import ModelConfig
 
+from .functions import (PermuteFunction, RMSNormFunction, RouterFunction, RowPermuteFunction, SwiGLUFunction,
+                        UnpermuteFunction, all_to_all_single, rotate)
+
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def _wide(t: torch.Tensor) -> torch.Tensor:
-    """FP32 view of a half-precision tensor; fp32/fp64 tensors unchanged (fp64 keeps gradcheck exact)."""
-    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
-
-
-# ---- custom autograd functions ---------------------------------------------------------------------------------
-class RMSNormFunction(torch.autograd.Function):
-    """``y = x * rsqrt(mean(x^2) + eps) * w``; saves only ``x`` (the weight is a parameter)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.eps = eps
-        xf = _wide(x)
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        return (xf * rstd).to(x.dtype) * weight
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x, weight = ctx.saved_tensors
-        xf, gf = _wide(x), _wide(grad)
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)
-        xhat = xf * rstd
-        gw = gf * _wide(weight)
-        grad_x = rstd * (gw - xhat * (gw * xhat).mean(-1, keepdim=True))
-        grad_w = (gf * xhat).reshape(-1, x.shape[-1]).sum(0)
-        return grad_x.to(x.dtype), grad_w.to(weight.dtype), None
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-class SwiGLUFunction(torch.autograd.Function):
-    """``silu(gate) * up`` on ``fc1_out = [gate, up]``; saves only ``fc1_out``."""
-
-    @staticmethod
-    def forward(ctx, fc1_out: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(fc1_out)
-        gate, up = fc1_out.chunk(2, dim=-1)
-        return F.silu(gate) * up
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (fc1_out,) = ctx.saved_tensors
-        gate, up = fc1_out.chunk(2, dim=-1)
-        sig = torch.sigmoid(gate)
-        silu = gate * sig
-        grad_gate = grad * up * sig * (1 + gate * (1 - sig))
-        grad_up = grad * silu
-        return torch.cat((grad_gate, grad_up), dim=-1)
-
-
-class RouterFunction(torch.autograd.Function):
-    """Sigmoid router with an aux-loss-free expert bias (selection only) and normalised top-k weights.
-
-    Inputs: ``x`` ``(T, h)``, router weight ``(E, h)``, expert bias ``(E,)`` (a buffer), ``top_k``.
-    Outputs: FP32 routing weights ``(T, K)`` and the int32 routing map ``(T, K)`` (expert ids, not differentiable).
-    Saves the FP32 copy of ``x``, the FP32 scores ``(T, E)`` and the routing map (an output: the same tensor
-    ``permute`` keeps).
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int):
-        x32 = _wide(x)  # the FP32 copy (the same tensor for an fp32 model)
-        w32 = _wide(weight)
-        scores = torch.sigmoid(x32 @ w32.t())
-        chosen = torch.topk(scores + _wide(bias), top_k, dim=-1, sorted=False).indices
-        selected = scores.gather(-1, chosen)
-        probs = selected / selected.sum(-1, keepdim=True)
-        routing = chosen.to(torch.int32)
-        ctx.mark_non_differentiable(routing)
-        ctx.save_for_backward(x32, weight, scores, routing)
-        ctx.x_dtype = x.dtype
-        return probs, routing
-
-    @staticmethod
-    def backward(ctx, grad_probs: torch.Tensor, grad_routing):
-        x32, weight, scores, routing = ctx.saved_tensors
-        index = routing.long()
-        selected = scores.gather(-1, index)
-        total = selected.sum(-1, keepdim=True)
-        grad_probs = _wide(grad_probs)
-        # probs = s / sum(s): d/ds_j = (g_j - sum_i g_i p_i) / sum(s)
-        grad_selected = (grad_probs - (grad_probs * selected).sum(-1, keepdim=True) / total) / total
-        grad_scores = torch.zeros_like(scores).scatter_(-1, index, grad_selected)
-        grad_logits = grad_scores * scores * (1 - scores)
-        grad_x = (grad_logits @ _wide(weight)).to(ctx.x_dtype)
-        grad_w = (grad_logits.t() @ x32).to(weight.dtype)
-        return grad_x, grad_w, None, None
-
-
-def _token_order(routing: torch.Tensor) -> torch.Tensor:
-    """Flat ``(t*K + k)`` indices of the routed copies sorted by expert (stable: token order within an expert)."""
-    return torch.sort(routing.reshape(-1), stable=True).indices
-
-
-class PermuteFunction(torch.autograd.Function):
-    """Gather the ``T*K`` routed copies of ``x`` ``(T, h)`` grouped by expert; saves only the routing map."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, routing: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(routing)
-        ctx.num_tokens = x.shape[0]
-        order = _token_order(routing)
-        return x.index_select(0, order // routing.shape[1])
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (routing,) = ctx.saved_tensors
-        order = _token_order(routing)
-        grad_x = grad.new_zeros(ctx.num_tokens, grad.shape[1]).index_add_(0, order // routing.shape[1], grad)
-        return grad_x, None
-
-
-class UnpermuteFunction(torch.autograd.Function):
-    """``out[t] = sum_k probs[t, k] * combined[row of (t, k)]``; saves combined, probs and the routing map."""
-
-    @staticmethod
-    def forward(ctx, combined: torch.Tensor, probs: torch.Tensor, routing: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(combined, probs, routing)
-        order = _token_order(routing)
-        top_k = routing.shape[1]
-        weights = probs.reshape(-1).index_select(0, order).unsqueeze(-1)
-        out = torch.zeros(probs.shape[0], combined.shape[1], dtype=_wide(combined).dtype, device=combined.device)
-        out.index_add_(0, order // top_k, _wide(combined) * weights)
-        return out.to(combined.dtype)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        combined, probs, routing = ctx.saved_tensors
-        order = _token_order(routing)
-        top_k = routing.shape[1]
-        weights = probs.reshape(-1).index_select(0, order).unsqueeze(-1)
-        grad_rows = _wide(grad).index_select(0, order // top_k)
-        grad_combined = (grad_rows * weights).to(combined.dtype)
-        grad_weights = (grad_rows * _wide(combined)).sum(-1)
-        grad_probs = torch.zeros_like(probs).reshape(-1).index_copy_(0, order, grad_weights).reshape(probs.shape)
-        return grad_combined, grad_probs, None
-
-
-class RowPermuteFunction(torch.autograd.Function):
-    """``x[order]`` (rows); the permutation stays on ``ctx`` (no saved-tensor hook sees it), backward scatters back."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-        ctx.order = order
-        return x.index_select(0, order)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return torch.zeros_like(grad).index_copy_(0, ctx.order, grad), None
-
-
-def _all_to_all_single(output: torch.Tensor, x: torch.Tensor, output_splits: list[int], input_splits: list[int],
-                       group: dist.ProcessGroup) -> torch.Tensor:
-    """Autograd all-to-all with uneven splits (its backward is the opposite all-to-all; it saves no tensor)."""
-    with warnings.catch_warnings():  # deprecated in favour of _functional_collectives, which is private API
-        warnings.simplefilter("ignore", FutureWarning)
-        return _autograd_all_to_all_single(output, x, output_splits, input_splits, group=group)
 
 
 # ---- modules: one per cost-model op (OP_MAP) ------------------------------------------------------------------
@@ -269,7 +106,7 @@ class RoPE(nn.Module):
     ``(s, 1, d/2)`` are model buffers, the only tensors autograd keeps (not activations: nothing counted)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return rotate(q, cos, sin), rotate(k, cos, sin)
 
 
 class CoreAttention(nn.Module):
@@ -389,7 +226,7 @@ class Dispatch(nn.Module):
         ep, local = self.layout.ep, self.layout.num_local_experts
         input_splits, output_splits = send.sum(1).tolist(), recv.sum(1).tolist()
         out = x.new_empty(sum(output_splits), x.shape[1])
-        received = _all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+        received = all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
         # arrived grouped (source rank, expert): regroup by (expert, source rank)
         block = torch.repeat_interleave(torch.arange(ep * local, device=x.device), recv.reshape(-1).to(x.device))
         order = torch.sort((block % local) * ep + block // local, stable=True).indices
@@ -411,7 +248,7 @@ class Combine(nn.Module):
         input_splits, output_splits, inverse = state
         x = RowPermuteFunction.apply(x, inverse)  # back to (source rank, expert) order
         out = x.new_empty(sum(input_splits), x.shape[1])
-        return _all_to_all_single(out, x, input_splits, output_splits, group=self.layout.ep_group)
+        return all_to_all_single(out, x, input_splits, output_splits, group=self.layout.ep_group)
 
 
 class MoE(nn.Module):

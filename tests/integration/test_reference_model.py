@@ -17,8 +17,9 @@ from reference_trainer.experiments.measure import main as measure_main
 from reference_trainer.experiments.measure import measure
 from reference_trainer.instrumented import instrument_reference
 from reference_trainer.routing import bias_router_towards, record_routing, routing_stats
-from reference_trainer.model import (RoPE, GLMMoEModel, PermuteFunction, RMSNormFunction, RouterFunction,
-                                     SwiGLUFunction, UnpermuteFunction)
+from reference_trainer.functions import (PermuteFunction, RMSNormFunction, RouterFunction, SwiGLUFunction,
+                                         UnpermuteFunction)
+from reference_trainer.model import GLMMoEModel, RoPE
 
 ROOT = Path(__file__).resolve().parents[2]
 f64 = torch.float64
