@@ -34,7 +34,7 @@ from bagualu2.costmodel.build import chunk_layers
 from .instrumented import instrument_reference
 from .model import GLMMoEModel
 from .provision import Provisioner
-from .routing import bias_towards, record_routing, routing_stats
+from .routing import bias_towards, routing_stats
 
 
 class _BackwardEnd(torch.autograd.Function):
@@ -71,7 +71,6 @@ class ChunkModule(nn.Module):
         self.next_microbatch = 0
         self.spikes: dict[int, tuple[int, int]] = {}  # micro-batch -> (target EP rank, this rank's picks)
         self.moes = [model.layers[i].mlp for i in layers if model.layers[i].is_moe]
-        record_routing(self)  # (once per MoE module: the session's model records it already)
         self.instrumented = instrument_reference(self)  # its layers' op modules (paths layers.<global index>)
 
     def _layers(self, x: torch.Tensor) -> torch.Tensor:

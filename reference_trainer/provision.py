@@ -3,8 +3,9 @@
 For every chunk-forward, in the schedule's order:
 
 1. **budget** — the runtime's iteration driver (``bagualu2.runtime.Iteration`` over the rank's stage engine:
-   Algorithm 1, a new one every iteration, phases from the stage's steps) gives the budget and, in warmup under graded planning, the most an overrun may
-   keep (absorbed by the next budgets); the gates decide against the latter.
+   Algorithm 1, a new one every iteration, phases from the stage's steps) gives the budget and, in warmup under
+   graded planning, the most an overrun may keep (absorbed by the next budgets); the gates decide against the
+   latter.
 2. **agreement** — under expert parallelism the ranks of an EP group must re-run the same collectives in
    backward, so they run the same plans. They agree without a collective before the forward: every rank records
    the same bytes into its budget (step 5) and follows the same imbalance (the most any rank of the group
@@ -74,8 +75,7 @@ class Provisioner:
         self.prediction_scale = prediction_scale
         self.engine = engine = Stage(model, parallel, hardware, stage=stage)  # shared by path, gates and orders
         self.path = DecisionPath.on(engine, downgrade=downgrade)
-        memory = engine.memory
-        self.m0_bytes, self.inflight_chunks, self.cap_bytes = memory.m0_bytes, memory.inflight_chunks, cap_bytes
+        self.cap_bytes = cap_bytes
         self._index = {(step.chunk, step.microbatch): (step.index, step.phase) for step in engine.steps
                        if step.forward}
         # fixed policies: the tracker's cap raises (out of memory -> restart); flexible checks after each

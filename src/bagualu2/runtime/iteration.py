@@ -96,33 +96,18 @@ def run_iteration(stage: Stage, decide: Callable[[Step, float, int, int | None],
         raise ValueError(f"imbalances must have num_microbatches={stage.parallel.num_microbatches} entries, "
                          f"got {len(imbalances)}")
     iteration = Iteration(stage, m_max_bytes=m_max_bytes, budgeted=budgeted)
-    assigner = iteration.assigner
-    if assigner is None:  # unbudgeted: the stepwise driver follows the bytes
-        next_budget = limit = None
-        record_forward, record_backward = iteration.record_forward, iteration.record_backward
-    else:  # the hot path: the assigner's own methods, the peak followed here
-        next_budget, limit = assigner.next_forward_budget, assigner.absorb_limit_bytes
-        record_forward, record_backward = assigner.record_forward, assigner.record_backward
+    budget, record_forward, record_backward = iteration.budget, iteration.record_forward, iteration.record_backward
     raw = []
     keep = raw.append
-    peak = 0
     started = time.perf_counter()
     for step in stage.steps:  # the timed hot path: budget, decision, re-basing
-        forward, index, microbatch, _, phase = step
-        if not forward:
-            record_backward(index)
+        if not step.forward:
+            record_backward(step.index)
             continue
-        imbalance = imbalances[microbatch]
-        if next_budget is None:
-            budget_bytes, limit_bytes = 0, None
-        else:
-            budget_bytes = next_budget()
-            limit_bytes = limit() if phase == WARMUP else None
+        budget_bytes, limit_bytes = budget(step.phase)
+        imbalance = imbalances[step.microbatch]
         result = decide(step, imbalance, budget_bytes, limit_bytes)
-        held = record_forward(index, result.kept_bytes)
-        if held > peak:
-            peak = held
-        keep((step, imbalance, budget_bytes, result, held))
+        keep((step, imbalance, budget_bytes, result, record_forward(step.index, result.kept_bytes)))
     elapsed = time.perf_counter() - started
     return IterationRun(tuple(Forward._make(row) for row in raw), iteration.m_max_bytes, iteration.m0_bytes,
-                        max(peak, iteration.peak_bytes), elapsed)
+                        iteration.peak_bytes, elapsed)

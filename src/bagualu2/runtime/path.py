@@ -188,17 +188,8 @@ class DecisionPath:
 
     def decide(self, step: Step, imbalance: float, budget_bytes: int, limit_bytes: int | None) -> Decision:
         """:meth:`forward` for one step of the stage's iteration driver (``run_iteration(engine, path.decide,
-        imbalances)``): the same decision, one call less on the hot path."""
-        seen = self._seen.get((imbalance, step.chunk))
-        if seen is None or type(budget_bytes) is not int or budget_bytes < 0:
-            return self.forward(budget_bytes, imbalance, step.phase, step.chunk, limit_bytes=limit_bytes)
-        phase = step.phase
-        planned = self._planner.observe(step.chunk, imbalance)
-        if budget_bytes >= seen.unmitigated_bytes:
-            self.hits += 1
-            covered = seen.warmup if phase == WARMUP else seen.steady
-            return covered if covered is not None else self._covered(seen, phase == WARMUP, budget_bytes)
-        return self._decide(seen, budget_bytes, imbalance, phase, planned, limit_bytes)
+        imbalances)``)."""
+        return self.forward(budget_bytes, imbalance, step.phase, step.chunk, limit_bytes=limit_bytes)
 
     def _covered(self, seen: Seen, warm: bool, budget_bytes: int) -> Decision:
         row, chunk = seen.row, seen.chunk
@@ -233,11 +224,7 @@ class DecisionPath:
                 found = self._levels[LevelKey(budget_bytes, row.bucket, chunk)] = self.needs.level(
                     row.unmitigated_bytes, row.graph.floor_bytes, budget_bytes)
             level, decided = found
-            outcome = self._outcomes.get((pre.id, level, row.bucket, chunk))
-            if outcome is None:
-                outcome = self._outcome(pre, level, row, chunk, decided, budget_bytes, tokens)
-            else:
-                self.hits += 1
+            outcome = self._outcome(pre, level, row, chunk, decided, budget_bytes, tokens)
         plan = outcome.plan
         if offset and plan.entries:  # plans are moved back to this chunk's layers by ``offset``
             shifted = outcome.shifted.get(offset)

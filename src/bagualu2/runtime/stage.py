@@ -90,10 +90,6 @@ class Memo:
         """Entries held per key type."""
         return {kind.__name__: len(table) for kind, table in self._tables.items()}
 
-    def clear(self) -> None:
-        for table in self._tables.values():
-            table.clear()
-
 
 class _Bounded(dict):
     __slots__ = ("limit",)
