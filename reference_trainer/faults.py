@@ -1,6 +1,6 @@
 """Fault injection for recovery tests and chaos runs: ``BAGUALU2_FAULTS``.
 
-A comma-separated list of ``KIND@STEP[:rank=R][:at=POINT][:launch=N]``; each fault fires once, at step ``STEP``
+A comma-separated list of ``KIND@STEP[:rank=R][:at=POINT][:launch=N][:for=S]``; each fault fires once, at step ``STEP``
 on rank ``R`` (default 0) in launch ``N`` of the job (``TORCHELASTIC_RESTART_COUNT``, default 0: a restarted
 job runs clean). The faults are real: signals to this process, an ``OSError`` from the checkpoint writer, a
 non-finite gradient, a collective issued differently.
@@ -8,7 +8,9 @@ non-finite gradient, a collective issued differently.
   kill      SIGKILL this rank; ``at=forward`` (default: the step's second forward on this rank, mid-step) or
             ``at=checkpoint`` (after this rank's shards of the checkpoint written after the step, before it is
             complete).
-  stop      SIGSTOP this rank (a hang), at the same points.
+  stop      SIGSTOP this rank (a hang), at the same points; ``for=S`` sends it SIGCONT after S seconds (a long
+            pause: a swapping host, a frozen file system), so a stop torchrun has meanwhile asked to terminate
+            ends at once instead of after torchrun's 30 s grace period.
   nan       this rank's gradients of the step become NaN (before the non-finite check).
   enospc    the checkpoint written after the step fails with ``OSError(ENOSPC)`` (a full disk) on this rank.
   eacces    the same with ``PermissionError(EACCES)`` (a directory that cannot be written).
@@ -23,6 +25,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import subprocess
 from dataclasses import dataclass
 
 ENV = "BAGUALU2_FAULTS"
@@ -39,16 +42,19 @@ class Fault:
     rank: int = 0
     at: str = "forward"
     launch: int = 0
+    for_s: int = 0  # stop only: SIGCONT after this many seconds (0: stopped until killed)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"{ENV}: kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if self.at not in POINTS:
             raise ValueError(f"{ENV}: at must be one of {', '.join(POINTS)}, got {self.at!r}")
-        for name in ("step", "rank", "launch"):
+        for name in ("step", "rank", "launch", "for_s"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{ENV}: {name} must be an integer >= 0, got {value!r}")
+        if self.for_s and self.kind != "stop":
+            raise ValueError(f"{ENV}: for= applies to stop only, got it on {self.kind!r}")
 
 
 def parse(text: str) -> tuple[Fault, ...]:
@@ -58,15 +64,15 @@ def parse(text: str) -> tuple[Fault, ...]:
         head, *options = part.split(":")
         kind, sep, step = head.partition("@")
         if not sep or not step.isdigit():
-            raise ValueError(f"{ENV}: {part!r} must look like KIND@STEP[:rank=R][:at=POINT][:launch=N]")
+            raise ValueError(f"{ENV}: {part!r} must look like KIND@STEP[:rank=R][:at=POINT][:launch=N][:for=S]")
         fields: dict = {"kind": kind, "step": int(step)}
         for option in options:
             key, sep, value = option.partition("=")
-            if not sep or key not in ("rank", "at", "launch"):
-                raise ValueError(f"{ENV}: {part!r}: unknown option {option!r} (rank=, at=, launch=)")
+            if not sep or key not in ("rank", "at", "launch", "for"):
+                raise ValueError(f"{ENV}: {part!r}: unknown option {option!r} (rank=, at=, launch=, for=)")
             if key != "at" and not value.isdigit():
                 raise ValueError(f"{ENV}: {part!r}: {key} must be an integer >= 0, got {value!r}")
-            fields[key] = value if key == "at" else int(value)
+            fields["for_s" if key == "for" else key] = value if key == "at" else int(value)
         faults.append(Fault(**fields))
     return tuple(faults)
 
@@ -83,14 +89,21 @@ class Faults:
     def from_env(cls, *, rank: int, launch: int) -> "Faults":
         return cls(parse(os.environ.get(ENV, "")), rank=rank, launch=launch)
 
+    def _matching(self, kind: str, step: int, at: str | None = None) -> list[Fault]:
+        return [f for f in self.faults
+                if f.kind == kind and f.step == step and f.rank == self.rank and (at is None or f.at == at)]
+
     def _mine(self, kind: str, step: int, at: str | None = None) -> bool:
-        return any(f.kind == kind and f.step == step and f.rank == self.rank and (at is None or f.at == at)
-                   for f in self.faults)
+        return bool(self._matching(kind, step, at))
 
     def _signal(self, step: int, at: str) -> None:
         if self._mine("kill", step, at):
             os.kill(os.getpid(), signal.SIGKILL)
-        if self._mine("stop", step, at):
+        for fault in self._matching("stop", step, at):
+            if fault.for_s:  # a process of its own wakes this one: a stopped process cannot
+                subprocess.Popen(["sh", "-c", f"sleep {fault.for_s}; kill -CONT {os.getpid()}"],
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                 start_new_session=True)
             os.kill(os.getpid(), signal.SIGSTOP)
 
     def forward(self, step: int) -> None:

@@ -12,14 +12,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from bagualu2.costmodel import ParallelConfig
 
 from . import checkpoint
 from .steps import finite, flops_per_token, lr_at, spikes_of
 from .metrics import MetricsWriter, Progress, mfu, print_summary
+from .chunks import ChunkModule
 from .model import GLMMoEModel
 from .parallel import build_groups, is_expert_parameter, reduce_gradients
-from .pipeline import RuntimeSchedule, build_stages, plain_schedule
 from .policies import OOM_EXIT_CODE, fallback, fixed_plans
 from .provision import Provisioner
 from .resilience import NONFINITE_EXIT_CODE, Guard
@@ -107,7 +106,9 @@ class Session:
                                            weight_decay=config.weight_decay)
         self.chunks = []
         self.schedule = None
-        if config.pp > 1:
+        if config.pp > 1:  # torch.distributed.pipelining (1.4 s to import) only where there is a pipeline
+            from .pipeline import RuntimeSchedule, build_stages, plain_schedule
+
             stages = build_stages(model, self.parallel, pp_rank=groups.pp_rank, provisioner=self.provisioner,
                                   device=self.device, group=groups.pp_group,
                                   micro_batch_shape=(config.model.micro_batch_size, config.model.seq_length))
@@ -115,8 +116,6 @@ class Session:
             self.schedule = (RuntimeSchedule(stages, self.parallel, loss_fn=_loss, provisioner=self.provisioner)
                              if config.schedule == "runtime" else plain_schedule(stages, self.parallel, loss_fn=_loss))
         else:
-            from .pipeline import ChunkModule
-
             self.chunks = [ChunkModule(model, stage_index=0, num_stages=1, chunk=0, layers=range(len(model.layers)),
                                        provisioner=self.provisioner)]
         self.is_last = groups.pp_rank == config.pp - 1

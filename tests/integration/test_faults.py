@@ -25,7 +25,7 @@ from reference_trainer.experiments.chaos import has_traceback
 pytestmark = [pytest.mark.integration, pytest.mark.launch]
 
 ROOT = Path(__file__).resolve().parents[2]
-TORCHRUN = Path(sys.executable).with_name("torchrun")
+LAUNCH = [sys.executable, str(Path(__file__).with_name("forkrun.py"))]  # torchrun's agent, forked workers
 TIMEOUT_S = 300
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
        "BAGUALU2_CHECK_COLLECTIVES": "1"}  # every run checks its collective order
@@ -35,7 +35,7 @@ COMMON = ["--steps", "5", "--seed", "11", "--pp", "2", "--dp", "1", "--ep", "1"]
 
 
 def launch(nproc: int, *args: str, faults: str = "", restarts: int = 0) -> subprocess.CompletedProcess:
-    command = [str(TORCHRUN), "--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={restarts}",
+    command = [*LAUNCH, "--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={restarts}",
                "--monitor-interval=0.2", "-m", "reference_trainer.train", *args]
     return subprocess.run(command, cwd=ROOT, env={**ENV, "BAGUALU2_FAULTS": faults}, capture_output=True, text=True,
                           timeout=TIMEOUT_S)
@@ -99,7 +99,7 @@ def test_sigkill_mid_step_and_during_a_checkpoint_write_resume_bitwise(tmp_path,
 def test_sigstop_is_detected_within_the_collective_timeout_restarted_and_resumed(tmp_path, uninterrupted):
     metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
     proc = launch(2, *COMMON, "--metrics-file", str(metrics), "--checkpoint-dir", str(ckpt), "--checkpoint-every",
-                  "1", "--collective-timeout", "4", faults="stop@2:rank=1", restarts=1)
+                  "1", "--collective-timeout", "4", faults="stop@2:rank=1:for=12", restarts=1)
     ok(proc)
     assert losses(metrics) == uninterrupted
     stalled = [line for line in errors(proc) if "made no progress" in line or "a collective failed" in line]

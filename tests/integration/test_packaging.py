@@ -19,15 +19,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_a_torch_free_install_runs_the_algorithms_and_names_the_extra(tmp_path):
     env_dir = tmp_path / "venv"
-    venv.EnvBuilder(with_pip=True).create(env_dir)
+    venv.EnvBuilder(with_pip=False).create(env_dir)  # this environment's pip installs into it (--python)
     python = env_dir / "bin" / "python"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     source = tmp_path / "source"  # a copy: building in place would leave build/ in the checkout
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", ".venv*", "build", "*.egg-info", "__pycache__",
                                                                 ".pytest_cache", ".hypothesis", ".benchmarks"))
-    install = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-compile", "--disable-pip-version-check",
-                              str(source)], env=env, capture_output=True,
-                             text=True, timeout=900)
+    install = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-compile",
+                              "--disable-pip-version-check", str(source)], env=env, capture_output=True, text=True,
+                             timeout=900)
     assert install.returncode == 0, install.stderr[-3000:]
     code = ("import importlib.util, sys\n"
             "assert importlib.util.find_spec('torch') is None and importlib.util.find_spec('tokenizers') is None\n"

@@ -12,9 +12,9 @@ from reference_trainer.train import main
 ONE = ["--pp", "1", "--dp", "1", "--ep", "1"]
 
 
-def _run(capsys, tmp_path, name, *args):
+def _run(capsys, tmp_path, name, *args, steps=8):
     metrics = tmp_path / f"{name}.jsonl"
-    main([*ONE, "--steps", "8", "--metrics-file", str(metrics), "--json", *args])
+    main([*ONE, "--steps", str(steps), "--metrics-file", str(metrics), "--json", *args])
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     steps = [json.loads(line) for line in metrics.read_text().splitlines()][:-1]
     return summary, steps
@@ -30,10 +30,10 @@ def test_one_process_training_falls_and_matches_the_cost_model(capsys, tmp_path,
     micro = [mb for step in steps for mb in step["microbatches"]]
     assert all(mb["kept_bytes"] <= mb["budget_bytes"] for mb in micro)
     assert any(mb["plan"] != "none" for mb in micro)
-    free, free_steps = _run(capsys, tmp_path, "free", "--memory-cap", "1GiB")
+    free, free_steps = _run(capsys, tmp_path, "free", "--memory-cap", "1GiB", steps=3)  # lr: not the step count's
     assert all(mb["plan"] == "none" for step in free_steps for mb in step["microbatches"])
     if not any("quantize" in mb["plan"] for mb in micro):
-        assert [s["loss"] for s in steps] == [s["loss"] for s in free_steps]
+        assert [s["loss"] for s in steps[:3]] == [s["loss"] for s in free_steps]
 
 
 @pytest.mark.slow

@@ -22,9 +22,11 @@ def test_fault_specs_parse_and_bad_ones_are_one_line():
                                                                                 launch=1),
                       faults.Fault(kind="nan", step=5))
     assert faults.parse("") == ()
+    assert faults.parse("stop@2:rank=1:for=12") == (faults.Fault(kind="stop", step=2, rank=1, for_s=12),)
     for bad, fragment in [("boom@1", "kind must be one of"), ("kill", "must look like KIND@STEP"),
                           ("kill@x", "must look like"), ("kill@1:rank=-1", "rank must be an integer"),
-                          ("kill@1:at=lunch", "at must be one of"), ("kill@1:who=2", "unknown option")]:
+                          ("kill@1:at=lunch", "at must be one of"), ("kill@1:who=2", "unknown option"),
+                          ("kill@1:for=3", "for= applies to stop only"), ("stop@1:for=x", "for must be")]:
         with pytest.raises(ValueError, match=fragment) as info:
             faults.parse(bad)
         assert str(info.value).startswith("BAGUALU2_FAULTS: ") and "\n" not in str(info.value)
