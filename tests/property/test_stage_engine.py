@@ -30,7 +30,7 @@ def _setup(name: str, num_microbatches: int, hbm_scale: float):
     model, parallel = presets.model(name)
     parallel = dataclasses.replace(parallel, num_microbatches=max(num_microbatches, parallel.pp))
     base = presets.hardware("paper-gpu")
-    hardware = dataclasses.replace(base, hbm_bytes=int(base.hbm_bytes * hbm_scale))
+    hardware = dataclasses.replace(base, hbm_bytes=int(base.hbm_bytes * hbm_scale), reserved_bytes=0)
     return model, parallel, hardware
 
 

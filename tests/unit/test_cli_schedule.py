@@ -17,7 +17,7 @@ runner = CliRunner(env={"COLUMNS": "200", "NO_COLOR": "1"})  # deterministic tab
 MODEL, HARDWARE = "glm-1041b-a35b", "paper-gpu"
 GIB = 2**30
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-ORDERS = ("dp", "exact", "sequential", "megatron-core", "megatron-kwai")
+ORDERS = ("dp", "exact", "sequential", "megatron-core", "megatron-kwai", "megatron-overlapped")
 
 
 def run(*args: str):

@@ -81,12 +81,12 @@ def test_stage_memory_peak_and_budget_inputs():
     assert mem.peak_bytes == mem.static_bytes + mem.activation_peak_bytes
     assert mem.activation_peak_bytes == max(memory_curve(parallel, [mem.chunk_bytes] * parallel.num_microbatches))
     assert mem.inflight_microbatches == pytest.approx(8 * (1 + 7 / 16))
-    assert mem.m_max_bytes == hw.hbm_bytes - mem.static_bytes
+    assert mem.m_max_bytes == hw.hbm_bytes - hw.reserved_bytes - mem.static_bytes
     spike = stage_memory(model, parallel, hw, stage=0, imbalance=2.6)
     assert spike.activation_peak_bytes > mem.activation_peak_bytes
     mitigated = stage_memory(model, parallel, hw, stage=0, plan=Plan.uniform({"expert_act": "RECOMPUTE"}))
     assert mitigated.activation_peak_bytes < mem.activation_peak_bytes
     last = stage_memory(model, parallel, hw, stage=parallel.pp - 1)
-    assert last.m_max_bytes < hw.hbm_bytes - last.static_bytes  # logits reserved on the last stage
+    assert last.m_max_bytes < hw.hbm_bytes - hw.reserved_bytes - last.static_bytes  # logits on the last stage
     with pytest.raises(ValueError, match="does not have"):
         stage_memory(model, parallel, hw, plan=Plan.of({"L31.qkv/L31.norm1_out": "R"}), stage=0)

@@ -38,7 +38,25 @@ def test_paper_trace_is_seeded_and_has_the_papers_shares():
     assert paper_trace(50, spike_share=0.0) == tuple(r for r in paper_trace(50, spike_share=0.0) if r <= 1.2)
 
 
+def test_a_spike_hits_a_few_micro_batches_of_its_iteration():
+    plain = paper_trace(2000, seed=3)
+    for kwargs, hit in (({}, 1), ({"spike_microbatches": 3}, 3), ({"spike_microbatch_share": 0.25}, 4),
+                        ({"spike_microbatch_share": 0.01}, 1)):
+        trace = paper_trace(2000, seed=3, num_microbatches=16, **kwargs)
+        assert trace == paper_trace(2000, seed=3, num_microbatches=16, **kwargs)
+        for rate, entry in zip(plain, trace):
+            if rate <= 1.2:
+                assert entry == rate  # ordinary iterations: one rate, as without micro-batches
+                continue
+            assert len(entry) == 16 and max(entry) == rate and entry.count(rate) == hit
+            assert all(1.0 <= r <= 1.2 for r in entry if r != rate)
+
+
 @pytest.mark.parametrize("kwargs, field", [({"num_iterations": 0}, "num_iterations"),
+                                           ({"num_iterations": 5, "num_microbatches": 4, "spike_microbatches": 5},
+                                            "spike_microbatches"),
+                                           ({"num_iterations": 5, "spike_microbatch_share": 0.0},
+                                            "spike_microbatch_share"),
                                            ({"num_iterations": 5, "spike_share": 1.5}, "spike_share"),
                                            ({"num_iterations": 5, "base_low": 0.5}, "base_low"),
                                            ({"num_iterations": 5, "base_high": 0.9}, "base_high"),

@@ -10,7 +10,7 @@ import pytest
 
 from bagualu2.costmodel import presets
 from bagualu2.sim import load_trace, simulate
-from bagualu2.sim.calibrate import Measured, fit_hardware, predict
+from bagualu2.sim.calibrate import CPU_OVERLAP, Measured, fit_hardware, predict
 
 MODEL, _TINY = presets.model("tiny-moe")
 PARALLEL = dataclasses.replace(_TINY, dp=2, ep=2, num_microbatches=4)  # ep=2: imbalances up to 2
@@ -20,7 +20,7 @@ TRACE = ((1.0, 1.2, 1.1, 1.3), (1.5, 1.0, 1.05, 1.1), (1.2, 1.2, 1.0, 1.0))
 
 def _measured(policy: str, hardware, **fields) -> Measured:
     parallel = PARALLEL
-    result = simulate(MODEL, parallel, hardware, policy, TRACE)
+    result = simulate(MODEL, parallel, hardware, policy, TRACE, overlap=CPU_OVERLAP)
     step = sum(it.time_s for it in result.iterations) / len(result.iterations)
     return Measured(policy=policy, trace=TRACE, step_s=step, tokens_per_s=result.tokens_per_s,
                     peak_activation_bytes=max(max(it.peak_bytes) for it in result.iterations), **fields)

@@ -9,7 +9,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from bagualu2.sim import ABLATION, ON_OOM, POLICIES, SimResult, load_trace, paper_trace, simulate
+from bagualu2.sim import ABLATION, ON_OOM, OVERLAP, POLICIES, SimResult, load_trace, paper_trace, simulate
 
 from .common import (HARDWARE_HELP, JSON_HELP, MODEL_HELP, CliError, blame, console, echo_json, handle_errors,
                      load_hardware, load_model, output_path, write_output)
@@ -18,8 +18,8 @@ DEFAULT_MODEL = "glm-423b-a30b"
 DEFAULT_ITERATIONS = 200
 MAX_ITERATIONS = 10_000_000
 SEED_LIMIT = 2**63
-JSON_DOC = ("JSON (--json): a list, one object per policy: {policy, model, hardware, iterations, mfu (time-weighted, "
-            "restarts included), tokens_per_s, oom_events, restarts, time_lost_s, total_time_s}.")
+JSON_DOC = ("JSON (--json): a list, one object per policy: {policy, model, hardware, iterations, mfu (per-iteration MFU "
+            "averaged, restarts included), tokens_per_s, oom_events, restarts, time_lost_s, total_time_s}.")
 
 
 def result_json(result: SimResult, model: str, hardware: str) -> dict[str, Any]:
@@ -70,14 +70,21 @@ def simulate_cmd(
     trace: Annotated[Optional[str], typer.Option("--trace", metavar="FILE", help="The trainer's JSONL imbalance "
                                                  'log ({"iteration", "microbatch", "imbalance"} a line) instead '
                                                  "of the paper trace.")] = None,
+    spike_microbatches: Annotated[int, typer.Option("--spike-microbatches", help="Micro-batches of a spike "
+                                                    "iteration the spike hits (paper trace; 0: every one, the "
+                                                    "worst case for memory).")] = 1,
+    overlap: Annotated[str, typer.Option("--overlap", help="Execution model: real (every policy the overlap of its "
+                                         "real system), fused-only (only flexible's fused pairs overlap) or none "
+                                         "(all serial).")] = "real",
     png: Annotated[Optional[str], typer.Option("--png", metavar="PATH", help="Also plot the imbalance and every "
                                                "policy's MFU per iteration (PNG, written atomically).")] = None,
     json_output: Annotated[bool, typer.Option("--json", help=JSON_HELP + " " + JSON_DOC)] = False,
 ) -> None:
     """Mean MFU, tokens/s, OOM events, restarts and time lost per policy over a trace of iterations.
 
-    The default trace has the paper's statistics (97.1% of iterations at 1.0-1.2x, 2.9% spikes up to 2.6x);
-    static-under restarts as static-over after its first OOM. docs/sim.md has the formulas.
+    The default trace has the paper's statistics (97.1% of iterations at 1.0-1.2x, 2.9% spikes up to 2.6x, each
+    on one micro-batch of its iteration); static-under restarts as static-over after its first OOM. docs/sim.md
+    has the execution model and its constants.
     """
     png_path = output_path(png)
     name, model_config, parallel = load_model(model)
@@ -96,6 +103,11 @@ def simulate_cmd(
         raise CliError(f"must be an integer in [0, 2**63), got {seed}", "--seed")
     if not restart_s >= 0 or restart_s == float("inf"):
         raise CliError(f"must be a finite number >= 0, got {restart_s!r}", "--restart-s")
+    if overlap not in OVERLAP:
+        raise CliError(f"must be one of {', '.join(OVERLAP)}, got {overlap!r}", "--overlap")
+    if not 0 <= spike_microbatches <= parallel.num_microbatches:
+        raise CliError(f"must be an integer in [0, num_microbatches={parallel.num_microbatches}], got "
+                       f"{spike_microbatches}", "--spike-microbatches")
     if trace is not None:
         with blame("--trace"):
             rates = load_trace(trace)
@@ -104,13 +116,15 @@ def simulate_cmd(
                                  f"num_microbatches={parallel.num_microbatches}")
         source = f"{escape(trace)} ({len(rates)} iterations)"
     else:
-        rates = paper_trace(iterations, seed=seed)
+        rates = (paper_trace(iterations, seed=seed) if spike_microbatches == 0 else
+                 paper_trace(iterations, seed=seed, num_microbatches=parallel.num_microbatches,
+                             spike_microbatches=spike_microbatches))
         source = f"paper trace, {iterations} iterations, seed {seed}"
     results = []
     for value in policies:
         with blame("--trace" if trace is not None else "--model"):
             results.append(simulate(model_config, parallel, hw, value, rates, restart_s=restart_s, on_oom=on_oom,
-                                    plan_imbalance=plan_imbalance))
+                                    plan_imbalance=plan_imbalance, overlap=overlap))
     if png_path is not None:
         write_output(png_path, simulate_png(rates, results, f"{name} on {hw.name}: {source}"))
     if json_output:

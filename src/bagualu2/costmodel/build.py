@@ -70,7 +70,7 @@ class _Builder:
         local_peers = min(group, hw.devices_per_node) - 1
         intra_fraction = local_peers / (group - 1)
         seconds = max(remote_bytes * intra_fraction / hw.intra_node_bytes_per_s,
-                      remote_bytes * (1 - intra_fraction) / hw.inter_node_bytes_per_s)
+                      remote_bytes * (1 - intra_fraction) / hw.inter_node_bytes_per_s) / hw.link_efficiency
         return seconds_to_ns(hw.kernel_launch_s + seconds)
 
     def nbytes(self, numel: float, dtype: str | None = None) -> int:

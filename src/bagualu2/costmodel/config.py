@@ -22,10 +22,11 @@ HARDWARE_RANGES = {
     "peak_flops": (1e9, 1e18), "hbm_bytes": (1 << 20, 1 << 50), "hbm_bytes_per_s": (1e6, 1e15),
     "h2d_bytes_per_s": (1e6, 1e15), "d2h_bytes_per_s": (1e6, 1e15), "intra_node_bytes_per_s": (1e6, 1e15),
     "inter_node_bytes_per_s": (1e6, 1e15), "devices_per_node": (1, 1 << 16), "kernel_launch_s": (0.0, 1.0),
-    "matmul_efficiency": (0.01, 1.0),
+    "matmul_efficiency": (0.01, 1.0), "link_efficiency": (0.01, 1.0), "reserved_bytes": (0, 1 << 50),
 }
 HARDWARE_UNITS = {"peak_flops": "FLOP/s", "hbm_bytes": "bytes", "devices_per_node": "devices",
                   "kernel_launch_s": "seconds", "matmul_efficiency": "fraction of peak_flops",
+                  "link_efficiency": "fraction of the link rates", "reserved_bytes": "bytes",
                   **{name: "bytes/s" for name in HARDWARE_RANGES if name.endswith("_bytes_per_s")}}
 
 
@@ -236,6 +237,11 @@ class Hardware:
       copy_launch_s             fixed cost of one host<->device copy instead, when copies cost differently from
                                 kernels (a calibrated CPU profile); None: ``kernel_launch_s``.
       matmul_efficiency         achievable fraction of ``peak_flops`` for GEMMs (roofline ceiling).
+      link_efficiency           achieved fraction of the intra- and inter-node link rates for collectives
+                                (all-to-all dispatch and combine, tensor-parallel gathers and reductions).
+      reserved_bytes            device memory the model cannot use: the CUDA context and library workspaces,
+                                communication buffers, allocator fragmentation (``stage_memory`` leaves it out
+                                of ``M_max``).
 
     Every number must lie in its physical range, ``HARDWARE_RANGES`` (e.g. ``peak_flops`` in [1e9, 1e18],
     bandwidths in [1e6, 1e15] bytes/s, ``kernel_launch_s`` in [0, 1], ``matmul_efficiency`` in [0.01, 1]).
@@ -253,6 +259,8 @@ class Hardware:
     kernel_launch_s: float = 5e-6
     matmul_efficiency: float = 1.0
     copy_launch_s: float | None = None
+    link_efficiency: float = 1.0
+    reserved_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or len(self.name) > 200:
@@ -260,14 +268,16 @@ class Hardware:
         for name, (low, high) in HARDWARE_RANGES.items():
             value = getattr(self, name)
             try:
-                if name in ("hbm_bytes", "devices_per_node"):
+                if name in ("hbm_bytes", "devices_per_node", "reserved_bytes"):
                     object.__setattr__(self, name, require_int(name, value, low, high, high_open=False))
                 else:
                     require_number(name, value, low, high)
             except (ValueError, OverflowError):  # OverflowError: an int too large for a float
-                kind = "an integer" if name in ("hbm_bytes", "devices_per_node") else "a finite number"
+                kind = "an integer" if name in ("hbm_bytes", "devices_per_node", "reserved_bytes") else "a finite number"
                 raise ValueError(f"{name} must be {kind} in [{low:g}, {high:g}] ({HARDWARE_UNITS[name]}), "
                                  f"got {_short(value)}") from None
+        if self.reserved_bytes >= self.hbm_bytes:
+            raise ValueError(f"reserved_bytes must be below hbm_bytes ({self.hbm_bytes}), got {self.reserved_bytes}")
         if self.copy_launch_s is not None:
             low, high = HARDWARE_RANGES["kernel_launch_s"]
             try:
@@ -303,7 +313,7 @@ class Hardware:
                          if f.name not in data and f.default is dataclasses.MISSING)
         if missing:
             raise ValueError(f"missing hardware field(s): {', '.join(missing)}")
-        for name in ("hbm_bytes", "devices_per_node"):  # JSON writes 64e9 as a float
+        for name in ("hbm_bytes", "devices_per_node", "reserved_bytes"):  # JSON writes 64e9 as a float
             value = data.get(name)
             if isinstance(value, float) and value.is_integer():
                 data[name] = int(value)

@@ -115,7 +115,8 @@ def stage_memory(model: ModelConfig, parallel: ParallelConfig, hardware: Hardwar
     """Static, activation-peak and total peak bytes of ``stage`` when every micro-batch runs ``plan``.
 
     The activation peak replays the (interleaved) 1F1B schedule with each chunk's ``evaluate`` bytes; the last
-    stage adds the logits of one micro-batch. ``m_max_bytes`` is the device capacity left for chunk activations (after static memory and logits) and
+    stage adds the logits of one micro-batch. ``m_max_bytes`` is the device capacity left for chunk activations (after the hardware's
+    ``reserved_bytes``, static memory and logits) and
     ``m0_bytes`` the largest chunk floor (full recompute keeps only block inputs).
     """
     check_compatible(model, parallel)
@@ -136,8 +137,8 @@ def stage_memory(model: ModelConfig, parallel: ParallelConfig, hardware: Hardwar
         static_bytes=static,
         activation_peak_bytes=activation_peak,
         peak_bytes=static + activation_peak,
-        capacity_bytes=hardware.hbm_bytes,
-        m_max_bytes=max(hardware.hbm_bytes - static - extra, 0),
+        capacity_bytes=hardware.hbm_bytes - hardware.reserved_bytes,
+        m_max_bytes=max(hardware.hbm_bytes - hardware.reserved_bytes - static - extra, 0),
         m0_bytes=max(g.floor_bytes for g in graphs),
         chunk_bytes=chunk_bytes,
         inflight_chunks=inflight_chunks(parallel, stage),

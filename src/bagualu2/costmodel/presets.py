@@ -4,8 +4,16 @@ Table II gives hidden size, expert width, experts, top-k, head dim and DP/TP/EP/
 layers and 4,096-token sequences (§VI). The rest follows GLM-4.5: ``a = h / d`` query heads, 8 query groups,
 one shared expert, no leading dense layer, a 151,552-token vocabulary, RMSNorm, SwiGLU, flash attention,
 bf16, micro-batch 1, sequence parallelism and the distributed optimizer. With these, the parameter counts come
-out at the names' totals (e.g. 423B total / 30B active). ``vp`` is Megatron's number of virtual chunks per
-stage. ``num_microbatches`` (not in the paper) is set to 64.
+out at the names' totals (e.g. 423B total / 30B active). Table II's VP is the number of layers per virtual
+pipeline stage (§VI-A; Megatron's ``--num-layers-per-virtual-pipeline-stage``), so a stage holds
+``32 / (PP x VP)`` virtual chunks: ``ParallelConfig.vp``, Megatron's number of virtual chunks per stage.
+``num_microbatches`` (not in the paper) is set to 64.
+
+The GPU profiles carry ``link_efficiency`` 0.86 (DeepEP's normal all-to-all kernels on H800 with CX7 400 Gb/s
+InfiniBand reach 43 GB/s of the NIC's ~50 GB/s at EP16: github.com/deepseek-ai/DeepEP, V1 performance table)
+and ``reserved_bytes`` 4 GiB (``RESERVED_BYTES``: 1 GiB for the CUDA context and the cuBLAS / NCCL workspaces,
+2 GiB of expert-parallel communication buffers — DeepEP's examples allocate 1 GB of NVLink and 1 GB of RDMA
+buffer — and 1 GiB of allocator fragmentation, an estimate).
 """
 
 from __future__ import annotations
@@ -16,8 +24,11 @@ import json
 from .config import Hardware, ModelConfig, ParallelConfig, check_compatible
 
 GIB = 1 << 30
+TABLE_II_LAYERS = 32
+RESERVED_BYTES = 4 * GIB  # CUDA context and workspaces 1 GiB + EP buffers 2 GiB + fragmentation 1 GiB
+LINK_EFFICIENCY = 0.86    # DeepEP all-to-all: 43 of ~50 GB/s per 400 Gb/s NIC
 
-# name: (hidden, moe_hidden, experts, top_k, head_dim, gpus, dp, tp, ep, pp, vp)
+# name: (hidden, moe_hidden, experts, top_k, head_dim, gpus, dp, tp, ep, pp, VP = layers per virtual stage)
 _TABLE_II = {
     "glm-188b-a20b": (7168, 4096, 64, 4, 112, 128, 16, 2, 32, 4, 2),
     "glm-319b-a30b": (8192, 4096, 96, 6, 128, 256, 16, 2, 32, 8, 1),
@@ -31,8 +42,9 @@ _TABLE_II = {
 
 
 def _table_ii(name: str) -> tuple[ModelConfig, ParallelConfig]:
-    hidden, moe_hidden, experts, top_k, head_dim, gpus, dp, tp, ep, pp, vp = _TABLE_II[name]
-    model = ModelConfig(num_layers=32, hidden_size=hidden, num_attention_heads=hidden // head_dim,
+    hidden, moe_hidden, experts, top_k, head_dim, gpus, dp, tp, ep, pp, layers_per_virtual_stage = _TABLE_II[name]
+    vp = TABLE_II_LAYERS // (pp * layers_per_virtual_stage)  # virtual chunks per stage
+    model = ModelConfig(num_layers=TABLE_II_LAYERS, hidden_size=hidden, num_attention_heads=hidden // head_dim,
                         num_query_groups=8, head_dim=head_dim, ffn_hidden_size=4 * hidden,
                         moe_ffn_hidden_size=moe_hidden, num_experts=experts, top_k=top_k, num_shared_experts=1,
                         num_dense_layers=0, vocab_size=151552, seq_length=4096, micro_batch_size=1)
@@ -62,18 +74,18 @@ _HARDWARE = {
     "paper-gpu": Hardware(name="paper-gpu", peak_flops=480e12, hbm_bytes=64 * GIB, hbm_bytes_per_s=1.6e12,
                           h2d_bytes_per_s=25e9, d2h_bytes_per_s=25e9, intra_node_bytes_per_s=400e9,
                           inter_node_bytes_per_s=200e9 / 8, devices_per_node=8, kernel_launch_s=5e-6,
-                          matmul_efficiency=0.8),
+                          matmul_efficiency=0.8, link_efficiency=LINK_EFFICIENCY, reserved_bytes=RESERVED_BYTES),
     # H100 SXM: 989 TFLOP/s dense bf16, 80 GiB HBM3 at 3.35 TB/s, PCIe Gen5, NVLink 450 GB/s per direction,
     # 8 x 400 Gb/s InfiniBand per node.
     "h100": Hardware(name="h100", peak_flops=989e12, hbm_bytes=80 * GIB, hbm_bytes_per_s=3.35e12,
                      h2d_bytes_per_s=50e9, d2h_bytes_per_s=50e9, intra_node_bytes_per_s=450e9,
                      inter_node_bytes_per_s=50e9, devices_per_node=8, kernel_launch_s=4e-6,
-                     matmul_efficiency=0.75),
+                     matmul_efficiency=0.75, link_efficiency=LINK_EFFICIENCY, reserved_bytes=RESERVED_BYTES),
     # H200: same compute as H100, 141 GB HBM3e at 4.8 TB/s.
     "h200": Hardware(name="h200", peak_flops=989e12, hbm_bytes=141 * 10**9, hbm_bytes_per_s=4.8e12,
                      h2d_bytes_per_s=50e9, d2h_bytes_per_s=50e9, intra_node_bytes_per_s=450e9,
                      inter_node_bytes_per_s=50e9, devices_per_node=8, kernel_launch_s=4e-6,
-                     matmul_efficiency=0.75),
+                     matmul_efficiency=0.75, link_efficiency=LINK_EFFICIENCY, reserved_bytes=RESERVED_BYTES),
     # A small CPU "device" for tests and the demo: memory copies stand in for the PCIe link.
     "cpu": Hardware(name="cpu", peak_flops=2e11, hbm_bytes=4 * GIB, hbm_bytes_per_s=2e10,
                     h2d_bytes_per_s=1e10, d2h_bytes_per_s=1e10, intra_node_bytes_per_s=5e9,

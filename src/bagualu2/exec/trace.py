@@ -317,4 +317,4 @@ def _compute_ns(hardware: Hardware, flops: float, moved: float) -> int:
 
 def _comm_ns(hardware: Hardware, nbytes: float) -> int:
     """A collective that moves ``nbytes`` over the intra-node links (launch only when nothing moves)."""
-    return seconds_to_ns(hardware.kernel_launch_s + nbytes / hardware.intra_node_bytes_per_s)
+    return seconds_to_ns(hardware.kernel_launch_s + nbytes / (hardware.intra_node_bytes_per_s * hardware.link_efficiency))

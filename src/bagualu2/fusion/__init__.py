@@ -6,7 +6,7 @@ Pure Python (numpy; OR-Tools for the exact baseline): never imports torch."""
 import importlib
 
 from . import baselines, dp
-from .baselines import megatron_core, megatron_kwai, sequential
+from .baselines import megatron_core, megatron_kwai, megatron_overlapped, sequential
 from .chains import CHAIN_KINDS, Chain, Chains, Stage, build_chains, compact
 from .order import Order
 from .simulate import Event, Timeline, simulate
@@ -20,4 +20,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["CHAIN_KINDS", "Chain", "Chains", "Event", "Order", "Stage", "Timeline", "baselines",
-           "build_chains", "compact", "dp", "exact", "megatron_core", "megatron_kwai", "sequential", "simulate"]
+           "build_chains", "compact", "dp", "exact", "megatron_core", "megatron_kwai", "megatron_overlapped", "sequential", "simulate"]

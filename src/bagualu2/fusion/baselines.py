@@ -48,6 +48,35 @@ def megatron_core(chains: Chains) -> Order:
     return _finish(_pair_f_b(chains) + _singles(chains, "O") + _singles(chains, "R"), chains, "megatron-core")
 
 
+def megatron_overlapped(chains: Chains) -> Order:
+    """Megatron-Core with its copies on copy streams: the combined-1F1B F/B groups, each joined by the next
+    device->host copy of O and the next host->device reload at the head of R (copy engines beside compute:
+    ``max(compute, copy)`` per group, not the sum); what is left of O, then the rest of R (dequantise casts and
+    recomputed ops, on the compute stream before the backward that needs them) one stage at a time after."""
+    return _finish(list(megatron_overlapped_groups(chains)), chains, "megatron-overlapped")
+
+
+def megatron_overlapped_groups(chains: Chains) -> tuple[tuple[StageRef, ...], ...]:
+    """The groups of :func:`megatron_overlapped`, without timing them."""
+    groups = [list(group) for group in _pair_f_b(chains)]
+    offload = len(chains.offload) if chains.offload else 0
+    reloads = 0
+    if chains.recovery:
+        while reloads < len(chains.recovery) and chains.recovery.stages[reloads].resource is Resource.H2D:
+            reloads += 1
+    k = l = 0
+    for group in groups:
+        if k < offload:
+            group.append(("O", k))
+            k += 1
+        if l < reloads:
+            group.append(("R", l))
+            l += 1
+    rest = [(("O", i),) for i in range(k, offload)]
+    rest += [(("R", i),) for i in range(l, len(chains.recovery) if chains.recovery else 0)]
+    return tuple(tuple(g) for g in groups) + tuple(rest)
+
+
 def megatron_kwai(chains: Chains) -> Order:
     """Megatron-Kwai: the forward alone, then each backward stage with the next offload and recovery stages."""
     groups = _singles(chains, "F")
@@ -68,4 +97,5 @@ def megatron_kwai(chains: Chains) -> Order:
     return _finish(groups, chains, "megatron-kwai")
 
 
-BASELINES = {"sequential": sequential, "megatron-core": megatron_core, "megatron-kwai": megatron_kwai}
+BASELINES = {"sequential": sequential, "megatron-core": megatron_core, "megatron-kwai": megatron_kwai,
+             "megatron-overlapped": megatron_overlapped}

@@ -9,6 +9,8 @@ Python dispatch, autograd, hooks), which is where the time goes; every other fie
 value.
 :func:`predict` then simulates a run of any policy on the fitted profile (its own trace, cap and measured restart
 seconds) for comparison with what it measured: tokens/s (effective, restarts included) and the activation peak.
+Both simulate with ``overlap=CPU_OVERLAP`` (``"fused-only"``): on a CPU the copy and communication "streams" share
+the cores, so only the fused steady pairs the trainer's dual-batch executor runs are overlapped.
 
 Pure: never imports torch (``reference_trainer.experiments.calibrate`` measures and reports).
 """
@@ -60,11 +62,14 @@ class Measured:
             raise ValueError("trace must have at least one step")
 
 
+CPU_OVERLAP = "fused-only"
+
+
 def _run(model, parallel, hardware, run: Measured, m_max_bytes, *, restart_s: float | None = None,
          plan_hardware: Hardware | None = None, downgrade: str = "graded") -> SimResult:
     return simulate(model, parallel, hardware, run.policy, run.trace, m_max_bytes=m_max_bytes,
                     restart_s=run.restart_s if restart_s is None else restart_s, plan_hardware=plan_hardware,
-                    downgrade=downgrade)
+                    downgrade=downgrade, overlap=CPU_OVERLAP)
 
 
 def _mean_s(result: SimResult) -> float:

@@ -1,29 +1,29 @@
 """The simulator's policies, each per pipeline stage: ``forward(chunk, imbalance, phase,
-budget, limit) -> Choice``. Every plan's bytes and time come from ``costmodel.evaluate`` (through
-:class:`~.stage.StageContext`).
+budget, limit) -> Choice``. Every plan's bytes come from ``costmodel.evaluate`` and its time from the one
+execution model (:mod:`.execution`), in the overlap the policy's real system has (``native``: ``megatron`` for
+Megatron-Core and the systems built on it, ``fused`` for bagualu2's fused dual-batch order).
 
 * ``flexible``     bagualu2: Algorithm 1's budget and the runtime :class:`~bagualu2.runtime.DecisionPath` (pre-gate
-                   plan, after-gate keep / absorb / graded re-plan / downgrade); steady pairs run the path's fused
-                   order.
+                   plan, after-gate keep / absorb / graded re-plan / downgrade); ``fused`` execution.
 Plans fixed before training are made at ``plan_imbalance`` (default 1.0, balanced load; simulate's
 ``plan_imbalance=`` changes it, e.g. 1.2 to provision for the ordinary iterations and fail on spikes only).
 
 * ``static-under`` one plan per chunk fixed before training for balanced load: ``greedy.solve(graph at r=1,
                    M_max // in-flight count)``; fits at r=1, overruns on spikes (OOM -> restart -> static-over).
 * ``static-over``  full recompute: ``greedy.solve(graph at r=1, graph.floor_bytes)``.
-* ``kwai``         Megatron-Kwai: RECOMPUTE of norms and activation functions, plus OFFLOAD of the first
+* ``kwai``         Megatron-Kwai (on Megatron-Core, its offload copies beside compute): RECOMPUTE of norms and activation functions, plus OFFLOAD of the first
                    ``ceil(alpha * n)`` of the n tensors that plan still keeps (every saving of each, graph order,
                    block inputs excluded), alpha the smallest of 0, 0.05, ..., 1 that fits M_max // in-flight at
                    r=1 (alpha = 1 if none does).
 * ``adapipe``      AdaPipe's adaptive recomputation, fixed before training at r=1, RECOMPUTE only: repeatedly
                    recompute the kept tensor (all its savings) with the most bytes freed per added recompute-ns
                    (``evaluate``) until the chunk fits M_max // in-flight; full recompute if it never does.
-* ``ideal``        no mitigation and unbounded memory: never an OOM; steady pairs fused like flexible's (the
-                   upper bound of throughput).
+* ``ideal``        no mitigation and unbounded memory: never an OOM; ``fused`` execution (the upper bound of
+                   throughput).
 * ``oracle``       knows each micro-batch's imbalance before planning: ``greedy.solve`` on the graph at that exact
                    imbalance with Algorithm 1's budget (no deferred decision), or — per stage and iteration —
-                   flexible's decisions where those run faster (it knows all flexible knows); steady pairs fused
-                   (``fusion.dp``). Simulator only.
+                   flexible's decisions where those run faster (it knows all flexible knows); ``fused`` execution.
+                   Simulator only.
 
 The ablation levels of the paper's Fig. 11 (``ABLATION``), each adding one of bagualu2's components:
 
@@ -31,8 +31,8 @@ The ablation levels of the paper's Fig. 11 (``ABLATION``), each adding one of ba
           ``--recompute-granularity full --recompute-num-layers k``) that fits the target, fixed before training.
 * ``L2``  + fine-grained composable mitigation, still static: the greedy per-operator plan fixed before training
           (the same plan as ``static-under``).
-* ``L3``  + dynamic per-micro-batch mitigation: flexible's decisions, but F and B run one after the other.
-* ``L4``  + dual-batch overlap: ``flexible``.
+* ``L3``  + dynamic per-micro-batch mitigation: flexible's decisions on Megatron-Core's execution.
+* ``L4``  + fused dual-batch execution: ``flexible``.
 
 ``FALLBACKS``: what the operator restarts with after an OOM (the paper: static-under -> static-over; the other
 plans fixed before training do the same). ``flexible``, ``oracle`` and ``static-over`` have none: their OOMs are
@@ -45,6 +45,7 @@ import math
 
 from ..costmodel import OpGraph, Plan, Strategy, evaluate, resolve
 from ..mitigation import greedy
+from .execution import check_overlap, execution_of, interference_of
 from .stage import Choice, StageContext
 
 POLICIES = ("flexible", "static-under", "static-over", "kwai", "adapipe", "ideal", "oracle")
@@ -67,14 +68,30 @@ def check_policy(name: str) -> str:
 
 class StagePolicy:
     """A policy on one stage. ``bounded``: an in-flight peak above M_max is an OOM; ``budgeted``: forwards get
-    Algorithm 1's budget (and, in warmup, its absorption limit)."""
+    Algorithm 1's budget (and, in warmup, its absorption limit); ``native``: the execution its real system has
+    (:mod:`.execution`), which ``overlap`` may turn off."""
 
     name = ""
     bounded = True
     budgeted = False
+    native = "megatron"
 
-    def __init__(self, ctx: StageContext):
+    def __init__(self, ctx: StageContext, *, overlap: str = "real"):
         self.ctx = ctx
+        self.execution = execution_of(self.native, check_overlap(overlap))
+        self.share = interference_of(overlap)
+        self._runs: dict[tuple, tuple[Plan, Choice]] = {}  # (chunk, imbalance, id(plan)) -> (plan, its Choice)
+
+    def run(self, chunk: int, imbalance: float, plan: Plan) -> Choice:
+        """``plan`` on ``chunk`` at ``imbalance`` under this policy's execution (remembered per plan object: the
+        plans a policy runs are few and reused, and hashing a long plan at every forward costs more)."""
+        key = (chunk, imbalance, id(plan))
+        found = self._runs.get(key)
+        if found is not None and found[0] is plan:
+            return found[1]
+        choice = self.ctx.choice(chunk, imbalance, plan, execution=self.execution, share=self.share)
+        self._runs[key] = (plan, choice)
+        return choice
 
     def forward(self, chunk: int, imbalance: float, phase: str, budget: int = 0, limit: int | None = None
                 ) -> Choice:
@@ -88,8 +105,8 @@ class StagePolicy:
 class Static(StagePolicy):
     """One plan per chunk, made before training at r=1; ``plan(chunk)`` says which."""
 
-    def __init__(self, ctx: StageContext, *, plan_imbalance: float = 1.0):
-        super().__init__(ctx)
+    def __init__(self, ctx: StageContext, *, plan_imbalance: float = 1.0, overlap: str = "real"):
+        super().__init__(ctx, overlap=overlap)
         self.plan_imbalance = plan_imbalance
         self.plans = tuple(self.plan(chunk) for chunk in range(ctx.parallel.vp))
 
@@ -101,7 +118,7 @@ class Static(StagePolicy):
         raise NotImplementedError
 
     def forward(self, chunk, imbalance, phase, budget=0, limit=None):
-        return self.ctx.choice(chunk, imbalance, self.plans[chunk])
+        return self.run(chunk, imbalance, self.plans[chunk])
 
 
 class StaticUnder(Static):
@@ -122,12 +139,10 @@ class StaticOver(Static):
 class Ideal(Static):
     name = "ideal"
     bounded = False
+    native = "fused"
 
     def plan(self, chunk):
         return NO_PLAN
-
-    def forward(self, chunk, imbalance, phase, budget=0, limit=None):
-        return self.ctx.choice(chunk, imbalance, NO_PLAN, fused=phase == STEADY)
 
 
 def _tensor_savings(graph: OpGraph) -> dict[str, list[str]]:
@@ -219,23 +234,18 @@ class FineStatic(StaticUnder):
 class Flexible(StagePolicy):
     name = "flexible"
     budgeted = True
-    fused = True
+    native = "fused"
 
     def forward(self, chunk, imbalance, phase, budget=0, limit=None):
         decision = self.ctx.path.forward(budget, imbalance, phase, chunk, limit_bytes=limit)
-        cost = self.ctx.cost(chunk, imbalance, decision.plan)
-        pair = None
-        if phase == STEADY and self.fused:  # the path's order, timed on the timing profile when that differs
-            pair = (self.ctx.pair_s(chunk, imbalance, decision.plan) if self.ctx.separate_timing
-                    else decision.order.makespan_s)
-        return Choice(decision.kept_bytes, cost.forward_s, cost.backward_s, pair)
+        return self.run(chunk, imbalance, decision.plan)._replace(kept_bytes=decision.kept_bytes)
 
 
 class Unfused(Flexible):
-    """L3: flexible's per-micro-batch decisions without the dual-batch overlap."""
+    """L3: flexible's per-micro-batch decisions on Megatron-Core's execution, without the dual-batch overlap."""
 
     name = "L3"
-    fused = False
+    native = "megatron"
 
 
 class FlexibleL4(Flexible):
@@ -247,9 +257,10 @@ class OracleExact(StagePolicy):
 
     name = "oracle"
     budgeted = True
+    native = "fused"
 
-    def __init__(self, ctx):
-        super().__init__(ctx)
+    def __init__(self, ctx, *, overlap: str = "real"):
+        super().__init__(ctx, overlap=overlap)
         self._plans: dict[tuple, Plan] = {}
 
     def forward(self, chunk, imbalance, phase, budget=0, limit=None):
@@ -261,16 +272,16 @@ class OracleExact(StagePolicy):
             plan = self._plans.get(key)
             if plan is None:
                 plan = self._plans[key] = greedy.solve(graph, budget).plan  # below M0: the floor plan
-        return self.ctx.choice(chunk, imbalance, plan, fused=phase == STEADY)
+        return self.run(chunk, imbalance, plan)
 
 
 class Oracle(OracleExact):
     """Knows every micro-batch's imbalance before planning, and so also what flexible would run: per stage and
     iteration the faster of the exact plans (:class:`OracleExact`) and flexible's decisions (``alternatives``)."""
 
-    def __init__(self, ctx):
-        super().__init__(ctx)
-        self.flexible = Flexible(ctx)
+    def __init__(self, ctx, *, overlap: str = "real"):
+        super().__init__(ctx, overlap=overlap)
+        self.flexible = Flexible(ctx, overlap=overlap)
 
     def alternatives(self) -> tuple[StagePolicy, ...]:
         return (self, self.flexible)
@@ -280,8 +291,12 @@ CLASSES = {cls.name: cls for cls in (Flexible, StaticUnder, StaticOver, Kwai, Ad
                                      FineStatic, Unfused, FlexibleL4)}
 
 
-def make_policy(name: str, ctx: StageContext, *, plan_imbalance: float = 1.0) -> StagePolicy:
+def make_policy(name: str, ctx: StageContext, *, plan_imbalance: float = 1.0, overlap: str = "real"
+                ) -> StagePolicy:
     """Policy ``name`` (one of ``POLICIES`` or ``ABLATION``) on the stage of ``ctx``; the plans fixed before
-    training (static-*, kwai, adapipe, L1, L2) are made at ``plan_imbalance`` (default 1: balanced load)."""
+    training (static-*, kwai, adapipe, L1, L2) are made at ``plan_imbalance`` (default 1: balanced load);
+    ``overlap``: the execution model (:data:`.execution.OVERLAP`)."""
     cls = CLASSES[check_policy(name)]
-    return cls(ctx, plan_imbalance=plan_imbalance) if issubclass(cls, Static) else cls(ctx)
+    if issubclass(cls, Static):
+        return cls(ctx, plan_imbalance=plan_imbalance, overlap=overlap)
+    return cls(ctx, overlap=overlap)

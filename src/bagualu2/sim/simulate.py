@@ -1,44 +1,46 @@
 """The paper-scale simulator (§VI): whole training iterations of every pipeline stage under one policy, with OOMs,
-restarts and MFU.
+restarts and MFU (docs/sim.md has the model and its sourced constants).
 
 Per iteration and stage, the stage's (interleaved) 1F1B schedule (``runtime.Stage.steps``) is run by the
 runtime's iteration driver (``runtime.run_iteration``): each forward asks the policy what it runs
-(:class:`~.stage.Choice`: bytes kept, exact at the micro-batch's imbalance; forward and backward seconds from
-``evaluate``), in-flight bytes rise at forwards and fall at backwards; the peak above the stage's ``M_max`` is an OOM (never for ``ideal``).
+(:class:`~.stage.Choice`: bytes kept, exact at the micro-batch's imbalance, and the seconds of its steps under
+the policy's execution, :mod:`.execution`); in-flight bytes rise at forwards and fall at backwards; the peak
+above the stage's ``M_max`` is an OOM (never for ``ideal``).
 
-Time. A stage is busy for the sum of its steps: a forward takes its plan's ``forward_s``, a backward its plan's
-``backward_s`` (recompute, reloads and casts included); for ``flexible`` and ``oracle`` a steady forward F_x and
-the backward B_y that follows it run fused and take the pair's order makespan instead of the sum. With ``T_c``
-the mean over stages of (busy time / chunk forwards), i.e. a chunk's mean forward+backward time, and
-``T_mb = vp * T_c`` a micro-batch's forward+backward time on a stage, an iteration takes::
+Time. A stage is busy for its steps — a warmup forward, a steady F_x B_y pair, a cooldown backward, each in the
+policy's execution — plus the output layer and embedding of every micro-batch (:mod:`.overheads`). With ``T_c``
+the mean over stages of (busy time / chunk forwards)::
 
-    iteration_s = max over stages of busy_s + (pp - 1) * T_mb / vp      (Megatron's interleaved 1F1B bubble)
+    iteration_s = max over stages (busy_s + exposed gradient sync + optimizer_s) + (pp - 1) * T_c
 
-MFU = model FLOPs per GPU per iteration / (iteration_s * peak_flops), the model FLOPs being the mean over stages
-of :meth:`~.stage.StageContext.model_flops` (3 x forward matrix-product FLOPs at balanced load).
+(Megatron's interleaved 1F1B bubble). MFU = model FLOPs per GPU per iteration / (iteration_s * peak_flops), the
+model FLOPs being the mean over stages of :meth:`~.stage.StageContext.model_flops` (3 x forward matrix-product
+FLOPs at balanced load) plus the output layer's; a run's ``mean_mfu`` averages it per iteration (§VI-A).
 
 Restarts. When a policy with a fallback (``FALLBACKS``: static-under, kwai, adapipe, L1, L2) OOMs, the iteration
-is lost — its whole time plus ``restart_s`` (the paper's 284 s to restart from a checkpoint) is paid — and the same
-iteration is run again under what the operator restarts with, which stays in force until the next OOM:
-``on_oom="fallback"`` (the default, the paper's §II and the trainer): the fallback, static-over;
-``on_oom="replan"`` (the paper's §VI-A baselines: "we adjust the reduction strategy according to the observed
-imbalance rate and manually restart"): the same policy with its plans re-made for the largest imbalance seen so
-far (if that still overruns, static-over).
+is lost — its whole time plus ``restart_s`` (the paper's 284 s) is paid — and the same iteration is run again:
+``on_oom="fallback"`` (the default, the paper's §II and the trainer) under the fallback, static-over, which stays
+in force; ``on_oom="replan"`` (the paper's §VI-A baselines: "we adjust the reduction strategy according to the
+observed imbalance rate and manually restart") under the same policy with its plans re-made for that iteration's
+highest rate (static-over if that still overruns), the next iteration back on the normal plans.
 
-Speed: whole iterations are memoised by (policy in force, the iteration's rates). The decision path's caches make
-a flexible iteration depend slightly on what came before (its planned imbalance follows the last gates); the memo
-keeps the first result for each rate vector.
+Speed: whole iterations are memoised by (policy in force, planned imbalance, the iteration's rates). The decision
+path's caches make a flexible iteration depend slightly on what came before (its planned imbalance follows the
+last gates); the memo keeps the first result for each rate vector.
 """
 
 from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..costmodel import Hardware, ModelConfig, ParallelConfig
 from ..costmodel.build import check_imbalance
 from ..costmodel.validate import require_int, require_number
 from ..runtime import check_downgrade, run_iteration
+from .execution import check_overlap
+from .overheads import stage_overheads
 from .policies import FALLBACKS, STEADY, StagePolicy, check_policy, make_policy
 from .stage import StageContext
 
@@ -52,14 +54,18 @@ class SimConfig:
     on_oom: what a policy with a fallback restarts with after an OOM: ``"fallback"`` (``FALLBACKS``, static-over)
     or ``"replan"`` (its own plans re-made for the largest imbalance seen; the paper's §VI-A baselines).
     m_max_bytes: every stage's activation capacity instead of what its memory leaves (the trainer's
-    ``--memory-cap``); None: ``stage_memory``'s ``M_max``."""
+    ``--memory-cap``); None: ``stage_memory``'s ``M_max``.
+    overlap: the execution model (``execution.OVERLAP``): ``"real"`` (every policy the overlap of its real
+    system), ``"fused-only"`` (only the fused policies' steady pairs overlap) or ``"none"`` (all serial)."""
 
     restart_s: float = 284.0
     plan_imbalance: float = 1.0
     on_oom: str = "fallback"
     m_max_bytes: int | None = None
+    overlap: str = "real"
 
     def __post_init__(self) -> None:
+        check_overlap(self.overlap)
         if self.m_max_bytes is not None:
             require_int("m_max_bytes", self.m_max_bytes, 1)
         require_number("restart_s", self.restart_s, 0)
@@ -97,7 +103,13 @@ class SimResult:
 
     @property
     def mean_mfu(self) -> float:
-        """Time-weighted: all model FLOPs over all wall time, restarts included."""
+        """The paper's metric (§VI-A): per-iteration MFU averaged over the run, an iteration that hit an OOM
+        counting its lost time and restart."""
+        return sum(it.mfu for it in self.iterations) / len(self.iterations)
+
+    @property
+    def time_weighted_mfu(self) -> float:
+        """All model FLOPs over all wall time, restarts included."""
         return self.flops_per_iteration * len(self.iterations) / (self.total_time_s * self.peak_flops)
 
     @property
@@ -144,8 +156,18 @@ def check_trace(trace, parallel: ParallelConfig) -> list:
     return keys
 
 
-def stage_time(policy: StagePolicy, rates: tuple[float, ...]) -> tuple[float, int]:
-    """Busy seconds and in-flight peak of one stage over one iteration (the runtime's iteration driver)."""
+class StageTime(NamedTuple):
+    """One stage over one iteration: seconds busy with chunk steps, the in-flight activation peak, and the seconds
+    of the first micro-batch's forwards and the last one's backwards (what gradient traffic can hide behind)."""
+
+    busy_s: float
+    peak_bytes: int
+    first_forward_s: float
+    last_backward_s: float
+
+
+def stage_time(policy: StagePolicy, rates: tuple[float, ...]) -> StageTime:
+    """One stage over one iteration under ``policy`` (the runtime's iteration driver runs the schedule)."""
     ctx = policy.ctx
     forward = policy.forward
     run = run_iteration(ctx.engine, lambda step, rate, budget, limit: forward(step.chunk, rate, step.phase, budget,
@@ -153,23 +175,27 @@ def stage_time(policy: StagePolicy, rates: tuple[float, ...]) -> tuple[float, in
                         rates, m_max_bytes=ctx.m_max_bytes, budgeted=policy.budgeted)
     choices = iter(f.result for f in run.forwards)
     running: dict[int, object] = {}
-    busy = 0.0
+    busy = first = final = 0.0
     fused = False
     steps = ctx.steps
-    last = len(steps) - 1
+    last, final_mb = len(steps) - 1, len(rates) - 1
     for i, step in enumerate(steps):
         if step.forward:
             choice = running[step.index] = next(choices)
-            if choice.pair_s is not None and step.phase == STEADY and i < last and not steps[i + 1].forward:
-                busy += choice.pair_s
+            if step.phase == STEADY and i < last and not steps[i + 1].forward:
+                busy += choice.pair_s  # a steady F_x B_y point: the pair in the policy's execution
                 fused = True
             else:
                 busy += choice.forward_s
+            if step.microbatch == 0:
+                first += choice.forward_s
         elif fused:
             fused = False
         else:
             busy += running[step.index].backward_s
-    return busy, run.peak_bytes
+            if step.microbatch == final_mb:
+                final += running[step.index].backward_s
+    return StageTime(busy, run.peak_bytes, first, final)
 
 
 class _Run:
@@ -180,8 +206,10 @@ class _Run:
         self.parallel, self.hardware, self.config = parallel, hardware, config
         self.stages = [StageContext(model, parallel, hardware, s, plan_hardware=plan_hardware, downgrade=downgrade,
                                     m_max_bytes=config.m_max_bytes) for s in range(parallel.pp)]
-        self.flops = sum(ctx.model_flops() for ctx in self.stages) / parallel.pp
-        self._policies: dict[str, list[StagePolicy]] = {}
+        self.overheads = [stage_overheads(model, parallel, hardware, s) for s in range(parallel.pp)]
+        self.flops = sum(ctx.model_flops() + extra.head_flops
+                         for ctx, extra in zip(self.stages, self.overheads)) / parallel.pp
+        self._policies: dict[tuple, list[StagePolicy]] = {}
         self._memo: dict[tuple, IterationResult] = {}
 
     def iteration(self, name: str, key, plan_imbalance: float) -> IterationResult:
@@ -191,36 +219,40 @@ class _Run:
         policies = self._policies.get((name, plan_imbalance))
         if policies is None:
             policies = self._policies[(name, plan_imbalance)] = [
-                make_policy(name, ctx, plan_imbalance=plan_imbalance) for ctx in self.stages]
+                make_policy(name, ctx, plan_imbalance=plan_imbalance, overlap=self.config.overlap)
+                for ctx in self.stages]
         parallel = self.parallel
         rates = key if isinstance(key, tuple) else (key,) * parallel.num_microbatches
-        busy, peaks, oom = [], [], False
-        for policy in policies:
-            seconds, peak = min((stage_time(way, rates) for way in policy.alternatives()), key=lambda r: r[0])
-            busy.append(seconds)
-            peaks.append(peak)
-            oom = oom or (policy.bounded and peak > policy.ctx.m_max_bytes)
+        busy, totals, peaks, oom = [], [], [], False
+        for policy, extra in zip(policies, self.overheads):
+            timed = min((stage_time(way, rates) for way in policy.alternatives()), key=lambda t: t.busy_s)
+            stage_s = timed.busy_s + extra.head_s
+            busy.append(stage_s)
+            totals.append(stage_s + extra.sync_s(timed.last_backward_s, timed.first_forward_s))
+            peaks.append(timed.peak_bytes)
+            oom = oom or (policy.bounded and timed.peak_bytes > policy.ctx.m_max_bytes)
         chunk_s = sum(busy) / len(busy) / (parallel.num_microbatches * parallel.vp)
-        time_s = max(busy) + (parallel.pp - 1) * (parallel.vp * chunk_s) / parallel.vp
-        found = self._memo[(name, plan_imbalance, key)] = IterationResult(time_s, self.flops / (time_s * self.hardware.peak_flops),
-                                                          tuple(peaks), oom, False, name)
+        time_s = max(totals) + (parallel.pp - 1) * chunk_s  # Megatron's interleaved 1F1B bubble
+        found = self._memo[(name, plan_imbalance, key)] = IterationResult(
+            time_s, self.flops / (time_s * self.hardware.peak_flops), tuple(peaks), oom, False, name)
         return found
 
 
 def simulate(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, policy: str, trace, *,
              restart_s: float = 284.0, plan_imbalance: float = 1.0, on_oom: str = "fallback",
              m_max_bytes: int | None = None, progress=None, plan_hardware: Hardware | None = None,
-             downgrade: str = "graded") -> SimResult:
+             downgrade: str = "graded", overlap: str = "real") -> SimResult:
     """Simulate ``trace`` (one entry per iteration: a rate, or one rate per micro-batch) under ``policy`` (one of
     ``POLICIES`` or ``ABLATION``); see the module docstring for what is modelled. ``progress``, optional, is
     called with the number of iterations done after each one. ``plan_hardware`` (default ``hardware``): the
     profile the policies plan with, when that is not the profile that times them (a trainer planning with its
     configured profile on a machine ``hardware`` was fitted to). ``downgrade``: the gate of ``flexible``'s decision
     path, ``"graded"`` (default) or ``"paper"`` (keep or full MoE-module downgrade: what the trainer runs under
-    expert parallelism)."""
+    expert parallelism). ``overlap``: the execution model (:class:`SimConfig`)."""
     if plan_hardware is not None and not isinstance(plan_hardware, Hardware):
         raise ValueError(f"plan_hardware must be a Hardware profile or None, got {type(plan_hardware).__name__}")
-    config = SimConfig(restart_s=restart_s, plan_imbalance=plan_imbalance, on_oom=on_oom, m_max_bytes=m_max_bytes)
+    config = SimConfig(restart_s=restart_s, plan_imbalance=plan_imbalance, on_oom=on_oom, m_max_bytes=m_max_bytes,
+                       overlap=overlap)
     check_policy(policy)
     keys = check_trace(trace, parallel)
     run = _Run(model, parallel, hardware, config, plan_hardware, check_downgrade(downgrade))
@@ -231,16 +263,17 @@ def simulate(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, p
         if result.oom and in_force in FALLBACKS:
             lost = result.time_s + config.restart_s
             seen = max(key) if isinstance(key, tuple) else key
-            redo = None
-            if config.on_oom == "replan" and seen > planned:
-                planned = seen
-                redo = run.iteration(in_force, key, planned)
+            redo, redo_policy = None, in_force
+            if config.on_oom == "replan":  # the same policy, its plans made for the imbalance that crashed it
+                redo = run.iteration(in_force, key, max(seen, planned))
             if redo is None or redo.oom:
-                in_force, planned = FALLBACKS[in_force], config.plan_imbalance
-                redo = run.iteration(in_force, key, planned)
+                redo_policy = FALLBACKS[in_force]
+                redo = run.iteration(redo_policy, key, config.plan_imbalance)
+            if config.on_oom == "fallback":  # stays in force; a replanned run returns to its normal plans
+                in_force = redo_policy
             total = lost + redo.time_s
             result = IterationResult(total, run.flops / (total * hardware.peak_flops), redo.peak_bytes, True, True,
-                                     in_force, lost)
+                                     redo_policy, lost)
         results.append(result)
         if progress is not None:
             progress(done)

@@ -5,32 +5,46 @@ and for timing when the timing profile differs."""
 from __future__ import annotations
 
 import dataclasses
+from functools import lru_cache
 from typing import NamedTuple
 
 from ..costmodel import Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, PlanCost, StageMemory
 from ..costmodel.graph import MATMUL_KINDS
 from ..costmodel.validate import require_int
+from ..fusion import build_chains
 from ..runtime import DecisionPath, Stage
+from .execution import makespan_ns, order_of
 
 
 class Choice(NamedTuple):
-    """What one chunk-forward runs: the bytes it keeps (exact at its imbalance), its forward and backward seconds
-    (``PlanCost.forward_s`` / ``backward_s``: recompute, copies and casts included), and, for the policies that
-    fuse a steady F_x B_y pair, the pair's fused makespan (None: the pair runs one after the other)."""
+    """What one chunk-forward runs: the bytes it keeps (exact at its imbalance) and the seconds of the three steps
+    it can be part of under the policy's execution (:mod:`.execution`): a forward alone (with the offload copies
+    of the forward before it), a backward alone (with the recovery of the next one), and a steady F_x B_y pair
+    (x's graph and plan on both sides, the runtime's convention)."""
 
     kept_bytes: int
     forward_s: float
     backward_s: float
-    pair_s: float | None = None
+    pair_s: float
 
 
 class ChoiceKey(NamedTuple):
-    """What running a plan on (chunk, imbalance) costs a policy, fused or not."""
+    """What running a plan on (chunk, imbalance) costs under one execution and interference."""
 
     chunk: int
     imbalance: float
     entries: tuple
-    fused: bool
+    execution: str
+    share: float
+
+
+@lru_cache(maxsize=64)
+def shared_engine(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, stage: int,
+                  downgrade: str) -> Stage:
+    """One memoised :class:`~bagualu2.runtime.Stage` per (model, layout, profile, stage, gate) for every simulation
+    of it: its graphs, costs, orders and choices are pure functions of their keys, so the policies of a run share
+    them (a :class:`~bagualu2.runtime.DecisionPath`'s own state stays per simulation)."""
+    return Stage(model, parallel, hardware, stage=stage)
 
 
 class StageContext:
@@ -39,8 +53,8 @@ class StageContext:
     its graphs the planning graphs, and ``path`` (a :class:`~bagualu2.runtime.DecisionPath` over it;
     ``downgrade``: its gate, ``"graded"`` or ``"paper"``) decides for the flexible policies. ``plan_hardware``
     (default ``hardware``): the profile plans are made with — a trainer plans with its configured profile while
-    its time is that of the machine (``hardware``, e.g. fitted to it); plans are timed (``cost``, ``pair_s``,
-    ``choice``) on the graphs of ``timing``, the engine of ``hardware`` (the planning engine when both profiles
+    its time is that of the machine (``hardware``, e.g. fitted to it); plans are timed (``cost``, ``choice``) on the
+    graphs of ``timing``, the engine of ``hardware`` (the planning engine when both profiles
     are one). ``m_max_bytes``: the stage's activation capacity (default its ``M_max``); ``cache``: the engines'
     memo on or off (``runtime.Stage``)."""
 
@@ -50,8 +64,13 @@ class StageContext:
         self.model, self.parallel, self.hardware, self.stage = model, parallel, hardware, stage
         self.plan_hardware = hardware if plan_hardware is None else plan_hardware
         self.separate_timing = self.plan_hardware != hardware  # are plans timed on another profile?
-        self.engine = Stage(model, parallel, self.plan_hardware, stage=stage, cache=cache)
-        self.timing = Stage(model, parallel, hardware, stage=stage, cache=cache) if self.separate_timing else self.engine
+        if cache:
+            self.engine = shared_engine(model, parallel, self.plan_hardware, stage, downgrade)
+            self.timing = shared_engine(model, parallel, hardware, stage, downgrade)
+        else:
+            self.engine = Stage(model, parallel, self.plan_hardware, stage=stage, cache=False)
+            self.timing = (Stage(model, parallel, hardware, stage=stage, cache=False) if self.separate_timing
+                           else self.engine)
         self.path = DecisionPath.on(self.engine, downgrade=downgrade)
         self.memory: StageMemory = self.engine.memory
         if m_max_bytes is not None:
@@ -83,19 +102,24 @@ class StageContext:
     def cost(self, chunk: int, imbalance: float, plan: Plan) -> PlanCost:
         return self.timing.cost(plan, imbalance, chunk)
 
-    def pair_s(self, chunk: int, imbalance: float, plan: Plan) -> float:
-        """Fused makespan of a steady F_x B_y scheduling point with x's graph and plan on both sides (the
-        runtime's convention, ``Stage.point_order``)."""
-        return self.timing.point_order(plan, imbalance, chunk).makespan_s
-
-    def choice(self, chunk: int, imbalance: float, plan: Plan, *, fused: bool = False) -> Choice:
-        """The :class:`Choice` of running ``plan`` on ``chunk`` at ``imbalance`` (memoised)."""
-        key = ChoiceKey(chunk, imbalance, plan.entries, fused)
+    def choice(self, chunk: int, imbalance: float, plan: Plan, *, execution: str = "serial",
+               share: float = 0.0) -> Choice:
+        """The :class:`Choice` of running ``plan`` on ``chunk`` at ``imbalance`` under ``execution`` (one of
+        ``execution.EXECUTIONS``) with interference ``share``, on the timing graphs (memoised)."""
+        key = ChoiceKey(chunk, imbalance, plan.entries, execution, share)
         found = self._choices.get(key)
         if found is None:
-            cost = self.cost(chunk, imbalance, plan)
-            pair = self.pair_s(chunk, imbalance, plan) if fused else None
-            found = self._choices[key] = Choice(cost.activation_bytes, cost.forward_s, cost.backward_s, pair)
+            graph = self.timing_graph(chunk, imbalance)
+            hardware = self.hardware
+
+            def seconds(chains) -> float:
+                return 1e-9 * makespan_ns(order_of(execution, chains, self.timing.order), chains, share)
+
+            found = self._choices[key] = Choice(
+                self.cost(chunk, imbalance, plan).activation_bytes,
+                seconds(build_chains(graph, plan, None, None, hardware=hardware)),
+                seconds(build_chains(None, None, graph, plan, hardware=hardware)),
+                seconds(build_chains(graph, plan, graph, plan, hardware=hardware)))
         return found
 
     def model_flops(self) -> int:

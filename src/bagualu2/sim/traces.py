@@ -10,6 +10,13 @@ replacement), their rates uniform in ``(base_high, spike_max]``; every other ite
 ``[base_low, base_high]``. Rates are rounded to 2 decimals (spikes rounded *up*, so they stay above ``base_high``):
 the simulator memoises whole iterations by their rates, and 0.01 is below what a gate's token counts resolve on
 these models.
+
+Where a spike falls: the paper's skew "occurs in a small fraction of micro-batches" (§II-B) and "a single
+skewed batch can push the cumulative peak beyond device memory capacity". Without ``num_microbatches`` an
+iteration is one rate (every micro-batch at it: the worst case). With it, a spike iteration is a tuple: its
+spike rate on ``spike_microbatches`` micro-batches (default 1, the single skewed batch; or
+``round(spike_microbatch_share * num_microbatches)``, at least 1, when a share is given) at positions drawn
+uniformly, and an ordinary rate drawn as for the other iterations on the rest.
 """
 
 from __future__ import annotations
@@ -36,6 +43,9 @@ class PaperTrace:
       base_low        lowest ordinary rate (>= 1).
       base_high       highest ordinary rate (>= base_low).
       spike_max       highest spike rate (> base_high unless spike_share is 0).
+      num_microbatches         micro-batches per iteration (>= 1), or None: one rate per iteration.
+      spike_microbatches       micro-batches a spike hits (1 <= it <= num_microbatches), when no share is given.
+      spike_microbatch_share   share of the micro-batches a spike hits, in (0, 1], or None.
     """
 
     num_iterations: int
@@ -44,6 +54,9 @@ class PaperTrace:
     base_low: float = 1.0
     base_high: float = 1.2
     spike_max: float = 2.6
+    num_microbatches: int | None = None
+    spike_microbatches: int = 1
+    spike_microbatch_share: float | None = None
 
     def __post_init__(self) -> None:
         require_int("num_iterations", self.num_iterations, 1)
@@ -52,8 +65,41 @@ class PaperTrace:
         require_number("base_low", self.base_low, 1)
         require_number("base_high", self.base_high, self.base_low)
         require_number("spike_max", self.spike_max, self.base_high, low_open=self.spike_share > 0)
+        if self.num_microbatches is not None:
+            require_int("num_microbatches", self.num_microbatches, 1)
+            require_int("spike_microbatches", self.spike_microbatches, 1, self.num_microbatches + 1)
+        if self.spike_microbatch_share is not None:
+            require_number("spike_microbatch_share", self.spike_microbatch_share, 0, 1, low_open=True,
+                           high_open=False)
 
-    def rates(self) -> tuple[float, ...]:
+    @property
+    def hit_microbatches(self) -> int | None:
+        """How many micro-batches a spike hits (None without ``num_microbatches``)."""
+        if self.num_microbatches is None:
+            return None
+        if self.spike_microbatch_share is None:
+            return self.spike_microbatches
+        return min(self.num_microbatches, max(1, round(self.spike_microbatch_share * self.num_microbatches)))
+
+    def rates(self) -> tuple:
+        """One rate per iteration, or with ``num_microbatches`` a tuple of rates for each spike iteration."""
+        rates = self._iteration_rates()
+        hit = self.hit_microbatches
+        if hit is None:
+            return rates
+        rng = random.Random(f"{self.seed}:microbatches")  # the iteration rates stay those of the same seed
+        out = []
+        for rate in rates:
+            if rate <= self.base_high:
+                out.append(rate)
+                continue
+            ordinary = round(rng.uniform(self.base_low, self.base_high), DECIMALS)
+            ordinary = min(max(ordinary, self.base_low), self.base_high)
+            skewed = set(rng.sample(range(self.num_microbatches), hit))
+            out.append(tuple(rate if m in skewed else ordinary for m in range(self.num_microbatches)))
+        return tuple(out)
+
+    def _iteration_rates(self) -> tuple[float, ...]:
         rng = random.Random(self.seed)
         n = self.num_iterations
         spikes = set(rng.sample(range(n), round(self.spike_share * n)))
@@ -71,10 +117,13 @@ class PaperTrace:
 
 
 def paper_trace(num_iterations: int, *, seed: int = 0, spike_share: float = 0.029, base_low: float = 1.0,
-                base_high: float = 1.2, spike_max: float = 2.6) -> tuple[float, ...]:
-    """One imbalance rate per iteration with the paper's statistics (see :class:`PaperTrace`); seeded."""
+                base_high: float = 1.2, spike_max: float = 2.6, num_microbatches: int | None = None,
+                spike_microbatches: int = 1, spike_microbatch_share: float | None = None) -> tuple:
+    """Imbalance rates with the paper's statistics (see :class:`PaperTrace`); seeded. One rate per iteration, or
+    with ``num_microbatches`` a per-micro-batch tuple for each spike iteration (the spike on a few of them)."""
     return PaperTrace(num_iterations=num_iterations, seed=seed, spike_share=spike_share, base_low=base_low,
-                      base_high=base_high, spike_max=spike_max).rates()
+                      base_high=base_high, spike_max=spike_max, num_microbatches=num_microbatches,
+                      spike_microbatches=spike_microbatches, spike_microbatch_share=spike_microbatch_share).rates()
 
 
 def _metrics_rows(records: list[tuple[int, dict]], path) -> dict[int, dict[int, float]]:

@@ -1,0 +1,92 @@
+"""How a stage's steps run on the device: one execution model for every policy.
+
+Every step of a stage (a warmup forward, a steady forward/backward pair, a cooldown backward) is the chains of its
+scheduling point (``fusion.build_chains``: F, B, the device->host copies O, the recovery R) run in an order of
+barrier groups; a group takes its busiest resource (compute stream, communication stream, the two copy engines),
+except that compute runs slower while communication runs beside it (``COMM_SM_SHARE``, below). What differs
+between policies is only the order, i.e. the overlap their real systems have:
+
+* ``megatron`` (Megatron-Core, the base of every static policy, of Megatron-Kwai and of the ablation levels
+  L1-L3): ``fusion.baselines.megatron_overlapped`` — in a steady pair the expert-parallel all-to-all of one
+  micro-batch runs beside the other's compute (combined 1F1B, ``--overlap-moe-expert-parallel-comm``); offload
+  copies and reloads run on copy streams beside compute (Megatron-Kwai's pipeline-aware offloading prefetches
+  the next backward's tensors): ``max(compute, copy)``, not the sum; recompute and dequantise casts run on the
+  compute stream before the backward that needs them.
+* ``fused`` (bagualu2, ``oracle``, ``ideal``): the fused dual-batch DP's order (``runtime.Stage.order``), which
+  also places recompute, casts and copies of adjacent micro-batches beside communication (§V-B).
+* ``serial``: one stage at a time, nothing overlaps (every step the sum of its ops).
+* ``fused-pairs``: the DP's order for steady pairs, the other steps serial (the fused policies under
+  ``"fused-only"``).
+
+``OVERLAP`` switches the model for a whole simulation: ``"real"`` (default) as above; ``"fused-only"``: the static
+policies serial, the fused ones ``fused-pairs``, no interference (the model in which only bagualu2's own steady
+pairs overlap);
+``"none"``: every policy serial.
+
+Interference: a communication kernel occupies streaming multiprocessors, so compute that overlaps it runs at
+``1 - COMM_SM_SHARE`` of its speed while it lasts (DeepSeek-V3's report: 20 of an H800's 132 SMs drive its
+all-to-all). Copies use the copy engines and take no SMs (their HBM traffic is not modelled). Tensor-parallel
+collectives stay on the compute stream (synchronous; ``--tp-comm-overlap`` is not modelled, for any policy).
+"""
+
+from __future__ import annotations
+
+from ..costmodel import Resource
+from ..fusion import Chains, Order
+from ..fusion.baselines import megatron_overlapped_groups
+
+OVERLAP = ("real", "fused-only", "none")
+EXECUTIONS = ("serial", "megatron", "fused", "fused-pairs")
+COMM_SM_SHARE = 20 / 132  # DeepSeek-V3 technical report §3.2.2: 20 SMs of 132 run the all-to-all kernels
+
+
+def check_overlap(overlap: str) -> str:
+    if overlap not in OVERLAP:
+        raise ValueError(f"overlap must be one of {', '.join(OVERLAP)}, got {overlap!r}")
+    return overlap
+
+
+def execution_of(native: str, overlap: str) -> str:
+    """The execution a policy whose real system runs ``native`` gets under ``overlap``."""
+    if overlap == "none":
+        return "serial"
+    if overlap == "fused-only":
+        return "fused-pairs" if native == "fused" else "serial"
+    return native
+
+
+def interference_of(overlap: str) -> float:
+    """The compute slowdown share while communication overlaps: ``COMM_SM_SHARE`` under ``"real"``, else 0."""
+    return COMM_SM_SHARE if overlap == "real" else 0.0
+
+
+def order_of(execution: str, chains: Chains, fused) -> Order:
+    """The order ``execution`` runs ``chains`` in (its groups; ``makespan_ns`` times them); ``fused(chains)`` is the
+    DP (the stage engine's memoised one)."""
+    if execution == "fused" or (execution == "fused-pairs" and chains.forward and chains.backward):
+        return fused(chains)
+    if execution == "megatron":
+        return Order(megatron_overlapped_groups(chains), barriers=True, solver="megatron-overlapped")
+    return Order(tuple(((chain.kind, i),) for chain in chains.present() for i in range(len(chain))), barriers=True,
+                 solver="sequential")
+
+
+def group_ns(loads: dict[Resource, int], share: float) -> int:
+    """One barrier group: its busiest resource, compute slowed to ``1 - share`` while communication runs."""
+    compute, comm = loads.get(Resource.COMPUTE, 0), loads.get(Resource.COMM, 0)
+    if compute and comm and share:
+        slowed = compute / (1 - share)
+        compute = round(slowed) if slowed <= comm else compute + round(share * comm)
+    return max(compute, comm, loads.get(Resource.D2H, 0), loads.get(Resource.H2D, 0))
+
+
+def makespan_ns(order: Order, chains: Chains, share: float) -> int:
+    """Nanoseconds of ``order`` (barrier groups) on ``chains`` with interference ``share`` (0: none)."""
+    total = 0
+    for group in order.groups:
+        loads: dict[Resource, int] = {}
+        for kind, index in group:
+            stage = chains.get(kind).stages[index]
+            loads[stage.resource] = loads.get(stage.resource, 0) + stage.duration_ns
+        total += group_ns(loads, share)
+    return total

@@ -1,0 +1,114 @@
+"""The simulator's one execution model (``bagualu2.sim.execution``): every step of every execution lies between the
+busiest resource and the all-serial sum; with overlap off every policy is the serial model; more overlap never
+slows an iteration; flexible is never behind a static policy on a trace its plans were made for; the simulator
+never reads the paper's numbers."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+from conftest import scaled
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import bagualu2.sim
+from bagualu2.costmodel import Plan, Strategy, presets
+from bagualu2.fusion import build_chains
+from bagualu2.sim import simulate
+from bagualu2.sim.execution import COMM_SM_SHARE, EXECUTIONS, makespan_ns, order_of
+from bagualu2.sim.stage import StageContext
+
+MODEL, PARALLEL = presets.model("glm-188b-a20b")
+HW = presets.hardware("paper-gpu")
+CONTEXTS = {stage: StageContext(MODEL, PARALLEL, HW, stage) for stage in (0, PARALLEL.pp - 1)}
+STRATEGIES = (Strategy.RECOMPUTE, Strategy.OFFLOAD, Strategy.QUANTIZE)
+
+
+@st.composite
+def plans(draw, ctx: StageContext, chunk: int, imbalance: float) -> Plan:
+    graph = ctx.graph(chunk, imbalance)
+    keys = sorted({f"{op.name}/{saving.tensor}" for op, saving in graph.savings
+                   if (op.name, saving.tensor) not in graph.pinned and graph.quantizable(saving)})
+    chosen = draw(st.lists(st.sampled_from(keys), max_size=12, unique=True))
+    return Plan(tuple((key, draw(st.sampled_from(STRATEGIES))) for key in chosen))
+
+
+@pytest.mark.slow
+@settings(max_examples=scaled(30), deadline=None)
+@given(st.data(), st.sampled_from(sorted(CONTEXTS)), st.integers(0, PARALLEL.vp - 1),
+       st.sampled_from([1.0, 1.3, 2.6]), st.sampled_from([0.0, COMM_SM_SHARE, 0.5]))
+def test_every_step_lies_between_its_busiest_resource_and_the_serial_sum(data, stage, chunk, imbalance, share):
+    ctx = CONTEXTS[stage]
+    plan = data.draw(plans(ctx, chunk, imbalance))
+    graph = ctx.timing_graph(chunk, imbalance)
+    cost = ctx.cost(chunk, imbalance, plan)
+    for chains in (build_chains(graph, plan, None, None), build_chains(None, None, graph, plan),
+                   build_chains(graph, plan, graph, plan)):
+        for execution in EXECUTIONS:
+            order = order_of(execution, chains, ctx.timing.order)
+            seconds = makespan_ns(order, chains, share)
+            assert chains.lower_bound_ns <= seconds <= chains.sequential_ns
+            if execution == "serial":
+                assert seconds == chains.sequential_ns
+    serial = ctx.choice(chunk, imbalance, plan, execution="serial")
+    assert serial.forward_s == pytest.approx(cost.forward_s, abs=1e-12)  # the evaluator's serial times
+    assert serial.backward_s == pytest.approx(cost.backward_s, abs=1e-12)
+    assert serial.pair_s == pytest.approx(cost.forward_s + cost.backward_s, abs=1e-12)
+
+
+rates = st.floats(1.0, 2.6, allow_nan=False).map(lambda r: round(r, 1))
+traces = st.lists(rates, min_size=1, max_size=3).map(tuple)
+
+
+@pytest.mark.slow
+@settings(max_examples=scaled(5), deadline=None)
+@given(traces, st.sampled_from(["flexible", "static-under", "static-over", "kwai", "adapipe", "ideal", "L1", "L3"]))
+def test_more_overlap_never_slows_an_iteration(trace, policy):
+    """The same plans under "real", "fused-only" and "none": each iteration's time only grows as overlap is
+    taken away, and with none it is the serial model (every step the sum of its ops)."""
+    runs = [simulate(MODEL, PARALLEL, HW, policy, trace, overlap=o, restart_s=0.0)
+            for o in ("real", "fused-only", "none")]
+    for real, fused, serial in zip(*(r.iterations for r in runs)):
+        assert real.peak_bytes == fused.peak_bytes == serial.peak_bytes
+        assert real.time_s <= serial.time_s * (1 + 1e-9) and fused.time_s <= serial.time_s * (1 + 1e-9)
+
+
+ordinary = st.floats(1.0, 1.2, allow_nan=False).map(lambda r: round(r, 2))
+
+
+@pytest.mark.slow
+@settings(max_examples=scaled(4), deadline=None)
+@given(st.lists(ordinary, min_size=1, max_size=3).map(tuple))
+def test_flexible_is_never_behind_a_static_policy_on_a_trace_its_plans_were_made_for(trace):
+    flexible = simulate(MODEL, PARALLEL, HW, "flexible", trace, plan_imbalance=1.2)
+    for policy in ("static-under", "static-over", "kwai", "adapipe", "L1", "L2"):
+        static = simulate(MODEL, PARALLEL, HW, policy, trace, plan_imbalance=1.2)
+        assert static.oom_events == 0
+        for fast, slow in zip(flexible.iterations, static.iterations):
+            assert fast.time_s <= slow.time_s * (1 + 1e-9), policy
+
+
+def test_a_spike_on_one_micro_batch_costs_less_than_on_all():
+    model, parallel = MODEL, dataclasses.replace(PARALLEL, num_microbatches=8)
+    one = (2.6,) + (1.0,) * 7
+    for policy in ("flexible", "ideal"):
+        hit_one, hit_all = (simulate(model, parallel, HW, policy, [t]).iterations[0] for t in (one, 2.6))
+        assert hit_one.time_s < hit_all.time_s
+
+
+def test_the_simulator_never_reads_the_papers_numbers():
+    """Only the report quotes the paper: no other module of bagualu2.sim names PAPER or imports the report."""
+    folder = Path(bagualu2.sim.__file__).parent
+    for path in sorted(folder.glob("*.py")):
+        if path.name == "report.py":
+            continue
+        tree = ast.parse(path.read_text())
+        names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+        imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                    for alias in node.names} | {node.module or "" for node in ast.walk(tree)
+                                                if isinstance(node, ast.ImportFrom)}
+        assert "PAPER" not in names and "PAPER" not in imported, path.name
+        assert "report" not in imported, path.name
