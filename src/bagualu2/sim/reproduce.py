@@ -149,12 +149,21 @@ def trace_for(config: ReproduceConfig, num_microbatches: int | None = None) -> t
 def _runs(config: ReproduceConfig, step: Callable[[str], None]):
     hardware = presets.hardware(config.hardware)
 
+    done: dict[tuple, SimResult] = {}  # a configuration met twice (the focus in the sweeps) is simulated once
+
+    def result(model, parallel, policy):
+        key = (model, parallel, policy)
+        if policy == "L4" and (model, parallel, "flexible") in done:  # L4 is flexible
+            done[key] = dataclasses.replace(done[(model, parallel, "flexible")], policy="L4")
+        if key not in done:
+            done[key] = simulate(model, parallel, hardware, policy, trace_for(config, parallel.num_microbatches),
+                                 restart_s=config.restart_s, on_oom=on_oom(policy),
+                                 plan_imbalance=config.plan_imbalance)
+        return done[key]
+
     def run(label, model, parallel, policies):
         step(label)
-        trace = trace_for(config, parallel.num_microbatches)
-        results = {p: simulate(model, parallel, hardware, p, trace, restart_s=config.restart_s, on_oom=on_oom(p),
-                               plan_imbalance=config.plan_imbalance) for p in policies}
-        return Run(label, results, parallel.world_size)
+        return Run(label, {p: result(model, parallel, p) for p in policies}, parallel.world_size)
 
     scales = tuple(run(name, *presets.model(name), FIG8_POLICIES) for name in config.models)
     if config.focus not in config.models:
