@@ -112,3 +112,19 @@ def test_the_simulator_never_reads_the_papers_numbers():
                                                 if isinstance(node, ast.ImportFrom)}
         assert "PAPER" not in names and "PAPER" not in imported, path.name
         assert "report" not in imported, path.name
+
+
+@pytest.mark.slow
+def test_a_simulation_does_not_depend_on_the_simulations_before_it():
+    """The policies of a run share each stage's engine (``sim.stage.shared_engine``): what one simulation left in
+    it never changes what the next decides."""
+    from bagualu2.sim.stage import shared_engine
+
+    spikes = (1.0, 2.4, 1.1, 1.9, 1.2, 2.6)
+    cap = StageContext(MODEL, PARALLEL, HW, 0).m_max_bytes // 2
+    shared_engine.cache_clear()
+    fresh = simulate(MODEL, PARALLEL, HW, "flexible", spikes, m_max_bytes=cap)
+    shared_engine.cache_clear()
+    for policy in ("flexible", "oracle", "L3"):
+        simulate(MODEL, PARALLEL, HW, policy, spikes[::-1] + (1.5, 1.05))
+    assert simulate(MODEL, PARALLEL, HW, "flexible", spikes, m_max_bytes=cap) == fresh

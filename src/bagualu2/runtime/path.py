@@ -110,14 +110,16 @@ class DecisionPath:
         self._pregate, self._pre_bytes, self._shifted = memo.table(PreGateKey), memo.table(PreBytesKey), memo.table(
             ShiftKey)
         self._pre_budget, self._levels = memo.table(PreBudgetKey), memo.table(LevelKey)
-        # state, not memo: the ids of the pre-gate plans made, and the gate decisions made per need level
-        self._pre_ids: dict[tuple, int] = {(): 0}
+        # the engine's ids of pre-gate plans (shared by the paths over it); state, not memo: the gate decisions
+        # made per need level
+        self._pre_ids = engine.plan_ids
         self._outcomes: dict[tuple, Outcome] = {}
         self.hits = self.misses = 0
 
     @classmethod
     def on(cls, engine: Stage, **options) -> "DecisionPath":
-        """A decision path over ``engine`` (``options``: the keywords of the constructor)."""
+        """A decision path over ``engine`` (``options``: the keywords of the constructor). Paths that share an engine
+        share its memo, which is keyed by what is decided, not by the options: give them the same options."""
         if not isinstance(engine, Stage):
             raise ValueError(f"engine must be a Stage, got {type(engine).__name__}")
         return cls(engine.model, engine.parallel, engine.hardware, stage=engine.stage, engine=engine, **options)

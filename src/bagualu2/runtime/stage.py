@@ -136,6 +136,9 @@ class Stage:
         self._costs = self.memo.table(CostKey)
         self._orders = self.memo.table(OrderKey)
         self._points = self.memo.table(PointKey)
+        # the ids of the pre-gate plans decision paths made on this engine: one numbering for every path over it,
+        # so the memo entries keyed by an id mean one plan whichever path stored them (never cleared)
+        self.plan_ids: dict[tuple, int] = {(): 0}
 
     @property
     def cache(self) -> bool:
