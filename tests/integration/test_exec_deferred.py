@@ -25,7 +25,7 @@ from reference_trainer.instrumented import instrument_reference
 from reference_trainer.model import GLMMoEModel
 
 ROOT = Path(__file__).resolve().parents[2]
-TORCHRUN = Path(sys.executable).with_name("torchrun")
+LAUNCH = [sys.executable, str(Path(__file__).with_name("forkrun.py"))]  # torchrun's agent, forked workers
 SEQ = 32
 
 
@@ -105,7 +105,7 @@ def test_spike_under_expert_parallelism_is_downgraded():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def measure(*extra):
-        proc = subprocess.run([str(TORCHRUN), "--standalone", "--nproc_per_node=2", "-m", "reference_trainer.experiments.measure",
+        proc = subprocess.run([*LAUNCH, "--standalone", "--nproc_per_node=2", "-m", "reference_trainer.experiments.measure",
                                "--preset", "tiny-moe", "--ep", "2", "--imbalance", "2", "--json", *extra],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr[-3000:]

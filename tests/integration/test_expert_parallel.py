@@ -20,12 +20,14 @@ pytestmark = [pytest.mark.integration, pytest.mark.launch]
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
+LAUNCH = [sys.executable, str(Path(__file__).with_name("forkrun.py"))]  # torchrun's agent, forked workers
 TIMEOUT_S = 120
 
 
 def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([str(TORCHRUN), "--standalone", f"--nproc_per_node={nproc}", *args], cwd=ROOT, env=env,
+    launcher = LAUNCH if args[0] == "-m" else [str(TORCHRUN)]  # a module's main forked; a script as torchrun runs it
+    return subprocess.run([*launcher, "--standalone", f"--nproc_per_node={nproc}", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=TIMEOUT_S)
 
 

@@ -181,3 +181,12 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def test_json_output_is_strict_json_with_nan_as_null(capsys):
+    from bagualu2.cli.common import echo_json
+
+    echo_json({"ratio": float("nan"), "rows": [1.0, float("inf")], "pair": (2, 3)})
+    text = capsys.readouterr().out
+    assert json.loads(text, parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}")) == {
+        "ratio": None, "rows": [1.0, None], "pair": [2, 3]}

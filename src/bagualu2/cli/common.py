@@ -231,8 +231,19 @@ def console() -> Console:
 
 
 def echo_json(obj: Any) -> None:
-    """Print ``obj`` as indented JSON on stdout (plain text, no markup)."""
-    typer.echo(json.dumps(obj, indent=2))
+    """Print ``obj`` as indented, strict JSON on stdout (plain text, no markup): a NaN or infinite number (a
+    ratio with nothing to measure) is null."""
+    typer.echo(json.dumps(_finite(obj), indent=2, allow_nan=False))
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
 
 
 # ---- files: see files.py (its atomic writes are re-exported here) ----------------------------------------------

@@ -58,43 +58,35 @@ def megatron_overlapped(chains: Chains) -> Order:
 
 def megatron_overlapped_groups(chains: Chains) -> tuple[tuple[StageRef, ...], ...]:
     """The groups of :func:`megatron_overlapped`, without timing them."""
-    groups = [list(group) for group in _pair_f_b(chains)]
-    offload = len(chains.offload) if chains.offload else 0
     reloads = 0
     if chains.recovery:
         while reloads < len(chains.recovery) and chains.recovery.stages[reloads].resource is Resource.H2D:
             reloads += 1
+    return tuple(_join([list(group) for group in _pair_f_b(chains)], chains, reloads))
+
+
+def megatron_kwai(chains: Chains) -> Order:
+    """Megatron-Kwai: the forward alone, then each backward stage with the next offload and recovery stages."""
+    backward = [[("B", j)] for j in range(len(chains.backward) if chains.backward else 0)]
+    return _finish(_singles(chains, "F") + _join(backward, chains, len(chains.recovery) if chains.recovery else 0),
+                   chains, "megatron-kwai")
+
+
+def _join(groups: list[list[StageRef]], chains: Chains, recovery: int) -> list[tuple[StageRef, ...]]:
+    """Each group in turn joined by the next stage of O and (among the first ``recovery`` of R) the next of R;
+    then the O and R stages left, one at a time."""
+    offload = len(chains.offload) if chains.offload else 0
     k = l = 0
     for group in groups:
         if k < offload:
             group.append(("O", k))
             k += 1
-        if l < reloads:
+        if l < recovery:
             group.append(("R", l))
             l += 1
     rest = [(("O", i),) for i in range(k, offload)]
     rest += [(("R", i),) for i in range(l, len(chains.recovery) if chains.recovery else 0)]
-    return tuple(tuple(g) for g in groups) + tuple(rest)
-
-
-def megatron_kwai(chains: Chains) -> Order:
-    """Megatron-Kwai: the forward alone, then each backward stage with the next offload and recovery stages."""
-    groups = _singles(chains, "F")
-    o = len(chains.offload) if chains.offload else 0
-    r = len(chains.recovery) if chains.recovery else 0
-    b = len(chains.backward) if chains.backward else 0
-    k = l = 0
-    for j in range(b):
-        group: list[StageRef] = [("B", j)]
-        if k < o:
-            group.append(("O", k))
-            k += 1
-        if l < r:
-            group.append(("R", l))
-            l += 1
-        groups.append(tuple(group))
-    groups += [(("O", i),) for i in range(k, o)] + [(("R", i),) for i in range(l, r)]
-    return _finish(groups, chains, "megatron-kwai")
+    return [tuple(g) for g in groups] + rest
 
 
 BASELINES = {"sequential": sequential, "megatron-core": megatron_core, "megatron-kwai": megatron_kwai,

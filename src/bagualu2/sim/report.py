@@ -3,7 +3,6 @@ paper's, and where they differ, why (with the numbers that show it, computed fro
 
 from __future__ import annotations
 
-import math
 import statistics
 
 from .policies import ABLATION
@@ -217,24 +216,9 @@ def markdown(report: Report) -> str:
     return "\n".join(head + body) + "\n"
 
 
-def _json_safe(value):
-    """``value`` with every NaN or infinity (a ratio over no spike iterations) as None: strict JSON."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
-
-
 def headline(report: Report) -> dict:
     """The report's ratios as data (``bagualu2 reproduce --json``), each beside the paper's; a ratio with nothing
-    to measure (no spike iteration in a short trace) is null."""
-    return _json_safe(_headline(report))
-
-
-def _headline(report: Report) -> dict:
+    to measure (no spike iteration in a short trace) is NaN (null in the command's JSON)."""
     runs = [r for r in report.scales if r.label in report.config.models]
     mfus = [report.ablation.mfu(level) for level in ABLATION]
     drops = spike_drops(report)
