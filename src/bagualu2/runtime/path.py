@@ -114,6 +114,9 @@ class DecisionPath:
         # made per need level
         self._pre_ids = engine.plan_ids
         self._outcomes: dict[tuple, Outcome] = {}
+        # the decisions of forwards that needed the gate, by everything they read; emptied whenever a gate decision
+        # is made (the stand-in rule reads those), so a hit is what deciding again would give
+        self._decisions: dict[tuple, Decision] = {}
         self.hits = self.misses = 0
 
     @classmethod
@@ -186,7 +189,17 @@ class DecisionPath:
             self.hits += 1
             covered = seen.warmup if phase == WARMUP else seen.steady
             return covered if covered is not None else self._covered(seen, phase == WARMUP, budget_bytes)
-        return self._decide(seen, budget_bytes, imbalance, phase, planned, limit_bytes)
+        key = (budget_bytes, imbalance, phase, planned, limit_bytes, chunk)
+        found = self._decisions.get(key)
+        if found is not None:
+            self.hits += 1
+            return found
+        decision = self._decide(seen, budget_bytes, imbalance, phase, planned, limit_bytes)
+        if self._cached:
+            if len(self._decisions) >= MAX_DECISIONS:
+                self._decisions.clear()
+            self._decisions[key] = decision
+        return decision
 
     def decide(self, step: Step, imbalance: float, budget_bytes: int, limit_bytes: int | None) -> Decision:
         """:meth:`forward` for one step of the stage's iteration driver (``run_iteration(engine, path.decide,
@@ -312,6 +325,7 @@ class DecisionPath:
         fixed, per_token = split_bytes(row.graph, cost)
         if len(outcomes) >= MAX_DECISIONS:
             outcomes.clear()
+        self._decisions.clear()  # what the stand-in rule finds has changed
         found = outcomes[key] = Outcome(plan, action, action in (GateAction.REPLAN, GateAction.DOWNGRADE),
                                          cost.overhead_s, fixed, per_token, row.graph, cost.activation_bytes)
         return found
