@@ -63,8 +63,9 @@ def simulate_cmd(
                                                         f"{', '.join(ABLATION)} (Fig. 11).")] = None,
     restart_s: Annotated[float, typer.Option("--restart-s", help="Seconds one OOM restart costs (>= 0).")] = 284.0,
     on_oom: Annotated[str, typer.Option("--on-oom", help="What a fixed plan restarts with after an OOM: fallback "
-                                        "(static-over, the trainer's) or replan (its own plans re-made for the "
-                                        "largest imbalance seen; the paper's §VI-A baselines).")] = "fallback",
+                                        "(static-over, the trainer's) or replan (the crashed iteration on its "
+                                        "own plans re-made for its imbalance, then the normal plans again; the "
+                                        "paper's §VI-A baselines).")] = "fallback",
     plan_imbalance: Annotated[float, typer.Option("--plan-imbalance", help="Imbalance the plans fixed before "
                                                   "training are made for (>= 1).")] = 1.0,
     trace: Annotated[Optional[str], typer.Option("--trace", metavar="FILE", help="The trainer's JSONL imbalance "

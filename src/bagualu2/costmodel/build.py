@@ -13,7 +13,7 @@ from .validate import require_int, require_number
 
 from .config import Hardware, ModelConfig, ParallelConfig, check_compatible
 from .graph import COMM_KINDS, ITEM_BYTES, Op, OpGraph, Resource, Saving, TensorSpec
-from .strategy import seconds_to_ns
+from .strategy import roofline_ns, seconds_to_ns
 
 
 class _Builder:
@@ -58,9 +58,7 @@ class _Builder:
         return tuple(out_names)
 
     def _compute_ns(self, flops: float, moved: float) -> int:
-        hw = self.hw
-        return seconds_to_ns(hw.kernel_launch_s + max(flops / (hw.peak_flops * hw.matmul_efficiency),
-                                                      moved / hw.hbm_bytes_per_s))
+        return roofline_ns(self.hw, flops, moved)
 
     def _comm_ns(self, remote_bytes: float, group: int) -> int:
         """Time of a collective moving ``remote_bytes`` off this rank within a group of ``group`` ranks."""

@@ -29,7 +29,7 @@ from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 from bagualu2.costmodel.config import Hardware
 from bagualu2.costmodel.graph import COMM_KINDS, ITEM_BYTES, Op, OpGraph, Resource, Saving, TensorSpec
-from bagualu2.costmodel.strategy import seconds_to_ns
+from bagualu2.costmodel.strategy import roofline_ns, seconds_to_ns
 
 from .flops import attention_formulas
 from .record import TORCH_TO_NAME
@@ -273,7 +273,7 @@ def build_graph_of(recorder: TraceRecorder, model: torch.nn.Module, hardware: Ha
             forward_ns = backward_ns = _comm_ns(hardware, sum(tensors[t].nbytes for t in outputs)
                                                 if any(c.comm for c in calls) else 0)
         else:
-            forward_ns, backward_ns = _compute_ns(hardware, flops, moved), _compute_ns(hardware, 2 * flops, 2 * moved)
+            forward_ns, backward_ns = roofline_ns(hardware, flops, moved), roofline_ns(hardware, 2 * flops, 2 * moved)
         ops.append(Op(name, kind, layer, Resource.COMM if comm else Resource.COMPUTE, inputs, outputs,
                       tuple(Saving(t, d) for t, d in saves), flops, moved, forward_ns, backward_ns))
     graph = OpGraph(ops=tuple(ops), tensors=tensors, hardware=hardware, label=f"traced {type(model).__name__}",
@@ -309,12 +309,9 @@ def _backward_times(recorder: TraceRecorder) -> dict[str, float]:
     return times
 
 
-def _compute_ns(hardware: Hardware, flops: float, moved: float) -> int:
-    """The roofline of ``costmodel.build_graph``: launch + max(compute, memory traffic)."""
-    return seconds_to_ns(hardware.kernel_launch_s + max(flops / (hardware.peak_flops * hardware.matmul_efficiency),
-                                                        moved / hardware.hbm_bytes_per_s))
 
 
 def _comm_ns(hardware: Hardware, nbytes: float) -> int:
     """A collective that moves ``nbytes`` over the intra-node links (launch only when nothing moves)."""
-    return seconds_to_ns(hardware.kernel_launch_s + nbytes / (hardware.intra_node_bytes_per_s * hardware.link_efficiency))
+    rate = hardware.intra_node_bytes_per_s * hardware.link_efficiency
+    return seconds_to_ns(hardware.kernel_launch_s + nbytes / rate)

@@ -20,4 +20,5 @@ def __getattr__(name: str):
 
 
 __all__ = ["CHAIN_KINDS", "Chain", "Chains", "Event", "Order", "Stage", "Timeline", "baselines",
-           "build_chains", "compact", "dp", "exact", "megatron_core", "megatron_kwai", "megatron_overlapped", "sequential", "simulate"]
+           "build_chains", "compact", "dp", "exact", "megatron_core", "megatron_kwai", "megatron_overlapped",
+           "sequential", "simulate"]

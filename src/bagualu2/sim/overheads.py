@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from ..costmodel import Hardware, ModelConfig, ParallelConfig
 from ..costmodel.memory import stage_parameters
+from ..costmodel.strategy import roofline_s
 
 ADAM_BYTES_PER_PARAMETER = 30  # read 16 (weight, grad, m, v in fp32), write 12 (weight, m, v) + 2 (bf16 copy)
 GRAD_BYTES = 4                 # fp32 main gradients (Megatron's default gradient accumulation)
@@ -50,11 +51,6 @@ class StageOverheads:
                 + self.optimizer_s)
 
 
-def _roofline_s(hardware: Hardware, flops: float, moved_bytes: float) -> float:
-    return hardware.kernel_launch_s + max(flops / (hardware.peak_flops * hardware.matmul_efficiency),
-                                          moved_bytes / hardware.hbm_bytes_per_s)
-
-
 def _ring_s(hardware: Hardware, nbytes: float, group: int) -> float:
     if group <= 1 or nbytes <= 0:
         return 0.0
@@ -73,12 +69,12 @@ def stage_overheads(model: ModelConfig, parallel: ParallelConfig, hardware: Hard
         flops = 2 * tokens * model.hidden_size * model.vocab_size // parallel.tp
         logits = 4 * tokens * model.vocab_size // parallel.tp
         weight = width * model.hidden_size * model.vocab_size // parallel.tp
-        head_s += _roofline_s(hardware, flops, 3 * logits + weight) + _roofline_s(hardware, 2 * flops,
+        head_s += roofline_s(hardware, flops, 3 * logits + weight) + roofline_s(hardware, 2 * flops,
                                                                                   2 * logits + 2 * weight)
         head_flops = 3 * flops * parallel.num_microbatches
     if stage == 0:
         out = width * tokens * model.hidden_size // parallel.tp
-        head_s += _roofline_s(hardware, 0, out) + _roofline_s(hardware, 0, 2 * out)
+        head_s += roofline_s(hardware, 0, out) + roofline_s(hardware, 0, 2 * out)
     dense, expert = stage_parameters(model, parallel, stage=stage)
     edp = parallel.expert_data_parallel
     reduce_s = _ring_s(hardware, GRAD_BYTES * dense, parallel.dp) + _ring_s(hardware, GRAD_BYTES * expert, edp)

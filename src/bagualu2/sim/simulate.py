@@ -52,7 +52,8 @@ class SimConfig:
     """restart_s: seconds an OOM restart costs (checkpoint reload, re-launch), a finite number >= 0.
     plan_imbalance: the imbalance the plans fixed before training are made for (>= 1; default 1: balanced load).
     on_oom: what a policy with a fallback restarts with after an OOM: ``"fallback"`` (``FALLBACKS``, static-over)
-    or ``"replan"`` (its own plans re-made for the largest imbalance seen; the paper's §VI-A baselines).
+    or ``"replan"`` (the crashed iteration re-run on its own plans re-made for that iteration's imbalance, then back
+    on the normal plans; the paper's §VI-A baselines).
     m_max_bytes: every stage's activation capacity instead of what its memory leaves (the trainer's
     ``--memory-cap``); None: ``stage_memory``'s ``M_max``.
     overlap: the execution model (``execution.OVERLAP``): ``"real"`` (every policy the overlap of its real
@@ -176,7 +177,7 @@ def stage_time(policy: StagePolicy, rates: tuple[float, ...]) -> StageTime:
     choices = iter(f.result for f in run.forwards)
     running: dict[int, object] = {}
     busy = first = final = 0.0
-    fused = False
+    paired = False  # the backward after a steady forward ran inside its pair
     steps = ctx.steps
     last, final_mb = len(steps) - 1, len(rates) - 1
     for i, step in enumerate(steps):
@@ -184,13 +185,13 @@ def stage_time(policy: StagePolicy, rates: tuple[float, ...]) -> StageTime:
             choice = running[step.index] = next(choices)
             if step.phase == STEADY and i < last and not steps[i + 1].forward:
                 busy += choice.pair_s  # a steady F_x B_y point: the pair in the policy's execution
-                fused = True
+                paired = True
             else:
                 busy += choice.forward_s
             if step.microbatch == 0:
                 first += choice.forward_s
-        elif fused:
-            fused = False
+        elif paired:
+            paired = False
         else:
             busy += running[step.index].backward_s
             if step.microbatch == final_mb:
@@ -257,7 +258,7 @@ def simulate(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, p
     keys = check_trace(trace, parallel)
     run = _Run(model, parallel, hardware, config, plan_hardware, check_downgrade(downgrade))
     results = []
-    in_force, planned = policy, config.plan_imbalance
+    in_force, planned = policy, config.plan_imbalance  # the plans in force are always made at plan_imbalance
     for done, key in enumerate(keys, 1):
         result = run.iteration(in_force, key, planned)
         if result.oom and in_force in FALLBACKS:
@@ -268,7 +269,7 @@ def simulate(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, p
                 redo = run.iteration(in_force, key, max(seen, planned))
             if redo is None or redo.oom:
                 redo_policy = FALLBACKS[in_force]
-                redo = run.iteration(redo_policy, key, config.plan_imbalance)
+                redo = run.iteration(redo_policy, key, planned)
             if config.on_oom == "fallback":  # stays in force; a replanned run returns to its normal plans
                 in_force = redo_policy
             total = lost + redo.time_s
