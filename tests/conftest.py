@@ -6,7 +6,7 @@
 * Tiers: a test that launches a process (``subprocess``, ``multiprocessing``, torchrun) must be marked ``launch``
   (which makes it ``slow`` too); an unmarked one that tries fails at once with the reason. A test of a second or
   more is marked ``slow``. The quick tier is ``pytest -m "not slow"``; ``scripts/test.sh`` runs the tests that
-  launch nothing on two workers, then the launches one at a time (each uses every core).
+  launch nothing, then the launches, each on two workers.
 """
 
 from __future__ import annotations

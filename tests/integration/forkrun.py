@@ -7,13 +7,29 @@ report) on ``MODULE.main(ARGS)`` with ``start_method="fork"`` (``MODULE``: ``ref
 module are imported once, here, instead of once per worker and launch (about 3.5 s of CPU each). Everything
 from ``main`` on is what ``torchrun -m MODULE`` runs; the tests of the command line itself (``bagualu2 train``),
 the two-node rendezvous and the chaos run still go through the ``torchrun`` executable.
+
+FORKRUN, :func:`forked` go one step further for the tests: it runs ``python ARGS`` (this file, or ``-m MODULE`` for a
+one-process run) in a child forked from a fork server that imported torch and the trainer once per test session,
+so a launch costs its own work, not an interpreter start and a torch import.
 """
 
 from __future__ import annotations
 
+import atexit
 import importlib
+import multiprocessing
+import os
+import runpy
+import signal
+import subprocess
 import sys
+import tempfile
+import traceback
 import uuid
+import warnings
+from pathlib import Path
+
+import torch
 
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -45,6 +61,64 @@ def main(argv: list[str]) -> None:
     config, _, _ = torchrun.config_from_args(args)
     config.start_method = "fork"
     elastic_launch(config=config, entrypoint=worker)(*args.training_script_args)
+
+
+FORKRUN = str(Path(__file__).resolve())  # forked(FORKRUN, TORCHRUN_ARGS, "-m", MODULE, ARGS)
+PRELOAD = ["torch", "torch.distributed.run", "reference_trainer.pipeline", *MODULES]
+
+
+def _child(argv: list[str], cwd: str, env: dict, out_path: str, err_path: str) -> None:
+    """In the forked child: become ``python ARGV`` in ``cwd`` with exactly ``env``, stdout and stderr to files."""
+    os.setsid()  # its own process group: a timeout kills the agent and its workers together
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    if env.get("OMP_NUM_THREADS"):  # read by OpenMP when torch loaded, in the server: apply it here
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    for fd, path in ((1, out_path), (2, err_path)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(target, fd)
+        os.close(target)
+    code = 0
+    try:
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            warnings.filterwarnings("ignore", "'.*' found in sys.modules", RuntimeWarning)  # preloaded, as meant
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            code = stop.code or 0
+        else:
+            print(stop.code, file=sys.stderr)
+            code = 1
+    except BaseException:  # noqa: BLE001 (what the interpreter prints and returns)
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def forked(*argv: str, cwd: str | Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run([sys.executable, *argv], cwd=, env=, capture_output=True, text=True, timeout=)`` for a run
+    of this file or ``-m`` a trainer module, forked from the session's fork server (see the module docstring)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        child = context.Process(target=_child, args=(list(argv), str(cwd), dict(env), out_path, err_path))
+        child.start()
+        child.join(timeout)
+        if child.exitcode is None:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.join()
+            raise subprocess.TimeoutExpired([sys.executable, *argv], timeout)
+        with open(out_path) as out, open(err_path) as err:
+            return subprocess.CompletedProcess([sys.executable, *argv], child.exitcode, out.read(), err.read())
 
 
 if __name__ == "__main__":

@@ -11,13 +11,13 @@ presets and plans).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from forkrun import forked
 
 from bagualu2.costmodel import ParallelConfig, Strategy, build_graph, evaluate, presets
 from bagualu2.exec import ActivationOutOfMemoryError, ActivationTracker, apply_plan, op_scope
@@ -162,9 +162,10 @@ def test_tracker_cap_and_accounting_are_shared():
 
 @pytest.mark.launch
 def test_measure_cli_with_offload_plan():
-    result = subprocess.run([sys.executable, "-m", "reference_trainer.experiments.measure", "--preset", "tiny-moe",
-                             "--seq-length", "32", "--plan", "core_attn=OFFLOAD,expert_fc1=QUANTIZE", "--json"],
-                            capture_output=True, text=True, cwd=ROOT, check=True)
+    result = forked("-m", "reference_trainer.experiments.measure", "--preset", "tiny-moe", "--seq-length", "32",
+                    "--plan", "core_attn=OFFLOAD,expert_fc1=QUANTIZE", "--json", cwd=ROOT, env=dict(os.environ),
+                    timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
     record = json.loads(result.stdout)
     assert record["rel_error"] == 0
     assert record["measured_bytes"] == record["predicted_bytes"]

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,11 +19,11 @@ from bagualu2.costmodel import ParallelConfig, Plan, build_graph, evaluate, pres
 from bagualu2.exec import ActivationOutOfMemoryError, ActivationTracker, DeferredPlanner, apply_plan
 from bagualu2.runtime import downgrade_plan
 from exec_run import run_plan
+from forkrun import FORKRUN, forked
 from reference_trainer.instrumented import instrument_reference
 from reference_trainer.model import GLMMoEModel
 
 ROOT = Path(__file__).resolve().parents[2]
-LAUNCH = [sys.executable, str(Path(__file__).with_name("forkrun.py"))]  # torchrun's agent, forked workers
 SEQ = 32
 
 
@@ -105,9 +103,9 @@ def test_spike_under_expert_parallelism_is_downgraded():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def measure(*extra):
-        proc = subprocess.run([*LAUNCH, "--standalone", "--nproc_per_node=2", "-m", "reference_trainer.experiments.measure",
-                               "--preset", "tiny-moe", "--ep", "2", "--imbalance", "2", "--json", *extra],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        proc = forked(FORKRUN, "--standalone", "--nproc_per_node=2", "-m", "reference_trainer.experiments.measure",
+                      "--preset", "tiny-moe", "--ep", "2", "--imbalance", "2", "--json", *extra, cwd=ROOT, env=env,
+                      timeout=120)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][0])
 

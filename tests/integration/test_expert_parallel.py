@@ -15,20 +15,22 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from forkrun import FORKRUN, forked
 
 pytestmark = [pytest.mark.integration, pytest.mark.launch]
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
-LAUNCH = [sys.executable, str(Path(__file__).with_name("forkrun.py"))]  # torchrun's agent, forked workers
 TIMEOUT_S = 120
 
 
 def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    launcher = LAUNCH if args[0] == "-m" else [str(TORCHRUN)]  # a module's main forked; a script as torchrun runs it
-    return subprocess.run([*launcher, "--standalone", f"--nproc_per_node={nproc}", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    if args[0] == "-m":  # a module's main: torchrun's agent with forked workers (forkrun.py)
+        return forked(FORKRUN, "--standalone", f"--nproc_per_node={nproc}", *args, cwd=ROOT, env=env,
+                      timeout=TIMEOUT_S)
+    return subprocess.run([str(TORCHRUN), "--standalone", f"--nproc_per_node={nproc}", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)  # a script, as torchrun runs it
 
 
 def _measure(nproc: int, imbalance: float, plan: str = "none") -> dict:
@@ -65,8 +67,8 @@ def test_ep_rejects_imbalance_above_ep_and_wrong_world_size():
                      "--json")
     assert proc.returncode != 0
     assert "error: --imbalance" in proc.stderr
-    single = subprocess.run([sys.executable, "-m", "reference_trainer.experiments.measure", "--preset", "tiny-moe", "--ep", "2",
-                             "--json"], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
+    single = forked("-m", "reference_trainer.experiments.measure", "--preset", "tiny-moe", "--ep", "2", "--json",
+                    cwd=ROOT, env=dict(os.environ), timeout=TIMEOUT_S)
     assert single.returncode == 2 and single.stderr.startswith("error: --ep")
 
 

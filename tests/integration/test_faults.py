@@ -19,13 +19,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from forkrun import FORKRUN, forked
 
 from reference_trainer.experiments.chaos import has_traceback
 
 pytestmark = [pytest.mark.integration, pytest.mark.launch]
 
 ROOT = Path(__file__).resolve().parents[2]
-LAUNCH = [sys.executable, str(Path(__file__).with_name("forkrun.py"))]  # torchrun's agent, forked workers
 TIMEOUT_S = 300
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
        "BAGUALU2_CHECK_COLLECTIVES": "1"}  # every run checks its collective order
@@ -35,16 +35,14 @@ COMMON = ["--steps", "5", "--seed", "11", "--pp", "2", "--dp", "1", "--ep", "1"]
 
 
 def launch(nproc: int, *args: str, faults: str = "", restarts: int = 0) -> subprocess.CompletedProcess:
-    command = [*LAUNCH, "--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={restarts}",
-               "--monitor-interval=0.2", "-m", "reference_trainer.train", *args]
-    return subprocess.run(command, cwd=ROOT, env={**ENV, "BAGUALU2_FAULTS": faults}, capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
+    return forked(FORKRUN, "--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={restarts}",
+                  "--monitor-interval=0.2", "-m", "reference_trainer.train", *args, cwd=ROOT,
+                  env={**ENV, "BAGUALU2_FAULTS": faults}, timeout=TIMEOUT_S)
 
 
 def alone(*args: str, faults: str = "") -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "reference_trainer.train", "--pp", "1", "--dp", "1", "--ep", "1",
-                           *args], cwd=ROOT, env={**ENV, "BAGUALU2_FAULTS": faults}, capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
+    return forked("-m", "reference_trainer.train", "--pp", "1", "--dp", "1", "--ep", "1", *args, cwd=ROOT,
+                  env={**ENV, "BAGUALU2_FAULTS": faults}, timeout=TIMEOUT_S)
 
 
 def records(path: Path) -> list[dict]:

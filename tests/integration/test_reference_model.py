@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import os
 from pathlib import Path
 
 import pytest
 import torch
+from forkrun import forked
 
 from bagualu2.costmodel import ParallelConfig, build_graph, evaluate, presets
 from bagualu2.exec import ActivationTracker, apply_plan
@@ -135,8 +135,7 @@ def test_backward_gives_finite_gradients(preset):
 
 # ---- the measure CLI ------------------------------------------------------------------------------------------
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "reference_trainer.experiments.measure", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    return forked("-m", "reference_trainer.experiments.measure", *args, cwd=ROOT, env=dict(os.environ), timeout=300)
 
 
 @pytest.mark.launch

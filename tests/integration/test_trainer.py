@@ -20,22 +20,22 @@ import sys
 from pathlib import Path
 
 import pytest
+from forkrun import FORKRUN, forked
 
 pytestmark = [pytest.mark.integration, pytest.mark.launch]
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
-# torchrun's elastic agent with forked workers (forkrun.py): the trainer from main() on, without a torch import per
-# worker; the two-node rendezvous below runs the torchrun executable itself
-LAUNCH = [sys.executable, str(Path(__file__).with_name("forkrun.py"))]
+# torchrun's elastic agent with forked workers (forkrun.py), itself forked from a fork server that imported torch once:
+# the trainer from main() on; the two-node rendezvous below runs the torchrun executable itself
 TIMEOUT_S = 240
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
        "BAGUALU2_CHECK_COLLECTIVES": "1"}  # every run checks its collective order
 
 
 def torchrun(nproc: int, *args: str, launcher: tuple[str, ...] = ("--standalone",)) -> subprocess.CompletedProcess:
-    return subprocess.run([*LAUNCH, *launcher, f"--nproc_per_node={nproc}", "-m", "reference_trainer.train",
-                           *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S)
+    return forked(FORKRUN, *launcher, f"--nproc_per_node={nproc}", "-m", "reference_trainer.train", *args, cwd=ROOT,
+                  env=ENV, timeout=TIMEOUT_S)
 
 
 def records(path: Path) -> list[dict]:
@@ -56,9 +56,8 @@ def equivalence(tmp_path_factory):
     runtime, plain, single = tmp / "runtime.jsonl", tmp / "plain.jsonl", tmp / "single.jsonl"
     ok(torchrun(4, "--steps", "3", "--vp", "2", "--metrics-file", str(runtime)))
     ok(torchrun(4, "--steps", "3", "--vp", "2", "--schedule", "plain", "--metrics-file", str(plain)))
-    proc = subprocess.run([sys.executable, "-m", "reference_trainer.train", "--steps", "3", "--pp", "1", "--dp", "1",
-                           "--ep", "1", "--num-microbatches", "8", "--metrics-file", str(single)], cwd=ROOT,
-                          env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S)
+    proc = forked("-m", "reference_trainer.train", "--steps", "3", "--pp", "1", "--dp", "1", "--ep", "1",
+                  "--num-microbatches", "8", "--metrics-file", str(single), cwd=ROOT, env=ENV, timeout=TIMEOUT_S)
     ok(proc)
     return runtime, plain, single
 
@@ -133,11 +132,10 @@ def test_a_bad_flag_is_one_line_from_rank_0_and_the_others_exit_quietly():
 
 def test_static_under_runs_out_of_memory_is_restarted_by_torchrun_and_continues_as_static_over(tmp_path):
     metrics, ckpt = tmp_path / "under.jsonl", tmp_path / "ckpt"
-    proc = subprocess.run([*LAUNCH, "--standalone", "--nproc_per_node=2", "--max-restarts", "1", "-m",
-                           "reference_trainer.train", "--pp", "1", "--dp", "2", "--ep", "2", "--policy",
-                           "static-under", "--steps", "4", "--spike-rate", "0.5", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--metrics-file",
-                           str(metrics), "--schedule", "plain"], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
+    proc = forked(FORKRUN, "--standalone", "--nproc_per_node=2", "--max-restarts", "1", "-m",
+                  "reference_trainer.train", "--pp", "1", "--dp", "2", "--ep", "2", "--policy", "static-under",
+                  "--steps", "4", "--spike-rate", "0.5", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1",
+                  "--metrics-file", str(metrics), "--schedule", "plain", cwd=ROOT, env=ENV, timeout=TIMEOUT_S)
     ok(proc)
     assert "ran out of activation memory" in proc.stderr and "exitcode: 75" in proc.stderr
     rows = records(metrics)

@@ -50,6 +50,12 @@ class CliError(Exception):
 EXTRAS = {"torch": ("torch",), "trainer": ("torch", "tokenizers")}  # what each optional extra installs
 
 
+def one_thread_env() -> dict[str, str]:
+    """The environment for a trainer process: one intra-op thread unless ``OMP_NUM_THREADS`` says otherwise
+    (torchrun's default; the tiny CPU models run about three times faster than on every core)."""
+    return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+
+
 def require_extra(extra: str, option: str | None = None) -> None:
     """A :class:`CliError` naming the extra to install when a module it provides is missing."""
     import importlib.util

@@ -23,7 +23,7 @@ from bagualu2.costmodel import stage_memory
 from bagualu2.runtime import replay_iteration
 
 from .common import (GIB, HARDWARE_HELP, JSON_HELP, MIB, MODEL_HELP, CliError, console, echo_json, handle_errors,
-                     require_extra)
+                     one_thread_env, require_extra)
 from .iteration import MAX_IMBALANCE_HELP, SEED_HELP, SPIKE_RATE_HELP, prepare
 
 
@@ -88,7 +88,7 @@ def _train(steps: int, seed: int) -> dict:
     require_extra("trainer", "--train-steps")
     proc = subprocess.run([sys.executable, "-m", "reference_trainer.train", "--recipe", "glm_moe_debug", "--pp", "1",
                            "--dp", "1", "--ep", "1", "--steps", str(steps), "--seed", str(seed), "--json"],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=one_thread_env())
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["the trainer failed"])[-1]
         raise CliError(last.removeprefix("error: "), "--train-steps")

@@ -10,14 +10,13 @@ code is the trainer's; a failing trainer's one-line error is the only report (to
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from typing import Annotated, Optional
 
 import typer
 
-from .common import CliError, handle_errors, require_extra
+from .common import CliError, handle_errors, one_thread_env, require_extra
 
 TRAINER = "reference_trainer.train"
 
@@ -83,5 +82,5 @@ def train(
         typer.echo(json.dumps({"command": shown}) if as_json else " ".join(shown))
         return
     # torchrun's main through bagualu2.cli.launch: a failed worker's one-line error is the only report
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}  # torchrun's default, unwarned
-    raise typer.Exit(code=subprocess.run([sys.executable, "-m", "bagualu2.cli.launch", *argv], env=env).returncode)
+    raise typer.Exit(code=subprocess.run([sys.executable, "-m", "bagualu2.cli.launch", *argv],
+                                         env=one_thread_env()).returncode)
