@@ -2,8 +2,8 @@
 
 Wall time on a shared machine drifts by ±20% from minute to minute; instruction counts do not. This script runs
 the timed loop of ``run_iteration`` (budget, decision, re-basing; ``benchmarks/bench_fusion.py -k decision``'s
-trace and preset, fresh caches) and, with ``--setup-only``, everything but that loop. Their difference is the
-decision path's instruction count:
+trace and preset, fresh caches; ``--preset`` another, ``--paper-trace`` the reproduction's trace) and, with
+``--setup-only``, everything but that loop. Their difference is the decision path's instruction count:
 
     for mode in "" --setup-only; do
       PYTHONHASHSEED=0 OPENBLAS_NUM_THREADS=1 setarch -R valgrind --tool=cachegrind --cache-sim=no \\
@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import argparse
 
-from bagualu2.budget import BudgetAssigner
 from bagualu2.costmodel import presets
-from bagualu2.runtime import DecisionPath, spike_trace
+from bagualu2.runtime import DecisionPath, run_iteration, spike_trace
+from bagualu2.sim import paper_trace
 
-MODEL, PARALLEL = presets.model("glm-1041b-a35b")
 HW = presets.hardware("paper-gpu")
 
 
@@ -30,29 +29,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--setup-only", action="store_true", help="everything but the decision loop")
     parser.add_argument("--twice", action="store_true", help="run the round again on warm caches")
+    parser.add_argument("--preset", default="glm-1041b-a35b", help="model preset (default glm-1041b-a35b)")
+    parser.add_argument("--paper-trace", action="store_true",
+                        help="the reproduction's trace (one rate per iteration, bagualu2 reproduce) instead")
     args = parser.parse_args()
-    trace = spike_trace(100 * PARALLEL.num_microbatches, spike_rate=0.029, max_imbalance=2.6, seed=0)
-    path = DecisionPath(MODEL, PARALLEL, HW)
-    memory, steps = path.engine.memory, path.engine.steps
-
-    def iteration(imbalances) -> None:  # run_iteration's timed loop (budget, decision, re-basing)
-        assigner = BudgetAssigner(m_max_bytes=memory.m_max_bytes, m0_bytes=memory.m0_bytes,
-                                  num_microbatches=len(steps) // 2, num_warmup=memory.inflight_chunks)
-        peak = 0
-        for step in steps:
-            if not step.forward:
-                assigner.record_backward(step.index)
-                continue
-            budget = assigner.next_forward_budget()
-            decision = path.forward(budget, imbalances[step.microbatch], step.phase, step.chunk,
-                                    limit_bytes=assigner.absorb_limit_bytes() if step.phase == "warmup" else None)
-            peak = max(peak, assigner.record_forward(step.index, decision.kept_bytes))
-        assert peak <= memory.m_max_bytes
-
+    model, parallel = presets.model(args.preset)
+    n = parallel.num_microbatches
+    if args.paper_trace:
+        rates = paper_trace(100, seed=0)
+        windows = [(rate,) * n for rate in rates]
+    else:
+        trace = spike_trace(100 * n, spike_rate=0.029, max_imbalance=2.6, seed=0)
+        windows = [trace[it * n:(it + 1) * n] for it in range(100)]
+    path = DecisionPath(model, parallel, HW)
     rounds = 0 if args.setup_only else 2 if args.twice else 1
     for _ in range(rounds):
-        for it in range(100):
-            iteration(trace[it * PARALLEL.num_microbatches:(it + 1) * PARALLEL.num_microbatches])
+        for window in windows:  # run_iteration's timed loop: budget, decision, re-basing
+            assert run_iteration(path.engine, path.decide, window).fits
     print(f"{path.hits} hits, {path.misses} misses")
 
 

@@ -26,11 +26,16 @@ def configs(draw):
 def forward(assigner: BudgetAssigner, mb: int, data, budgets: list[int]) -> None:
     budget = assigner.next_forward_budget()
     assert assigner.next_forward_budget() == budget  # idempotent peek
+    warmup = assigner.phase is BudgetPhase.WARMUP
+    assert assigner.next_forward() == (budget, assigner.absorb_limit_bytes() if warmup else None)  # one call
+    assert assigner.absorb_limit_bytes() >= budget
     budgets.append(budget)
     assert budget >= assigner.m0_bytes
     actual_bytes = data.draw(st.integers(assigner.m0_bytes, budget), label=f"actual_bytes[{mb}]")
+    peak = assigner.peak_in_flight_bytes
     assigner.record_forward(mb, actual_bytes)
     assert assigner.in_flight_bytes <= assigner.m_max_bytes
+    assert assigner.peak_in_flight_bytes == max(peak, assigner.in_flight_bytes)
 
 
 @pytest.mark.slow

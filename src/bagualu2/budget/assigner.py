@@ -107,6 +107,7 @@ class BudgetAssigner:
         self._actual_bytes: dict[int, int] = {}  # micro-batch -> measured bytes of every forward recorded
         self._granted_bytes: dict[int, int] = {}  # micro-batch -> budget in force when its forward was recorded
         self._in_flight_bytes = 0
+        self._peak_bytes = 0
         self._peeked: int | None = None  # what next_forward_budget returned, while nothing was recorded since
 
     # ------------------------------------------------------------ properties
@@ -134,6 +135,11 @@ class BudgetAssigner:
     def in_flight_bytes(self) -> int:
         """Measured activation bytes of micro-batches forwarded but not yet backwarded."""
         return self._in_flight_bytes
+
+    @property
+    def peak_in_flight_bytes(self) -> int:
+        """The most in-flight bytes after any forward recorded in this iteration."""
+        return self._peak_bytes
 
     @property
     def num_launched(self) -> int:
@@ -167,6 +173,11 @@ class BudgetAssigner:
         The value depends only on recorded state, so it changes only after ``record_forward`` or
         ``record_backward``. Raises ValueError once all ``num_microbatches`` forwards were launched.
         """
+        return self.next_forward()[0]
+
+    def next_forward(self) -> tuple[int, int | None]:
+        """``(next_forward_budget(), absorb_limit_bytes())`` in warmup, ``(next_forward_budget(), None)`` in the
+        steady phase: what a driver asks before each forward, in one call."""
         launched = len(self._actual_bytes)
         if launched >= self._num_microbatches:
             raise ValueError(
@@ -174,21 +185,20 @@ class BudgetAssigner:
                 f"launched; call reset() to start a new iteration"
             )
         remaining_bytes = self._m_max_bytes - self._in_flight_bytes
-        if launched < self._num_warmup:
-            remaining_bytes //= self._num_warmup - launched
-        self._peeked = budget = remaining_bytes if remaining_bytes > 0 else 0
-        return budget
+        if launched >= self._num_warmup:
+            self._peeked = budget = remaining_bytes if remaining_bytes > 0 else 0
+            return budget, None
+        later = self._num_warmup - launched - 1
+        budget = remaining_bytes // (later + 1)
+        self._peeked = budget = budget if budget > 0 else 0
+        return budget, max(budget, remaining_bytes - later * self._m0_bytes)
 
     def absorb_limit_bytes(self) -> int:
         """The most the next forward may keep (deferred planning, §V-A): in warmup, what still leaves ``M_0`` for
         every later not-yet-launched warmup forward — an overrun of the budget up to it is absorbed by the next
         budgets shrinking, and those stay >= ``M_0``; in the steady phase the budget itself (no absorption)."""
-        budget = self.next_forward_budget()
-        launched = len(self._actual_bytes)
-        if launched >= self._num_warmup:
-            return budget
-        later = self._num_warmup - launched - 1
-        return max(budget, self._m_max_bytes - self._in_flight_bytes - later * self._m0_bytes)
+        budget, limit = self.next_forward()
+        return budget if limit is None else limit
 
     def record_forward(self, microbatch: int, actual_bytes: int) -> int:
         """Record that ``microbatch``'s forward finished keeping ``actual_bytes`` of activations in flight; returns
@@ -216,6 +226,8 @@ class BudgetAssigner:
         actual[microbatch] = actual_bytes
         self._in_flight[microbatch] = actual_bytes
         self._in_flight_bytes = held = self._in_flight_bytes + actual_bytes
+        if held > self._peak_bytes:
+            self._peak_bytes = held
         self._peeked = None
         return held
 

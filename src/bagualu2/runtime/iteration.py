@@ -48,7 +48,8 @@ class Iteration:
     """One iteration of ``stage`` driven step by step: :meth:`budget` before a forward, :meth:`record_forward`
     with the bytes it keeps after it, :meth:`record_backward` after its backward. ``m_max_bytes`` (default the
     stage's ``M_max``) is the activation capacity the budgets share; ``budgeted=False``: no budgets (0), only the
-    in-flight bytes are followed."""
+    in-flight bytes are followed. Budgeted, the bookkeeping is Algorithm 1's (:class:`BudgetAssigner`): its
+    ``next_forward``, ``record_forward`` and ``record_backward`` are this iteration's."""
 
     def __init__(self, stage: Stage, *, m_max_bytes: int | None = None, budgeted: bool = True):
         memory = stage.memory
@@ -57,8 +58,22 @@ class Iteration:
         self.assigner = (BudgetAssigner(m_max_bytes=self.m_max_bytes, m0_bytes=memory.m0_bytes,
                                         num_microbatches=stage.num_forwards, num_warmup=memory.inflight_chunks)
                          if budgeted else None)
+        if self.assigner is not None:  # the hot path calls the assigner's methods directly
+            self.next_forward = self.assigner.next_forward
+            self.record_forward = self.assigner.record_forward
+            self.record_backward = self.assigner.record_backward
         self._kept = [0] * stage.num_forwards
-        self.held_bytes = self.peak_bytes = 0
+        self._held_bytes = self._peak_bytes = 0
+
+    @property
+    def held_bytes(self) -> int:
+        """The in-flight bytes: kept by forwards whose backward has not run."""
+        return self._held_bytes if self.assigner is None else self.assigner.in_flight_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        """The most in-flight bytes after any forward."""
+        return self._peak_bytes if self.assigner is None else self.assigner.peak_in_flight_bytes
 
     def budget(self, phase: str) -> tuple[int, int | None]:
         """``(budget, limit)`` of the next forward: Algorithm 1's budget and, in warmup, the most an overrun may
@@ -68,23 +83,22 @@ class Iteration:
             return 0, None
         return assigner.next_forward_budget(), assigner.absorb_limit_bytes() if phase == WARMUP else None
 
+    def next_forward(self) -> tuple[int, int | None]:
+        """:meth:`budget` of the next forward, its phase the assigner's (forwards recorded in schedule order: a
+        step's ``phase`` is the same)."""
+        return 0, None
+
     def record_forward(self, index: int, kept_bytes: int) -> int:
         """Forward ``index`` keeps ``kept_bytes``; returns the in-flight bytes after it."""
-        if self.assigner is not None:
-            held = self.assigner.record_forward(index, kept_bytes)
-        else:
-            held = self.held_bytes + kept_bytes
+        held = self._held_bytes = self._held_bytes + kept_bytes
         self._kept[index] = kept_bytes
-        self.held_bytes = held
-        if held > self.peak_bytes:
-            self.peak_bytes = held
+        if held > self._peak_bytes:
+            self._peak_bytes = held
         return held
 
     def record_backward(self, index: int) -> None:
         """The backward of forward ``index`` ran: its bytes are free."""
-        if self.assigner is not None:
-            self.assigner.record_backward(index)
-        self.held_bytes -= self._kept[index]
+        self._held_bytes -= self._kept[index]
 
 
 def run_iteration(stage: Stage, decide: Callable[[Step, float, int, int | None], Any], imbalances, *,
@@ -96,7 +110,8 @@ def run_iteration(stage: Stage, decide: Callable[[Step, float, int, int | None],
         raise ValueError(f"imbalances must have num_microbatches={stage.parallel.num_microbatches} entries, "
                          f"got {len(imbalances)}")
     iteration = Iteration(stage, m_max_bytes=m_max_bytes, budgeted=budgeted)
-    budget, record_forward, record_backward = iteration.budget, iteration.record_forward, iteration.record_backward
+    next_forward, record_forward, record_backward = (iteration.next_forward, iteration.record_forward,
+                                                     iteration.record_backward)
     raw = []
     keep = raw.append
     started = time.perf_counter()
@@ -104,7 +119,7 @@ def run_iteration(stage: Stage, decide: Callable[[Step, float, int, int | None],
         if not step.forward:
             record_backward(step.index)
             continue
-        budget_bytes, limit_bytes = budget(step.phase)
+        budget_bytes, limit_bytes = next_forward()
         imbalance = imbalances[step.microbatch]
         result = decide(step, imbalance, budget_bytes, limit_bytes)
         keep((step, imbalance, budget_bytes, result, record_forward(step.index, result.kept_bytes)))

@@ -37,6 +37,8 @@ Decisions are the same with the memo on or off.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from ..budget import BudgetPhase
 from ..costmodel import Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, StageMemory, Strategy
 from ..costmodel.build import check_imbalance
@@ -55,6 +57,13 @@ UNREFERENCED_LEVELS = 2  # with no smaller-need decision made, a larger-need one
 STAY_ON_DEVICE = (Strategy.KEEP, Strategy.RECOMPUTE)  # strategies that add no forward cast and no copy
 WARMUP = BudgetPhase.WARMUP.value
 COVERED, ABSORBED = "covered", "absorbed"  # decision keys of the two outcomes that keep the plan in force
+
+
+class _At(NamedTuple):
+    """Where a forward runs, for :meth:`DecisionPath.forward` (the two fields of a :class:`Step` it reads)."""
+
+    phase: str
+    chunk: int
 
 
 class DecisionPath:
@@ -178,8 +187,14 @@ class DecisionPath:
 
         ``phase`` is the forward's budget phase; in ``"warmup"`` an overrun up to ``limit_bytes`` (the caller's
         ``BudgetAssigner.absorb_limit_bytes()``) is absorbed instead of re-planned."""
+        return self.decide(_At(phase, chunk), imbalance, budget_bytes, limit_bytes)
+
+    def decide(self, step: Step, imbalance: float, budget_bytes: int, limit_bytes: int | None) -> Decision:
+        """:meth:`forward` for one step of the stage's iteration driver (``run_iteration(engine, path.decide,
+        imbalances)``; it reads the step's ``phase`` and ``chunk``)."""
         if type(budget_bytes) is not int or budget_bytes < 0:
             budget_bytes = require_int("budget_bytes", budget_bytes, 0)
+        chunk, phase = step.chunk, step.phase
         seen = self._seen.get((imbalance, chunk))
         if seen is None:
             seen = self._seen_row(imbalance, chunk)  # validates the chunk and the imbalance
@@ -200,11 +215,6 @@ class DecisionPath:
                 self._decisions.clear()
             self._decisions[key] = decision
         return decision
-
-    def decide(self, step: Step, imbalance: float, budget_bytes: int, limit_bytes: int | None) -> Decision:
-        """:meth:`forward` for one step of the stage's iteration driver (``run_iteration(engine, path.decide,
-        imbalances)``)."""
-        return self.forward(budget_bytes, imbalance, step.phase, step.chunk, limit_bytes=limit_bytes)
 
     def _covered(self, seen: Seen, warm: bool, budget_bytes: int) -> Decision:
         row, chunk = seen.row, seen.chunk
