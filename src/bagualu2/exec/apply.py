@@ -41,7 +41,7 @@ from .ops import ACTIVE, FORWARD_GATE, OP_HINTS, OP_SCOPE
 from .provisional import Provisional, settle, standby_ops
 from .packing import CopyEngine, HostCopy, Offloaded, Quantized, View, flat_storage, quantize_fp8, unpack
 from .record import TORCH_TO_NAME, MicroBatchRecord
-from .recompute import Regenerated, Replay, Source, Stored
+from .recompute import Regenerated, Replay, Source, Stored, checksums
 from .tracker import ActivationOutOfMemoryError, ActivationTracker, storage_key
 
 class PlanExecutor:
@@ -49,8 +49,11 @@ class PlanExecutor:
 
     def __init__(self, graph: OpGraph, plan: Plan | str | None, *, tracker: ActivationTracker | None = None,
                  exclude: Iterable[torch.nn.Module] = (), deferred=None, engine: CopyEngine | None = None,
-                 namer: Callable | None = None):
+                 namer: Callable | None = None, verify: bool = False):
         self.graph = graph
+        if not isinstance(verify, bool):
+            raise ValueError(f"verify must be True or False, got {verify!r}")
+        self.verify = verify
         # names each saving ``(record, op, entry, dtype name, storage key) -> tensor name | None``: by default the
         # op's savings of that dtype and size (cost-model graphs); a traced graph names them by call and slot
         self.namer = namer or self._name
@@ -249,6 +252,8 @@ class PlanExecutor:
     def end_replay(self, record: MicroBatchRecord, replay: Replay, outputs: Any) -> Any:
         """Finish recording ``replay`` (started by :meth:`begin_replay`) with the op's ``outputs``."""
         record.active = replay.parent
+        if self.verify:
+            replay.expected = checksums(outputs)
         active = replay.inactive is None
         sources = replay.args
         name = replay.op
@@ -405,7 +410,7 @@ class PlanExecutor:
 
 def apply_plan(target: "OpGraph | torch.nn.Module | InstrumentedModel", plan: Plan | str | None, *,
                tracker: ActivationTracker | None = None, exclude: Iterable[torch.nn.Module] = (),
-               deferred=None, graph: OpGraph | None = None) -> PlanExecutor:
+               deferred=None, graph: OpGraph | None = None, verify: bool = False) -> PlanExecutor:
     """A :class:`PlanExecutor` for ``plan``; use ``with executor.micro_batch(name):`` per micro-batch.
 
     ``target`` is one of:
@@ -421,7 +426,9 @@ def apply_plan(target: "OpGraph | torch.nn.Module | InstrumentedModel", plan: Pl
     Model parameters and buffers are excluded. ``deferred``: an optional
     :class:`~bagualu2.exec.deferred.DeferredPlanner` consulted after every MoE gate. Raises ``ValueError`` for an
     invalid plan or target, a plan that needs to regenerate a graph input, or one that re-runs a module that draws
-    random numbers (RECOMPUTE needs a deterministic module).
+    random numbers (RECOMPUTE needs a deterministic module). ``verify=True``: every re-run's outputs are compared
+    with checksums of what the forward produced, and a mismatch raises ``RuntimeError`` naming the op (a module
+    with a side effect, such as a KV cache it updates, would otherwise give silently wrong gradients).
     """
     namer = None
     if isinstance(target, InstrumentedModel):
@@ -439,7 +446,7 @@ def apply_plan(target: "OpGraph | torch.nn.Module | InstrumentedModel", plan: Pl
     else:
         raise ValueError(f"apply_plan needs an OpGraph or a model (an InstrumentedModel, or one with a config), "
                          f"got {type(target).__name__}")
-    return PlanExecutor(graph, plan, tracker=tracker, exclude=exclude, deferred=deferred, namer=namer)
+    return PlanExecutor(graph, plan, tracker=tracker, exclude=exclude, deferred=deferred, namer=namer, verify=verify)
 
 
 def graph_of(model: torch.nn.Module, imbalance: float = 1.0) -> OpGraph:

@@ -11,7 +11,8 @@ from .instrument import InstrumentedModel
 
 def check_replayable(instrumented: InstrumentedModel, plan: Plan | str | None) -> None:
     """``ValueError`` unless ``plan`` on the instrumented model's traced graph can run: every tensor it must
-    regenerate has a producer, and every op it re-runs is deterministic (drew no random numbers in the trace)."""
+    regenerate has a producer, and every op it re-runs is deterministic (drew no random numbers in the trace) and
+    takes no object with state of its own (a KV cache)."""
     trace = instrumented.trace
     cost = evaluate(trace.graph, plan)
     if cost.unavailable:
@@ -23,6 +24,13 @@ def check_replayable(instrumented: InstrumentedModel, plan: Plan | str | None) -
     if random:
         raise ValueError(f"plan: RECOMPUTE re-runs {random[0]} (module {trace.modules[random[0]][0]}), which "
                          "draws random numbers; RECOMPUTE needs a deterministic module (e.g. no dropout in training)")
+    stateful = [op for op in rerun if op in trace.stateful_ops]
+    if stateful:
+        op = stateful[0]
+        raise ValueError(f"plan: RECOMPUTE re-runs {op} (module {trace.modules[op][0]}), whose call takes a "
+                         f"{trace.stateful_ops[op]} object: a re-run could change or read its state (a KV cache is "
+                         "updated again); keep, offload or quantize its savings, or run the model without it "
+                         "(transformers: use_cache=False)")
     # a re-run reads its inputs back from where they are stored: an FP8 copy (or what a re-run made from one) is
     # approximate, which an op whose shapes depend on values (routing) cannot take
     strategies = resolve(graph, plan)

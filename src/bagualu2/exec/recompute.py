@@ -132,9 +132,17 @@ class Source:
     name: str | None = None  # the op's graph input this argument is (for ``lookup``)
 
     def value(self, engine) -> torch.Tensor:
-        flat = self.stored.flat(self.view.device, self.view.dtype, engine)
-        if flat is None and self.stored.producer is not None:
-            flat = flat_storage(self.stored.producer[0].output(self.stored.producer[1]))
+        return self.read(engine)[0]
+
+    def read(self, engine) -> tuple[torch.Tensor, bool]:
+        """The argument's value and whether it is exact (not read back from an FP8 copy, nor re-made from one)."""
+        stored = self.stored
+        flat = stored.flat(self.view.device, self.view.dtype, engine)
+        exact = flat is None or stored.kept is not None or stored.host is not None
+        if flat is None and stored.producer is not None:
+            producer = stored.producer[0]
+            flat = flat_storage(producer.output(stored.producer[1]))
+            exact = not producer.approximate
         name = self.stored.name or self.name
         if flat is None and self.lookup is not None and name is not None:
             found = self.lookup(name)
@@ -143,7 +151,7 @@ class Source:
             raise RuntimeError(f"cannot regenerate {self.stored.name or 'an input'}: it is neither stored nor "
                                "produced by an op the plan re-runs")
         tensor = self.view.rebuild(flat).detach()
-        return tensor.requires_grad_(self.requires_grad) if self.requires_grad else tensor
+        return (tensor.requires_grad_(self.requires_grad) if self.requires_grad else tensor), exact
 
 
 @dataclass(eq=False)
@@ -160,14 +168,19 @@ class Replay:
     inactive: list | None = None        # holds to take if the gate activates it (standby replays)
     dropped: bool = False               # forgotten: its arguments are gone, it cannot run
     parent: "Replay | None" = None      # the enclosing replay while it was recorded (nested module ops)
+    expected: tuple | None = None       # verify mode: checksums of the forward's outputs a re-run must match
+    approximate: bool = False           # the last run read an input from an FP8 copy (or re-made from one)
     _outputs: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
     _saves: list[torch.Tensor] | None = field(default=None, repr=False)
 
     def _run(self) -> None:
         args = []
+        self.approximate = False
         for arg in self.args:
             if isinstance(arg, Source):
-                args.append(arg.value(self.engine))
+                value, exact = arg.read(self.engine)
+                args.append(value)
+                self.approximate = self.approximate or not exact
                 arg.stored.unhold()
                 if arg.stored.producer is not None:  # counted in the producer's pending when registered
                     arg.stored.producer[0].done_with()
@@ -185,6 +198,10 @@ class Replay:
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(capture, lambda t: t):
             outputs = self.fn(*args)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        if self.expected is not None and not self.approximate and checksums(outputs) != self.expected:
+            raise RuntimeError(f"verify: re-running {self.op} gave outputs that differ from its forward's: the "
+                               "module has a side effect (a cache it updates, a counter) or is not deterministic; "
+                               "keep, offload or quantize its savings instead of recomputing it")
         self._outputs = tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outputs)
         self._saves = saves
         self.runs += 1
@@ -214,6 +231,19 @@ class Replay:
         self.pending -= 1
         if self.pending <= 0:
             self._outputs = self._saves = None
+
+
+def checksums(outputs) -> tuple:
+    """Exact fingerprints of the tensors in ``outputs`` (shape, dtype and two sums over their bytes, one of them
+    position-weighted): equal for bitwise-equal tensors, and different for all but contrived changes."""
+    prints = []
+    for value in outputs if isinstance(outputs, tuple) else (outputs,):
+        if not isinstance(value, torch.Tensor):
+            continue
+        data = value.detach().contiguous().reshape(-1).view(torch.uint8).to(torch.int64)
+        weights = torch.arange(data.numel(), dtype=torch.int64, device=data.device) % 65521 + 1
+        prints.append((tuple(value.shape), value.dtype, int(data.sum()), int((data * weights).sum())))
+    return tuple(prints)
 
 
 @dataclass

@@ -19,8 +19,10 @@ with ``timed=True``, the measured wall time of each op's forward and backward.
 
 from __future__ import annotations
 
+import enum
 import time
-from dataclasses import dataclass
+import types
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import torch
@@ -56,11 +58,12 @@ class TraceResult:
     random_ops: frozenset[str]
     value_dependent_ops: frozenset[str]
     modules: Mapping[str, tuple[str, ...]]
+    stateful_ops: Mapping[str, str] = field(default_factory=dict)  # op -> type of an argument that holds state
 
 
 class _Call:
     __slots__ = ("binding", "inputs", "outputs", "saves", "flops", "start_s", "inner_s", "forward_s", "random",
-                 "comm", "value_dependent")
+                 "comm", "value_dependent", "stateful")
 
     def __init__(self, binding):
         self.binding = binding
@@ -70,6 +73,7 @@ class _Call:
         self.flops = 0
         self.start_s = self.inner_s = self.forward_s = 0.0
         self.random = self.comm = self.value_dependent = False
+        self.stateful: str | None = None  # the type of an argument that holds state (a KV cache), if any
 
 
 class _Storage:
@@ -104,6 +108,36 @@ class _Counter(TorchDispatchMode):
         return out
 
 
+PLAIN_TYPES = (int, float, bool, str, bytes, type(None), type(Ellipsis), slice, torch.dtype, torch.device,
+               torch.Size, torch.Tensor, enum.Enum, type, types.FunctionType, types.BuiltinFunctionType,
+               types.MethodType, torch.nn.Module)
+
+
+def stateful_type(value: Any) -> str | None:
+    """The type name of an argument a re-run could find changed or change (an object with state of its own, such as
+    a KV cache), else None: values, tensors, modules, functions and containers of them are not."""
+    if isinstance(value, PLAIN_TYPES):
+        return None
+    if isinstance(value, (tuple, list)):
+        return next((found for item in value if (found := stateful_type(item)) is not None), None)
+    if isinstance(value, dict):
+        return next((found for item in value.values() if (found := stateful_type(item)) is not None), None)
+    if type(value).__name__ == "ProcessGroup":  # torch.distributed's: what a collective runs on
+        return None
+    return type(value).__name__
+
+
+def _nested_tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors inside tuples, lists and dicts of an argument (position embeddings come as ``(cos, sin)``)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _nested_tensors(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _nested_tensors(item)]
+    return []
+
+
 def draws_random(func, args: tuple, kwargs: dict) -> bool:
     """Does this call of a seeded op draw random numbers? Not when its dropout probability is 0 or it is told
     it is not training (attention kernels and ``native_dropout`` take a probability even without dropout)."""
@@ -134,7 +168,8 @@ class TraceRecorder:
         self.excluded, self.timed = excluded, timed
         self.calls: list[_Call] = []
         self.storages: dict[tuple, _Storage] = {}
-        self.unmapped: dict[tuple, int] = {}
+        self.constants: set[tuple] = set()  # storages passed to a mapped module that need no grad and nothing made
+        self.unmapped: dict[tuple, tuple[int, torch.dtype]] = {}  # storage -> (bytes, dtype), saved outside
         self.num_unmapped = 0
         self.slots: list[tuple[str, int, int, tuple, str]] = []
         self.counts: dict[str, int] = {}
@@ -149,10 +184,17 @@ class TraceRecorder:
         self.calls.append(call)
         for value in (*args, *kwargs.values()):
             if not isinstance(value, torch.Tensor):
+                call.stateful = call.stateful or stateful_type(value)
+                self.constants.update(storage_key(t) for t in _nested_tensors(value)
+                                      if not t.requires_grad and storage_key(t) not in self.excluded)
+                self.alive.extend(_nested_tensors(value))
                 continue
             key = storage_key(value)
             if key in self.excluded or not (value.requires_grad or key in self.storages):
-                continue  # a parameter, or a constant (held as it is by a replay)
+                if key not in self.excluded:  # a constant (held as it is by a replay): saved, it is an input
+                    self.constants.add(key)
+                    self.alive.append(value)
+                continue
             if key not in self.storages:
                 self.storages[key] = _Storage(storage_bytes(value), value.dtype, None, "in", binding.op)
                 self.alive.append(value)
@@ -190,15 +232,20 @@ class TraceRecorder:
         frame = FRAME.get()
         if frame is None or frame.state is None:
             self.num_unmapped += 1
-            self.unmapped.setdefault(key, storage_bytes(tensor))
+            self.unmapped.setdefault(key, (storage_bytes(tensor), tensor.dtype))
+            if key not in self.storages:
+                self.alive.append(tensor)  # no address reused while the trace runs
             return tensor.detach()
         binding = frame.binding
         dtype = TORCH_TO_NAME.get(tensor.dtype)
         if dtype is None:
             raise ValueError(f"module {binding.path} saves a {tensor.dtype} tensor; traced savings must be one of "
                              f"{', '.join(sorted(set(TORCH_TO_NAME.values())))}")
-        if key not in self.storages:
-            self.storages[key] = _Storage(storage_bytes(tensor), tensor.dtype, binding.op, "saved", binding.op)
+        if key not in self.storages:  # made by this op, unless it came in as a constant argument (cos/sin tables)
+            made = key not in self.constants
+            self.storages[key] = _Storage(storage_bytes(tensor), tensor.dtype, binding.op if made else None,
+                                          "saved" if made else "in", binding.op)
+            self.alive.append(tensor)  # a saving whose graph branch dies in the forward must not lend its address
         frame.state.saves.append((key, dtype))
         self.slots.append((binding.path, frame.call, frame.slot, key, dtype))
         frame.slot += 1
@@ -276,17 +323,45 @@ def build_graph_of(recorder: TraceRecorder, model: torch.nn.Module, hardware: Ha
             forward_ns, backward_ns = roofline_ns(hardware, flops, moved), roofline_ns(hardware, 2 * flops, 2 * moved)
         ops.append(Op(name, kind, layer, Resource.COMM if comm else Resource.COMPUTE, inputs, outputs,
                       tuple(Saving(t, d) for t, d in saves), flops, moved, forward_ns, backward_ns))
+    unmapped = _unmapped_op(recorder, names, tensors, {op.name for op in ops})
+    pinned = frozenset()
+    if unmapped is not None:
+        ops.append(unmapped)
+        pinned = frozenset((unmapped.name, s.tensor) for s in unmapped.saves)
     graph = OpGraph(ops=tuple(ops), tensors=tensors, hardware=hardware, label=f"traced {type(model).__name__}",
-                    activation_dtype=activation_dtype)
+                    activation_dtype=activation_dtype, pinned=pinned)
     mapped = {k for c in recorder.calls for k, _ in c.saves}
-    unmapped = {k: b for k, b in recorder.unmapped.items() if k not in mapped}
-    saved = sum(recorder.storages[k].nbytes for k in mapped) + sum(unmapped.values())
+    outside = {k: b for k, (b, _) in recorder.unmapped.items() if k not in mapped}
+    saved = sum(recorder.storages[k].nbytes for k in mapped) + sum(outside.values())
     slots = {(path, call, slot): (names[key], dtype) for path, call, slot, key, dtype in recorder.slots}
     modules = {name: _unique(c.binding.path for c in calls) for name, calls in by_op.items()}
     random_ops = frozenset(name for name, calls in by_op.items() if any(c.random for c in calls))
     dependent = frozenset(name for name, calls in by_op.items() if any(c.value_dependent for c in calls))
-    return TraceResult(graph, slots, saved, sum(unmapped.values()), recorder.num_unmapped, random_ops, dependent,
-                       modules)
+    stateful = {name: next(c.stateful for c in calls if c.stateful) for name, calls in by_op.items()
+                if any(c.stateful for c in calls)}
+    return TraceResult(graph, slots, saved, sum(outside.values()), recorder.num_unmapped, random_ops, dependent,
+                       modules, stateful)
+
+
+def _unmapped_op(recorder: TraceRecorder, names: dict, tensors: dict, taken: set) -> Op | None:
+    """The savings made outside every mapped module (the loss, code between modules) as one op, ``unmapped``,
+    whose savings are pinned: kept whatever the plan, and counted. A storage that is also a graph tensor keeps its
+    name, so a plan that mitigates it elsewhere frees nothing (the outside saving still holds it)."""
+    if not recorder.unmapped:
+        return None
+    name = next(n for n in ("unmapped", *(f"unmapped{i}" for i in range(1, len(taken) + 2))) if n not in taken)
+    saves = []
+    for n, (key, (nbytes, dtype)) in enumerate(recorder.unmapped.items()):
+        dtype_name = TORCH_TO_NAME.get(dtype)
+        if dtype_name is None or nbytes % ITEM_BYTES[dtype_name]:
+            dtype_name = "int32" if nbytes % 4 == 0 else "bool"  # its bytes are what counts: it is never mitigated
+        tensor = names.get(key)
+        if tensor is None or tensors[tensor].dtype != dtype_name:
+            tensor = f"{name}.saved{n}"
+            tensors[tensor] = TensorSpec(tensor, nbytes // ITEM_BYTES[dtype_name], dtype_name, name, False)
+        saves.append(Saving(tensor, dtype_name))
+    outputs = tuple(dict.fromkeys(s.tensor for s in saves if tensors[s.tensor].producer == name))
+    return Op(name, "residual", 0, Resource.COMPUTE, (), outputs, tuple(dict.fromkeys(saves)), 0, 0, 0, 0)
 
 
 def _unique(items) -> tuple:

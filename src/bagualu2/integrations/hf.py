@@ -1,0 +1,169 @@
+"""Hugging Face transformers MoE models under the exec layer, exactly.
+
+    from bagualu2.integrations import hf
+    instrumented = hf.instrument(model)                      # a transformers MoE model, or its inner model
+    graph = instrumented.trace_graph(input_ids=ids, labels=ids, hardware=presets.hardware("cpu"),
+                                     loss=lambda out: out.loss)
+    executor = apply_plan(instrumented, greedy.solve(graph, budget).plan)
+
+* :func:`op_map` finds the ops of a model from its module tree: per decoder layer the norms (``norm1``,
+  ``norm2``, ...), the attention (``core_attn``, its projections ``qkv`` and ``attn_out``), the MoE block (``moe``)
+  with its router (``router``), its routed experts (``dispatch``: sorting and combining; ``expert_fc1``,
+  ``expert_act``, ``expert_fc2``: the experts' GEMMs and gate) and its shared experts (``shared_fc1``,
+  ``shared_act``, ``shared_fc2``), and the dense MLP layers (``mlp_fc1``, ``mlp_act``, ``mlp_fc2``). Everything
+  else (embedding, final norm, output layer, loss) is saved outside the ops: in the traced graph those savings
+  are pinned, kept by every plan and counted.
+* :func:`instrument` runs the routed experts through the ``"bagualu2"`` experts implementation
+  (:mod:`.hf_experts`), so that the experts' fc1, activation and fc2 are ops of their own; turns the KV cache off
+  for training, as transformers' own activation checkpointing does (a re-run attention would update it a second
+  time); and reports every router's routed token copies to the gate.
+
+A model is supported when its routed experts are a module transformers' experts implementations run (its class
+decorated with ``use_experts_implementation``): the families in :data:`TESTED_FAMILIES` and the others built
+the same way. This module imports without transformers; :func:`instrument` needs it.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from bagualu2.exec import InstrumentedModel
+from bagualu2.exec import instrument as instrument_ops
+
+from .hf_experts import PARTS, install, is_experts
+
+# the transformers MoE families (model_type) the tests build from tiny configs and check exactly
+TESTED_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "qwen3_next", "gpt_oss",
+                   "granitemoe", "glm4_moe", "ernie4_5_moe")
+ATTENTION_NAMES = ("self_attn", "self_attention", "attention", "attn")
+QKV_NAMES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+             "kv_proj", "Wqkv")
+OUT_NAMES = ("o_proj", "out_proj", "o_b_proj")
+SHARED_NAMES = ("shared_experts", "shared_expert", "shared_mlp")
+FC1_NAMES, ACT_NAMES, FC2_NAMES = ("gate_proj", "up_proj"), ("act_fn",), ("down_proj",)
+NORM_ORDER = ("input_layernorm", "post_attention_layernorm")
+
+
+def _is_norm(module: torch.nn.Module) -> bool:
+    name = type(module).__name__
+    return name.endswith("RMSNorm") or name.endswith("LayerNorm") or isinstance(module, torch.nn.LayerNorm)
+
+
+def _layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """``(path, layer)`` of every decoder layer: the items of a ``ModuleList`` named ``layers``."""
+    found = []
+    for path, module in model.named_modules():
+        if path.rsplit(".", 1)[-1] == "layers" and isinstance(module, torch.nn.ModuleList):
+            found += [(f"{path}.{i}", layer) for i, layer in enumerate(module)]
+    return found
+
+
+def _mlp(prefix: str, module: torch.nn.Module, fc1: str, act: str, fc2: str, labels: dict) -> None:
+    """The gate/up, activation and down modules of a gated MLP, when it has them."""
+    children = dict(module.named_children())
+    for names, label in ((FC1_NAMES, fc1), (ACT_NAMES, act), (FC2_NAMES, fc2)):
+        for name in names:
+            if name in children:
+                labels[f"{prefix}.{name}"] = label
+
+
+def _experts(path: str, experts: torch.nn.Module, labels: dict) -> None:
+    """The routed experts: sorting and combining (``dispatch``) and, once :func:`instrument` gave them their
+    parts, the experts' fc1, activation and fc2."""
+    labels[path] = "dispatch"
+    for part, label in zip(PARTS, ("expert_fc1", "expert_act", "expert_fc2")):
+        if hasattr(experts, part):
+            labels[f"{path}.{part}"] = label
+
+
+def _moe(path: str, block: torch.nn.Module, experts_name: str, labels: dict) -> None:
+    """The MoE block at ``path``: the block, its router, routed experts and shared experts."""
+    labels[path] = "moe"
+    experts = f"{path}.{experts_name}"
+    _experts(experts, getattr(block, experts_name), labels)
+    for name, child in block.named_children():
+        kind = type(child).__name__
+        if name in ("gate", "router") or "Router" in kind or kind.endswith("Gate"):
+            if name != experts_name and not name.startswith("shared"):
+                labels[f"{path}.{name}"] = "router"
+        elif name in SHARED_NAMES:
+            _mlp(f"{path}.{name}", child, "shared_fc1", "shared_act", "shared_fc2", labels)
+
+
+def op_map(model: torch.nn.Module) -> dict[str, str]:
+    """The op map (``{module path: op label}``, as :func:`bagualu2.exec.instrument` takes it) of a transformers
+    MoE model or its inner model; one ``ValueError`` naming the class for a model with no supported experts. The
+    experts' fc1 / activation / fc2 ops are in it once :func:`instrument` (or ``hf_experts.install``) gave the
+    experts modules their parts; before, the routed experts are one op."""
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module (a transformers model), got {type(model).__name__}")
+    labels: dict[str, str] = {}
+    found_experts = False
+    for layer_path, layer in _layers(model):
+        norms = [name for name, child in layer.named_children() if _is_norm(child)]
+        ordered = [n for n in NORM_ORDER if n in norms] + [n for n in norms if n not in NORM_ORDER]
+        for i, name in enumerate(ordered, start=1):
+            labels[f"{layer_path}.{name}"] = f"norm{i}"
+        for name, child in layer.named_children():
+            path = f"{layer_path}.{name}"
+            if name in ATTENTION_NAMES and "Attention" in type(child).__name__:
+                labels[path] = "core_attn"
+                for inner, _ in child.named_children():
+                    if inner in QKV_NAMES:
+                        labels[f"{path}.{inner}"] = "qkv"
+                    elif inner in OUT_NAMES:
+                        labels[f"{path}.{inner}"] = "attn_out"
+                continue
+            experts = next((n for n, c in child.named_children() if is_experts(c)), None)
+            if experts is not None:
+                _moe(path, child, experts, labels)
+                found_experts = True
+            elif is_experts(child):  # experts beside the layer's dense MLP (its router a sibling too)
+                _experts(path, child, labels)
+                found_experts = True
+            elif name in ("mlp", "feed_forward", "ffn"):
+                _mlp(path, child, "mlp_fc1", "mlp_act", "mlp_fc2", labels)
+            elif name == "router" and "Router" in type(child).__name__:
+                labels[path] = "router"
+    if not found_experts:
+        raise ValueError(f"{type(model).__name__} has no routed-experts module that transformers' experts "
+                         "implementations run; supported: the MoE families whose experts do (tested: "
+                         f"{', '.join(TESTED_FAMILIES)})")
+    return labels
+
+
+def _gate_report(router: torch.nn.Module, inputs, output) -> int:
+    """The routed token copies a router sends to the experts: its top-k indices (an integer tensor of its output)."""
+    values = output if isinstance(output, tuple) else (output,)
+    indices = next((v for v in values if isinstance(v, torch.Tensor) and not v.is_floating_point()), None)
+    if indices is None:
+        raise ValueError(f"{type(router).__name__} returns no top-k indices; instrument(..., gate=False)")
+    return int(indices.numel())
+
+
+def _configs(model: torch.nn.Module) -> list:
+    seen, configs = set(), []
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "use_cache") and id(config) not in seen:
+            seen.add(id(config))
+            configs.append(config)
+    return configs
+
+
+def instrument(model: torch.nn.Module, *, gate: bool = True) -> InstrumentedModel:
+    """:func:`bagualu2.exec.instrument` with :func:`op_map`, the experts split into three ops, the KV cache off for
+    training and, with ``gate``, every router's routed copies reported to the gate (see the module docstring)."""
+    if not isinstance(gate, bool):
+        raise ValueError(f"gate must be True or False, got {gate!r}")
+    try:
+        import transformers  # noqa: F401
+    except ModuleNotFoundError:
+        raise ValueError("bagualu2.integrations.hf needs transformers: pip install 'bagualu2[hf]'") from None
+    install(model)
+    labels: Mapping[str, str] = op_map(model)
+    for config in _configs(model):
+        config.use_cache = False  # as transformers' activation checkpointing does: a re-run must not update it
+    return instrument_ops(model, labels, gate=_gate_report if gate else None)

@@ -1,0 +1,120 @@
+"""The routed experts of a transformers MoE model as three ops: fc1, activation, fc2.
+
+transformers 5 runs a model's routed experts as one module with 3-D parameters (``gate_up_proj [E, 2I, H]`` and
+``down_proj [E, H, I]``, or transposed), through the *experts implementation* the config names
+(``grouped_mm`` by default). :func:`install` registers one more implementation, ``"bagualu2"``, and gives every
+experts module three parameter-free children, ``bagualu2_fc1``, ``bagualu2_act`` and ``bagualu2_fc2``, through
+which it runs: the same computation as ``grouped_mm`` (tokens sorted by expert, one GEMM per expert, the gate,
+the routing weights, the sum over the top-k), with each expert GEMM group and the activation a module of its own,
+so the exec layer's hooks see them as ops and plan their saved tensors one by one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NAME = "bagualu2"
+PARTS = ("bagualu2_fc1", "bagualu2_act", "bagualu2_fc2")
+
+
+def is_experts(module: torch.nn.Module) -> bool:
+    """Is ``module`` a routed-experts module that transformers' experts implementations run?"""
+    weight = getattr(module, "gate_up_proj", None)
+    if weight is None:
+        weight = getattr(module, "up_proj", None)
+    return (isinstance(weight, torch.nn.Parameter) and weight.dim() == 3 and hasattr(module, "has_gate")
+            and hasattr(module, "is_transposed") and hasattr(module, "num_experts"))
+
+
+class _Part(torch.nn.Module):
+    """A child of an experts module that runs part of it; the experts module is held without registering it."""
+
+    def __init__(self, experts: torch.nn.Module):
+        super().__init__()
+        object.__setattr__(self, "owner", experts)  # not a submodule: no cycle in the module tree
+
+
+def _grouped(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, counts: list[int],
+             transposed: bool) -> torch.Tensor:
+    """Each expert's rows of ``x`` times its weight (``[E, out, in]``, or ``[E, in, out]`` transposed)."""
+    outputs = []
+    for expert, rows in enumerate(torch.split(x, counts)):
+        if not counts[expert]:
+            continue
+        w = weight[expert]
+        y = rows @ w if transposed else torch.nn.functional.linear(rows, w)
+        outputs.append(y if bias is None else y + bias[expert])
+    if not outputs:
+        return x.new_zeros((0, weight.shape[-1] if transposed else weight.shape[-2]))
+    return torch.cat(outputs)
+
+
+class ExpertsFC1(_Part):
+    """The gate/up (or up) projection of every expert on its sorted rows."""
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        experts = self.owner
+        weight = experts.gate_up_proj if experts.has_gate else experts.up_proj
+        bias = None
+        if experts.has_bias:
+            bias = experts.gate_up_proj_bias if experts.has_gate else experts.up_proj_bias
+        return _grouped(x, weight, bias, counts, experts.is_transposed)
+
+
+class ExpertsAct(_Part):
+    """The experts' gate (``_apply_gate``: activation of the gate half times the up half) or activation."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        experts = self.owner
+        return experts._apply_gate(h) if experts.has_gate else experts.act_fn(h)
+
+
+class ExpertsFC2(_Part):
+    """The down projection of every expert (and the post-expert norm of the families that have one)."""
+
+    def forward(self, a: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        experts = self.owner
+        bias = experts.down_proj_bias if experts.has_bias else None
+        y = _grouped(a, experts.down_proj, bias, counts, experts.is_transposed)
+        return experts.post_expert_norm(y) if experts.has_post_expert_norm else y
+
+
+def experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The ``"bagualu2"`` experts implementation (``grouped_mm``'s computation through the three parts)."""
+    if getattr(self, "_is_expert_parallel", False):
+        raise ValueError(f"{type(self).__name__}: transformers' own expert parallelism is not supported by the "
+                         "bagualu2 experts implementation")
+    num_tokens, hidden = hidden_states.shape
+    top_k = top_k_index.size(-1)
+    expert_ids, perm = torch.sort(top_k_index.reshape(-1))
+    rows = hidden_states[perm // top_k]
+    weights = top_k_weights.reshape(-1)[perm]
+    counts = torch.bincount(expert_ids, minlength=self.num_experts)[:self.num_experts].tolist()
+    if sum(counts) != expert_ids.numel():
+        raise ValueError(f"{type(self).__name__}: the router picked indices beyond its {self.num_experts} experts "
+                         "(identity or skip experts); the bagualu2 experts implementation runs routed experts only")
+    h = self.bagualu2_fc1(rows, counts)
+    a = self.bagualu2_act(h)
+    y = self.bagualu2_fc2(a, counts)
+    weighted = y * weights.unsqueeze(-1)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.size(0), device=perm.device)
+    return weighted[inverse].view(num_tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
+
+
+def install(model: torch.nn.Module) -> list[str]:
+    """Register the ``"bagualu2"`` experts implementation, give every experts module of ``model`` its three parts
+    and select the implementation; returns the experts modules' paths."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(NAME, experts_forward)
+    paths = []
+    for path, module in model.named_modules():
+        if is_experts(module):
+            for name, part in zip(PARTS, (ExpertsFC1, ExpertsAct, ExpertsFC2)):
+                if not isinstance(getattr(module, name, None), part):
+                    module.add_module(name, part(module))
+            module.config._experts_implementation = NAME
+            paths.append(path)
+    return paths

@@ -1,0 +1,123 @@
+"""Stock transformers MoE models (tiny random configs with their defaults, ``use_cache`` included; FP32, CPU)
+instrumented by ``bagualu2.integrations.hf``: greedy plans from the floor to the unmitigated bytes keep exactly
+``evaluate(traced graph, plan)`` and give the plain run's loss and gradients bitwise (replays verified); random
+per-tensor plans likewise; a hand-written op map on a model with a KV cache is refused, never silently wrong."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bagualu2.costmodel import Plan, Strategy, evaluate, presets  # noqa: E402
+from bagualu2.exec import apply_plan  # noqa: E402
+from bagualu2.exec import instrument as instrument_ops  # noqa: E402
+from bagualu2.integrations import hf  # noqa: E402
+from bagualu2.mitigation import greedy  # noqa: E402
+from hf_models import tiny  # noqa: E402
+
+pytest.importorskip("transformers")
+HW = presets.hardware("cpu")
+QUANTIZE_LOSS_RTOL = 0.02   # FP8 (e4m3) copies of the saved activations: relative error of the loss
+QUANTIZE_GRAD_COS = 0.98    # and cosine similarity of the whole gradient with the plain run's
+
+
+@functools.lru_cache(maxsize=None)
+def traced(family: str):
+    torch.set_num_threads(1)
+    model, ids = tiny(family)
+    instrumented = hf.instrument(model)
+    graph = instrumented.trace_graph(input_ids=ids, labels=ids, hardware=HW, loss=lambda out: out.loss)
+    return model, ids, instrumented, graph, run(model, ids, instrumented, None)
+
+
+def run(model, ids, instrumented, plan):
+    executor = apply_plan(instrumented, plan, verify=True)
+    model.zero_grad(set_to_none=True)
+    with executor.micro_batch("mb") as record:
+        out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    executor.release("mb")
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()]
+    return out.loss.detach(), grads, record.device_bytes, record.host_bytes
+
+
+def check(family: str, plan: Plan, *, exact: bool = True) -> None:
+    model, ids, instrumented, graph, (loss0, grads0, _, _) = traced(family)
+    loss, grads, device_bytes, host_bytes = run(model, ids, instrumented, plan)
+    cost = evaluate(graph, plan)
+    assert (device_bytes, host_bytes) == (cost.activation_bytes, cost.host_bytes), plan
+    if exact:
+        assert torch.equal(loss, loss0) and all(torch.equal(a, b) for a, b in zip(grads, grads0)), plan
+    else:
+        assert abs(float(loss - loss0)) <= QUANTIZE_LOSS_RTOL * abs(float(loss0))
+        flat, flat0 = torch.cat([g.flatten() for g in grads]), torch.cat([g.flatten() for g in grads0])
+        assert torch.nn.functional.cosine_similarity(flat, flat0, dim=0) >= QUANTIZE_GRAD_COS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", hf.TESTED_FAMILIES)
+def test_greedy_plans_keep_their_bytes_and_the_gradients_bitwise(family):
+    _, _, instrumented, graph, (_, _, plain_bytes, _) = traced(family)
+    assert plain_bytes == graph.unmitigated_bytes == instrumented.trace.saved_bytes
+    kinds = {op.kind for op in graph.ops}
+    assert {"norm", "core_attn", "qkv", "attn_out", "router", "dispatch", "expert_fc1", "expert_act",
+            "expert_fc2"} <= kinds, kinds
+    for step in range(4):
+        budget = graph.floor_bytes + (graph.unmitigated_bytes - graph.floor_bytes) * step // 3
+        solution = greedy.solve(graph, budget)
+        assert solution.ok and solution.cost.activation_bytes <= budget
+        exact = not any(strategy is Strategy.QUANTIZE for _, strategy in solution.plan.entries)
+        check(family, solution.plan, exact=exact)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_quantized_activations_stay_within_the_stated_tolerance(family):
+    graph = traced(family)[3]
+    entries = [(f"{op.name}/{s.tensor}", Strategy.QUANTIZE) for op, s in graph.savings
+               if (op.name, s.tensor) not in graph.pinned and graph.quantizable(s)]
+    assert entries
+    check(family, Plan(tuple(entries)), exact=False)
+
+
+def test_a_cache_updating_attention_under_a_hand_written_op_map_is_refused():
+    model, ids = tiny("mixtral")
+    assert model.config.use_cache  # the default: every attention updates the KV cache
+    instrumented = instrument_ops(model, {"model.layers.*.self_attn": "core_attn", "model.layers.*.mlp": "moe"})
+    graph = instrumented.trace_graph(input_ids=ids, labels=ids, hardware=HW, loss=lambda out: out.loss)
+    attention = next(op for op in graph.ops if op.kind == "core_attn")
+    plan = Plan(tuple((f"{attention.name}/{s.tensor}", Strategy.RECOMPUTE) for s in attention.saves
+                      if graph.tensors[s.tensor].producer == attention.name))
+    with pytest.raises(ValueError, match="DynamicCache"):
+        apply_plan(instrumented, plan)
+    hf_model = hf.instrument(tiny("mixtral")[0])  # the integration turns the cache off: the same plan is exact
+    assert not hf_model.model.config.use_cache
+
+
+def test_op_map_names_the_unsupported_class():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dense = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    with pytest.raises(ValueError, match="LlamaForCausalLM has no routed-experts module.*mixtral"):
+        hf.op_map(dense)
+    with pytest.raises(ValueError, match="torch.nn.Module"):
+        hf.op_map("mixtral")
+    with pytest.raises(ValueError, match="gate must be True or False"):
+        hf.instrument(dense, gate="yes")
+
+
+def test_the_integration_imports_without_transformers(monkeypatch):
+    for name in [n for n in sys.modules if n.startswith("bagualu2.integrations")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ModuleNotFoundError
+    module = importlib.import_module("bagualu2.integrations.hf")
+    with pytest.raises(ValueError, match=r"needs transformers: pip install 'bagualu2\[hf\]'"):
+        module.instrument(torch.nn.Linear(2, 2))
