@@ -144,3 +144,35 @@ def test_the_gate_runs_after_each_router_in_forward_only():
     with executor.micro_batch("mb1") as record:
         model(x)
     assert record.unknown_count > 0 and len(seen) == 1  # hooks off: nothing is attributed any more
+
+
+class _Counting(nn.Module):
+    """A module with a side effect the trace cannot see: its output depends on how often it ran."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return torch.tanh(self.proj(x)) * self.calls
+
+
+def test_verify_names_the_op_whose_re_run_differs_from_its_forward():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _Counting(), nn.Linear(8, 8))
+    instrumented = instrument(model, {"0": "first", "1": "counted", "2": "last"})
+    x = torch.randn(4, 8, requires_grad=True)
+    graph = instrumented.trace_graph(x, hardware=HW)
+    counted = graph.op("L1.counted")  # the layer of a module is the first integer of its path
+    plan = ",".join(f"{counted.name}/{s.tensor}=RECOMPUTE" for s in counted.saves
+                    if graph.tensors[s.tensor].producer == counted.name)
+    executor = apply_plan(instrumented, plan, verify=True)
+    with executor.micro_batch("mb"):
+        out = model(x)
+    with pytest.raises(RuntimeError, match="verify: re-running L1.counted gave outputs that differ"):
+        out.sum().backward()
+    executor.release("mb")
+    with pytest.raises(ValueError, match="verify must be True or False"):
+        apply_plan(instrumented, plan, verify="yes")

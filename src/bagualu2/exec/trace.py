@@ -9,9 +9,12 @@ notes random ops (``nondeterministic_seeded``: RECOMPUTE needs a deterministic m
 
 Graph tensors are storages, as the tracker counts them: a storage returned by op ``P`` is ``P.out<n>`` (produced
 by ``P``: a re-run of ``P`` regenerates it); one ``P`` saves without returning it is ``P.saved<n>`` (regenerated as
-the re-run's own saving); one no mapped module made (the block input, what unmapped code computes between ops) is
-``<first op>.in<n>``, a graph input: kept, offloaded or quantised, never recomputed. Savings outside every mapped
-module are not in the graph: counted as unmapped and kept. Calls of modules with the same label in one layer (the
+the re-run's own saving); one no mapped module made (the block input, what unmapped code computes between ops, a
+constant passed in such as rotary tables) is ``<first op>.in<n>``, a graph input: kept, offloaded or quantised,
+never recomputed. Savings outside every mapped module are the pinned savings of one more op, ``unmapped``: kept
+by every plan and counted. Every saved storage is held until the trace ends, so no address is reused (two
+storages are never taken for one). A call that takes an object with state of its own (a KV cache) is noted:
+re-running it is refused. Calls of modules with the same label in one layer (the
 experts of a ``ModuleList``, q/k/v projections) are one op. Δt: the roofline of ``build_graph`` on the counted
 FLOPs and the bytes the op reads and writes (backward: twice); collectives on the communication resource; or,
 with ``timed=True``, the measured wall time of each op's forward and backward.
@@ -19,9 +22,7 @@ with ``timed=True``, the measured wall time of each op's forward and backward.
 
 from __future__ import annotations
 
-import enum
 import time
-import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -33,6 +34,7 @@ from bagualu2.costmodel.config import Hardware
 from bagualu2.costmodel.graph import COMM_KINDS, ITEM_BYTES, Op, OpGraph, Resource, Saving, TensorSpec
 from bagualu2.costmodel.strategy import roofline_ns, seconds_to_ns
 
+from .callargs import draws_random, nested_tensors, stateful_type, tensors_of
 from .flops import attention_formulas
 from .record import TORCH_TO_NAME
 from .scope import FRAME, Frame
@@ -108,59 +110,6 @@ class _Counter(TorchDispatchMode):
         return out
 
 
-PLAIN_TYPES = (int, float, bool, str, bytes, type(None), type(Ellipsis), slice, torch.dtype, torch.device,
-               torch.Size, torch.Tensor, enum.Enum, type, types.FunctionType, types.BuiltinFunctionType,
-               types.MethodType, torch.nn.Module)
-
-
-def stateful_type(value: Any) -> str | None:
-    """The type name of an argument a re-run could find changed or change (an object with state of its own, such as
-    a KV cache), else None: values, tensors, modules, functions and containers of them are not."""
-    if isinstance(value, PLAIN_TYPES):
-        return None
-    if isinstance(value, (tuple, list)):
-        return next((found for item in value if (found := stateful_type(item)) is not None), None)
-    if isinstance(value, dict):
-        return next((found for item in value.values() if (found := stateful_type(item)) is not None), None)
-    if type(value).__name__ == "ProcessGroup":  # torch.distributed's: what a collective runs on
-        return None
-    return type(value).__name__
-
-
-def _nested_tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors inside tuples, lists and dicts of an argument (position embeddings come as ``(cos, sin)``)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for item in value for t in _nested_tensors(item)]
-    if isinstance(value, dict):
-        return [t for item in value.values() for t in _nested_tensors(item)]
-    return []
-
-
-def draws_random(func, args: tuple, kwargs: dict) -> bool:
-    """Does this call of a seeded op draw random numbers? Not when its dropout probability is 0 or it is told
-    it is not training (attention kernels and ``native_dropout`` take a probability even without dropout)."""
-    values = dict(kwargs)
-    for argument, value in zip(func._schema.arguments, args):
-        values[argument.name] = value
-    if values.get("train", True) is False:
-        return False
-    for name in ("dropout_p", "p"):
-        if name in values and isinstance(values[name], (int, float)) and values[name] == 0:
-            return False
-    return True
-
-
-def tensors_of(output: Any) -> tuple[torch.Tensor, ...]:
-    """The tensors a module returns that count as its outputs: the output itself, or the items of a tuple."""
-    if isinstance(output, torch.Tensor):
-        return (output,)
-    if isinstance(output, tuple):
-        return tuple(o for o in output if isinstance(o, torch.Tensor))
-    return ()
-
-
 class TraceRecorder:
     """The hooks' side of one trace (see the module docstring); ``excluded`` are parameter and buffer storages."""
 
@@ -185,9 +134,9 @@ class TraceRecorder:
         for value in (*args, *kwargs.values()):
             if not isinstance(value, torch.Tensor):
                 call.stateful = call.stateful or stateful_type(value)
-                self.constants.update(storage_key(t) for t in _nested_tensors(value)
+                self.constants.update(storage_key(t) for t in nested_tensors(value)
                                       if not t.requires_grad and storage_key(t) not in self.excluded)
-                self.alive.extend(_nested_tensors(value))
+                self.alive.extend(nested_tensors(value))
                 continue
             key = storage_key(value)
             if key in self.excluded or not (value.requires_grad or key in self.storages):

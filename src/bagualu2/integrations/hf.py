@@ -8,7 +8,8 @@
 
 * :func:`op_map` finds the ops of a model from its module tree: per decoder layer the norms (``norm1``,
   ``norm2``, ...), the attention (``core_attn``, its projections ``qkv`` and ``attn_out``), the MoE block (``moe``)
-  with its router (``router``), its routed experts (``dispatch``: sorting and combining; ``expert_fc1``,
+  with its router (``router``), a linear-attention or state-space token mixer (``mixer``, kind ``core_attn``),
+  its routed experts (``dispatch``: sorting and combining; ``expert_fc1``,
   ``expert_act``, ``expert_fc2``: the experts' GEMMs and gate) and its shared experts (``shared_fc1``,
   ``shared_act``, ``shared_fc2``), and the dense MLP layers (``mlp_fc1``, ``mlp_act``, ``mlp_fc2``). Everything
   else (embedding, final norm, output layer, loss) is saved outside the ops: in the traced graph those savings
@@ -41,6 +42,7 @@ ATTENTION_NAMES = ("self_attn", "self_attention", "attention", "attn")
 QKV_NAMES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
              "kv_proj", "Wqkv")
 OUT_NAMES = ("o_proj", "out_proj", "o_b_proj")
+MIXER_NAMES = ("linear_attn", "mamba", "mixer", "conv", "short_conv")
 SHARED_NAMES = ("shared_experts", "shared_expert", "shared_mlp")
 FC1_NAMES, ACT_NAMES, FC2_NAMES = ("gate_proj", "up_proj"), ("act_fn",), ("down_proj",)
 NORM_ORDER = ("input_layernorm", "post_attention_layernorm")
@@ -127,6 +129,8 @@ def op_map(model: torch.nn.Module) -> dict[str, str]:
                 _mlp(path, child, "mlp_fc1", "mlp_act", "mlp_fc2", labels)
             elif name == "router" and "Router" in type(child).__name__:
                 labels[path] = "router"
+            elif name in MIXER_NAMES and not _is_norm(child):  # a linear-attention or state-space token mixer
+                labels[path] = "mixer:core_attn"
     if not found_experts:
         raise ValueError(f"{type(model).__name__} has no routed-experts module that transformers' experts "
                          "implementations run; supported: the MoE families whose experts do (tested: "

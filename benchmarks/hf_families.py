@@ -1,0 +1,83 @@
+"""The table of docs/hf.md: every tested transformers MoE family, tiny random config (``tests/hf_models.py``),
+instrumented by ``bagualu2.integrations.hf`` and traced for one micro-batch of 2 x 16 tokens (FP32, CPU).
+
+    python benchmarks/hf_families.py            # a markdown table on stdout
+
+Columns: the op kinds found in an MoE layer; the bytes that layer saves per token (traced), of which the routed
+experts' (fc1, activation, fc2, dispatch); the bytes saved outside every op (embedding, final norm, output layer,
+loss: pinned, kept) per token; the greedy's fraction of the unmitigated bytes at the floor; and what the analytic
+``build_graph`` predicts per token for a GLM-style MoE layer of the same sizes (hidden, heads, expert width,
+experts, top-k; its own attention and norm layout), for scale.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from hf_models import tiny  # noqa: E402
+
+from bagualu2.costmodel import ModelConfig, ParallelConfig, build_graph, presets  # noqa: E402
+from bagualu2.integrations import hf  # noqa: E402
+
+HW = presets.hardware("cpu")
+BATCH, SEQ = 2, 16
+ROUTED = ("dispatch", "expert_fc1", "expert_act", "expert_fc2")
+
+
+def analytic_bytes_per_token(config) -> float:
+    text = config.get_text_config()
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    experts = next(getattr(text, k) for k in ("num_experts", "n_routed_experts", "num_local_experts")
+                   if getattr(text, k, None))
+    width = getattr(text, "moe_intermediate_size", None) or text.intermediate_size
+    groups = getattr(text, "num_key_value_heads", None) or heads
+    groups = groups if groups <= heads and heads % groups == 0 else heads  # MLA families: no KV groups
+    model = ModelConfig(num_layers=1, hidden_size=text.hidden_size, num_attention_heads=heads,
+                        num_query_groups=groups, head_dim=head_dim,
+                        ffn_hidden_size=text.intermediate_size, moe_ffn_hidden_size=width, num_experts=experts,
+                        top_k=text.num_experts_per_tok, num_shared_experts=0, num_dense_layers=0,
+                        vocab_size=text.vocab_size, seq_length=SEQ, micro_batch_size=BATCH, dtype="fp32",
+                        flash_attention=False)
+    graph = build_graph(model, ParallelConfig(num_microbatches=1), HW)
+    return graph.unmitigated_bytes / (BATCH * SEQ)
+
+
+def row(family: str) -> str:
+    torch.set_num_threads(1)
+    model, ids = tiny(family, batch=BATCH, seq=SEQ)
+    instrumented = hf.instrument(model)
+    graph = instrumented.trace_graph(input_ids=ids, labels=ids, hardware=HW, loss=lambda out: out.loss)
+    tokens = BATCH * SEQ
+    moe_layer = max(op.layer for op in graph.ops if op.kind == "expert_fc1")
+    layer_ops = [op for op in graph.ops if op.layer == moe_layer and op.name != "unmapped"]
+    kinds = sorted({op.kind for op in layer_ops})
+
+    def saved(ops) -> int:
+        return graph.copies_bytes({(s.tensor, s.dtype) for op in ops for s in op.saves})
+
+    routed = saved([op for op in layer_ops if op.kind in ROUTED])
+    unmapped = saved([graph.op("unmapped")]) if any(op.name == "unmapped" for op in graph.ops) else 0
+    from bagualu2.mitigation import greedy
+
+    floor = greedy.solve(graph, graph.floor_bytes).cost.activation_bytes / graph.unmitigated_bytes
+    return (f"| {family} | {len(kinds)}: {', '.join(kinds)} | {saved(layer_ops) / tokens:.0f} | "
+            f"{routed / tokens:.0f} | {unmapped / tokens:.0f} | {floor:.2f} | "
+            f"{analytic_bytes_per_token(model.config):.0f} |")
+
+
+def main() -> None:
+    print("| family | op kinds of an MoE layer | saved B/token/layer | routed experts' | outside the ops, "
+          "B/token | floor / unmitigated | analytic GLM-style layer, B/token |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for family in hf.TESTED_FAMILIES:
+        print(row(family), flush=True)
+
+
+if __name__ == "__main__":
+    main()
