@@ -94,7 +94,8 @@ def test_a_cache_updating_attention_under_a_hand_written_op_map_is_refused():
     graph = instrumented.trace_graph(input_ids=ids, labels=ids, hardware=HW, loss=lambda out: out.loss)
     attention = next(op for op in graph.ops if op.kind == "core_attn")
     plan = Plan(tuple((f"{attention.name}/{s.tensor}", Strategy.RECOMPUTE) for s in attention.saves
-                      if graph.tensors[s.tensor].producer == attention.name))
+                      if s.tensor.startswith(f"{attention.name}.")))  # what the attention made: it is never re-run
+    assert plan.entries
     with pytest.raises(ValueError, match="DynamicCache"):
         apply_plan(instrumented, plan)
     hf_model = hf.instrument(tiny("mixtral")[0])  # the integration turns the cache off: the same plan is exact

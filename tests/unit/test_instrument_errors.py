@@ -75,9 +75,12 @@ def test_recompute_of_a_non_deterministic_module():
     x = torch.randn(4, 8, requires_grad=True)
     graph = instrumented.trace_graph(x, hardware=HW)
     assert instrumented.trace.random_ops == {"L0.dropout"}
+    made = [f"{op.name}/{s.tensor}" for op, s in graph.savings if s.tensor.startswith("L0.dropout.")]
+    assert made and all(graph.tensors[t.split("/")[1]].producer is None for t in made)  # never re-run
     with pytest.raises(ValueError) as excinfo:
-        apply_plan(instrumented, "mlp_act=RECOMPUTE")
+        apply_plan(instrumented, ",".join(f"{t}=RECOMPUTE" for t in made))
     assert "draws random numbers" in one_line(excinfo) and "deterministic" in one_line(excinfo)
+    apply_plan(instrumented, "mlp_act=RECOMPUTE")  # the kind policy re-runs what it can: not the dropout
     apply_plan(instrumented, "mlp_act=OFFLOAD")  # offloading it is fine
     model.eval()  # no dropout: deterministic
     instrumented.trace_graph(x, hardware=HW)
@@ -96,7 +99,7 @@ def test_recompute_of_a_graph_input_and_routing_from_fp8():
     entry = next(f"{op}/{t}" for op, t in graph.decisions if graph.tensors[t].producer is None)
     with pytest.raises(ValueError) as excinfo:
         apply_plan(instrumented, f"{entry}=RECOMPUTE")
-    assert "made by no mapped module" in one_line(excinfo)
+    assert "no re-run of a mapped module makes" in one_line(excinfo)
     # the MoE block (top-k, torch.where) re-run from an FP8 copy of its input would route differently
     own = next(t for t in (s.tensor for s in graph.op("L1.moe").saves) if graph.tensors[t].producer == "L1.moe")
     fp8 = ",".join(f"{op}/L1.norm2.out0=QUANTIZE" for op, _ in graph.consumers("L1.norm2.out0"))

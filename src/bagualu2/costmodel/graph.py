@@ -16,7 +16,7 @@ from typing import Mapping, NamedTuple
 
 from .config import Hardware
 
-ITEM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "bool": 1, "int32": 4, "int64": 8}
+ITEM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "bool": 1, "int32": 4, "int64": 8, "complex64": 8}
 FLOAT_DTYPES = frozenset({"fp32", "bf16", "fp16"})  # may be quantised to FP8
 
 OP_KINDS = (

@@ -15,22 +15,22 @@ def check_replayable(instrumented: InstrumentedModel, plan: Plan | str | None) -
     takes no object with state of its own (a KV cache)."""
     trace = instrumented.trace
     cost = evaluate(trace.graph, plan)
-    if cost.unavailable:
-        raise ValueError(f"plan: RECOMPUTE would regenerate {', '.join(cost.unavailable[:3])}, made by no mapped "
-                         "module (a graph input): keep, offload or quantize it")
     graph = trace.graph
     rerun = mitigation_ops(graph, plan).rerun
-    random = [op for op in rerun if op in trace.random_ops]
-    if random:
-        raise ValueError(f"plan: RECOMPUTE re-runs {random[0]} (module {trace.modules[random[0]][0]}), which "
-                         "draws random numbers; RECOMPUTE needs a deterministic module (e.g. no dropout in training)")
-    stateful = [op for op in rerun if op in trace.stateful_ops]
-    if stateful:
-        op = stateful[0]
-        raise ValueError(f"plan: RECOMPUTE re-runs {op} (module {trace.modules[op][0]}), whose call takes a "
-                         f"{trace.stateful_ops[op]} object: a re-run could change or read its state (a KV cache is "
-                         "updated again); keep, offload or quantize its savings, or run the model without it "
-                         "(transformers: use_cache=False)")
+    makers = [name.rsplit(".", 1)[0] for name in cost.unavailable]  # a traced tensor is named after its maker
+    for op in [*rerun, *makers]:
+        if op in trace.random_ops:
+            raise ValueError(f"plan: RECOMPUTE re-runs {op} (module {trace.modules[op][0]}), which draws random "
+                             "numbers; RECOMPUTE needs a deterministic module (e.g. no dropout in training)")
+        if op in trace.stateful_ops:
+            raise ValueError(f"plan: RECOMPUTE re-runs {op} (module {trace.modules[op][0]}), whose call takes a "
+                             f"{trace.stateful_ops[op]} object: a re-run could change or read its state (a KV cache "
+                             "is updated again); keep, offload or quantize its savings, or run the model without "
+                             "it (transformers: use_cache=False)")
+    if cost.unavailable:
+        raise ValueError(f"plan: RECOMPUTE would regenerate {', '.join(cost.unavailable[:3])}, which no re-run of a "
+                         "mapped module makes (a graph input, or a tensor one module saves and another reads): "
+                         "keep, offload or quantize it")
     # a re-run reads its inputs back from where they are stored: an FP8 copy (or what a re-run made from one) is
     # approximate, which an op whose shapes depend on values (routing) cannot take
     strategies = resolve(graph, plan)

@@ -15,7 +15,7 @@ from .recompute import Replay, Stored
 from .tracker import MicroBatchBytes
 
 TORCH_TO_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "int32",
-                 torch.int64: "int64", torch.bool: "bool"}
+                 torch.int64: "int64", torch.bool: "bool", torch.complex64: "complex64"}
 
 
 @dataclass

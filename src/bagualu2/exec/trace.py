@@ -244,6 +244,7 @@ def build_graph_of(recorder: TraceRecorder, model: torch.nn.Module, hardware: Ha
     backward_s = _backward_times(recorder)
     params = {name: _param_bytes(model, {c.binding.path for c in calls}) for name, calls in by_op.items()}
     tensors: dict[str, TensorSpec] = {}
+    fixed = _not_regenerable(recorder, by_op)
     ops = []
     for name, calls in by_op.items():
         kind, layer = calls[0].binding.kind, calls[0].binding.layer
@@ -257,8 +258,8 @@ def build_graph_of(recorder: TraceRecorder, model: torch.nn.Module, hardware: Ha
                 raise ValueError(f"op {name} uses a {info.dtype} tensor; traced tensors must be one of "
                                  f"{', '.join(sorted(set(TORCH_TO_NAME.values())))}")
             routed = info.producer is not None and by_op[info.producer][0].binding.kind in ROUTED_KINDS
-            tensors[names[key]] = TensorSpec(names[key], info.nbytes // ITEM_BYTES[dtype], dtype, info.producer,
-                                             routed)
+            producer = None if key in fixed else info.producer
+            tensors[names[key]] = TensorSpec(names[key], info.nbytes // ITEM_BYTES[dtype], dtype, producer, routed)
         flops = sum(c.flops for c in calls)
         moved = params[name] + sum(tensors[t].nbytes for t in (*inputs, *outputs))
         comm = kind in COMM_KINDS or any(c.comm for c in calls)
@@ -311,6 +312,17 @@ def _unmapped_op(recorder: TraceRecorder, names: dict, tensors: dict, taken: set
         saves.append(Saving(tensor, dtype_name))
     outputs = tuple(dict.fromkeys(s.tensor for s in saves if tensors[s.tensor].producer == name))
     return Op(name, "residual", 0, Resource.COMPUTE, (), outputs, tuple(dict.fromkeys(saves)), 0, 0, 0, 0)
+
+
+def _not_regenerable(recorder: TraceRecorder, by_op: dict) -> set:
+    """Storages no re-run may regenerate: those made by an op that drew random numbers or took an object with
+    state (it is never re-run), and those an op saved without returning them that another op reads (a re-run
+    regenerates its own savings, not another op's inputs). They stay graph tensors: kept, offloaded or
+    quantised."""
+    unrepeatable = {name for name, calls in by_op.items() if any(c.random or c.stateful for c in calls)}
+    read_elsewhere = {k for c in recorder.calls for k in c.inputs
+                      if recorder.storages[k].role == "saved" and recorder.storages[k].producer != c.binding.op}
+    return {k for k, info in recorder.storages.items() if info.producer in unrepeatable} | read_elsewhere
 
 
 def _unique(items) -> tuple:
