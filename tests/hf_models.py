@@ -16,12 +16,37 @@ SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermed
              n_shared_experts=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
              v_head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 # (settings to drop, settings to add) per family
+MLA = ("head_dim", "num_key_value_heads")  # multi-head latent attention: its own head sizes
+INDEXER = {"index_topk": 8, "index_head_dim": 16, "index_n_heads": 2}
 EXTRA = {
-    "deepseek_v3": (("head_dim", "num_key_value_heads"), {"first_k_dense_replace": 1}),
+    "deepseek_v3": (MLA, {"first_k_dense_replace": 1}),
+    "axk1": (MLA, {"first_k_dense_replace": 1}),
+    "glm4_moe_lite": (MLA, {"first_k_dense_replace": 1}),
+    "axk2": (MLA, {"first_k_dense_replace": 1, **INDEXER}),
+    "deepseek_v32": (MLA, {"first_k_dense_replace": 1, **INDEXER}),
+    "glm_moe_dsa": (MLA, {"first_k_dense_replace": 1, **INDEXER}),
     "glm4_moe": ((), {"first_k_dense_replace": 1}),
     "qwen3_next": ((), {"layer_types": ["linear_attention", "full_attention"]}),
     "gpt_oss": ((), {"layer_types": ["sliding_attention", "full_attention"]}),
+    "granitemoehybrid": ((), {"layer_types": ["mamba", "attention"], "mamba_n_heads": 8, "mamba_d_state": 16,
+                              "mamba_chunk_size": 16}),
+    "jamba": ((), {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
+                   "expert_layer_offset": 1, "use_mamba_kernels": False}),
+    "nemotron_h": ((), {"num_hidden_layers": 3, "layer_types": ["linear_attention", "full_attention", "moe"],
+                        "mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 1, "ssm_state_size": 16,
+                        "chunk_size": 16, "use_mamba_kernels": False}),
+    "lfm2_moe": ((), {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1}),
+    "zaya": ((), {"num_experts_per_tok": 1}),
+    "flint": ((), {"mlp_only_layers": [0]}),
 }
+# every causal-LM MoE family of transformers 5.24 whose routed experts its experts implementations run (the
+# others, dbrx, doge, jetmoe, longcat_flash, llama4, are refused by op_map)
+FAMILIES = ("afmoe", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v2", "deepseek_v3",
+            "deepseek_v32", "deepseek_v4", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "glm4_moe",
+            "glm4_moe_lite", "glm_moe_dsa", "gpt_oss", "granitemoe", "granitemoe_swa", "granitemoehybrid",
+            "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4", "jamba", "kimi_linear", "kolibri1", "laguna",
+            "lara_mini", "lfm2_moe", "mellum", "mimo_v2_flash", "minimax", "minimax_m2", "mistral4", "mixtral",
+            "nemotron_h", "olmoe", "phimoe", "qwen2_moe", "qwen3_moe", "qwen3_next", "solar_open", "zaya")
 
 
 def tiny_config(model_type: str):
@@ -31,12 +56,14 @@ def tiny_config(model_type: str):
     default = config_class()
     fields = set(default.to_dict()) | set(getattr(config_class, "attribute_map", {}) or {})
     settings = {k: v for k, v in SMALL.items() if k in fields}
+    drop, add = EXTRA.get(model_type, ((), {}))
+    num_layers = add.get("num_hidden_layers", 2)
     layers = getattr(default, "num_hidden_layers", None)
     for key, value in default.to_dict().items():
         if isinstance(value, list) and layers and len(value) == layers and key not in settings:
             distinct = list(dict.fromkeys(value))
-            settings[key] = (distinct + [value[-1]] * 2)[:2] if len(distinct) <= 2 else value[:2]
-    drop, add = EXTRA.get(model_type, ((), {}))
+            settings[key] = ((distinct + [value[-1]] * num_layers)[:num_layers] if len(distinct) <= num_layers
+                             else value[:num_layers])
     for key in drop:
         settings.pop(key, None)
     settings.update(add)
@@ -45,10 +72,18 @@ def tiny_config(model_type: str):
 
 def tiny(model_type: str, *, seed: int = 0, batch: int = 2, seq: int = 16):
     """A tiny random ``model_type`` causal LM in FP32, training mode, and a batch of token ids."""
+    import importlib
+
     from transformers import AutoModelForCausalLM
 
     config = tiny_config(model_type)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).float().train()
+    try:
+        model = AutoModelForCausalLM.from_config(config)
+    except ValueError:  # a family the auto class does not map (mistral4): its module's causal LM
+        module = importlib.import_module(f"transformers.models.{model_type}")
+        causal = next(getattr(module, name) for name in dir(module) if name.endswith("ForCausalLM"))
+        model = causal(config)
+    model = model.float().train()
     ids = torch.randint(3, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed + 1))
     return model, ids
