@@ -16,28 +16,16 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 
-from bagualu2.costmodel import Plan, Strategy, evaluate  # noqa: E402
+from bagualu2.costmodel import evaluate  # noqa: E402
 from bagualu2.exec.plancheck import check_replayable  # noqa: E402
+from plan_strategies import per_tensor_plan  # noqa: E402
 from test_byom import CASES, check, traced  # noqa: E402
 
 
 @st.composite
 def plans(draw):
     case = draw(st.sampled_from(sorted(CASES)))
-    graph = traced(case)[3]
-    savings = {(op.name, s.tensor): s for op, s in graph.savings}
-    entries = []
-    for tensor in dict.fromkeys(t for _, t in graph.decisions):
-        consumers = [key for key in graph.decisions if key[1] == tensor]
-        choices = [Strategy.KEEP, Strategy.OFFLOAD]
-        if graph.tensors[tensor].producer is not None:
-            choices.append(Strategy.RECOMPUTE)
-        if all(graph.quantizable(savings[key]) for key in consumers):
-            choices.append(Strategy.QUANTIZE)
-        strategy = draw(st.sampled_from(choices))
-        if strategy is not Strategy.KEEP:
-            entries.extend((f"{op}/{t}", strategy) for op, t in consumers)
-    return case, Plan(tuple(entries))
+    return case, per_tensor_plan(draw, traced(case)[3])
 
 
 @pytest.mark.slow

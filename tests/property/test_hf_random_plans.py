@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 
-from bagualu2.costmodel import Plan, Strategy, evaluate  # noqa: E402
+from bagualu2.costmodel import Strategy, evaluate  # noqa: E402
 from bagualu2.exec.plancheck import check_replayable  # noqa: E402
+from plan_strategies import per_tensor_plan  # noqa: E402
 from test_hf import check, traced  # noqa: E402
 
 FAMILIES = ("mixtral", "deepseek_v3", "qwen2_moe", "gpt_oss")
@@ -28,20 +29,7 @@ FAMILIES = ("mixtral", "deepseek_v3", "qwen2_moe", "gpt_oss")
 @st.composite
 def plans(draw):
     family = draw(st.sampled_from(FAMILIES))
-    graph = traced(family)[3]
-    savings = {(op.name, s.tensor): s for op, s in graph.savings}
-    entries = []
-    for tensor in dict.fromkeys(t for _, t in graph.decisions):
-        consumers = [key for key in graph.decisions if key[1] == tensor]
-        choices = [Strategy.KEEP, Strategy.OFFLOAD]
-        if graph.tensors[tensor].producer is not None:
-            choices.append(Strategy.RECOMPUTE)
-        if all(graph.quantizable(savings[key]) for key in consumers):
-            choices.append(Strategy.QUANTIZE)
-        strategy = draw(st.sampled_from(choices))
-        if strategy is not Strategy.KEEP:
-            entries.extend((f"{op}/{t}", strategy) for op, t in consumers)
-    return family, Plan(tuple(entries))
+    return family, per_tensor_plan(draw, traced(family)[3])
 
 
 @pytest.mark.slow
