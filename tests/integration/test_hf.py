@@ -1,5 +1,5 @@
-"""Stock transformers MoE models (tiny random configs with their defaults, ``use_cache`` included; FP32, CPU)
-instrumented by ``bagualu2.integrations.hf``: greedy plans from the floor to the unmitigated bytes keep exactly
+"""Stock transformers MoE models (tiny random configs with their defaults, ``use_cache`` included; FP32, CPU;
+every family of ``tests/hf_models.py``) instrumented by ``bagualu2.integrations.hf``: greedy plans from the floor to the unmitigated bytes keep exactly
 ``evaluate(traced graph, plan)`` and give the plain run's loss and gradients bitwise (replays verified); random
 per-tensor plans likewise; a hand-written op map on a model with a KV cache is refused, never silently wrong."""
 
@@ -20,7 +20,7 @@ from bagualu2.exec import apply_plan  # noqa: E402
 from bagualu2.exec import instrument as instrument_ops  # noqa: E402
 from bagualu2.integrations import hf  # noqa: E402
 from bagualu2.mitigation import greedy  # noqa: E402
-from hf_models import tiny  # noqa: E402
+from hf_models import FAMILIES, tiny  # noqa: E402
 
 pytest.importorskip("transformers")
 HW = presets.hardware("cpu")
@@ -38,6 +38,7 @@ def traced(family: str):
 
 
 def run(model, ids, instrumented, plan):
+    torch.manual_seed(0)  # a family that draws random numbers in training (phimoe's router) draws the same ones
     executor = apply_plan(instrumented, plan, verify=True)
     model.zero_grad(set_to_none=True)
     with executor.micro_batch("mb") as record:
@@ -62,13 +63,14 @@ def check(family: str, plan: Plan, *, exact: bool = True) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", hf.TESTED_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_plans_keep_their_bytes_and_the_gradients_bitwise(family):
     _, _, instrumented, graph, (_, _, plain_bytes, _) = traced(family)
     assert plain_bytes == graph.unmitigated_bytes == instrumented.trace.saved_bytes
     kinds = {op.kind for op in graph.ops}
-    assert {"norm", "core_attn", "qkv", "attn_out", "router", "dispatch", "expert_fc1", "expert_act",
-            "expert_fc2"} <= kinds, kinds
+    assert {"norm", "core_attn", "router", "dispatch", "expert_fc1", "expert_act", "expert_fc2"} <= kinds, kinds
+    if family in hf.TESTED_FAMILIES:
+        assert {"qkv", "attn_out"} <= kinds, kinds
     for step in range(4):
         budget = graph.floor_bytes + (graph.unmitigated_bytes - graph.floor_bytes) * step // 3
         solution = greedy.solve(graph, budget)

@@ -110,7 +110,7 @@ def op_map(model: torch.nn.Module) -> dict[str, str]:
             labels[f"{layer_path}.{name}"] = f"norm{i}"
         for name, child in layer.named_children():
             path = f"{layer_path}.{name}"
-            if name in ATTENTION_NAMES and "Attention" in type(child).__name__:
+            if name in (*ATTENTION_NAMES, *MIXER_NAMES) and "Attention" in type(child).__name__:
                 labels[path] = "core_attn"
                 for inner, _ in child.named_children():
                     if inner in QKV_NAMES:
