@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from bagualu2.integrations import hf
+
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512, num_experts=4,
              n_routed_experts=4, num_local_experts=4, moe_num_experts=4, num_experts_per_tok=2, moe_k=2, moe_topk=2,
@@ -39,14 +41,7 @@ EXTRA = {
     "zaya": ((), {"num_experts_per_tok": 1}),
     "flint": ((), {"mlp_only_layers": [0]}),
 }
-# every causal-LM MoE family of transformers 5.24 whose routed experts its experts implementations run (the
-# others, dbrx, doge, jetmoe, longcat_flash, llama4, are refused by op_map)
-FAMILIES = ("afmoe", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v2", "deepseek_v3",
-            "deepseek_v32", "deepseek_v4", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "glm4_moe",
-            "glm4_moe_lite", "glm_moe_dsa", "gpt_oss", "granitemoe", "granitemoe_swa", "granitemoehybrid",
-            "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4", "jamba", "kimi_linear", "kolibri1", "laguna",
-            "lara_mini", "lfm2_moe", "mellum", "mimo_v2_flash", "minimax", "minimax_m2", "mistral4", "mixtral",
-            "nemotron_h", "olmoe", "phimoe", "qwen2_moe", "qwen3_moe", "qwen3_next", "solar_open", "zaya")
+FAMILIES = hf.SUPPORTED_FAMILIES
 
 
 def tiny_config(model_type: str):

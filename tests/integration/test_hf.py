@@ -24,6 +24,7 @@ from hf_models import FAMILIES, tiny  # noqa: E402
 
 pytest.importorskip("transformers")
 HW = presets.hardware("cpu")
+NAMED = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")  # attention projections checked too
 QUANTIZE_LOSS_RTOL = 0.02   # FP8 (e4m3) copies of the saved activations: relative error of the loss
 QUANTIZE_GRAD_COS = 0.98    # and cosine similarity of the whole gradient with the plain run's
 
@@ -69,7 +70,7 @@ def test_greedy_plans_keep_their_bytes_and_the_gradients_bitwise(family):
     assert plain_bytes == graph.unmitigated_bytes == instrumented.trace.saved_bytes
     kinds = {op.kind for op in graph.ops}
     assert {"norm", "core_attn", "router", "dispatch", "expert_fc1", "expert_act", "expert_fc2"} <= kinds, kinds
-    if family in hf.TESTED_FAMILIES:
+    if family in NAMED:
         assert {"qkv", "attn_out"} <= kinds, kinds
     for step in range(4):
         budget = graph.floor_bytes + (graph.unmitigated_bytes - graph.floor_bytes) * step // 3
@@ -109,7 +110,7 @@ def test_op_map_names_the_unsupported_class():
 
     dense = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1))
-    with pytest.raises(ValueError, match="LlamaForCausalLM has no routed-experts module.*mixtral"):
+    with pytest.raises(ValueError, match="LlamaForCausalLM has no routed-experts module.*supported: afmoe.*mixtral"):
         hf.op_map(dense)
     with pytest.raises(ValueError, match="torch.nn.Module"):
         hf.op_map("mixtral")

@@ -20,7 +20,7 @@
   time); and reports every router's routed token copies to the gate.
 
 A model is supported when its routed experts are a module transformers' experts implementations run (its class
-decorated with ``use_experts_implementation``): the families in :data:`TESTED_FAMILIES` and the others built
+decorated with ``use_experts_implementation``): the families in :data:`SUPPORTED_FAMILIES` and others built
 the same way. This module imports without transformers; :func:`instrument` needs it.
 """
 
@@ -35,9 +35,15 @@ from bagualu2.exec import instrument as instrument_ops
 
 from .hf_experts import PARTS, install, is_experts
 
-# the transformers MoE families (model_type) the tests build from tiny configs and check exactly
-TESTED_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "qwen3_next", "gpt_oss",
-                   "granitemoe", "glm4_moe", "ernie4_5_moe")
+# every causal-LM MoE family (model_type) of transformers 5.24 whose routed experts its experts implementations run;
+# the tests build each from a tiny config with its defaults and check it exactly (docs/hf.md)
+SUPPORTED_FAMILIES = (
+    "afmoe", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v2", "deepseek_v3", "deepseek_v32",
+    "deepseek_v4", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "glm4_moe", "glm4_moe_lite",
+    "glm_moe_dsa", "gpt_oss", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared",
+    "hunyuan_v1_moe", "hy_v3", "hy_v4", "jamba", "kimi_linear", "kolibri1", "laguna", "lara_mini", "lfm2_moe",
+    "mellum", "mimo_v2_flash", "minimax", "minimax_m2", "mistral4", "mixtral", "nemotron_h", "olmoe", "phimoe",
+    "qwen2_moe", "qwen3_moe", "qwen3_next", "solar_open", "zaya")
 ATTENTION_NAMES = ("self_attn", "self_attention", "attention", "attn")
 QKV_NAMES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
              "kv_proj", "Wqkv")
@@ -133,8 +139,7 @@ def op_map(model: torch.nn.Module) -> dict[str, str]:
                 labels[path] = "mixer:core_attn"
     if not found_experts:
         raise ValueError(f"{type(model).__name__} has no routed-experts module that transformers' experts "
-                         "implementations run; supported: the MoE families whose experts do (tested: "
-                         f"{', '.join(TESTED_FAMILIES)})")
+                         f"implementations run; supported: {', '.join(SUPPORTED_FAMILIES)}")
     return labels
 
 
