@@ -40,6 +40,7 @@ EXTRA = {
     "lfm2_moe": ((), {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1}),
     "zaya": ((), {"num_experts_per_tok": 1}),
     "flint": ((), {"mlp_only_layers": [0]}),
+    "kimi_linear": ((), {"linear_head_dim": 16, "linear_num_heads": 4}),
 }
 FAMILIES = hf.SUPPORTED_FAMILIES
 
