@@ -103,6 +103,14 @@ def test_a_cache_updating_attention_under_a_hand_written_op_map_is_refused():
         apply_plan(instrumented, plan)
     hf_model = hf.instrument(tiny("mixtral")[0])  # the integration turns the cache off: the same plan is exact
     assert not hf_model.model.config.use_cache
+    # traced without a cache, run with one: the re-run is refused when the forward meets it, not silently wrong
+    model, ids, instrumented, graph, _ = traced("mixtral")
+    attention = next(op for op in graph.ops if op.kind == "core_attn")
+    executor = apply_plan(instrumented, ",".join(f"{attention.name}/{s.tensor}=RECOMPUTE" for s in attention.saves
+                                                 if graph.tensors[s.tensor].producer == attention.name))
+    with pytest.raises(ValueError, match="takes a DynamicCache object"):
+        with executor.micro_batch("cached"):
+            model(input_ids=ids, labels=ids, use_cache=True)
 
 
 def test_op_map_names_the_unsupported_class():

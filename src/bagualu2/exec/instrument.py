@@ -33,6 +33,7 @@ import torch
 from bagualu2.costmodel.config import Hardware
 from bagualu2.costmodel.graph import OP_KINDS, OpGraph
 
+from .callargs import stateful_type
 from .ops import ACTIVE, OP_SCOPE, after_gate, hook_outputs
 from .scope import FRAME, REPLAYING, TRACER, Frame, OpBinding
 from .trace import TraceRecorder, TraceResult, build_graph_of, run_trace
@@ -197,6 +198,8 @@ class InstrumentedModel:
             active, tracer = ACTIVE.get(), TRACER.get()
             if active is None and tracer is None:
                 return None
+            if active is not None and (binding.op in active[0].standby or binding.op in active[1].rerun):
+                _check_stateless(binding, args, kwargs)  # before any state is set: nothing to undo
             frame = Frame(binding, FRAME.get())
             if active is not None:
                 record = active[1]
@@ -242,6 +245,16 @@ class InstrumentedModel:
             return None
 
         return hook
+
+
+def _check_stateless(binding: OpBinding, args: tuple, kwargs: dict) -> None:
+    """``ValueError`` if a call the plan re-runs takes an object with state of its own (a cache passed now that
+    was not there when the graph was traced): re-running it would change or read that state."""
+    held = next((found for value in (*args, *kwargs.values()) if (found := stateful_type(value)) is not None), None)
+    if held is not None:
+        raise ValueError(f"plan: RECOMPUTE re-runs {binding.op} (module {binding.path}), whose call takes a {held} "
+                         "object: a re-run could change or read its state; keep, offload or quantize its savings, "
+                         "or run without it (use_cache=False)")
 
 
 def _replay_call(module: torch.nn.Module, args: tuple, kwargs: dict, record) -> tuple[tuple, Callable]:
