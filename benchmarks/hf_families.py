@@ -21,10 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from hf_models import FAMILIES, tiny  # noqa: E402
+from hf_models import FAMILIES, run_plan, tiny  # noqa: E402
 
 from bagualu2.costmodel import ModelConfig, ParallelConfig, build_graph, presets  # noqa: E402
-from bagualu2.exec import apply_plan  # noqa: E402
 from bagualu2.integrations import hf  # noqa: E402
 from bagualu2.mitigation import greedy  # noqa: E402
 
@@ -77,25 +76,13 @@ def row(family: str) -> str:
 def exact(model, ids, instrumented, graph) -> str:
     """Greedy plans at four budgets from the floor to the unmitigated bytes, every re-run verified: do they keep
     the predicted bytes, within budget, with the plain run's loss and gradients (bitwise without QUANTIZE)?"""
-    def run(plan):
-        torch.manual_seed(0)  # the families that draw random numbers in training draw the same ones
-        executor = apply_plan(instrumented, plan, verify=True)
-        model.zero_grad(set_to_none=True)
-        with executor.micro_batch("mb") as record:
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        executor.release("mb")
-        return loss.detach(), [p.grad for p in model.parameters()], record.device_bytes
-
-    loss0, grads0, _ = run(None)
+    loss0, grads0, _, _ = run_plan(model, ids, instrumented, None)
     results = []
     for step in range(4):
         budget = graph.floor_bytes + (graph.unmitigated_bytes - graph.floor_bytes) * step // 3
         solution = greedy.solve(graph, budget)
-        loss, grads, kept = run(solution.plan)
-        same = torch.equal(loss, loss0) and all((a is None and b is None) or (a is not None and b is not None and
-                                                                             torch.equal(a, b))
-                                                for a, b in zip(grads, grads0))
+        loss, grads, kept, _ = run_plan(model, ids, instrumented, solution.plan)
+        same = torch.equal(loss, loss0) and all(torch.equal(a, b) for a, b in zip(grads, grads0))
         quantized = any(strategy.value == "QUANTIZE" for _, strategy in solution.plan.entries)
         results.append(kept == solution.cost.activation_bytes <= budget and (same or quantized))
     return "yes" if all(results) else f"NO ({results})"

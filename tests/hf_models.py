@@ -83,3 +83,20 @@ def tiny(model_type: str, *, seed: int = 0, batch: int = 2, seq: int = 16):
     model = model.float().train()
     ids = torch.randint(3, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed + 1))
     return model, ids
+
+
+def run_plan(model, ids, instrumented, plan):
+    """One training step of ``model`` under ``plan`` (every re-run verified): ``(loss, gradients, device bytes,
+    host bytes)``, a missing gradient as zeros. The RNG is seeded first, so a family that draws random numbers in
+    training (phimoe's router) draws the same ones in every run."""
+    from bagualu2.exec import apply_plan
+
+    torch.manual_seed(0)
+    executor = apply_plan(instrumented, plan, verify=True)
+    model.zero_grad(set_to_none=True)
+    with executor.micro_batch("mb") as record:
+        out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    executor.release("mb")
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()]
+    return out.loss.detach(), grads, record.device_bytes, record.host_bytes

@@ -20,7 +20,7 @@ from bagualu2.exec import apply_plan  # noqa: E402
 from bagualu2.exec import instrument as instrument_ops  # noqa: E402
 from bagualu2.integrations import hf  # noqa: E402
 from bagualu2.mitigation import greedy  # noqa: E402
-from hf_models import FAMILIES, tiny  # noqa: E402
+from hf_models import FAMILIES, run_plan, tiny  # noqa: E402
 
 pytest.importorskip("transformers")
 HW = presets.hardware("cpu")
@@ -35,24 +35,12 @@ def traced(family: str):
     model, ids = tiny(family)
     instrumented = hf.instrument(model)
     graph = instrumented.trace_graph(input_ids=ids, labels=ids, hardware=HW, loss=lambda out: out.loss)
-    return model, ids, instrumented, graph, run(model, ids, instrumented, None)
-
-
-def run(model, ids, instrumented, plan):
-    torch.manual_seed(0)  # a family that draws random numbers in training (phimoe's router) draws the same ones
-    executor = apply_plan(instrumented, plan, verify=True)
-    model.zero_grad(set_to_none=True)
-    with executor.micro_batch("mb") as record:
-        out = model(input_ids=ids, labels=ids)
-    out.loss.backward()
-    executor.release("mb")
-    grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()]
-    return out.loss.detach(), grads, record.device_bytes, record.host_bytes
+    return model, ids, instrumented, graph, run_plan(model, ids, instrumented, None)
 
 
 def check(family: str, plan: Plan, *, exact: bool = True) -> None:
     model, ids, instrumented, graph, (loss0, grads0, _, _) = traced(family)
-    loss, grads, device_bytes, host_bytes = run(model, ids, instrumented, plan)
+    loss, grads, device_bytes, host_bytes = run_plan(model, ids, instrumented, plan)
     cost = evaluate(graph, plan)
     assert (device_bytes, host_bytes) == (cost.activation_bytes, cost.host_bytes), plan
     if exact:

@@ -131,9 +131,6 @@ class Source:
     lookup: Callable[[str], torch.Tensor | None] | None = None
     name: str | None = None  # the op's graph input this argument is (for ``lookup``)
 
-    def value(self, engine) -> torch.Tensor:
-        return self.read(engine)[0]
-
     def read(self, engine) -> tuple[torch.Tensor, bool]:
         """The argument's value and whether it is exact (not read back from an FP8 copy, nor re-made from one)."""
         stored = self.stored

@@ -134,9 +134,10 @@ class TraceRecorder:
         for value in (*args, *kwargs.values()):
             if not isinstance(value, torch.Tensor):
                 call.stateful = call.stateful or stateful_type(value)
-                self.constants.update(storage_key(t) for t in nested_tensors(value)
+                inner = nested_tensors(value)
+                self.constants.update(storage_key(t) for t in inner
                                       if not t.requires_grad and storage_key(t) not in self.excluded)
-                self.alive.extend(nested_tensors(value))
+                self.alive.extend(inner)
                 continue
             key = storage_key(value)
             if key in self.excluded or not (value.requires_grad or key in self.storages):
