@@ -48,24 +48,27 @@ class PlanCost:
 
     def activation_bytes_received(self, graph: OpGraph, received_tokens: Mapping[int, int]) -> int:
         """``activation_bytes`` when MoE layer ``l``'s experts received ``received_tokens[l]`` routed token copies
-        (layers not listed: as ``graph`` was built), exactly: per layer, routed bytes are proportional to them."""
-        built = graph.routed_tokens(graph.imbalance)
-        if not self.routed_bytes or not built:
-            return self.activation_bytes
+        (layers not listed: as ``graph`` holds them), exactly: per layer, routed bytes are proportional to them."""
         total = self.activation_bytes
         for layer, nbytes in self.routed_bytes_by_layer.items():
-            tokens = received_tokens.get(layer)
-            if tokens is not None:
+            tokens, built = received_tokens.get(layer), graph.built_routed_tokens(layer)
+            if tokens is not None and built:
                 total += nbytes // built * tokens - nbytes
         return total
 
     def activation_bytes_at(self, graph: OpGraph, imbalance: float) -> int:
         """``activation_bytes`` of the same plan on ``graph`` rebuilt at ``imbalance``, exactly: routed tensors
         hold ``graph.routed_tokens(r)`` token copies each, so their bytes are proportional to it."""
-        built = graph.routed_tokens(graph.imbalance)
-        if not self.routed_bytes or not built:
+        if not self.routed_bytes:
             return self.activation_bytes
-        return self.activation_bytes - self.routed_bytes + self.routed_bytes // built * graph.routed_tokens(imbalance)
+        if not graph.layer_routed_tokens:
+            built = graph.routed_tokens(graph.imbalance)
+            if not built:
+                return self.activation_bytes
+            return (self.activation_bytes - self.routed_bytes
+                    + self.routed_bytes // built * graph.routed_tokens(imbalance))
+        target = graph.routed_tokens(imbalance)
+        return self.activation_bytes_received(graph, {layer: target for layer in self.routed_bytes_by_layer})
 
     @property
     def overhead_ns(self) -> int:
@@ -226,14 +229,14 @@ def _cost(graph: OpGraph, device: dict, host: dict, quantized: dict, rerun: set,
         activation_bytes += nbytes
         if spec.routed:
             routed_bytes += nbytes
-            layer = graph.op(spec.producer).layer
+            layer = graph.tensor_layers[name]
             by_layer[layer] = by_layer.get(layer, 0) + nbytes
     for name in quantized:  # one FP8 byte per element
         spec = tensors[name]
         activation_bytes += spec.numel
         if spec.routed:
             routed_bytes += spec.numel
-            layer = graph.op(spec.producer).layer
+            layer = graph.tensor_layers[name]
             by_layer[layer] = by_layer.get(layer, 0) + spec.numel
     host_bytes = 0
     d2h_ns = h2d_ns = 0

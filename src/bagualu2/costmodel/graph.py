@@ -105,6 +105,9 @@ class OpGraph:
     label: str = ""
     activation_dtype: str = "bf16"
     mean_routed_tokens: int = 0  # routed token copies per MoE layer at imbalance 1 (tokens * top-k); 0: dense
+    # routed copies each MoE layer's routed tensors hold, where they differ from ``routed_tokens(imbalance)`` (a
+    # traced graph: what each layer's experts received in the trace); empty: every layer as ``imbalance`` says
+    layer_routed_tokens: Mapping[int, int] = field(default_factory=dict)
     _index: Mapping[str, int] = field(init=False, repr=False)
     _consumers: Mapping[str, tuple[tuple[str, str], ...]] = field(init=False, repr=False)
 
@@ -143,6 +146,12 @@ class OpGraph:
             unknown = sorted(self.pinned - savings)  # sorted: the first reported is the same in every process
             if unknown:
                 raise ValueError(f"pinned saving {unknown[0]!r} is not a saving of the graph")
+        for layer, tokens in self.layer_routed_tokens.items():
+            if isinstance(layer, bool) or not isinstance(layer, int) or isinstance(tokens, bool) \
+                    or not isinstance(tokens, int) or tokens < 0:
+                raise ValueError(f"layer_routed_tokens must map layers to token counts >= 0, got {layer!r}: "
+                                 f"{tokens!r}")
+        object.__setattr__(self, "layer_routed_tokens", MappingProxyType(dict(self.layer_routed_tokens)))
         object.__setattr__(self, "tensors", MappingProxyType(dict(self.tensors)))
         object.__setattr__(self, "_index", MappingProxyType(index))
         object.__setattr__(self, "_consumers",
@@ -188,6 +197,26 @@ class OpGraph:
     def routed_tokens(self, imbalance: float) -> int:
         """Routed token copies one MoE layer's experts receive at ``imbalance`` (``round(T*K*r)``, as built)."""
         return int(round(self.mean_routed_tokens * imbalance))
+
+    @cached_property
+    def tensor_layers(self) -> Mapping[str, int]:
+        """The layer of every tensor: its producer's; a graph input's, that of the first op that reads or saves
+        it."""
+        layers: dict[str, int] = {}
+        for op in self.ops:
+            for name in (*op.inputs, *(s.tensor for s in op.saves)):
+                layers.setdefault(name, op.layer)
+        for name, spec in self.tensors.items():
+            if spec.producer is not None:
+                layers[name] = self.op(spec.producer).layer
+            else:
+                layers.setdefault(name, 0)
+        return MappingProxyType(layers)
+
+    def built_routed_tokens(self, layer: int) -> int:
+        """Routed token copies MoE layer ``layer``'s routed tensors hold in this graph."""
+        found = self.layer_routed_tokens.get(layer)
+        return self.routed_tokens(self.imbalance) if found is None else found
 
     @cached_property
     def floor_bytes(self) -> int:

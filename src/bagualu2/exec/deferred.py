@@ -11,7 +11,10 @@ router's outputs, earlier layers) stays as planned.
 
 The prediction is ``costmodel.evaluate`` on the chunk's graph built at the realised imbalance of this layer, i.e.
 assuming every MoE layer of the chunk routes like this one (exact when they do; an over-estimate for the layers
-before a spike, which keep what they stored).
+before a spike, which keep what they stored). A model known only by its traced graph (a transformers model through
+``integrations.hf``, a model of your own through ``exec.instrument`` with a gate) gets the same decision from
+:meth:`DeferredPlanner.for_graph`: its graph at the realised imbalance is the traced graph with its routed tensors
+resized (``costmodel.rescale``).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import NamedTuple
 
 from bagualu2.costmodel import Hardware, ModelConfig, OpGraph, ParallelConfig, Plan
 from bagualu2.costmodel.validate import require_int, require_number
-from bagualu2.runtime import Stage, after_gate, ceil_bucket, check_downgrade, downgrade_plan
+from bagualu2.runtime import Stage, TracedStage, after_gate, ceil_bucket, check_downgrade, downgrade_plan
 
 MAX_DECISIONS = 4096  # a long run's planner keeps only its latest gate decisions
 
@@ -40,16 +43,22 @@ class GateKey(NamedTuple):
 
 class DeferredPlanner:
     """After-gate decisions for micro-batches of one chunk with a budget of ``budget_bytes`` each. ``engine``: the
-    stage's :class:`~bagualu2.runtime.Stage` (its graphs, costs and memo; default: a new one)."""
+    stage's :class:`~bagualu2.runtime.Stage` (its graphs, costs and memo; default: a new one). A model known only
+    by its traced graph: :meth:`for_graph`."""
 
-    def __init__(self, model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, *, budget_bytes: int,
-                 stage: int = 0, chunk: int = 0, downgrade: str = "graded", imbalance_step: float = 0.02,
-                 budget_quantum_bytes: int | None = None, engine: Stage | None = None):
+    def __init__(self, model: ModelConfig | None, parallel: ParallelConfig | None, hardware: Hardware, *,
+                 budget_bytes: int, stage: int = 0, chunk: int = 0, downgrade: str = "graded",
+                 imbalance_step: float = 0.02, budget_quantum_bytes: int | None = None,
+                 engine: Stage | TracedStage | None = None):
         self.budget_bytes = require_int("budget_bytes", budget_bytes, 0)
         self.mode = check_downgrade(downgrade)
         self.imbalance_step = require_number("imbalance_step", imbalance_step, 0, 10, low_open=True)
         self.model, self.parallel, self.hardware = model, parallel, hardware
-        if engine is None:
+        if isinstance(engine, TracedStage):
+            if model is not None or parallel is not None or hardware is not engine.hardware:
+                raise ValueError("a DeferredPlanner on a traced graph takes no model or parallel config: use "
+                                 "DeferredPlanner.for_graph(graph, budget_bytes=...)")
+        elif engine is None:
             engine = Stage(model, parallel, hardware, stage=stage)
         elif not isinstance(engine, Stage) or (engine.model, engine.parallel, engine.hardware, engine.stage) != (
                 model, parallel, hardware, stage):
@@ -64,6 +73,21 @@ class DeferredPlanner:
         self._decided = engine.memo.table(GateKey)
         # (layer, imbalance, predicted bytes of the plan in force, plan changed)
         self.decisions: deque[tuple[int, float, int, bool]] = deque(maxlen=MAX_DECISIONS)  # the latest only
+
+    @classmethod
+    def for_graph(cls, graph: OpGraph, *, budget_bytes: int, downgrade: str = "graded",
+                  imbalance_step: float = 0.02, budget_quantum_bytes: int | None = None,
+                  engine: TracedStage | None = None) -> "DeferredPlanner":
+        """A planner for a model known by its traced graph (``InstrumentedModel.trace_graph``, its routers
+        reporting to the gate): the graph at the realised imbalance is the traced one with its routed tensors
+        resized (:class:`~bagualu2.runtime.TracedStage`). ``ValueError`` for a graph with no routed token
+        counts."""
+        if engine is None:
+            engine = TracedStage(graph)
+        elif not isinstance(engine, TracedStage) or engine.traced is not graph:
+            raise ValueError("engine must be the TracedStage of this graph")
+        return cls(None, None, graph.hardware, budget_bytes=budget_bytes, downgrade=downgrade,
+                   imbalance_step=imbalance_step, budget_quantum_bytes=budget_quantum_bytes, engine=engine)
 
     def graph(self, imbalance: float = 1.0) -> OpGraph:
         return self.engine.graph(self.chunk, imbalance)

@@ -19,7 +19,8 @@ every saving to the innermost mapped module) and, when the plan re-runs the op, 
 :class:`~bagualu2.exec.recompute.Replay` of ``module.forward`` on the call's arguments (tensors that need grad or
 that an earlier op made are activations, read back or regenerated in backward; other arguments are held as they
 are); the post-hook ends it, gates the dual-batch executor's backward, and after a ``router`` calls ``gate`` and
-reports the routed copies to the deferred planner (:func:`bagualu2.exec.after_gate`).
+reports the routed copies to the deferred planner (:func:`bagualu2.exec.after_gate`); while tracing, the counts go
+into the traced graph (``OpGraph.mean_routed_tokens``, ``layer_routed_tokens``).
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ from bagualu2.costmodel.config import Hardware
 from bagualu2.costmodel.graph import OP_KINDS, OpGraph
 
 from .callargs import stateful_type
-from .ops import ACTIVE, OP_SCOPE, after_gate, hook_outputs
+from .ops import ACTIVE, OP_SCOPE, after_gate, gate_report, hook_outputs
 from .scope import FRAME, REPLAYING, TRACER, Frame, OpBinding
 from .trace import TraceRecorder, TraceResult, build_graph_of, run_trace
-from .tracker import storage_key
+from .tracker import storage_key, weight_keys
 
 GENERIC_KIND = "residual"  # the graph kind of a label that names no cost-model kind: memory-bound, no role
 SUPPORTED_DEVICES = ("cpu", "cuda")
@@ -154,7 +155,7 @@ class InstrumentedModel:
             raise ValueError(f"hardware must be a bagualu2 Hardware (e.g. presets.hardware('cpu')), "
                              f"got {type(hardware).__name__}")
         check_device(self.model)
-        excluded = {storage_key(t) for t in [*self.model.parameters(), *self.model.buffers()]}
+        excluded = weight_keys(self.model)
         recorder = TraceRecorder(excluded, timed=timed)
         token = TRACER.set(recorder)
         try:
@@ -238,10 +239,13 @@ class InstrumentedModel:
             finally:
                 FRAME.reset(frame.tokens[0])
                 OP_SCOPE.reset(frame.tokens[1])
-            if active is not None and self.gate is not None and binding.kind == "router":
-                report = self.gate(module, args, output)
-                received, group, most = report if isinstance(report, tuple) else (report, None, None)
-                after_gate(binding.layer, int(received), group, most)
+            if self.gate is not None and binding.kind == "router" and (active is not None or tracer is not None):
+                report = gate_report(self.gate(module, args, output))
+                if tracer is not None:
+                    tracer.routed_tokens(binding.layer, int(report.received),
+                                         int(report.received if report.sent is None else report.sent))
+                if active is not None:
+                    after_gate(binding.layer, int(report.received), report.group, report.most)
             return None
 
         return hook
@@ -284,8 +288,10 @@ def _replay_call(module: torch.nn.Module, args: tuple, kwargs: dict, record) -> 
 def instrument(model: torch.nn.Module, op_map: Mapping[str, str], *,
                gate: Callable[..., Any] | None = None) -> InstrumentedModel:
     """Hooks on the modules ``op_map`` names (see the module docstring). ``gate(router_module, inputs, output)``,
-    optional, returns the routed token copies this rank's experts receive (or ``(received, ep_group,
-    group_max)``); it runs after every module of kind ``router`` and feeds the deferred planner. Raises one
+    optional, returns the routed token copies this rank's experts receive (an ``int``, or a
+    :class:`~bagualu2.exec.ops.GateReport`: with the expert-parallel group, the group's most and the copies this
+    rank sent); it runs after every module of kind ``router``, feeds the deferred planner and, while tracing, gives
+    the traced graph its routed token counts (what lets it be rescaled to another imbalance). Raises one
     ``ValueError`` for a pattern that matches nothing, a module named twice, a bad label or an unsupported
     device."""
     if not isinstance(model, torch.nn.Module):

@@ -1,4 +1,5 @@
-"""How the model marks its ops for the executor: :func:`run_op`, :class:`op_scope` and :func:`after_gate`.
+"""How the model marks its ops for the executor: :func:`run_op`, :class:`op_scope`, :func:`after_gate` and
+:func:`routed`.
 
 All three are plain calls unless a :class:`~bagualu2.exec.apply.PlanExecutor` is recording a micro-batch in the
 current context; then ``run_op`` names the op for the pack hook, lets the dual-batch executor gate it, turns ops of
@@ -7,11 +8,13 @@ the plan's re-run closure into replays, and ``after_gate`` consults the deferred
 
 from __future__ import annotations
 
+import contextlib
 from contextvars import ContextVar
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
+from .scope import ROUTED
 from .tracker import storage_key
 
 #: The cost-model op running now (set by :class:`op_scope`, read by the pack hook).
@@ -100,3 +103,37 @@ def after_gate(layer: int, received_tokens: int, group: Any = None, group_max_to
     if active is None or active[0].deferred is None:
         return False
     return active[0].gate(active[1], layer, received_tokens, group, group_max_tokens)
+
+
+class GateReport(NamedTuple):
+    """What an instrumented model's ``gate`` callable reports after a router: ``received`` routed token copies
+    this rank's experts get; optionally the expert-parallel ``group`` whose ranks must agree and the most any rank
+    of it receives (``most``; see :func:`after_gate`), and ``sent``, the copies this rank's router sent (tokens x
+    top-k: a rank's mean load; default ``received``). A plain ``int`` or a 3-tuple is read the same way."""
+
+    received: int
+    group: Any = None
+    most: int | None = None
+    sent: int | None = None
+
+
+def gate_report(report: Any) -> GateReport:
+    """A gate callable's return value as a :class:`GateReport` (an ``int``, a tuple, or a report)."""
+    if isinstance(report, GateReport):
+        return report
+    if isinstance(report, tuple):
+        return GateReport(*report)
+    return GateReport(int(report))
+
+
+@contextlib.contextmanager
+def routed() -> Iterator[None]:
+    """``with routed(): ...`` around the code that makes the rows of the routed experts (gather by expert, the
+    experts' GEMMs and activation, the routing weights): every tensor first seen inside holds one row per routed
+    token copy this rank's experts received, so a traced graph resizes it with the imbalance
+    (``costmodel.rescale``). Without it, a traced graph takes what the ``dispatch`` and expert ops make as routed."""
+    token = ROUTED.set(True)
+    try:
+        yield
+    finally:
+        ROUTED.reset(token)

@@ -4,7 +4,9 @@ Under graded planning (``bagualu2.runtime.after_gate``) the gate may re-plan the
 the norm feeding the router and the router itself made before the gate was known. So, while a micro-batch is
 recorded, those two ops run as *standby replays* (recorded like a re-run op, but taking no holds), and the router's
 savings of those tensors are packed as :class:`Provisional` handles that hold the tensor, uncharged, until the
-layer's gate. :func:`settle` then packs each under the plan in force, exactly as the pack hook would have, and
+layer's gate. The full downgrade (both modes) may re-run them too: the module's re-run reads the router's outputs,
+which no op may store (a traced model whose experts save only what they gather from them), so they run as standby
+replays under ``downgrade="paper"`` as well. :func:`settle` then packs each under the plan in force, exactly as the pack hook would have, and
 activates each standby replay if the plan re-runs it or a handle packed before the gate already reads it (it
 then takes its holds), else forgets it. Under graded planning these ops always run as standby replays, also when
 the plan in force before the gate re-runs them: the gate may drop them from the re-run set.
@@ -40,13 +42,17 @@ class Provisional:
 
 
 def standby_ops(graph: OpGraph, deferred) -> tuple[frozenset[str], frozenset[str]]:
-    """Under graded deferred planning: the ops that run before a MoE gate and make tensors the gate may re-plan
-    (the router and the norm feeding it), and those tensors; empty without a deferred planner or with
-    ``downgrade="paper"`` (the gate then only changes what is made after the router)."""
-    if deferred is None or getattr(deferred, "mode", "paper") != "graded":
+    """With a deferred planner: the ops that run before a MoE gate and that a plan the gate switches to may
+    re-run (the router and the norm feeding it: a re-run of the module reads the router's outputs, which no op
+    may store), and, under graded planning, the tensors they make, which the gate may re-plan (held
+    provisionally; with ``downgrade="paper"`` the gate changes only what is made after the router). Empty
+    without a deferred planner."""
+    if deferred is None:
         return frozenset(), frozenset()
     free = gate_free_tensors(graph)
     ops = frozenset(graph.tensors[t].producer for t in free - after_router_tensors(graph))
+    if getattr(deferred, "mode", "paper") != "graded":
+        return ops, frozenset()
     return ops, frozenset(t for t in free if graph.tensors[t].producer in ops)
 
 

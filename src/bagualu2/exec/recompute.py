@@ -55,7 +55,7 @@ class Stored:
     host: HostCopy | None = None                                  # an OFFLOAD saving's host copy
     producer: tuple["Replay", int] | None = None                  # (replay, output index) that can regenerate it
     readers: int = 0                                              # handles and replays that will read a copy
-    _kept: Any = None                                             # the kept tensor (strong) or a weakref to it
+    _kept: Any = None  # the kept tensor (strong), or weakrefs to the kept aliases (one per saving of it)
     _fp8: Any = None                                              # (FP8 data or weakref, scale)
 
     @staticmethod
@@ -64,7 +64,10 @@ class Stored:
 
     @property
     def kept(self) -> torch.Tensor | None:
-        return self._get(self._kept)
+        """A live kept alias of the storage (any: they share it), or None."""
+        if isinstance(self._kept, list):
+            return next((alias for alias in (ref() for ref in self._kept) if alias is not None), None)
+        return self._kept
 
     @property
     def fp8(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -74,8 +77,17 @@ class Stored:
         return None if data is None else (data, self._fp8[1])
 
     def keep(self, tensor: torch.Tensor) -> None:
-        if self._kept is None or self.kept is None:
-            self._kept = tensor if self.readers else weakref.ref(tensor)
+        """Note a kept alias of the storage. Every saving of it packs an alias of its own, and autograd frees them
+        one by one (a node whose outputs are dropped goes first), so all are noted weakly: the storage is kept
+        while any of them lives."""
+        if isinstance(self._kept, torch.Tensor):
+            return
+        if self._kept is None:
+            self._kept = []
+        if self.readers:
+            self._kept = tensor
+        else:
+            self._kept = [ref for ref in self._kept if ref() is not None] + [weakref.ref(tensor)]
 
     def keep_fp8(self, data: torch.Tensor, scale: torch.Tensor) -> None:
         self._fp8 = (data if self.readers else weakref.ref(data), scale)
@@ -83,8 +95,8 @@ class Stored:
     def hold(self) -> None:
         """Something will read this storage's copy in backward: hold the copies strongly from now on."""
         self.readers += 1
-        if isinstance(self._kept, weakref.ref):
-            self._kept = self._kept()
+        if isinstance(self._kept, list):
+            self._kept = self.kept
         if self._fp8 is not None and isinstance(self._fp8[0], weakref.ref):
             self._fp8 = (self._fp8[0](), self._fp8[1])
 
@@ -93,7 +105,7 @@ class Stored:
         self.readers -= 1
         if self.readers <= 0:
             if isinstance(self._kept, torch.Tensor):
-                self._kept = weakref.ref(self._kept)
+                self._kept = [weakref.ref(self._kept)]
             if self._fp8 is not None and isinstance(self._fp8[0], torch.Tensor):
                 self._fp8 = (weakref.ref(self._fp8[0]), self._fp8[1])
 

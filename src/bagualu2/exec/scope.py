@@ -11,6 +11,9 @@ from typing import Any
 FRAME: ContextVar["Frame | None"] = ContextVar("bagualu2_frame", default=None)
 #: True while a replay re-runs a module's forward in backward: the hooks stay silent (no frames, no gates).
 REPLAYING: ContextVar[bool] = ContextVar("bagualu2_replaying", default=False)
+#: True while the model makes the rows of its routed experts (:func:`bagualu2.exec.routed`): the tensors first seen
+#: then hold one row per routed token copy the experts received (a traced graph rescales them with the imbalance).
+ROUTED: ContextVar[bool] = ContextVar("bagualu2_routed", default=False)
 #: The trace recorder of :meth:`InstrumentedModel.trace_graph` while it runs (None otherwise).
 TRACER: ContextVar[Any] = ContextVar("bagualu2_tracer", default=None)
 

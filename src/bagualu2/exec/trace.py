@@ -37,7 +37,7 @@ from bagualu2.costmodel.strategy import roofline_ns, seconds_to_ns
 from .callargs import draws_random, nested_tensors, stateful_type, tensors_of
 from .flops import attention_formulas
 from .record import TORCH_TO_NAME
-from .scope import FRAME, Frame
+from .scope import FRAME, ROUTED, Frame
 from .tracker import storage_bytes, storage_key
 
 ROUTED_KINDS = frozenset({"dispatch", "expert_fc1", "expert_act", "expert_fc2"})  # sizes follow the routing
@@ -79,10 +79,11 @@ class _Call:
 
 
 class _Storage:
-    __slots__ = ("nbytes", "dtype", "producer", "role", "first_op")
+    __slots__ = ("nbytes", "dtype", "producer", "role", "first_op", "routed")
 
     def __init__(self, nbytes: int, dtype: torch.dtype, producer: str | None, role: str, first_op: str):
         self.nbytes, self.dtype, self.producer, self.role, self.first_op = nbytes, dtype, producer, role, first_op
+        self.routed = ROUTED.get()  # first seen while the model made its routed rows (``exec.routed``)
 
 
 class _Counter(TorchDispatchMode):
@@ -124,6 +125,13 @@ class TraceRecorder:
         self.counts: dict[str, int] = {}
         self.alive: list[torch.Tensor] = []  # storages stay alive until the trace ends: no address is reused
         self.events: list[tuple[float, str]] = []  # (time, op) when the gradient of an op's output was ready
+        self.received: dict[int, int] = {}  # MoE layer -> routed copies its experts received (the gate's report)
+        self.sent: dict[int, int] = {}      # MoE layer -> routed copies this rank's router sent
+
+    def routed_tokens(self, layer: int, received: int, sent: int) -> None:
+        """The gate's report after MoE layer ``layer``'s router (a layer seen twice: the counts add up)."""
+        self.received[layer] = self.received.get(layer, 0) + received
+        self.sent[layer] = self.sent.get(layer, 0) + sent
 
     def enter(self, frame: Frame, args: tuple, kwargs: dict) -> None:
         binding = frame.binding
@@ -246,6 +254,7 @@ def build_graph_of(recorder: TraceRecorder, model: torch.nn.Module, hardware: Ha
     params = {name: _param_bytes(model, {c.binding.path for c in calls}) for name, calls in by_op.items()}
     tensors: dict[str, TensorSpec] = {}
     fixed = _not_regenerable(recorder, by_op)
+    marked = any(info.routed for info in recorder.storages.values())
     ops = []
     for name, calls in by_op.items():
         kind, layer = calls[0].binding.kind, calls[0].binding.layer
@@ -258,7 +267,7 @@ def build_graph_of(recorder: TraceRecorder, model: torch.nn.Module, hardware: Ha
             if dtype is None:
                 raise ValueError(f"op {name} uses a {info.dtype} tensor; traced tensors must be one of "
                                  f"{', '.join(sorted(set(TORCH_TO_NAME.values())))}")
-            routed = info.producer is not None and by_op[info.producer][0].binding.kind in ROUTED_KINDS
+            routed = _is_routed(info, by_op, marked)
             producer = None if key in fixed else info.producer
             tensors[names[key]] = TensorSpec(names[key], info.nbytes // ITEM_BYTES[dtype], dtype, producer, routed)
         flops = sum(c.flops for c in calls)
@@ -280,7 +289,9 @@ def build_graph_of(recorder: TraceRecorder, model: torch.nn.Module, hardware: Ha
         ops.append(unmapped)
         pinned = frozenset((unmapped.name, s.tensor) for s in unmapped.saves)
     graph = OpGraph(ops=tuple(ops), tensors=tensors, hardware=hardware, label=f"traced {type(model).__name__}",
-                    activation_dtype=activation_dtype, pinned=pinned)
+                    activation_dtype=activation_dtype, pinned=pinned,
+                    mean_routed_tokens=max(recorder.sent.values(), default=0),
+                    layer_routed_tokens=_layer_routed_tokens(recorder, tensors, ops))
     mapped = {k for c in recorder.calls for k, _ in c.saves}
     outside = {k: b for k, (b, _) in recorder.unmapped.items() if k not in mapped}
     saved = sum(recorder.storages[k].nbytes for k in mapped) + sum(outside.values())
@@ -292,6 +303,34 @@ def build_graph_of(recorder: TraceRecorder, model: torch.nn.Module, hardware: Ha
                 if any(c.stateful for c in calls)}
     return TraceResult(graph, slots, saved, sum(outside.values()), recorder.num_unmapped, random_ops, dependent,
                        modules, stateful)
+
+
+def _is_routed(info: _Storage, by_op: dict, marked: bool) -> bool:
+    """Does the storage hold one row per routed copy? Where the model marks its routed rows (``exec.routed``),
+    those first seen there (also one an op made and passed on without returning it: a graph input of the next);
+    otherwise what the ``dispatch`` and expert ops make."""
+    if marked:
+        return info.routed
+    return info.producer is not None and by_op[info.producer][0].binding.kind in ROUTED_KINDS
+
+
+def _layer_routed_tokens(recorder: TraceRecorder, tensors: dict, ops: list) -> dict[int, int]:
+    """The routed copies each MoE layer's experts received in the trace (the gate's reports; none without a gate);
+    with reports, a routed tensor of a layer with no report, or not one row per reported copy, is not routed (it
+    keeps its traced size)."""
+    if not recorder.received:
+        return {}
+    layers: dict[str, int] = {}  # as OpGraph.tensor_layers: the producer's, else the first op's that uses it
+    for op in ops:
+        for name in (*op.inputs, *(s.tensor for s in op.saves)):
+            layers.setdefault(name, op.layer)
+        layers.update((name, op.layer) for name in op.outputs)
+    for name, spec in tensors.items():
+        if spec.routed:
+            received = recorder.received.get(layers.get(name, 0))
+            if received is None or (received and spec.numel % received):
+                tensors[name] = spec._replace(routed=False)
+    return dict(recorder.received)
 
 
 def _unmapped_op(recorder: TraceRecorder, names: dict, tensors: dict, taken: set) -> Op | None:

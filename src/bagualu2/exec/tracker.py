@@ -54,8 +54,7 @@ class ActivationTracker:
     def exclude(self, *modules: torch.nn.Module) -> None:
         """Do not count the parameters and buffers of ``modules`` as activations."""
         for module in modules:
-            for tensor in [*module.parameters(), *module.buffers()]:
-                self._excluded.add(storage_key(tensor))
+            self._excluded.update(weight_keys(module))
 
     def excludes(self, tensor: torch.Tensor) -> bool:
         return storage_key(tensor) in self._excluded
@@ -129,6 +128,17 @@ def _unpack(tensor: torch.Tensor) -> torch.Tensor:
 def storage_key(tensor: torch.Tensor) -> tuple[str, int]:
     """Identity of the storage behind ``tensor`` (shared by its views), also for empty storages (null data)."""
     return str(tensor.device), tensor.untyped_storage()._cdata
+
+
+def weight_keys(module: torch.nn.Module) -> set[tuple[str, int]]:
+    """Storage keys of ``module``'s parameters and buffers; a sharded parameter (a ``DTensor``) by its local
+    shard, the tensor its module computes with."""
+    keys = set()
+    for tensor in [*module.parameters(), *module.buffers()]:
+        local = tensor.to_local() if hasattr(tensor, "to_local") and hasattr(tensor, "device_mesh") else tensor
+        keys.add(storage_key(local))
+        keys.add(storage_key(tensor))
+    return keys
 
 
 def storage_bytes(tensor: torch.Tensor) -> int:

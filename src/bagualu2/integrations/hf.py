@@ -30,7 +30,7 @@ from typing import Mapping
 
 import torch
 
-from bagualu2.exec import InstrumentedModel
+from bagualu2.exec import GateReport, InstrumentedModel
 from bagualu2.exec import instrument as instrument_ops
 
 from .hf_experts import PARTS, install, is_experts
@@ -143,13 +143,51 @@ def op_map(model: torch.nn.Module) -> dict[str, str]:
     return labels
 
 
-def _gate_report(router: torch.nn.Module, inputs, output) -> int:
-    """The routed token copies a router sends to the experts: its top-k indices (an integer tensor of its output)."""
+def _indices(router: torch.nn.Module, output) -> torch.Tensor:
+    """A router's top-k expert indices: the integer tensor of its output."""
     values = output if isinstance(output, tuple) else (output,)
     indices = next((v for v in values if isinstance(v, torch.Tensor) and not v.is_floating_point()), None)
     if indices is None:
         raise ValueError(f"{type(router).__name__} returns no top-k indices; instrument(..., gate=False)")
-    return int(indices.numel())
+    return indices
+
+
+def _expert_group(experts: torch.nn.Module | None):
+    """``(process group, ranks, local experts)`` of experts sharded by transformers' expert parallelism (their
+    3-D weights DTensors on the expert-parallel mesh), else None."""
+    if experts is None or not getattr(experts, "_is_expert_parallel", False):
+        return None
+    weight = experts.gate_up_proj if getattr(experts, "gate_up_proj", None) is not None else experts.up_proj
+    mesh = getattr(weight, "device_mesh", None)
+    if mesh is None or mesh.ndim != 1:
+        raise ValueError(f"{type(experts).__name__}: expert parallelism needs the experts' weights sharded on a "
+                         "one-dimensional expert-parallel mesh")
+    return mesh.get_group(), mesh.size(), experts.num_experts
+
+
+def _gate_report(router: torch.nn.Module, inputs, output, experts: torch.nn.Module | None = None) -> GateReport:
+    """The routed token copies this rank's experts receive after ``router``: all its top-k picks, or, under
+    transformers' expert parallelism (all-to-all dispatch), what every rank's router sends to this rank's
+    experts (one all-to-all of per-rank counts over the expert-parallel group, whose ranks then agree on the
+    gate's decision)."""
+    indices = _indices(router, output)
+    sent = int(indices.numel())
+    sharded = _expert_group(experts)
+    if sharded is None:
+        return GateReport(sent, sent=sent)
+    group, ranks, local = sharded
+    counts = torch.bincount(indices.reshape(-1), minlength=ranks * local)[:ranks * local].view(ranks, local).sum(1)
+    received = torch.empty_like(counts)
+    torch.distributed.all_to_all_single(received, counts, group=group)
+    return GateReport(int(received.sum()), group, None, sent)
+
+
+def _routers(model: torch.nn.Module, labels: Mapping[str, str]) -> dict[torch.nn.Module, torch.nn.Module]:
+    """Each router module and the routed-experts module beside it (the same parent)."""
+    modules = dict(model.named_modules())
+    experts = {path.rpartition(".")[0]: modules[path] for path, label in labels.items() if label == "dispatch"}
+    return {modules[path]: experts.get(path.rpartition(".")[0]) for path, label in labels.items()
+            if label == "router"}
 
 
 def _configs(model: torch.nn.Module) -> list:
@@ -175,4 +213,9 @@ def instrument(model: torch.nn.Module, *, gate: bool = True) -> InstrumentedMode
     labels: Mapping[str, str] = op_map(model)
     for config in _configs(model):
         config.use_cache = False  # as transformers' activation checkpointing does: a re-run must not update it
-    return instrument_ops(model, labels, gate=_gate_report if gate else None)
+    if not gate:
+        return instrument_ops(model, labels)
+    experts_of = _routers(model, labels)
+    return instrument_ops(model, labels,
+                          gate=lambda router, inputs, output: _gate_report(router, inputs, output,
+                                                                           experts_of.get(router)))

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from bagualu2.exec import routed
+
 NAME = "bagualu2"
 PARTS = ("bagualu2_fc1", "bagualu2_act", "bagualu2_fc2")
 
@@ -34,9 +36,16 @@ class _Part(torch.nn.Module):
         object.__setattr__(self, "owner", experts)  # not a submodule: no cycle in the module tree
 
 
+def _local(weight: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's experts of a weight sharded by transformers' expert parallelism (a ``DTensor``: what the experts
+    module computes with, also when a part re-runs on its own in backward); a plain weight as it is."""
+    return weight.to_local() if weight is not None and hasattr(weight, "device_mesh") else weight
+
+
 def _grouped(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, counts: list[int],
              transposed: bool) -> torch.Tensor:
     """Each expert's rows of ``x`` times its weight (``[E, out, in]``, or ``[E, in, out]`` transposed)."""
+    weight, bias = _local(weight), _local(bias)
     outputs = []
     for expert, rows in enumerate(torch.split(x, counts)):
         if not counts[expert]:
@@ -81,26 +90,38 @@ class ExpertsFC2(_Part):
 
 def experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
-    """The ``"bagualu2"`` experts implementation (``grouped_mm``'s computation through the three parts)."""
-    if getattr(self, "_is_expert_parallel", False):
-        raise ValueError(f"{type(self).__name__}: transformers' own expert parallelism is not supported by the "
-                         "bagualu2 experts implementation")
+    """The ``"bagualu2"`` experts implementation (``grouped_mm``'s computation through the three parts). Under
+    transformers' expert parallelism it runs on what this rank's experts received (local expert ids); a route
+    to another rank's expert (an id past the local ones, weight 0) is skipped. The rows of the routed experts are
+    made under :func:`bagualu2.exec.routed`, so a traced graph resizes them with the imbalance."""
     num_tokens, hidden = hidden_states.shape
     top_k = top_k_index.size(-1)
     expert_ids, perm = torch.sort(top_k_index.reshape(-1))
-    rows = hidden_states[perm // top_k]
-    weights = top_k_weights.reshape(-1)[perm]
     counts = torch.bincount(expert_ids, minlength=self.num_experts)[:self.num_experts].tolist()
-    if sum(counts) != expert_ids.numel():
+    local = sum(counts)
+    if local != expert_ids.numel() and not getattr(self, "_is_expert_parallel", False):
         raise ValueError(f"{type(self).__name__}: the router picked indices beyond its {self.num_experts} experts "
                          "(identity or skip experts); the bagualu2 experts implementation runs routed experts only")
-    h = self.bagualu2_fc1(rows, counts)
-    a = self.bagualu2_act(h)
-    y = self.bagualu2_fc2(a, counts)
-    weighted = y * weights.unsqueeze(-1)
-    inverse = torch.empty_like(perm)
-    inverse[perm] = torch.arange(perm.size(0), device=perm.device)
-    return weighted[inverse].view(num_tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
+    with routed():
+        if local != perm.numel():  # sorted: another rank's routes (ids past the local experts) come last
+            perm = perm[:local].clone()
+        rows = hidden_states[perm // top_k]
+        weights = top_k_weights.reshape(-1)[perm]
+        h = self.bagualu2_fc1(rows, counts)
+        a = self.bagualu2_act(h)
+        y = self.bagualu2_fc2(a, counts)
+        weighted = y * weights.unsqueeze(-1)
+    out = hidden_states.new_zeros((num_tokens * top_k, hidden), dtype=weighted.dtype)
+    out = out.index_copy(0, perm, weighted) if local != expert_ids.numel() else _unsort(weighted, perm)
+    return out.view(num_tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
+
+
+def _unsort(weighted: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """The rows of ``weighted`` (sorted by expert) back in (token, top-k slot) order."""
+    with routed():
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.size(0), device=perm.device)
+        return weighted[inverse]
 
 
 def install(model: torch.nn.Module) -> list[str]:

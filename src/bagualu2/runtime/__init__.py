@@ -12,9 +12,9 @@ from .path import DecisionPath
 from .records import Decision
 from .point import PointOrders
 from .replay import ForwardDecision, IterationReplay, replay_iteration, spike_trace
-from .stage import Memo, Stage, Step
+from .stage import Memo, Stage, Step, TracedStage
 
 __all__ = ["DOWNGRADES", "Decision", "DecisionPath", "Forward", "ForwardDecision", "GateAction", "GateDecision",
-           "Iteration", "IterationReplay", "IterationRun", "Memo", "PointOrders", "Stage", "Step", "after_gate",
+           "Iteration", "IterationReplay", "IterationRun", "Memo", "PointOrders", "Stage", "Step", "TracedStage", "after_gate",
            "after_router_tensors", "ceil_bucket", "check_downgrade", "downgrade_plan", "floor_bucket",
            "gate_free_tensors", "replay_iteration", "run_iteration", "spike_trace"]

@@ -24,6 +24,7 @@ from typing import Hashable, NamedTuple
 from ..budget import BudgetPhase
 from ..costmodel import (Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, PlanCost, StageMemory, build_graph,
                          evaluate, schedule, stage_memory)
+from ..costmodel.rescale import at_imbalance
 from ..costmodel.validate import require_int
 from ..fusion import Chains, Order, build_chains, dp
 from ..fusion.baselines import sequential
@@ -117,7 +118,70 @@ class _Forgetful(dict):
         return default
 
 
-class Stage:
+class _Engine:
+    """What every engine has: one memo, graphs per (chunk, imbalance) and the costs of plans on them."""
+
+    memo: Memo
+    _costs: dict
+
+    @property
+    def cache(self) -> bool:
+        return self.memo.enabled
+
+    def graph(self, chunk: int, imbalance: float) -> OpGraph:
+        raise NotImplementedError
+
+    def cost(self, plan: Plan, imbalance: float, chunk: int) -> PlanCost:
+        """``evaluate(graph(chunk, imbalance), plan)``, memoised."""
+        key = CostKey(plan.entries, imbalance, chunk)
+        found = self._costs.get(key)
+        if found is None:
+            found = self._costs[key] = evaluate(self.graph(chunk, imbalance), plan)
+        return found
+
+    def remember_cost(self, plan: Plan, imbalance: float, chunk: int, cost: PlanCost) -> None:
+        """Store a cost a solver already got from ``evaluate`` for this plan on this graph (never recomputed)."""
+        key = CostKey(plan.entries, imbalance, chunk)
+        if key not in self._costs:
+            self._costs[key] = cost
+
+
+class TracedStage(_Engine):
+    """The engine of a stage known by one graph traced from the running model (``bagualu2.exec``), not by a
+    model configuration: one chunk (0), whose graph at an imbalance is the traced graph with its routed tensors
+    resized (``costmodel.rescale.at_imbalance``); costs and decisions memoised as :class:`Stage` does. It has no
+    schedule: what it serves is the decision after the gate (``exec.DeferredPlanner.for_graph``)."""
+
+    def __init__(self, graph: OpGraph, *, cache: bool = True, max_entries: int = MAX_ENTRIES):
+        if not isinstance(graph, OpGraph):
+            raise ValueError(f"graph must be an OpGraph (a traced graph), got {type(graph).__name__}")
+        if not graph.mean_routed_tokens:
+            raise ValueError(f"graph {graph.label!r} has no routed token counts: trace a model whose routers report "
+                             "to the gate (exec.instrument(..., gate=...), integrations.hf.instrument)")
+        self.traced, self.hardware = graph, graph.hardware
+        self.memo = Memo(enabled=cache, max_entries=max_entries)
+        self._graphs: dict[float, OpGraph] = {}
+        self._costs = self.memo.table(CostKey)
+
+    def graph(self, chunk: int, imbalance: float) -> OpGraph:
+        """The traced graph with every MoE layer at ``imbalance`` (built once per imbalance)."""
+        self.check_chunk(chunk)
+        found = self._graphs.get(imbalance)
+        if found is None:
+            found = self._graphs[imbalance] = at_imbalance(self.traced, imbalance)
+        return found
+
+    def check_chunk(self, chunk) -> tuple[int, int]:
+        """``(0, 0)``: a traced graph is one chunk; one-line ``ValueError`` for any other."""
+        if chunk != 0 or isinstance(chunk, bool):
+            raise ValueError(f"chunk must be 0 (a traced graph is one chunk), got {chunk!r}")
+        return 0, 0
+
+    def __repr__(self) -> str:
+        return f"TracedStage({self.traced.label!r}, cache={self.cache})"
+
+
+class Stage(_Engine):
     """The engine of pipeline stage ``stage`` of a model on a hardware profile (module docstring).
 
       cache         the memo on (default) or off (every result recomputed; for checks).
@@ -139,10 +203,6 @@ class Stage:
         # the ids of the pre-gate plans decision paths made on this engine: one numbering for every path over it,
         # so the memo entries keyed by an id mean one plan whichever path stored them (never cleared)
         self.plan_ids: dict[tuple, int] = {(): 0}
-
-    @property
-    def cache(self) -> bool:
-        return self.memo.enabled
 
     @property
     def num_forwards(self) -> int:
@@ -172,20 +232,6 @@ class Stage:
             if balanced is not None:  # the decisions of tensors that do not scale with the imbalance, reused
                 share_decisions(found, balanced)
         return found
-
-    def cost(self, plan: Plan, imbalance: float, chunk: int) -> PlanCost:
-        """``evaluate(graph(chunk, imbalance), plan)``, memoised."""
-        key = CostKey(plan.entries, imbalance, chunk)
-        found = self._costs.get(key)
-        if found is None:
-            found = self._costs[key] = evaluate(self.graph(chunk, imbalance), plan)
-        return found
-
-    def remember_cost(self, plan: Plan, imbalance: float, chunk: int, cost: PlanCost) -> None:
-        """Store a cost a solver already got from ``evaluate`` for this plan on this graph (never recomputed)."""
-        key = CostKey(plan.entries, imbalance, chunk)
-        if key not in self._costs:
-            self._costs[key] = cost
 
     def order(self, chains: Chains) -> Order:
         """The fused order of ``chains``: the DP's (``fusion.dp``), or the sequential order at pipeline degree
