@@ -1,4 +1,4 @@
-"""docs/hf.md runs: its ```python blocks are executed in order in one namespace."""
+"""docs/hf.md runs: its ```python blocks (a plan, then the gate's re-plan) are executed in order in one namespace."""
 
 from __future__ import annotations
 
@@ -19,4 +19,5 @@ def test_hf_example_runs(capsys):
     namespace = {"__name__": "__main__"}
     for line, code in blocks:
         exec(compile("\n" * (line - 1) + code, str(HF.relative_to(ROOT)), "exec"), namespace)
-    assert "exactly as predicted" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "exactly as predicted" in out and "re-planned" in out

@@ -37,7 +37,8 @@ from bagualu2.costmodel.graph import OP_KINDS, OpGraph
 from .callargs import stateful_type
 from .ops import ACTIVE, OP_SCOPE, after_gate, gate_report, hook_outputs
 from .scope import FRAME, REPLAYING, TRACER, Frame, OpBinding
-from .trace import TraceRecorder, TraceResult, build_graph_of, run_trace
+from .trace import TraceRecorder, TraceResult, run_trace
+from .tracegraph import build_graph_of
 from .tracker import storage_key, weight_keys
 
 GENERIC_KIND = "residual"  # the graph kind of a label that names no cost-model kind: memory-bound, no role
