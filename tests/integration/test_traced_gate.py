@@ -16,6 +16,7 @@ Under expert parallelism (a biased router sending one rank every copy) the same 
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -28,11 +29,14 @@ from bagualu2.costmodel import Plan, evaluate, presets  # noqa: E402
 from bagualu2.costmodel.rescale import at_imbalance  # noqa: E402
 from bagualu2.exec import DeferredPlanner, apply_plan, instrument  # noqa: E402
 from bagualu2.runtime import TracedStage, downgrade_plan  # noqa: E402
+from hf_models import FAMILIES  # noqa: E402
 
 HW = presets.hardware("cpu")
-FAMILIES = ("qwen3_moe", "deepseek_v3", "mixtral")
+NAMED = ("qwen3_moe", "deepseek_v3", "mixtral")
+QUANTIZE_LOSS_RTOL, QUANTIZE_GRAD_COS = 0.02, 0.98  # as tests/integration/test_hf.py
 
 
+@functools.lru_cache(maxsize=None)
 def _traced(family: str):
     pytest.importorskip("transformers")
     from bagualu2.integrations import hf
@@ -63,7 +67,7 @@ def _step(model, ids, instrumented=None, plan=None, planner=None):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", NAMED)
 def test_a_traced_graph_carries_its_routed_counts_and_rescales(family):
     model, ids, _, graph = _traced(family)
     tokens = ids.numel() * model.config.num_experts_per_tok
@@ -83,22 +87,30 @@ def test_a_traced_graph_carries_its_routed_counts_and_rescales(family):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("mode", ["graded", "paper"])
-def test_the_gate_replans_a_traced_model_within_budget_and_bitwise(family, mode):
+def test_the_gate_replans_a_traced_model_within_budget_exactly(family, mode):
+    """Every family: a budget the plan in force (keep all) overruns and re-planning the MoE modules can meet; the
+    gate changes the plan, the bytes kept are evaluate's of the final plan, within budget; loss and gradients
+    bitwise (within the FP8 tolerances when the re-plan quantises). With ``downgrade="paper"`` a family whose
+    router draws random numbers in training (phimoe) cannot re-run the module: the plan in force stays."""
     model, ids, instrumented, graph = _traced(family)
     loss0, grads0, _ = _step(model, ids)
-    # between what the full MoE downgrade keeps and the unmitigated bytes: the plan in force (keep all) overruns
-    # it, and changing the MoE modules after their gates can meet it
-    downgraded = evaluate(graph, downgrade_plan(graph)).activation_bytes
-    budget = downgraded + (graph.unmitigated_bytes - downgraded) // 3
+    full = evaluate(graph, downgrade_plan(graph))
+    budget = full.activation_bytes + (graph.unmitigated_bytes - full.activation_bytes) // 3
     planner = DeferredPlanner.for_graph(graph, budget_bytes=budget, downgrade=mode)
     loss, grads, record = _step(model, ids, instrumented, Plan(), planner)
-    moe_layers = sorted(layer for layer in graph.layer_routed_tokens)
-    assert record.downgraded and set(record.downgraded) <= set(moe_layers)
-    assert record.plan != Plan()
     assert record.device_bytes == evaluate(graph, record.plan).activation_bytes
     assert [d[1] for d in planner.decisions] == [1.0] * len(planner.decisions)  # one process: no imbalance
-    assert record.device_bytes <= budget
-    assert torch.equal(loss, loss0) and all(torch.equal(a, b) for a, b in zip(grads, grads0))
+    if mode == "paper" and full.unavailable:
+        assert record.downgraded == [] and record.plan == Plan()
+    else:
+        assert record.downgraded and set(record.downgraded) <= set(graph.layer_routed_tokens)
+        assert record.device_bytes <= budget
+    if any(strategy.value == "QUANTIZE" for _, strategy in record.plan.entries):
+        assert abs(float(loss - loss0)) <= QUANTIZE_LOSS_RTOL * abs(float(loss0))
+        flat, flat0 = torch.cat([g.flatten() for g in grads]), torch.cat([g.flatten() for g in grads0])
+        assert torch.nn.functional.cosine_similarity(flat, flat0, dim=0) >= QUANTIZE_GRAD_COS
+    else:
+        assert torch.equal(loss, loss0) and all(torch.equal(a, b) for a, b in zip(grads, grads0))
 
 
 @pytest.mark.slow

@@ -19,7 +19,8 @@ built at the measured imbalance:
 
 Among the options that fit, the cheapest (``PlanCost.overhead_ns``) wins, so a re-plan never costs more than the
 full downgrade and fits whenever it does. When nothing fits the full downgrade is returned (an overrun the caller
-records). ``downgrade="paper"`` is the behaviour before graded re-planning: keep if it fits, else downgrade.
+records). A downgrade that would re-run an op whose outputs nothing can regenerate (``PlanCost.unavailable``: on a
+traced graph, a router that draws random numbers) is no option: the plan in force stays. ``downgrade="paper"`` is the behaviour before graded re-planning: keep if it fits, else downgrade.
 """
 
 from __future__ import annotations
@@ -67,8 +68,9 @@ _AFTER: "weakref.WeakKeyDictionary[OpGraph, dict]" = weakref.WeakKeyDictionary()
 
 
 def after_router_tensors(graph: OpGraph, layers=None) -> frozenset[str]:
-    """Tensors made by MoE ops after the router (of ``layers``, default all): what the gate may still re-plan.
-    ``ValueError`` for a layer with no MoE module."""
+    """Tensors made by the MoE ops that run after the router (of ``layers``, default all), in program order: what
+    the gate may still re-plan. A MoE op of the layer that runs before its router (a shared expert some models
+    compute first) has stored its tensors already. ``ValueError`` for a layer with no MoE module."""
     memo = _AFTER.setdefault(graph, {})
     key = None if layers is None else tuple(sorted(set(layers)))
     found = memo.get(key)
@@ -79,16 +81,22 @@ def after_router_tensors(graph: OpGraph, layers=None) -> frozenset[str]:
                 if layer not in moe_layers:
                     raise ValueError(f"layer {layer} is not a MoE layer of this graph ({graph.label})")
         wanted = moe_layers if key is None else set(key)
-        makers = {op.name for op in graph.ops if op.kind in MOE_KINDS and op.kind != "router" and op.layer in wanted}
+        makers, routed = set(), set()  # routed: the layers whose router has run
+        for op in graph.ops:
+            if op.kind == "router":
+                routed.add(op.layer)
+            elif op.kind in MOE_KINDS and op.layer in wanted and op.layer in routed:
+                makers.add(op.name)
         found = memo[key] = frozenset(name for name, spec in graph.tensors.items() if spec.producer in makers)
     return found
 
 
 def gate_free_tensors(graph: OpGraph, layers=None) -> frozenset[str]:
     """What the graded re-plan may change after the gate of ``layers`` (default all MoE layers): the tensors of the
-    whole MoE module — made by the norm that feeds the router, by the router and after it. Their ops either have
-    not run yet or have just run and can still be re-run in backward from the module input (the paper's "full
-    recompute of the MoE module" restarts from there); ``exec`` holds the savings of the norm and the router
+    whole MoE module — made by the norm that feeds the router, by the router and after it (one the norm or the
+    router made that an op before the router already stored, a shared expert some models run first, is not).
+    Their ops either have not run yet or have just run and can still be re-run in backward from the module input
+    (the paper's "full recompute of the MoE module" restarts from there); ``exec`` holds the savings of the norm and the router
     provisionally until the gate settles them."""
     memo = _AFTER.setdefault(graph, {})
     key = ("module", None if layers is None else tuple(sorted(set(layers))))
@@ -97,14 +105,22 @@ def gate_free_tensors(graph: OpGraph, layers=None) -> frozenset[str]:
         after = after_router_tensors(graph, layers)
         wanted = {graph.op(spec.producer).layer for spec in graph.tensors.values()
                   if spec.producer is not None and spec.name in after}
-        module = set()
-        for op in graph.ops:
+        module, position, routers = set(), {}, {}
+        for index, op in enumerate(graph.ops):
+            position[op.name] = index
             if op.kind == "router" and op.layer in wanted:
+                routers[op.layer] = index
                 module.add(op.name)
                 module.update(graph.tensors[t].producer for t in op.inputs
                               if graph.tensors[t].producer is not None
                               and graph.op(graph.tensors[t].producer).kind == "norm")
-        found = memo[key] = after | frozenset(name for name, spec in graph.tensors.items() if spec.producer in module)
+
+        def held(tensor: str) -> bool:  # every saving of it is held for the gate or made after its router
+            router = routers[graph.op(graph.tensors[tensor].producer).layer]
+            return all(saver in module or position[saver] > router for saver, _ in graph.consumers(tensor))
+
+        found = memo[key] = after | frozenset(name for name, spec in graph.tensors.items()
+                                              if spec.producer in module and held(name))
     return found
 
 
@@ -143,23 +159,28 @@ def after_gate(graph: OpGraph, plan: Plan | None, budget_bytes: int, *, limit_by
     cost = cost if cost is not None else (lambda candidate: evaluate(graph, candidate))
     in_force = cost(plan)
     fits = in_force.activation_bytes <= budget_bytes
+    keep = GateDecision(plan, GateAction.KEEP, in_force)
     if downgrade == "paper":
         if fits:
-            return GateDecision(plan, GateAction.KEEP, in_force)
+            return keep
         full = downgrade_plan(graph, plan, layers=layers if downgrade_layers is None else downgrade_layers)
-        return GateDecision(full, GateAction.DOWNGRADE, cost(full))
+        downgraded = GateDecision(full, GateAction.DOWNGRADE, cost(full))
+        return keep if downgraded.cost.unavailable else downgraded
     if not fits and limit_bytes is not None and in_force.activation_bytes <= limit_bytes:
         return GateDecision(plan, GateAction.ABSORB, in_force)
     full = downgrade_plan(graph, plan, layers=layers if downgrade_layers is None else downgrade_layers)
-    options = [GateDecision(full, GateAction.DOWNGRADE, cost(full))]
+    downgraded = GateDecision(full, GateAction.DOWNGRADE, cost(full))
+    if downgraded.cost.unavailable:  # a re-run would need a tensor nothing regenerates (a traced random router)
+        downgraded = keep
+    options = [downgraded]
     try:
         replanned = greedy.solve(graph, budget_bytes, fixed=plan, free=gate_free_tensors(graph, layers))
     except ValueError:  # the plan in force is not one strategy per tensor: only the full downgrade applies
         replanned = None
-    if replanned is not None and replanned.ok:
+    if replanned is not None and replanned.ok and not replanned.cost.unavailable:
         options.append(GateDecision(replanned.plan, GateAction.REPLAN, replanned.cost))
-    if fits:
-        options.append(GateDecision(plan, GateAction.KEEP, in_force))
+    if fits and downgraded is not keep:
+        options.append(keep)
     fitting = [o for o in options if o.cost.activation_bytes <= budget_bytes]
     if not fitting:
         return options[0]

@@ -1,0 +1,54 @@
+"""What the gate may change follows program order, not op kinds: a graph (as traced from a model) whose shared
+expert runs before the router. The shared expert has stored its tensors when the gate fires, so neither they nor
+the norm output it stored are free; a downgrade that would re-run an op whose outputs nothing can regenerate is
+no option."""
+
+from __future__ import annotations
+
+from bagualu2.costmodel import Op, OpGraph, Plan, Resource, Saving, TensorSpec, evaluate, presets
+from bagualu2.runtime import GateAction, after_gate, after_router_tensors, downgrade_plan, gate_free_tensors
+
+HW = presets.hardware("cpu")
+
+
+def _op(name, kind, inputs, outputs, saves):
+    return Op(name, kind, 0, Resource.COMPUTE, tuple(inputs), tuple(outputs),
+              tuple(Saving(t, "fp32") for t in saves), 1000, 1000, 1000, 2000)
+
+
+def graph(*, router_regenerable: bool = True) -> OpGraph:
+    """norm -> shared expert (before the router) -> router -> experts; ``x`` the pinned block input."""
+    ops = (
+        _op("norm", "norm", ["x"], ["h"], ["x"]),
+        _op("shared_fc1", "shared_fc1", ["h"], ["s"], ["h"]),
+        _op("router", "router", ["h"], ["w"], ["h"]),
+        _op("dispatch", "dispatch", ["h", "w"], ["rows"], []),
+        _op("expert_fc1", "expert_fc1", ["rows"], ["e"], ["rows"]),
+        _op("expert_act", "expert_act", ["e"], ["a"], ["e"]),
+    )
+    tensors = {name: TensorSpec(name, 64, "fp32", producer, routed)
+               for name, producer, routed in (("x", None, False), ("h", "norm", False), ("s", "shared_fc1", False),
+                                              ("w", "router" if router_regenerable else None, False),
+                                              ("rows", "dispatch", True), ("e", "expert_fc1", True),
+                                              ("a", "expert_act", True))}
+    return OpGraph(ops=ops, tensors=tensors, hardware=HW, pinned=frozenset({("norm", "x")}), activation_dtype="fp32",
+                   mean_routed_tokens=4)
+
+
+def test_ops_before_the_router_are_not_free():
+    g = graph()
+    assert after_router_tensors(g) == {"rows", "e", "a"}  # not the shared expert's s: it ran before the router
+    assert "h" not in gate_free_tensors(g)  # the shared expert stored the norm output before the gate
+    assert gate_free_tensors(g) == {"rows", "e", "a", "w"}
+
+
+def test_a_downgrade_nothing_can_regenerate_is_no_option():
+    g = graph(router_regenerable=False)  # the router's output is a graph input (a random router, traced)
+    full = downgrade_plan(g)
+    assert evaluate(g, full).unavailable  # the re-run dispatch would need w, which nothing stores or makes
+    tight = evaluate(g, full).activation_bytes
+    for mode in ("paper", "graded"):
+        decision = after_gate(g, Plan(), tight, downgrade=mode)
+        assert not decision.cost.unavailable
+        assert decision.action in (GateAction.KEEP, GateAction.REPLAN)
+    assert after_gate(g, Plan(), tight, downgrade="paper").plan == Plan()  # kept: an overrun the caller records
