@@ -2,8 +2,9 @@
 two) on tiny random models of the families named on the command line, instrumented by ``integrations.hf``.
 
 Per family: trace a balanced micro-batch; pick the plan for a budget that every rank's unmitigated micro-batch
-fits at imbalance 1; then bias every router (``e_score_correction_bias``, the families' own load-balancing bias)
-toward rank 0's experts, so rank 0's experts receive every routed copy (imbalance 2) and rank 1's none. Run the
+fits at imbalance 1; then bias every router that has an ``e_score_correction_bias`` (the families' own
+load-balancing bias) toward rank 0's experts, so rank 0's experts receive every routed copy (imbalance 2) and
+rank 1's none (a family without one routes as it does). Run the
 plain model and the planned one (the deferred planner on the traced graph, every re-run verified); report losses,
 gradient equality, the gates' decisions and the bytes kept, one ``REPORT`` JSON line per rank.
 """
@@ -92,7 +93,8 @@ def family_report(family: str, rank: int, mesh) -> dict:
                  if imbalance >= 1 else None)
     return {
         "family": family,
-        "moe_layers": len(routers),
+        "moe_layers": len(graph.layer_routed_tokens),
+        "biased_routers": len(routers),
         "budget_bytes": budget,
         "mean_routed_tokens": graph.mean_routed_tokens,
         "received": {str(k): v for k, v in received.items()},
@@ -103,6 +105,8 @@ def family_report(family: str, rank: int, mesh) -> dict:
         "downgraded": list(record.downgraded),
         "decisions": [list(d) for d in planner.decisions],
         "device_bytes": record.device_bytes,
+        # per layer, the copies it received: exact for every layer whose experts received any
+        "received_predicted_bytes": evaluate(graph, record.plan).activation_bytes_received(graph, received),
         "predicted_bytes": predicted,
         "loss_equal": bool(torch.equal(loss, plain_loss)),
         "grads_equal": all(torch.equal(a, b) for a, b in zip(planned_grads, plain_grads)),
