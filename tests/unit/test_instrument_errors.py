@@ -134,8 +134,12 @@ def test_the_gate_runs_after_each_router_in_forward_only():
         return output.shape[0] * 2  # routed copies: T * top_k
 
     instrumented = instrument(model, OP_MAP, gate=gate)
-    instrumented.trace_graph(x, hardware=HW)
-    assert not seen  # tracing decides nothing
+    graph = instrumented.trace_graph(x, hardware=HW)
+    # tracing asks each router for its routed copies, the graph's counts; it decides nothing
+    assert [r for r, _ in seen] == [model.layers[1].moe.gate]
+    assert graph.mean_routed_tokens == seen[0][1][0] * 2
+    assert dict(graph.layer_routed_tokens) == {1: graph.mean_routed_tokens}
+    seen.clear()
     executor = apply_plan(instrumented, "expert_act=RECOMPUTE,router=RECOMPUTE")
     with executor.micro_batch("mb0"):
         out = model(x)
