@@ -121,3 +121,31 @@ def test_the_integration_imports_without_transformers(monkeypatch):
     module = importlib.import_module("bagualu2.integrations.hf")
     with pytest.raises(ValueError, match=r"needs transformers: pip install 'bagualu2\[hf\]'"):
         module.instrument(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.slow
+def test_routes_to_another_ranks_experts_are_skipped_or_refused_with_the_gate():
+    """transformers' all-reduce expert parallelism hands every rank the routes to other ranks' experts as ids past
+    its own (weight 0): the experts implementation skips them (the same output as routing them to a local expert
+    with weight 0, up to the GEMMs' rounding), and refuses them when the gate counts copies (its count assumes each rank its own batch)."""
+    from bagualu2.integrations.hf_experts import GATE_ATTRIBUTE, experts_forward
+
+    model, _ = tiny("qwen3_moe")
+    hf.instrument(model, gate=False)
+    experts = model.model.layers[0].mlp.experts
+    torch.manual_seed(0)
+    hidden = torch.randn(6, 64)
+    index = torch.tensor([[0, 4], [1, 0], [4, 4], [2, 3], [3, 4], [1, 2]])  # 4: another rank's expert
+    weights = torch.rand(6, 2) * (index < 4)
+    experts._is_expert_parallel = True
+    try:
+        skipped = experts_forward(experts, hidden, index, weights)
+        local = experts_forward(experts, hidden, index.clamp(max=3), weights)
+        torch.testing.assert_close(skipped, local)  # the same sums; the GEMMs run on other row sets
+        setattr(experts, GATE_ATTRIBUTE, True)
+        with pytest.raises(ValueError, match="all-reduce expert parallelism.*gate=False"):
+            experts_forward(experts, hidden, index, weights)
+    finally:
+        experts._is_expert_parallel = False
+    with pytest.raises(ValueError, match="identity or skip experts"):
+        experts_forward(experts, hidden, index, weights)

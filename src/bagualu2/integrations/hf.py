@@ -33,7 +33,7 @@ import torch
 from bagualu2.exec import GateReport, InstrumentedModel
 from bagualu2.exec import instrument as instrument_ops
 
-from .hf_experts import PARTS, install, is_experts
+from .hf_experts import GATE_ATTRIBUTE, PARTS, install, is_experts
 
 # every causal-LM MoE family (model_type) of transformers 5.24 whose routed experts its experts implementations run;
 # the tests build each from a tiny config with its defaults and check it exactly (docs/hf.md)
@@ -214,8 +214,14 @@ def instrument(model: torch.nn.Module, *, gate: bool = True) -> InstrumentedMode
     for config in _configs(model):
         config.use_cache = False  # as transformers' activation checkpointing does: a re-run must not update it
     if not gate:
+        for path, label in labels.items():
+            if label == "dispatch":
+                setattr(model.get_submodule(path), GATE_ATTRIBUTE, False)
         return instrument_ops(model, labels)
     experts_of = _routers(model, labels)
+    for experts in experts_of.values():
+        if experts is not None:
+            setattr(experts, GATE_ATTRIBUTE, True)  # its count assumes each rank routes its own batch
     return instrument_ops(model, labels,
                           gate=lambda router, inputs, output: _gate_report(router, inputs, output,
                                                                            experts_of.get(router)))

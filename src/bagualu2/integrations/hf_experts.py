@@ -16,6 +16,7 @@ import torch
 from bagualu2.exec import routed
 
 NAME = "bagualu2"
+GATE_ATTRIBUTE = "bagualu2_gate"  # set on experts modules whose routers report to the gate (``hf.instrument``)
 PARTS = ("bagualu2_fc1", "bagualu2_act", "bagualu2_fc2")
 
 
@@ -99,9 +100,16 @@ def experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_in
     expert_ids, perm = torch.sort(top_k_index.reshape(-1))
     counts = torch.bincount(expert_ids, minlength=self.num_experts)[:self.num_experts].tolist()
     local = sum(counts)
-    if local != expert_ids.numel() and not getattr(self, "_is_expert_parallel", False):
-        raise ValueError(f"{type(self).__name__}: the router picked indices beyond its {self.num_experts} experts "
-                         "(identity or skip experts); the bagualu2 experts implementation runs routed experts only")
+    if local != expert_ids.numel():
+        if not getattr(self, "_is_expert_parallel", False):
+            raise ValueError(f"{type(self).__name__}: the router picked indices beyond its {self.num_experts} "
+                             "experts (identity or skip experts); the bagualu2 experts implementation runs routed "
+                             "experts only")
+        if getattr(self, GATE_ATTRIBUTE, False):
+            raise ValueError(f"{type(self).__name__}: routes to another rank's experts reached this rank (the "
+                             "all-reduce expert parallelism, a batch the group shares); the gate counts routed "
+                             "copies for the all-to-all one (each rank its own batch): use "
+                             "ep_implementation='all_to_all', or instrument(model, gate=False)")
     with routed():
         if local != perm.numel():  # sorted: another rank's routes (ids past the local experts) come last
             perm = perm[:local].clone()
