@@ -127,11 +127,13 @@ def test_the_integration_imports_without_transformers(monkeypatch):
 def test_routes_to_another_ranks_experts_are_skipped_or_refused_with_the_gate():
     """transformers' all-reduce expert parallelism hands every rank the routes to other ranks' experts as ids past
     its own (weight 0): the experts implementation skips them (the same output as routing them to a local expert
-    with weight 0, up to the GEMMs' rounding), and refuses them when the gate counts copies (its count assumes each rank its own batch)."""
+    with weight 0, up to the GEMMs' rounding), and, when the gate counts copies, refuses them while a micro-batch
+    records (its count assumes each rank its own batch)."""
     from bagualu2.integrations.hf_experts import GATE_ATTRIBUTE, experts_forward
 
-    model, _ = tiny("qwen3_moe")
-    hf.instrument(model, gate=False)
+    model, ids = tiny("qwen3_moe")
+    instrumented = hf.instrument(model, gate=False)
+    instrumented.trace_graph(input_ids=ids, labels=ids, hardware=HW, loss=lambda out: out.loss)
     experts = model.model.layers[0].mlp.experts
     torch.manual_seed(0)
     hidden = torch.randn(6, 64)
@@ -143,8 +145,11 @@ def test_routes_to_another_ranks_experts_are_skipped_or_refused_with_the_gate():
         local = experts_forward(experts, hidden, index.clamp(max=3), weights)
         torch.testing.assert_close(skipped, local)  # the same sums; the GEMMs run on other row sets
         setattr(experts, GATE_ATTRIBUTE, True)
+        torch.testing.assert_close(experts_forward(experts, hidden, index, weights), local)  # nothing records
+        executor = apply_plan(instrumented, None)
         with pytest.raises(ValueError, match="all-reduce expert parallelism.*gate=False"):
-            experts_forward(experts, hidden, index, weights)
+            with executor.micro_batch("mb"):
+                experts_forward(experts, hidden, index, weights)
     finally:
         experts._is_expert_parallel = False
     with pytest.raises(ValueError, match="identity or skip experts"):

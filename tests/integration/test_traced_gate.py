@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bagualu2.costmodel import Plan, evaluate, presets  # noqa: E402
 from bagualu2.costmodel.rescale import at_imbalance  # noqa: E402
-from bagualu2.exec import DeferredPlanner, apply_plan, instrument  # noqa: E402
+from bagualu2.exec import DeferredPlanner, GateReport, apply_plan, instrument  # noqa: E402
 from bagualu2.runtime import TracedStage, downgrade_plan  # noqa: E402
 from hf_models import FAMILIES  # noqa: E402
 
@@ -160,3 +160,49 @@ def test_a_stored_storage_stays_readable_while_any_of_its_kept_aliases_lives():
     assert torch.equal(stored.kept.reshape(-1), torch.arange(6))
     stored.unhold()
     assert stored.kept is None  # the last reader is done: autograd owns it again (nothing else holds it here)
+
+
+class _Routed(torch.nn.Module):
+    """A norm, a router (a linear layer and its top-2) and one expert on the rows it picks, ``calls`` times over."""
+
+    def __init__(self, calls: int = 1):
+        super().__init__()
+        self.calls = calls
+        self.norm = torch.nn.LayerNorm(8)
+        self.router = torch.nn.Linear(8, 4)
+        self.expert = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+
+    def forward(self, x):
+        h = self.norm(x)
+        for _ in range(self.calls):
+            index = torch.topk(self.router(h), 2, dim=-1)[1]
+            h = h + self.expert(h[index.reshape(-1) % h.shape[0]]).reshape(h.shape[0], 2, 8).sum(1)
+        return h
+
+
+def _routed_graph(calls: int, received):
+    instrumented = instrument(_Routed(calls), {"norm": "norm2", "router": "router", "expert": "expert_fc1"},
+                              gate=lambda router, inputs, output: received(output))
+    return instrumented.trace_graph(torch.randn(6, 8, requires_grad=True), hardware=HW)
+
+
+def test_a_layer_whose_router_runs_twice_gets_no_counts():
+    """The gate at run time reports one router call: a trace with two in one layer gives the graph no counts
+    (one call's count is no measure of the layer's tensors), and the deferred planner refuses it."""
+    graph = _routed_graph(2, lambda output: output.shape[0] * 2)
+    assert graph.mean_routed_tokens == 0 and not graph.layer_routed_tokens
+    with pytest.raises(ValueError, match="each MoE layer's router once"):
+        DeferredPlanner.for_graph(graph, budget_bytes=graph.unmitigated_bytes)
+
+
+def test_a_layer_that_received_nothing_in_the_trace_is_refused_when_the_planner_is_made():
+    # this rank's experts received no copy in the traced batch; its router sent 12
+    graph = _routed_graph(1, lambda output: GateReport(0, sent=output.shape[0] * 2))
+    assert graph.mean_routed_tokens == 12
+    assert graph.layer_routed_tokens == {0: 0}
+    with pytest.raises(ValueError, match="layer 0 .* received no routed token copies"):
+        DeferredPlanner.for_graph(graph, budget_bytes=graph.unmitigated_bytes)
+    cost = evaluate(graph)
+    assert cost.routed_bytes  # the expert's output, routed
+    with pytest.raises(ValueError, match="holds no routed token copies"):
+        cost.activation_bytes_received(graph, {0: 12})

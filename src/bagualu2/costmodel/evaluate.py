@@ -52,8 +52,12 @@ class PlanCost:
         total = self.activation_bytes
         for layer, nbytes in self.routed_bytes_by_layer.items():
             tokens, built = received_tokens.get(layer), graph.built_routed_tokens(layer)
-            if tokens is not None and built:
-                total += nbytes // built * tokens - nbytes
+            if tokens is None or tokens == built:
+                continue
+            if not built:
+                raise ValueError(f"MoE layer {layer} of {graph.label!r} holds no routed token copies: its bytes at "
+                                 f"{tokens} copies are unknown")
+            total += nbytes // built * tokens - nbytes
         return total
 
     def activation_bytes_at(self, graph: OpGraph, imbalance: float) -> int:

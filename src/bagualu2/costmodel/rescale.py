@@ -4,15 +4,18 @@
 model (``bagualu2.exec``) has no configuration behind it, only the tensors one micro-batch made and the routed
 token copies each MoE layer's experts received (``OpGraph.layer_routed_tokens``). A routed tensor holds one row
 per received copy, so at another imbalance ``r`` every routed tensor of layer ``l`` holds
-``numel / built(l) * routed_tokens(r)`` elements; the ops whose every output is routed (the experts' GEMMs and
-activation, the dispatch of the received copies) take time in the same proportion. Everything else is as it was.
-For a built graph this gives exactly the tensors :func:`build_graph` builds at ``r`` (a property test checks it).
+``numel / built(l) * routed_tokens(r)`` elements; the ops that read or make routed tensors (the dispatch and
+combine of the received copies, the experts' GEMMs and activation) take their time beyond the kernel launch in
+the same proportion (an estimate: the weights they read do not grow with the copies). Everything else is as it was. For a built graph
+this gives exactly the tensors, and so the bytes of every plan, that :func:`build_graph` builds at ``r`` (a
+property test checks it); op times are estimates.
 """
 
 from __future__ import annotations
 
 from .build import check_imbalance
 from .graph import Op, OpGraph
+from .strategy import seconds_to_ns
 
 
 def at_imbalance(graph: OpGraph, imbalance: float) -> OpGraph:
@@ -40,14 +43,19 @@ def at_imbalance(graph: OpGraph, imbalance: float) -> OpGraph:
                              f"{built} routed copies of layer {layer}")
         factors[layer] = (target, built)
         tensors[name] = spec._replace(numel=spec.numel // built * target)
+    launch = seconds_to_ns(graph.hardware.kernel_launch_s)
+
+    def scaled(ns: int, num: int, den: int) -> int:  # the launch stays, the rest follows the copies
+        return ns if ns <= launch else launch + (ns - launch) * num // den
+
     ops = []
     for op in graph.ops:
         factor = factors.get(op.layer)
-        if factor is not None and op.outputs and all(graph.tensors[t].routed for t in op.outputs):
+        if factor is not None and any(graph.tensors[t].routed for t in (*op.inputs, *op.outputs)):
             num, den = factor
             op = Op(op.name, op.kind, op.layer, op.resource, op.inputs, op.outputs, op.saves,
-                    op.flops * num // den, op.moved_bytes * num // den, op.forward_ns * num // den,
-                    op.backward_ns * num // den)
+                    op.flops * num // den, op.moved_bytes * num // den, scaled(op.forward_ns, num, den),
+                    scaled(op.backward_ns, num, den))
         ops.append(op)
     return OpGraph(ops=tuple(ops), tensors=tensors, hardware=graph.hardware, pinned=graph.pinned,
                    imbalance=imbalance, label=graph.label, activation_dtype=graph.activation_dtype,

@@ -128,11 +128,14 @@ class TraceRecorder:
         self.events: list[tuple[float, str]] = []  # (time, op) when the gradient of an op's output was ready
         self.received: dict[int, int] = {}  # MoE layer -> routed copies its experts received (the gate's report)
         self.sent: dict[int, int] = {}      # MoE layer -> routed copies this rank's router sent
+        self.reports: dict[int, int] = {}   # MoE layer -> gate reports (router calls)
 
     def routed_tokens(self, layer: int, received: int, sent: int) -> None:
-        """The gate's report after MoE layer ``layer``'s router (a layer seen twice: the counts add up)."""
+        """The gate's report after MoE layer ``layer``'s router (a layer seen twice: the counts add up, and the
+        graph gets no counts: the gate at run time reports one call)."""
         self.received[layer] = self.received.get(layer, 0) + received
         self.sent[layer] = self.sent.get(layer, 0) + sent
+        self.reports[layer] = self.reports.get(layer, 0) + 1
 
     def enter(self, frame: Frame, args: tuple, kwargs: dict) -> None:
         binding = frame.binding

@@ -73,7 +73,7 @@ def build_graph_of(recorder: TraceRecorder, model: torch.nn.Module, hardware: Ha
         pinned = frozenset((unmapped.name, s.tensor) for s in unmapped.saves)
     graph = OpGraph(ops=tuple(ops), tensors=tensors, hardware=hardware, label=f"traced {type(model).__name__}",
                     activation_dtype=activation_dtype, pinned=pinned,
-                    mean_routed_tokens=max(recorder.sent.values(), default=0),
+                    mean_routed_tokens=_mean_routed_tokens(recorder),
                     layer_routed_tokens=_layer_routed_tokens(recorder, tensors, ops))
     mapped = {k for c in recorder.calls for k, _ in c.saves}
     outside = {k: b for k, (b, _) in recorder.unmapped.items() if k not in mapped}
@@ -97,11 +97,20 @@ def _is_routed(info, by_op: dict, marked: bool) -> bool:
     return info.producer is not None and by_op[info.producer][0].binding.kind in ROUTED_KINDS
 
 
+def _mean_routed_tokens(recorder: TraceRecorder) -> int:
+    """The routed copies one MoE layer's router sends (tokens x top-k): a rank's mean load, the imbalance's
+    denominator. 0 (no counts: the graph cannot be rescaled) when a layer's router ran more than once or the
+    layers send different numbers of copies, where one layer's count is no measure of another's."""
+    if any(n > 1 for n in recorder.reports.values()) or len(set(recorder.sent.values())) > 1:
+        return 0
+    return next(iter(recorder.sent.values()), 0)
+
+
 def _layer_routed_tokens(recorder: TraceRecorder, tensors: dict, ops: list) -> dict[int, int]:
     """The routed copies each MoE layer's experts received in the trace (the gate's reports; none without a gate);
     with reports, a routed tensor of a layer with no report, or not one row per reported copy, is not routed (it
     keeps its traced size)."""
-    if not recorder.received:
+    if not recorder.received or not _mean_routed_tokens(recorder):
         return {}
     layers: dict[str, int] = {}  # as OpGraph.tensor_layers: the producer's, else the first op's that uses it
     for op in ops:

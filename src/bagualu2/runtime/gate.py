@@ -105,22 +105,22 @@ def gate_free_tensors(graph: OpGraph, layers=None) -> frozenset[str]:
         after = after_router_tensors(graph, layers)
         wanted = {graph.op(spec.producer).layer for spec in graph.tensors.values()
                   if spec.producer is not None and spec.name in after}
-        module, position, routers = set(), {}, {}
+        position, router_of = {}, {}  # router_of: a module op (router, norm feeding it) -> its router's position
         for index, op in enumerate(graph.ops):
             position[op.name] = index
             if op.kind == "router" and op.layer in wanted:
-                routers[op.layer] = index
-                module.add(op.name)
-                module.update(graph.tensors[t].producer for t in op.inputs
-                              if graph.tensors[t].producer is not None
-                              and graph.op(graph.tensors[t].producer).kind == "norm")
+                router_of[op.name] = index
+                for t in op.inputs:
+                    producer = graph.tensors[t].producer
+                    if producer is not None and graph.op(producer).kind == "norm":
+                        router_of.setdefault(producer, index)
 
         def held(tensor: str) -> bool:  # every saving of it is held for the gate or made after its router
-            router = routers[graph.op(graph.tensors[tensor].producer).layer]
-            return all(saver in module or position[saver] > router for saver, _ in graph.consumers(tensor))
+            router = router_of[graph.tensors[tensor].producer]
+            return all(saver in router_of or position[saver] > router for saver, _ in graph.consumers(tensor))
 
         found = memo[key] = after | frozenset(name for name, spec in graph.tensors.items()
-                                              if spec.producer in module and held(name))
+                                              if spec.producer in router_of and held(name))
     return found
 
 

@@ -157,11 +157,13 @@ class TracedStage(_Engine):
             raise ValueError(f"graph must be an OpGraph (a traced graph), got {type(graph).__name__}")
         if not graph.mean_routed_tokens:
             raise ValueError(f"graph {graph.label!r} has no routed token counts: trace a model whose routers report "
-                             "to the gate (exec.instrument(..., gate=...), integrations.hf.instrument)")
+                             "to the gate (exec.instrument(..., gate=...), integrations.hf.instrument), each MoE "
+                             "layer's router once, every layer sending the same number of copies")
         self.traced, self.hardware = graph, graph.hardware
         self.memo = Memo(enabled=cache, max_entries=max_entries)
         self._graphs: dict[float, OpGraph] = {}
         self._costs = self.memo.table(CostKey)
+        self.graph(0, 1.0)  # a graph that cannot be rescaled (a layer that received nothing) is refused here
 
     def graph(self, chunk: int, imbalance: float) -> OpGraph:
         """The traced graph with every MoE layer at ``imbalance`` (built once per imbalance)."""
