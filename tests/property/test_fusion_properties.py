@@ -131,14 +131,49 @@ def test_bad_inputs_raise():
         Order.from_str("X3")
 
 
-def test_small_pipeline_degree_falls_back_to_sequential():
+def test_no_pipeline_falls_back_to_sequential():
     chains = Chains(Chain("F", (Stage("a", Resource.COMPUTE, 5),)), Chain("B", (Stage("b", Resource.COMM, 5),)))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        order = dp.solve(chains, pipeline_degree=2)
+        order = dp.solve(chains, pipeline_degree=1)
     assert order.solver == "sequential" and order.makespan_ns == 10
-    assert any("pipeline degree" in str(w.message) for w in caught)
+    assert any("pipeline degree 1" in str(w.message) for w in caught)
     assert dp.solve(chains, pipeline_degree=4).makespan_ns == 5
+
+
+@given(random_chains())
+def test_at_pipeline_degree_two_f_and_b_interleave_and_the_copies_sit_at_the_edges(chains):
+    """x - y = 2: O (of x-1) and R (of y+1) copy the same micro-batch. F and B keep the DP's order of the two,
+    every O stage comes before every R stage, the order is valid and no slower than running it in series; no
+    warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        order = dp.solve(chains, pipeline_degree=2)
+    _order_keeps_chains(order, chains)
+    assert simulate(order, chains).makespan_ns == order.makespan_ns <= chains.sequential_ns
+    if chains.offload is None or chains.recovery is None:
+        assert order == dp.solve(chains)  # no shared micro-batch: the full DP
+        return
+    stages = [stage for group in order.groups for stage in group]
+    last_out = max(i for i, (kind, _) in enumerate(stages) if kind == "O")
+    first_back = min(i for i, (kind, _) in enumerate(stages) if kind == "R")
+    groups_of = {stage: g for g, group in enumerate(order.groups) for stage in group}
+    assert max(groups_of[("O", i)] for i in range(len(chains.offload))) < min(
+        groups_of[("R", i)] for i in range(len(chains.recovery))) and last_out < first_back
+    if chains.forward is not None or chains.backward is not None:
+        core = dp.solve(Chains(chains.forward, chains.backward))
+        kept = tuple(tuple(s for s in group if s[0] in "FB") for group in order.groups)
+        assert tuple(g for g in kept if g) == core.groups
+
+
+def test_pipeline_degree_two_overlaps_the_copies_with_compute():
+    compute = lambda name, ns: Stage(name, Resource.COMPUTE, ns)  # noqa: E731
+    chains = Chains(Chain("F", (compute("f0", 10), Stage("f1", Resource.COMM, 10), compute("f2", 10))),
+                    Chain("B", (compute("b0", 10), Stage("b1", Resource.COMM, 10), compute("b2", 10))),
+                    Chain("O", (Stage("o0", Resource.D2H, 10),)), Chain("R", (Stage("r0", Resource.H2D, 10),)))
+    order = dp.solve(chains, pipeline_degree=2)
+    assert ("O", 0) in order.groups[0] and ("R", 0) in order.groups[-1]  # out at the start, back at the end
+    assert order.makespan_ns < baselines.sequential(chains).makespan_ns  # F's comm under B's compute, copies hidden
 
 
 def test_warmup_and_cooldown_points():

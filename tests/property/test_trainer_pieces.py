@@ -81,7 +81,8 @@ def test_point_orders_match_the_dp_and_are_memoised():
                        recovery=(graph, plan)) == chains == build_chains(graph, plan, graph, plan, hardware=HW)
     assert deep.order(chains) == dp.solve(chains, pipeline_degree=4)
     assert deep.order(chains) is deep.order(chains)
-    assert shallow.order(chains) == baselines.sequential(chains)
+    assert shallow.order(chains) == dp.solve(chains, pipeline_degree=2)  # F and B by the DP, O and R at the edges
+    assert shallow.order(chains).makespan_ns < baselines.sequential(chains).makespan_ns
     warm = deep.chains(forward=(graph, plan), offload=(graph, plan))
     assert warm.backward is None and warm.recovery is None and warm.offload is not None
 

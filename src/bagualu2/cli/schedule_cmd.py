@@ -138,6 +138,7 @@ def schedule(
               f"(floor M0 {_gib(graph.floor_bytes)}, unmitigated {_gib(graph.unmitigated_bytes)} GiB; "
               f"plan kept {_gib(solution.cost.activation_bytes)} GiB)\nstages per chain: {stages}")
     if parallel.pp <= 2:
-        header += (f"\nnote: pp={parallel.pp} <= 2: offload and recovery would target the same micro-batch, so at "
-                   "runtime the sequential order runs instead of the DP's (shown for analysis)")
+        header += (f"\nnote: pp={parallel.pp}: offload and recovery copy the same micro-batch, so at runtime "
+                   + ("the sequential order runs instead of the DP's (shown for analysis)" if parallel.pp == 1
+                      else "F and B run in the DP's order with O and R at the point's edges"))
     _print(header, chains, orders, timelines, png_path)

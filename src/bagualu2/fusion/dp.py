@@ -9,6 +9,9 @@ After compaction there are ``(|F|+1)(|B|+1)(|O|+1)(|R|+1)`` states and up to 15 
 advancing non-empty chains); the states are laid out and processed by anti-diagonal level (a transition lowers
 the level by 1 to 4) with numpy, one vector step per level. The transfer points are not stored: walking back from
 the last state, each state's first minimising transition is recomputed from the table of best times.
+
+At pipeline degree 2 the offload and the recovery copy the same micro-batch: the DP orders F and B, and O and R
+run at the point's edges (:func:`with_edges`).
 """
 
 from __future__ import annotations
@@ -96,16 +99,25 @@ def _group_times(chains: Chains, masks: tuple[int, ...], coords: np.ndarray) -> 
 def solve(chains: Chains, *, pipeline_degree: int | None = None) -> Order:
     """The fastest barrier-group order of ``chains`` (see module docstring).
 
-    ``pipeline_degree`` <= 2 means x - y <= 2, where the offload and recovery targets coincide: the DP does not
-    apply and the sequential order is returned with a warning. Durations are in the chains.
+    ``pipeline_degree`` 2 means x - y = 2: the offload's micro-batch (x-1) is the recovery's (y+1), whose copies
+    out must end before its copies back begin. F and B are still independent and ordered by the DP; O and R run at
+    the point's edges (:func:`with_edges`). ``pipeline_degree`` 1 (no pipeline) gives the sequential order with a
+    warning. Durations are in the chains.
     """
     if pipeline_degree is not None:
-        if require_int("pipeline_degree", pipeline_degree, 1) <= 2:
+        degree = require_int("pipeline_degree", pipeline_degree, 1)
+        if degree == 1:
             from .baselines import sequential
 
-            warnings.warn(f"pipeline degree {pipeline_degree} <= 2: offload and recovery would target the same "
-                          "micro-batch; using the sequential order", RuntimeWarning, stacklevel=2)
+            warnings.warn("pipeline degree 1: no scheduling point pairs two micro-batches; using the sequential "
+                          "order", RuntimeWarning, stacklevel=2)
             return sequential(chains)
+        if degree == 2 and chains.offload is not None and chains.recovery is not None:
+            if chains.forward is None and chains.backward is None:
+                from .baselines import sequential
+
+                return sequential(chains)  # nothing to overlap the copies with: out, then back
+            return with_edges(solve(Chains(chains.forward, chains.backward)), chains)
     present = list(chains.present())
     if len(present) == 1:  # one chain: the only transition runs its next stage, so each stage is its own group
         chain = present[0]
@@ -139,3 +151,26 @@ def _rebuild(best: list[int], times: np.ndarray, masks: tuple[int, ...], shape: 
         groups.append(tuple((kind, at[c] - 1) for c, kind in enumerate(CHAIN_KINDS) if (mask >> c) & 1))
         position = before[m]
     return tuple(reversed(groups))
+
+
+def with_edges(core: Order, chains: Chains) -> Order:
+    """``core`` (an order of F and B) with the offload from the point's start and the recovery up to its end:
+    O's stages join the first groups, one each, R's the last ones, and every O stage comes before every R stage
+    (standalone groups between them when ``core`` has too few). Where O and R copy the same micro-batch (pipeline
+    degree 2: x-1 = y+1) its copies out end before its copies back begin, the copies overlap the F and B stages
+    of the edges, and F and B keep the DP's order. Its makespan is the simulator's."""
+    from .simulate import simulate
+
+    groups = [list(group) for group in core.groups]
+    offload = [("O", i) for i in range(len(chains.offload))]
+    recovery = [("R", i) for i in range(len(chains.recovery))]
+    front = min(len(offload), len(groups))
+    back = min(len(recovery), len(groups) - front)
+    for group, stage in zip(groups[:front], offload):
+        group.append(stage)
+    for group, stage in zip(groups[len(groups) - back:], recovery[len(recovery) - back:]):
+        group.append(stage)
+    middle = ([[stage] for stage in offload[front:]] + groups[front:len(groups) - back]
+              + [[stage] for stage in recovery[:len(recovery) - back]])
+    ordered = Order(tuple(tuple(g) for g in groups[:front] + middle + groups[len(groups) - back:]), barriers=True)
+    return Order(ordered.groups, barriers=True, makespan_ns=simulate(ordered, chains).makespan_ns, solver="dp")

@@ -236,14 +236,14 @@ class Stage(_Engine):
         return found
 
     def order(self, chains: Chains) -> Order:
-        """The fused order of ``chains``: the DP's (``fusion.dp``), or the sequential order at pipeline degree
-        <= 2 (where the DP does not apply); memoised by what the DP reads, each chain's stage resources and
-        durations, so points that differ elsewhere share one order."""
+        """The fused order of ``chains``: the DP's (``fusion.dp``; at pipeline degree 2 of F and B, with O and R
+        at the point's edges), or the sequential order without a pipeline (degree 1); memoised by what the DP
+        reads, each chain's stage resources and durations, so points that differ elsewhere share one order."""
         key = OrderKey(tuple(None if chain is None else tuple((s.resource, s.duration_ns) for s in chain.stages)
                              for chain in (chains.forward, chains.backward, chains.offload, chains.recovery)))
         found = self._orders.get(key)
         if found is None:
-            found = self._orders[key] = (sequential(chains) if self.parallel.pp <= 2
+            found = self._orders[key] = (sequential(chains) if self.parallel.pp == 1
                                          else dp.solve(chains, pipeline_degree=self.parallel.pp))
         return found
 
