@@ -183,3 +183,13 @@ def test_verify_names_the_op_whose_re_run_differs_from_its_forward():
     executor.release("mb")
     with pytest.raises(ValueError, match="verify must be True or False"):
         apply_plan(instrumented, plan, verify="yes")
+
+
+@pytest.mark.parametrize("bad", ["12", -1, 2.5, True, (1, None, None, -3), (1, 2, 3, 4, 5), None])
+def test_a_gate_report_that_is_not_a_count_is_one_line(bad):
+    from bagualu2.exec.ops import GateReport, gate_report
+
+    with pytest.raises(ValueError, match="gate: the router's report"):
+        gate_report(bad)
+    assert gate_report(7) == GateReport(7) and gate_report((7, None, None, 4)).sent == 4
+    assert gate_report(torch.tensor(7)).received == 7

@@ -118,12 +118,25 @@ class GateReport(NamedTuple):
 
 
 def gate_report(report: Any) -> GateReport:
-    """A gate callable's return value as a :class:`GateReport` (an ``int``, a tuple, or a report)."""
-    if isinstance(report, GateReport):
-        return report
-    if isinstance(report, tuple):
-        return GateReport(*report)
-    return GateReport(int(report))
+    """A gate callable's return value as a :class:`GateReport` (an ``int``, a tuple, or a report); one
+    ``ValueError`` naming what is wrong otherwise."""
+    if not isinstance(report, GateReport):
+        if isinstance(report, tuple) and 1 <= len(report) <= 4:
+            report = GateReport(*report)
+        else:
+            report = GateReport(report)
+    for name in ("received", "most", "sent"):
+        value = getattr(report, name)
+        if value is None and name != "received":
+            continue
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"gate: the router's report must give {name} as routed token copies, an int >= 0 "
+                             f"(an int, a (received, group, most, sent) tuple or an exec.GateReport), got "
+                             f"{getattr(report, name)!r}")
+        report = report._replace(**{name: value})
+    return report
 
 
 @contextlib.contextmanager
