@@ -5,6 +5,8 @@ layer received (what lets the graph be resized to another imbalance, ``costmodel
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from bagualu2.costmodel.config import Hardware
@@ -71,10 +73,9 @@ def build_graph_of(recorder: TraceRecorder, model: torch.nn.Module, hardware: Ha
     if unmapped is not None:
         ops.append(unmapped)
         pinned = frozenset((unmapped.name, s.tensor) for s in unmapped.saves)
-    graph = OpGraph(ops=tuple(ops), tensors=tensors, hardware=hardware, label=f"traced {type(model).__name__}",
-                    activation_dtype=activation_dtype, pinned=pinned,
-                    mean_routed_tokens=_mean_routed_tokens(recorder),
-                    layer_routed_tokens=_layer_routed_tokens(recorder, tensors, ops))
+    graph = _with_routed_counts(recorder, OpGraph(ops=tuple(ops), tensors=tensors, hardware=hardware,
+                                                  label=f"traced {type(model).__name__}",
+                                                  activation_dtype=activation_dtype, pinned=pinned))
     mapped = {k for c in recorder.calls for k, _ in c.saves}
     outside = {k: b for k, (b, _) in recorder.unmapped.items() if k not in mapped}
     saved = sum(recorder.storages[k].nbytes for k in mapped) + sum(outside.values())
@@ -106,23 +107,21 @@ def _mean_routed_tokens(recorder: TraceRecorder) -> int:
     return next(iter(recorder.sent.values()), 0)
 
 
-def _layer_routed_tokens(recorder: TraceRecorder, tensors: dict, ops: list) -> dict[int, int]:
-    """The routed copies each MoE layer's experts received in the trace (the gate's reports; none without a gate);
-    with reports, a routed tensor of a layer with no report, or not one row per reported copy, is not routed (it
-    keeps its traced size)."""
-    if not recorder.received or not _mean_routed_tokens(recorder):
-        return {}
-    layers: dict[str, int] = {}  # as OpGraph.tensor_layers: the producer's, else the first op's that uses it
-    for op in ops:
-        for name in (*op.inputs, *(s.tensor for s in op.saves)):
-            layers.setdefault(name, op.layer)
-        layers.update((name, op.layer) for name in op.outputs)
-    for name, spec in tensors.items():
+def _with_routed_counts(recorder: TraceRecorder, graph: OpGraph) -> OpGraph:
+    """``graph`` with the routed copies each MoE layer's experts received in the trace (the gate's reports; none
+    without a gate): a routed tensor of a layer with no report, or not one row per reported copy, is not routed
+    (it keeps its traced size)."""
+    mean = _mean_routed_tokens(recorder)
+    if not recorder.received or not mean:
+        return graph
+    tensors = dict(graph.tensors)
+    for name, spec in graph.tensors.items():
         if spec.routed:
-            received = recorder.received.get(layers.get(name, 0))
+            received = recorder.received.get(graph.tensor_layers[name])
             if received is None or (received and spec.numel % received):
                 tensors[name] = spec._replace(routed=False)
-    return dict(recorder.received)
+    return dataclasses.replace(graph, tensors=tensors, mean_routed_tokens=mean,
+                               layer_routed_tokens=dict(recorder.received))
 
 
 def _unmapped_op(recorder: TraceRecorder, names: dict, tensors: dict, taken: set) -> Op | None:

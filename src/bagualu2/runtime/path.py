@@ -123,7 +123,6 @@ class DecisionPath:
         # made per need level
         self._pre_ids = engine.plan_ids
         self._outcomes: dict[tuple, Outcome] = {}
-        self._pre_graphs: dict[tuple, tuple] = {}  # (planned, chunk) -> what _pre_gate reads of the graphs
         # the decisions of forwards that needed the gate, by everything they read; emptied whenever a gate decision
         # is made (the stand-in rule reads those), so a hit is what deciding again would give
         self._decisions: dict[tuple, Decision] = {}
@@ -298,15 +297,10 @@ class DecisionPath:
 
     def _pre_gate(self, budget_bytes: int, planned: float, chunk: int) -> PreGate:
         """The plan in force before the gate (step 2 of the module docstring), with its id."""
-        found = self._pre_graphs.get((planned, chunk))
-        if found is None:  # (unmitigated bytes at r = 1, the graph at the planned imbalance and its bytes)
-            graph = self.graph(chunk, planned)
-            found = self._pre_graphs[(planned, chunk)] = (self.graph(chunk, 1.0).unmitigated_bytes, graph,
-                                                          graph.unmitigated_bytes, graph.floor_bytes)
-        balanced_bytes, graph, unmitigated_bytes, floor_bytes = found
-        if budget_bytes >= balanced_bytes:
+        if budget_bytes >= self.graph(chunk, 1.0).unmitigated_bytes:
             return NO_PRE
-        level, decided = self.pregate_needs.level(unmitigated_bytes, floor_bytes, budget_bytes)
+        graph = self.graph(chunk, planned)
+        level, decided = self.pregate_needs.level(graph.unmitigated_bytes, graph.floor_bytes, budget_bytes)
         key = PreGateKey(level, planned, chunk)
         found = self._pregate.get(key)  # no stand-ins: what runs before the gate cannot be undone
         if found is None:
