@@ -61,6 +61,23 @@ def test_decisions_are_the_same_with_the_memo_on_and_off(name, stage, downgrade,
     assert cached == _replays(model, parallel, hardware, stage, downgrade, traces, cache=False)
 
 
+@pytest.mark.parametrize("name", PRESETS[:2])
+def test_remembered_decisions_follow_the_gate_decisions_made_since(name):
+    """Forwards at need level L, at L-1 (the first's gate decision stands in), at L-4 (a new gate decision of the
+    same family) and at L-1 again, for every L of a range: each remembered decision is what deciding again gives
+    (the memo on = off, request by request)."""
+    model, parallel = presets.model(name)
+    hardware = presets.hardware("paper-gpu")
+    engines = [Stage(model, parallel, hardware, cache=cache) for cache in (True, False)]
+    needs, graph = DecisionPath.on(engines[0]).needs, engines[0].graph(0, 1.6)
+    for level in range(80, 125):
+        paths = [DecisionPath.on(engine, planned_imbalance=1.0) for engine in engines]
+        for at in (level, level - 1, level - 4, level - 1):
+            budget = max(graph.unmitigated_bytes - int(needs.quantum * needs.ratio ** at), 0)
+            on, off = (path.forward(budget, 1.6, "steady", 0) for path in paths)
+            assert on == off, (level, at)
+
+
 GATE_MODEL = presets.model("tiny-moe")[0].replace(num_layers=4, num_dense_layers=0, seq_length=32)
 GATE_PARALLEL = presets.model("tiny-moe")[1]
 GATE_HW = presets.hardware("cpu")

@@ -123,9 +123,12 @@ class DecisionPath:
         # made per need level
         self._pre_ids = engine.plan_ids
         self._outcomes: dict[tuple, Outcome] = {}
-        # the decisions of forwards that needed the gate, by everything they read; emptied whenever a gate decision
-        # is made (the stand-in rule reads those), so a hit is what deciding again would give
+        # the decisions of forwards that needed the gate, by everything they read. A decision resting on a stand-in
+        # (a nearby need level's gate decision) is listed under the family it was looked up in, (pre-gate plan,
+        # bucket, chunk), and dropped when a gate decision of that family is made: the stand-in rule reads that
+        # family only, and a gate decision, once made, never changes. So a hit is what deciding again would give.
         self._decisions: dict[tuple, Decision] = {}
+        self._dependents: dict[tuple, list] = {}
         self.hits = self.misses = 0
 
     @classmethod
@@ -209,16 +212,20 @@ class DecisionPath:
         if found is not None:
             self.hits += 1
             return found
-        decision = self._decide(seen, budget_bytes, imbalance, phase, planned, limit_bytes)
+        decision, family = self._decide(seen, budget_bytes, imbalance, phase, planned, limit_bytes)
         if self._cached:
-            if len(self._decisions) >= MAX_DECISIONS:
-                self._decisions.clear()
-            self._decisions[key] = decision
+            decisions = self._decisions
+            if len(decisions) >= MAX_DECISIONS:
+                decisions.clear()
+                self._dependents.clear()
+            decisions[key] = decision
+            if family is not None:
+                self._dependents.setdefault(family, []).append(key)
         return decision
 
     def _covered(self, seen: Seen, warm: bool, budget_bytes: int) -> Decision:
         row, chunk = seen.row, seen.chunk
-        outcome = self._outcome(NO_PRE, COVERED, row, chunk, budget_bytes)
+        outcome = self._outcome(NO_PRE, COVERED, row, chunk, budget_bytes)[0]
         covered = Decision(outcome.plan, seen.unmitigated_bytes, outcome.overhead_s, False,
                            self._order(row.graph, NO_PLAN, chunk, warm), outcome.action)
         if warm:
@@ -228,28 +235,29 @@ class DecisionPath:
         return covered
 
     def _decide(self, seen: Seen, budget_bytes: int, imbalance: float, phase: str, planned: float,
-                limit_bytes: int | None) -> Decision:
-        """A forward whose budget does not cover its unmitigated bytes: steps 2-4 of the module docstring."""
+                limit_bytes: int | None) -> tuple[Decision, tuple | None]:
+        """A forward whose budget does not cover its unmitigated bytes: steps 2-4 of the module docstring. Returns
+        the decision and, when it rests on a stand-in, the family of gate decisions it was found in."""
         row, tokens, chunk, offset = seen.row, seen.tokens, seen.chunk, seen.offset  # the canonical chunk's
         pre = self._pre_budget.get((budget_bytes, planned, chunk))
         if pre is None:
             pre = self._pre_budget[PreBudgetKey(budget_bytes, planned, chunk)] = self._pre_gate(budget_bytes, planned,
                                                                                               chunk)
-        outcome = None
+        outcome = family = None
         if limit_bytes is not None and phase == WARMUP and self.downgrade == "graded":
             key = PreBytesKey(pre.id, row.bucket, chunk)
             split = self._pre_bytes.get(key)
             if split is None:
                 split = self._pre_bytes[key] = split_bytes(row.graph, self.engine.cost(pre.plan, row.bucket, chunk))
             if budget_bytes < split[0] + split[1] * tokens <= limit_bytes:  # the pre-gate plan's bytes at r
-                outcome = self._outcome(pre, ABSORBED, row, chunk, budget_bytes)  # the next budgets shrink
+                outcome = self._outcome(pre, ABSORBED, row, chunk, budget_bytes)[0]  # the next budgets shrink
         if outcome is None:
             found = self._levels.get((budget_bytes, row.bucket, chunk))
             if found is None:
                 found = self._levels[LevelKey(budget_bytes, row.bucket, chunk)] = self.needs.level(
                     row.unmitigated_bytes, row.graph.floor_bytes, budget_bytes)
             level, decided = found
-            outcome = self._outcome(pre, level, row, chunk, decided, budget_bytes, tokens)
+            outcome, family = self._outcome(pre, level, row, chunk, decided, budget_bytes, tokens)
         plan = outcome.plan
         if offset and plan.entries:  # plans are moved back to this chunk's layers by ``offset``
             shifted = outcome.shifted.get(offset)
@@ -265,7 +273,7 @@ class DecisionPath:
             if self._cached:
                 outcome.orders[warm] = order
         return Decision(plan, outcome.fixed_bytes + outcome.per_token_bytes * tokens, outcome.overhead_s,
-                        outcome.changed, order, outcome.action)
+                        outcome.changed, order, outcome.action), family
 
     def _moved(self, plan: Plan, offset: int) -> Plan:
         """``plan`` moved by ``offset`` layers (memoised: chunks sharing results share their plans)."""
@@ -313,15 +321,20 @@ class DecisionPath:
         return found
 
     def _outcome(self, pre: PreGate, level, row: Row, chunk: int, decided: int, budget_bytes: int = 0,
-                 tokens: int = 0) -> Outcome:
+                 tokens: int = 0) -> tuple[Outcome, tuple | None]:
+        """The gate decision of a need level (made on a miss), and the family it was found in when a nearby
+        level's stands in (valid for this request only), else None."""
         key = (pre.id, level, row.bucket, chunk)
         outcomes = self._outcomes
         found = outcomes.get(key)
-        if found is None and type(level) is int:
-            found = self._nearby(pre, level, row, chunk, budget_bytes, tokens)  # valid for this request only
         if found is not None:
             self.hits += 1
-            return found
+            return found, None
+        if type(level) is int:
+            found = self._nearby(pre, level, row, chunk, budget_bytes, tokens)
+            if found is not None:
+                self.hits += 1
+                return found, (pre.id, row.bucket, chunk)
         self.misses += 1
         engine = self.engine
         if level == COVERED or level == ABSORBED:
@@ -335,10 +348,15 @@ class DecisionPath:
         fixed, per_token = split_bytes(row.graph, cost)
         if len(outcomes) >= MAX_DECISIONS:
             outcomes.clear()
-        self._decisions.clear()  # what the stand-in rule finds has changed
+            self._decisions.clear()
+            self._dependents.clear()
+        # what the stand-in rule finds in this family has changed: the decisions that rested on it are dropped
+        stale = self._dependents.pop((pre.id, row.bucket, chunk), ())
+        for decision_key in stale:
+            self._decisions.pop(decision_key, None)
         found = outcomes[key] = Outcome(plan, action, action in (GateAction.REPLAN, GateAction.DOWNGRADE),
                                          cost.overhead_s, fixed, per_token, row.graph, cost.activation_bytes)
-        return found
+        return found, None
 
     def _nearby(self, pre: PreGate, level: int, row: Row, chunk: int, budget_bytes: int, tokens: int):
         """A decision made for a nearby need level that is as good here (the greedy's cost grows with the need):
