@@ -6,29 +6,15 @@ and, at PP = 1, the whole model's.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 from torch import nn
+
+from bagualu2.exec import on_backward
 
 from .instrumented import instrument_reference
 from .model import GLMMoEModel
 from .provision import Provisioner
 from .routing import bias_towards, routing_stats
-
-
-class _BackwardEnd(torch.autograd.Function):
-    """Identity whose backward (the last of the chunk's layers) calls ``done()``."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, done: Callable[[], None]) -> torch.Tensor:
-        ctx.done = done
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        ctx.done()
-        return grad, None
 
 
 class ChunkModule(nn.Module):
@@ -62,7 +48,7 @@ class ChunkModule(nn.Module):
         if self.embedding is not None:
             x = self.embedding(x)
         done = self.provisioner.backward_callback(self.chunk, mb)
-        x = _BackwardEnd.apply(x, done)
+        x = on_backward(x, done)
         spike = self.spikes.get(mb)
         learned = [moe.expert_bias for moe in self.moes]
         try:

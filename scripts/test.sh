@@ -9,7 +9,7 @@ python3 -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
 python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[trainer,dev]"
+python -m pip install -q -e ".[trainer,torchtitan,dev]"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-$([ "${CI:-}" = "true" ] && echo ci || echo dev)}"
 python -m pytest -q -n 2 --dist loadfile -m "not launch" tests

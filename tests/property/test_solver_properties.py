@@ -1,10 +1,12 @@
 import pytest
 """Solvers against each other and against brute force on random graphs with shared, mixed-precision tensors."""
 
+import dataclasses
+
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from bagualu2.costmodel import Op, OpGraph, Plan, Resource, Saving, TensorSpec, evaluate, presets
+from bagualu2.costmodel import Op, OpGraph, Plan, Resource, Saving, Strategy, TensorSpec, evaluate, presets
 from bagualu2.mitigation import SolveStatus, brute, check_conflicts, exact, greedy
 from bagualu2.mitigation.greedy import GreedyConfig
 
@@ -152,3 +154,17 @@ def test_partial_greedy_keeps_the_fixed_part_and_is_never_better_than_brute_forc
         assert partial.cost.activation_bytes <= budget and check_conflicts(graph, partial.plan) == []
     full = greedy.solve(graph, budget)
     assert greedy.solve(graph, budget, free=tensors).plan == full.plan  # everything free = the full solve
+
+
+@given(random_graphs(), budget_fraction)
+def test_a_graph_without_fp8_gets_exact_plans_only(graph, fraction):
+    """``quantize=False``: no solver stores a tensor in FP8, the exact solver is brute force over the other three
+    strategies, and every solution fits."""
+    exact_only = dataclasses.replace(graph, quantize=False)
+    budget = _budget(exact_only, fraction)
+    solutions = [greedy.solve(exact_only, budget), exact.solve(exact_only, budget), brute.solve(exact_only, budget)]
+    for solution in solutions:
+        assert solution.ok
+        assert Strategy.QUANTIZE not in {strategy for _, strategy in solution.plan.entries}
+        assert evaluate(exact_only, solution.plan).activation_bytes <= budget
+    assert solutions[1].cost.overhead_ns == solutions[2].cost.overhead_ns

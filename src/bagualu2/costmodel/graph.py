@@ -94,7 +94,8 @@ class OpGraph:
 
     ``pinned`` holds the savings that must stay ``KEEP``: the block input of every layer, the checkpoint that
     full recomputation restarts from. ``floor_bytes`` (M0) is what those keep; ``unmitigated_bytes`` what the
-    graph keeps with no mitigation at all.
+    graph keeps with no mitigation at all. ``quantize=False`` offers no FP8 storage (QUANTIZE) anywhere: the plans
+    on it are exact (KEEP, OFFLOAD, RECOMPUTE give the gradients of the plain run bit for bit).
     """
 
     ops: tuple[Op, ...]
@@ -108,12 +109,15 @@ class OpGraph:
     # routed copies each MoE layer's routed tensors hold, where they differ from ``routed_tokens(imbalance)`` (a
     # traced graph: what each layer's experts received in the trace); empty: every layer as ``imbalance`` says
     layer_routed_tokens: Mapping[int, int] = field(default_factory=dict)
+    quantize: bool = True
     _index: Mapping[str, int] = field(init=False, repr=False)
     _consumers: Mapping[str, tuple[tuple[str, str], ...]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.ops:
             raise ValueError("ops must not be empty")
+        if not isinstance(self.quantize, bool):
+            raise ValueError(f"quantize must be True or False, got {self.quantize!r}")
         if self.activation_dtype not in FLOAT_DTYPES:
             raise ValueError(f"activation_dtype must be one of {', '.join(sorted(FLOAT_DTYPES))}, "
                              f"got {self.activation_dtype!r}")
@@ -164,8 +168,10 @@ class OpGraph:
             raise ValueError(f"unknown op {name!r}") from None
 
     def quantizable(self, saving: Saving) -> bool:
-        """May this saving be stored in FP8? Floating and not wider than the activation precision."""
-        return saving.dtype in FLOAT_DTYPES and ITEM_BYTES[saving.dtype] <= ITEM_BYTES[self.activation_dtype]
+        """May this saving be stored in FP8? The graph allows it (``quantize``), and the saving is floating and not
+        wider than the activation precision."""
+        return (self.quantize and saving.dtype in FLOAT_DTYPES
+                and ITEM_BYTES[saving.dtype] <= ITEM_BYTES[self.activation_dtype])
 
     def has_op(self, name: str) -> bool:
         return name in self._index

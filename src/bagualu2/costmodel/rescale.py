@@ -59,4 +59,4 @@ def at_imbalance(graph: OpGraph, imbalance: float) -> OpGraph:
         ops.append(op)
     return OpGraph(ops=tuple(ops), tensors=tensors, hardware=graph.hardware, pinned=graph.pinned,
                    imbalance=imbalance, label=graph.label, activation_dtype=graph.activation_dtype,
-                   mean_routed_tokens=graph.mean_routed_tokens)
+                   mean_routed_tokens=graph.mean_routed_tokens, quantize=graph.quantize)

@@ -264,7 +264,9 @@ def _check_stateless(binding: OpBinding, args: tuple, kwargs: dict) -> None:
 
 def _replay_call(module: torch.nn.Module, args: tuple, kwargs: dict, record) -> tuple[tuple, Callable]:
     """``(flat arguments, fn)`` so that ``fn(*flat)`` re-runs ``module.forward`` on the call's arguments, with the
-    hooks silent; non-activation tensors are wrapped so the replay holds them as they are."""
+    hooks silent; non-activation tensors are wrapped so the replay holds them as they are. A re-run leaves the
+    module's buffers as they were before it (a module that updates a buffer in its forward, e.g. a MoE module
+    counting the tokens it routed, updates it once, as the plain run does)."""
     keys = tuple(kwargs)
     num_args = len(args)
 
@@ -278,10 +280,14 @@ def _replay_call(module: torch.nn.Module, args: tuple, kwargs: dict, record) -> 
     def run(*values):
         values = [v.value if isinstance(v, _Held) else v for v in values]
         token = REPLAYING.set(True)
+        buffers = [(buffer, buffer.detach().clone()) for buffer in module.buffers()]
         try:
             return module.forward(*values[:num_args], **dict(zip(keys, values[num_args:])))
         finally:
             REPLAYING.reset(token)
+            with torch.no_grad():
+                for buffer, before in buffers:
+                    buffer.copy_(before)
 
     return flat, run
 

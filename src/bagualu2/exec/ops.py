@@ -150,3 +150,28 @@ def routed() -> Iterator[None]:
         yield
     finally:
         ROUTED.reset(token)
+
+
+class _BackwardEnd(torch.autograd.Function):
+    """Identity whose backward calls ``done()``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, done: Callable[[], None]) -> torch.Tensor:
+        ctx.done = done
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.done()
+        return grad, None
+
+
+def on_backward(tensor: torch.Tensor, done: Callable[[], None]) -> torch.Tensor:
+    """``tensor`` unchanged (a view), with ``done()`` called once autograd has computed its gradient: put at the
+    input of a model part, it reports the end of that part's backward (its activations can be released). A tensor
+    that needs no grad is returned as is (nothing to report)."""
+    if not callable(done):
+        raise ValueError(f"done must be a callable, got {type(done).__name__}")
+    if not tensor.requires_grad:
+        return tensor
+    return _BackwardEnd.apply(tensor, done)

@@ -1,0 +1,121 @@
+"""Per-micro-batch activation provisioning inside torchtitan, as a model converter.
+
+    torchrun ... -m torchtitan.train --job.custom_config_module bagualu2.integrations.torchtitan \\
+        --model.converters bagualu2 --bagualu2.memory_cap_mib 96 --bagualu2.policy flexible
+
+Importing this module registers the converter ``"bagualu2"`` with torchtitan (when torchtitan imports) and gives
+torchtitan's job config a ``[bagualu2]`` section (:class:`Bagualu2Config`, through ``JobConfig`` here and
+``--job.custom_config_module``). ``convert(model)`` runs on the whole model on the meta device, before the pipeline
+split; it checks the model and puts two closures on it (a forward pre-hook and a forward hook), which the split's
+deep copies keep. At the first forward the pipeline schedule runs on a stage's part of the model, the part gets a
+:class:`~.torchtitan_stage.StageProvisioner`: the part is instrumented from outside (:func:`op_map`, the exec
+layer's hooks), its graph is traced on that micro-batch, and from then on every micro-batch of the schedule runs
+Algorithm 1's budget (from the stage's in-flight count under torchtitan's 1F1B), the greedy plan on the traced
+graph, the gate's deferred re-plan, and feeds the bytes it kept back into the budget. A forward outside the
+schedule (torch's shape inference before the first step) runs unplanned and is not counted.
+
+This module imports without torchtitan; the converter needs it (``pip install "bagualu2[torchtitan]"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .torchtitan_config import POLICIES, SCHEDULES, Bagualu2Config, JobConfig, gate_report, op_map
+from .torchtitan_stage import ACTIVE_FORWARD, ScheduleInfo, StageProvisioner, scheduled_forward
+
+
+# ---- the converter --------------------------------------------------------------------------------------------------
+class Bagualu2Converter:
+    """torchtitan's model-converter protocol (``__init__(job_config, parallel_dims)``, ``convert(model)``,
+    ``post_optimizer_hook(model_parts)``); see the module docstring. ``provisioners`` holds this rank's
+    :class:`~.torchtitan_stage.StageProvisioner` per pipeline stage once its first micro-batch ran."""
+
+    def __init__(self, job_config, parallel_dims):
+        config = getattr(job_config, "bagualu2", None)
+        if config is None:
+            config = Bagualu2Config()
+        elif not isinstance(config, Bagualu2Config):  # tyro gives back the dataclass; a dict from elsewhere
+            config = Bagualu2Config(**(dataclasses.asdict(config) if dataclasses.is_dataclass(config)
+                                       else dict(config)))
+        self.config = config
+        parallelism = job_config.parallelism
+        if getattr(job_config.activation_checkpoint, "mode", "none") != "none":
+            raise ValueError("activation_checkpoint.mode must be none with the bagualu2 converter: it decides what "
+                             "each micro-batch recomputes")
+        if parallel_dims.tp_enabled or parallel_dims.cp_enabled or parallel_dims.ep_enabled:
+            raise ValueError("the bagualu2 converter supports pipeline and data parallelism; "
+                             "tensor_parallel_degree, context_parallel_degree and expert_parallel_degree must be 1")
+        pipelined = parallel_dims.pp_enabled
+        if pipelined and parallelism.pipeline_parallel_schedule not in SCHEDULES:
+            raise ValueError(f"parallelism.pipeline_parallel_schedule must be one of {', '.join(SCHEDULES)} with "
+                             f"the bagualu2 converter, got {parallelism.pipeline_parallel_schedule!r}")
+        local = job_config.training.local_batch_size
+        size = parallelism.pipeline_parallel_microbatch_size if pipelined else local
+        self.schedule = ScheduleInfo(pipelined=pipelined, num_microbatches=max(local // size, 1))
+        self.provisioners: dict[int, object] = {}
+        self.step = 0
+
+    def convert(self, model: torch.nn.Module) -> None:
+        if "router" not in op_map(model).values():  # one ValueError now for a model this converter cannot instrument
+            raise ValueError(f"{type(model).__name__} has no MoE layer (a module with a router and experts)")
+        if self.config.policy == "off" and self.config.cap_bytes is None and not self.config.report_path:
+            return
+        # plain functions (closures): the pipeline split deep-copies the model with its hooks, and a bound method
+        # would be copied with its converter; a function is not copied
+        def before(part, args, kwargs):
+            return self._before(part, args, kwargs)
+
+        def after(part, args, kwargs, output):
+            return self._after(part, args, kwargs, output)
+
+        model.register_forward_pre_hook(before, with_kwargs=True)
+        model.register_forward_hook(after, with_kwargs=True, always_call=True)
+
+    def _provisioner(self, part: torch.nn.Module, args):
+        where = scheduled_forward(self.schedule)
+        if where is None:
+            return None, None
+        stage_index, num_stages, microbatch = where
+        found = self.provisioners.get(stage_index)
+        if found is None:
+            found = self.provisioners[stage_index] = StageProvisioner(
+                part, args, config=self.config, stage_index=stage_index, num_stages=num_stages,
+                num_microbatches=self.schedule.num_microbatches, step=self.step)
+        return found, microbatch
+
+    def _before(self, part, args, kwargs):
+        provisioner, microbatch = self._provisioner(part, args)
+        if provisioner is not None:
+            provisioner.begin(microbatch)
+        return None
+
+    def _after(self, part, args, kwargs, output):
+        provisioner = ACTIVE_FORWARD.get()
+        if provisioner is not None:
+            provisioner.end(failed=output is None)
+        return None
+
+    def post_optimizer_hook(self, model_parts) -> None:
+        self.step += 1
+        for provisioner in self.provisioners.values():
+            provisioner.end_step(self.step)
+
+
+def _register() -> None:
+    try:
+        from torchtitan.protocols.model_converter import register_model_converter
+    except ImportError:  # torchtitan is not installed (or cannot import here): nothing to register
+        return
+    try:
+        register_model_converter(Bagualu2Converter, "bagualu2")
+    except AssertionError:  # registered already (this module imported under another name)
+        pass
+
+
+_register()
+
+__all__ = ["POLICIES", "Bagualu2Config", "Bagualu2Converter", "JobConfig", "StageProvisioner", "gate_report",
+           "op_map"]

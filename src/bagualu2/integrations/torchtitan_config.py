@@ -1,0 +1,130 @@
+"""The torchtitan integration's job-config section and its knowledge of torchtitan's decoders: the op map of a
+stage's part of the model and what a router reports to the gate (see :mod:`.torchtitan`)."""
+
+# no "from __future__ import annotations": torchtitan merges JobConfig's fields with their types resolved
+
+from dataclasses import dataclass, field
+
+import torch
+
+from bagualu2.exec import GateReport
+
+POLICIES = ("flexible", "static-over", "static-under", "off")
+SCHEDULES = ("1F1B",)
+MIB = 1 << 20
+
+
+@dataclass(kw_only=True)
+class Bagualu2Config:
+    """The ``[bagualu2]`` section of a torchtitan job config.
+
+      policy          ``flexible`` (a plan per micro-batch, re-planned after the gate), ``static-over`` (one plan
+                      for the most a rank's experts can receive), ``static-under`` (one plan for balanced routing)
+                      or ``off`` (measured only).
+      memory_cap_mib  the activation memory each pipeline stage may hold, in MiB (0: no cap: every micro-batch
+                      keeps everything, as ``off``).
+      downgrade       the gate's mode: ``graded`` (re-plan the MoE module) or ``paper`` (keep or full recompute).
+      quantize        plans may store activations in FP8 (``false``: exact plans only, KEEP / OFFLOAD /
+                      RECOMPUTE, whose gradients equal the plain run's bit for bit).
+      report_path     a JSON file rewritten after every step with each micro-batch's budget, plan and bytes ("":
+                      none); ``{rank}`` in it is replaced by the rank.
+    """
+
+    policy: str = "flexible"
+    memory_cap_mib: float = 0.0
+    downgrade: str = "graded"
+    quantize: bool = True
+    report_path: str = ""
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"bagualu2.policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if isinstance(self.memory_cap_mib, bool) or not isinstance(self.memory_cap_mib, (int, float)) or not (
+                self.memory_cap_mib >= 0):
+            raise ValueError(f"bagualu2.memory_cap_mib must be a number >= 0 (MiB; 0: no cap), "
+                             f"got {self.memory_cap_mib!r}")
+        if self.downgrade not in ("graded", "paper"):
+            raise ValueError(f"bagualu2.downgrade must be graded or paper, got {self.downgrade!r}")
+        if not isinstance(self.quantize, bool):
+            raise ValueError(f"bagualu2.quantize must be true or false, got {self.quantize!r}")
+        if not isinstance(self.report_path, str):
+            raise ValueError(f"bagualu2.report_path must be a path string, got {self.report_path!r}")
+
+    @property
+    def cap_bytes(self) -> int | None:
+        return int(self.memory_cap_mib * MIB) if self.memory_cap_mib > 0 and self.policy != "off" else None
+
+
+@dataclass
+class JobConfig:
+    """What ``--job.custom_config_module bagualu2.integrations.torchtitan`` adds to torchtitan's job config."""
+
+    bagualu2: Bagualu2Config = field(default_factory=Bagualu2Config)
+
+
+# ---- the op map ---------------------------------------------------------------------------------------------------
+QKV_NAMES = ("wq", "wq_a", "wq_b", "wk", "wv", "wkv_a", "wkv_b")
+FFN_NAMES = (("w1", "fc1"), ("w3", "fc1"), ("w2", "fc2"))
+
+
+def _is_moe(module: torch.nn.Module) -> bool:
+    return all(hasattr(module, name) for name in ("router", "experts")) and hasattr(module.experts, "w1")
+
+
+def op_map(part: torch.nn.Module) -> dict[str, str]:
+    """``{module path: op label}`` of a torchtitan decoder (its ``layers`` a ``ModuleDict`` keyed by the global
+    layer id, as a pipeline stage's part keeps it): per layer the norms (``attention_norm`` -> ``norm1``,
+    ``ffn_norm`` -> ``norm2``), the attention (``core_attn``, its projections ``qkv`` and ``attn_out``), the MoE
+    module (``moe``) with its ``router``, its routed experts as one op (``dispatch``: torchtitan runs all of a
+    layer's experts in one call, its expert GEMMs are not modules of their own) and its shared experts
+    (``shared_fc1``, ``shared_fc2``), and a dense layer's feed-forward (``mlp_fc1``, ``mlp_fc2``). The embedding,
+    final norm and output layer are not ops: what they save is pinned and counted. ``ValueError`` for a model
+    that is not a torchtitan decoder with MoE layers."""
+    layers = getattr(part, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleDict):
+        raise ValueError(f"{type(part).__name__} is not a torchtitan decoder: it has no ModuleDict 'layers'")
+    labels: dict[str, str] = {}
+    for key, layer in layers.items():
+        if layer is None:
+            continue
+        prefix = f"layers.{key}"
+        for name, label in (("attention_norm", "norm1"), ("ffn_norm", "norm2")):
+            if getattr(layer, name, None) is not None:
+                labels[f"{prefix}.{name}"] = label
+        attention = getattr(layer, "attention", None)
+        if attention is not None:
+            labels[f"{prefix}.attention"] = "core_attn"
+            for inner, _ in attention.named_children():
+                if inner in QKV_NAMES:
+                    labels[f"{prefix}.attention.{inner}"] = "qkv"
+                elif inner == "wo":
+                    labels[f"{prefix}.attention.{inner}"] = "attn_out"
+        moe = getattr(layer, "moe", None)
+        if moe is not None and _is_moe(moe):
+            labels[f"{prefix}.moe"] = "moe"
+            labels[f"{prefix}.moe.router"] = "router"
+            labels[f"{prefix}.moe.experts"] = "dispatch"
+            shared = getattr(moe, "shared_experts", None)
+            if shared is not None:
+                _ffn(f"{prefix}.moe.shared_experts", shared, "shared", labels)
+        feed_forward = getattr(layer, "feed_forward", None)
+        if feed_forward is not None:
+            _ffn(f"{prefix}.feed_forward", feed_forward, "mlp", labels)
+    return labels
+
+
+def _ffn(path: str, module: torch.nn.Module, kind: str, labels: dict) -> None:
+    for name, part in FFN_NAMES:
+        if getattr(module, name, None) is not None:
+            labels[f"{path}.{name}"] = f"{kind}_{part}"
+
+
+def gate_report(router: torch.nn.Module, inputs, output) -> GateReport:
+    """The routed token copies after a torchtitan router (``(scores, top-k indices, tokens per expert)``): every
+    top-k pick of this rank's tokens goes to this rank's experts (no expert parallelism)."""
+    values = output if isinstance(output, tuple) else (output,)
+    indices = next((v for v in values if isinstance(v, torch.Tensor) and not v.is_floating_point()), None)
+    if indices is None:
+        raise ValueError(f"{type(router).__name__} returns no top-k indices: not a torchtitan router")
+    sent = int(indices.numel())
+    return GateReport(sent, sent=sent)

@@ -1,0 +1,294 @@
+"""One pipeline stage's provisioning inside torchtitan (see :mod:`.torchtitan`): what its part of the model keeps
+per micro-batch.
+
+A :class:`StageProvisioner` is made at the first micro-batch the schedule runs on the part. It instruments the part
+(``exec.instrument`` with :func:`~.torchtitan.op_map`; routers report to the gate), traces its graph on that
+micro-batch (one extra forward and backward: gradients computed, not accumulated; the MoE modules' load counters
+and the random state restored), and applies plans through ``exec.apply_plan``. Per micro-batch:
+
+1. **budget** — Algorithm 1 (``budget.BudgetAssigner``): ``M_max`` the stage's cap, ``M0`` the least a micro-batch
+   can keep (``graph.floor_bytes``), the in-flight count of the stage under 1F1B (``pp - stage``, at most the
+   number of micro-batches); a new assigner every step;
+2. **plan** — ``flexible``: greedy on the traced graph at balanced routing for the budget; the gate then re-plans
+   the MoE modules for the routing it measured (``exec.DeferredPlanner.for_graph``, the runtime's one after-gate
+   decision). ``static-under`` / ``static-over``: one plan for ``cap / in-flight`` at balanced routing / at the
+   most a rank's experts can receive, kept whatever the routing; ``off``: no plan;
+3. **kept bytes** — what the activation tracker measured (it raises ``ActivationOutOfMemoryError`` past the cap)
+   goes back into the budget (re-basing); the prediction ``evaluate`` gives for the plan that ran, at the routed
+   copies each layer received, is recorded beside it;
+4. **release** — an identity at the input of the part's first layer reports the end of its backward.
+
+The micro-batch is the schedule's (``PipelineStage.forward_one_chunk``'s chunk id, read from the caller's frame):
+a forward outside the schedule (torch's shape inference) is not provisioned and not counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+
+from bagualu2.budget import BudgetAssigner
+from bagualu2.costmodel import OpGraph, Plan, evaluate, presets
+from bagualu2.exec import ActivationOutOfMemoryError, ActivationTracker, DeferredPlanner, apply_plan, instrument, on_backward
+from bagualu2.mitigation import greedy
+from bagualu2.runtime import TracedStage
+
+from .torchtitan_config import Bagualu2Config, gate_report, op_map
+
+#: The provisioner whose micro-batch forward is running (set between the part's forward hooks).
+ACTIVE_FORWARD: ContextVar["StageProvisioner | None"] = ContextVar("bagualu2_torchtitan_forward", default=None)
+FRAMES = 16  # how far up the stack the schedule's forward is looked for
+BUDGET_GRID = 64  # pre-gate plans are memoised per 1/64 of the unmitigated bytes (budget floored: still fits)
+
+
+@dataclass(frozen=True)
+class ScheduleInfo:
+    pipelined: bool
+    num_microbatches: int
+
+
+def scheduled_forward(schedule: ScheduleInfo) -> tuple[int, int, int | None] | None:
+    """``(stage index, number of stages, micro-batch)`` of the forward running now, when the pipeline schedule
+    runs it (``forward_one_chunk`` of a pipeline stage up the stack); None for any other forward. Without a
+    pipeline every forward with grad enabled is a micro-batch of stage 0 (numbered by the provisioner)."""
+    if not torch.is_grad_enabled():
+        return None
+    if not schedule.pipelined:
+        return 0, 1, None
+    frame = sys._getframe(1)
+    for _ in range(FRAMES):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "forward_one_chunk":
+            stage, microbatch = frame.f_locals.get("self"), frame.f_locals.get("fwd_chunk_id")
+            if isinstance(microbatch, int) and hasattr(stage, "stage_index") and hasattr(stage, "num_stages"):
+                return int(stage.stage_index), int(stage.num_stages), microbatch
+        frame = frame.f_back
+    return None
+
+
+class _Preserved:
+    """The part's buffers (a MoE module's load counters) and the random state, restored on exit."""
+
+    def __init__(self, part: torch.nn.Module):
+        self.part = part
+
+    def __enter__(self):
+        self.buffers = [(b, b.detach().clone()) for b in self.part.buffers()]
+        self.rng = torch.random.get_rng_state()
+        return self
+
+    def __exit__(self, *exc):
+        with torch.no_grad():
+            for buffer, saved in self.buffers:
+                buffer.copy_(saved)
+        torch.random.set_rng_state(self.rng)
+        return False
+
+
+def planned_graph(graph: OpGraph, *, quantize: bool = True) -> OpGraph:
+    """The traced graph the plans are made on: torchtitan runs a layer's experts in one call (a loop over the
+    experts, or one grouped GEMM), whose per-expert tensors change size with the routing while their sum does not;
+    what that call saves is kept (pinned: no plan names a tensor whose size it cannot know). ``quantize=False``:
+    no FP8 storage (exact plans)."""
+    experts = frozenset((op.name, saving.tensor) for op in graph.ops if op.kind == "dispatch" for saving in op.saves)
+    return dataclasses.replace(graph, pinned=graph.pinned | experts, quantize=quantize)
+
+
+class StageProvisioner:
+    """Budgets, plans and kept bytes of one pipeline stage's part (module docstring). ``rows`` holds this step's
+    micro-batches; ``history`` every finished step's."""
+
+    def __init__(self, part: torch.nn.Module, args: tuple, *, config: Bagualu2Config, stage_index: int,
+                 num_stages: int, num_microbatches: int, step: int = 0):
+        self.config, self.stage_index, self.num_microbatches = config, stage_index, num_microbatches
+        self.in_flight = min(num_stages - stage_index, num_microbatches)
+        self.pipelined = num_stages > 1
+        labels = op_map(part)
+        has_router = "router" in labels.values()
+        self.instrumented = instrument(part, labels, gate=gate_report if has_router else None)
+        device = next(part.parameters()).device
+        hardware = presets.hardware("cpu" if device.type == "cpu" else "paper-gpu")
+        with _Preserved(part):
+            graph = self.instrumented.trace_graph(*args, hardware=hardware)
+        self.graph: OpGraph = planned_graph(graph, quantize=config.quantize)
+        self.cap_bytes = cap = config.cap_bytes
+        floor = self.graph.floor_bytes
+        if cap is not None and cap < self.in_flight * floor:
+            raise ValueError(f"bagualu2.memory_cap_mib={config.memory_cap_mib} is below what pipeline stage "
+                             f"{stage_index} needs: {self.in_flight} micro-batches in flight x {floor} bytes each "
+                             f"at least (full recompute) = {self.in_flight * floor / 2**20:.2f} MiB")
+        routed = bool(self.graph.mean_routed_tokens)
+        self.engine = TracedStage(self.graph) if routed else None
+        policy = config.policy if cap is not None else "off"
+        self.policy = policy
+        self.planner = None
+        self.fixed = Plan()
+        if policy == "flexible" and routed:
+            self.planner = DeferredPlanner.for_graph(self.graph, budget_bytes=0, downgrade=config.downgrade,
+                                                     engine=self.engine)
+        elif policy in ("static-under", "static-over"):
+            rate = 1.0  # without expert parallelism a rank's experts receive every copy its router sends
+            graph = self.engine.graph(0, rate) if routed else self.graph
+            self.fixed = self._solve(graph, cap // self.in_flight)
+        # a fixed plan runs out of memory when its micro-batches overflow the cap (the tracker raises mid-forward);
+        # flexible is checked after each forward, once its gates have settled what the micro-batch keeps
+        tracker = ActivationTracker(cap_bytes=cap if policy in ("static-under", "static-over") else None)
+        self.executor = apply_plan(self.instrumented, self.fixed, deferred=self.planner, tracker=tracker)
+        self._pre: dict[int, Plan] = {}
+        first = next(layer for layer in part.layers.values() if layer is not None)
+        first.register_forward_pre_hook(self._first_layer)
+        self.history: list[list[dict]] = []
+        self._begin_step(step)
+
+    # ---- plans ------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _solve(graph: OpGraph, budget_bytes: int) -> Plan:
+        solution = greedy.solve(graph, budget_bytes)
+        return solution.plan if solution.ok else greedy.solve(graph, graph.floor_bytes).plan
+
+    def _pre_gate(self, budget_bytes: int) -> Plan:
+        """The plan a flexible micro-batch starts with: greedy at balanced routing for the budget (floored to the
+        grid, memoised)."""
+        graph = self.engine.graph(0, 1.0) if self.engine is not None else self.graph
+        if budget_bytes >= graph.unmitigated_bytes:
+            return Plan()
+        quantum = max(graph.unmitigated_bytes // BUDGET_GRID, 1)
+        key = budget_bytes // quantum
+        found = self._pre.get(key)
+        if found is None:
+            found = self._pre[key] = self._solve(graph, key * quantum)
+        return found
+
+    # ---- one step ---------------------------------------------------------------------------------------------
+    def _begin_step(self, step: int) -> None:
+        self.step = step
+        self.rows: list[dict] = []
+        self._current = None
+        self._begin_round()
+
+    def _begin_round(self) -> None:
+        """A run of the pipeline schedule (one per step, or one per gradient-accumulation micro-step)."""
+        self.assigner = (BudgetAssigner(m_max_bytes=self.cap_bytes, m0_bytes=self.graph.floor_bytes,
+                                        num_microbatches=self.num_microbatches, num_warmup=self.in_flight)
+                         if self.policy == "flexible" else None)
+        self._count = 0
+        self._names: dict[int, str] = {}
+
+    def begin(self, microbatch: int | None) -> None:
+        """The part's forward of ``microbatch`` starts (None: the next one, without a pipeline schedule)."""
+        if microbatch is None:
+            microbatch = self._count
+        if microbatch in self._names:  # the schedule runs again within the step (gradient accumulation)
+            self._release_all()
+            self._begin_round()
+        self._count += 1
+        name = f"s{self.stage_index}.m{microbatch}"
+        if self.assigner is not None:
+            budget, _ = self.assigner.next_forward()
+            plan = self._pre_gate(budget)
+        else:
+            budget = None if self.cap_bytes is None else self.cap_bytes // self.in_flight
+            plan = self.fixed
+        context = self.executor.micro_batch(name, plan=plan, budget_bytes=budget)
+        record = context.__enter__()
+        self._current = (microbatch, name, budget, plan, context, record, ACTIVE_FORWARD.set(self))
+
+    def _first_layer(self, layer, args):
+        current = self._current
+        if current is None or not args or not isinstance(args[0], torch.Tensor):
+            return None
+        microbatch, name = current[0], current[1]
+        return (on_backward(args[0], lambda: self.release(microbatch, name)), *args[1:])
+
+    def end(self, *, failed: bool) -> None:
+        """The part's forward ended (``failed``: it raised): settle the micro-batch's bytes."""
+        microbatch, name, budget, plan, context, record, token = self._current
+        self._current = None
+        ACTIVE_FORWARD.reset(token)
+        if failed:
+            context.__exit__(RuntimeError, RuntimeError("forward failed"), None)
+            return
+        context.__exit__(None, None, None)
+        kept = record.device_bytes
+        received = dict(record.received_tokens)
+        cost = evaluate(self.graph, record.plan)
+        predicted = cost.activation_bytes_received(self.graph, received) if received else cost.activation_bytes
+        if self.assigner is not None:
+            held = self.assigner.record_forward(microbatch, kept)
+            if held > self.cap_bytes:
+                raise ActivationOutOfMemoryError(
+                    f"pipeline stage {self.stage_index}: activations in flight reach {held} bytes after micro-batch "
+                    f"{microbatch} (budget {budget}, kept {kept}, predicted {predicted}), over the cap of "
+                    f"{self.cap_bytes} bytes")
+        self._names[microbatch] = name
+        self.rows.append({"step": self.step + 1, "stage": self.stage_index, "microbatch": microbatch,
+                          "policy": self.policy, "budget_bytes": budget, "kept_bytes": kept,
+                          "predicted_bytes": predicted, "plan_before_gate": str(plan), "plan": str(record.plan),
+                          "downgraded_layers": list(record.downgraded),
+                          "received": {str(k): v for k, v in received.items()},
+                          "imbalance": max((v / self.graph.built_routed_tokens(k) for k, v in received.items()
+                                            if self.graph.built_routed_tokens(k)), default=1.0)})
+
+    def release(self, microbatch: int, name: str) -> None:
+        """The backward of the part's first layer ran for ``microbatch``: its activations are free."""
+        if name in self.executor:
+            self.executor.release(name)
+            if self.assigner is not None:
+                self.assigner.record_backward(microbatch)
+
+    def _release_all(self) -> None:
+        for name in self._names.values():
+            if name in self.executor:  # a backward that never reached the first layer (nothing to release to)
+                self.executor.release(name)
+
+    def end_step(self, step: int) -> None:
+        """After the optimizer step: log and report the step's micro-batches, start the next step's budgets."""
+        self._release_all()
+        rows = sorted(self.rows, key=lambda row: row["microbatch"])
+        self.history.append(rows)
+        _log(self.stage_index, step, rows)
+        if self.config.report_path:
+            _write_report(self.config.report_path, self.stage_index, self.history)
+        self._begin_step(step)
+
+
+def _log(stage: int, step: int, rows: list[dict]) -> None:
+    try:
+        from torchtitan.tools.logging import logger
+    except ImportError:
+        import logging
+
+        logger = logging.getLogger("bagualu2")
+    kept = ", ".join(f"{row['kept_bytes'] / 2**20:.2f}" for row in rows)
+    budgets = ", ".join("-" if row["budget_bytes"] is None else f"{row['budget_bytes'] / 2**20:.2f}" for row in rows)
+    changed = sum(bool(row["downgraded_layers"]) for row in rows)
+    logger.info(f"bagualu2 step {step} stage {stage}: kept MiB per micro-batch [{kept}], budgets [{budgets}], "
+                f"{changed} re-planned at the gate")
+
+
+def _write_report(pattern: str, stage: int, history: list[list[dict]]) -> None:
+    rank = os.environ.get("RANK", "0")
+    path = pattern.replace("{rank}", rank).replace("{stage}", str(stage))
+    if os.path.lexists(path) and not os.path.isfile(path):
+        raise ValueError(f"bagualu2.report_path {path!r} exists and is not a regular file")
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=directory, prefix=".bagualu2-report-")
+    try:
+        with os.fdopen(handle, "w") as out:
+            json.dump({"stage": stage, "steps": history}, out)
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+
+
+__all__ = ["ACTIVE_FORWARD", "ScheduleInfo", "StageProvisioner", "scheduled_forward"]

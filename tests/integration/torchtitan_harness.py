@@ -1,0 +1,144 @@
+"""torchrun entry point of the torchtitan tests: torchtitan's own trainer on CPU with the bagualu2 converter.
+
+Harness only (the integration patches nothing): three narrow CPU shims, each needed because torchtitan 0.2.2
+assumes a GPU — its MoE kernels module imports triton at import time (a stub module stands in: the kernels serve
+only the grouped-GEMM path, which is off on CPU); its device selection falls back to CUDA without an accelerator
+(the modules that copied ``device_type`` / ``device_module`` get "cpu" and a CPU stand-in with the memory calls its
+metrics make); its router counts tokens per expert with ``torch.histc`` on int64, which CPU lacks (its MoE module
+gets a ``torch`` whose ``histc`` counts integers through float, returning int64 as CUDA does). Then a 4-layer
+flavor of the DeepSeek-V3 debug model, and a probe converter that writes, per rank and step, a digest of every
+gradient and the converter's micro-batch rows to ``$BAGUALU2_PROBE_DIR``.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import sys
+import types
+
+import torch
+
+
+def _shims() -> None:
+    kernels = types.ModuleType("torchtitan.models.moe.kernels")
+
+    def unavailable(*args, **kwargs):
+        raise NotImplementedError("triton kernels are not available on CPU (grouped GEMM path)")
+
+    kernels.generate_permute_indices = kernels.fill_indices_wrapper = unavailable
+    sys.modules["torchtitan.models.moe.kernels"] = kernels
+
+    import torchtitan.components.metrics
+    import torchtitan.distributed.parallel_dims
+    import torchtitan.distributed.utils
+    import torchtitan.tools.profiling
+    import torchtitan.tools.utils
+
+    class CpuDevice:
+        def __getattr__(self, name):
+            return getattr(torch.cpu, name)
+
+        def get_device_name(self, device=None):
+            return "cpu"
+
+        def get_device_properties(self, device=None):
+            return types.SimpleNamespace(total_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+        def memory_stats(self, device=None):
+            return {}
+
+        def reset_peak_memory_stats(self, device=None):
+            pass
+
+        def empty_cache(self):
+            pass
+
+        def set_device(self, device):
+            pass
+
+        def current_device(self):
+            return 0
+
+        def synchronize(self, device=None):
+            pass
+
+    device = CpuDevice()
+    for module in (torchtitan.tools.utils, torchtitan.components.metrics, torchtitan.distributed.utils,
+                   torchtitan.distributed.parallel_dims, torchtitan.tools.profiling):
+        if hasattr(module, "device_type"):
+            module.device_type = "cpu"
+        if hasattr(module, "device_module"):
+            module.device_module = device
+
+    import torchtitan.models.moe.moe as moe
+
+    class TorchWithIntegerHistc(types.ModuleType):
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def histc(input, bins=100, min=0, max=0, *, out=None):
+            if not input.is_floating_point():
+                return torch.histc(input.float(), bins=bins, min=min, max=max).to(input.dtype)
+            return torch.histc(input, bins=bins, min=min, max=max, out=out)
+
+    moe.torch = TorchWithIntegerHistc("torch")
+
+
+def _flavor() -> None:
+    from torchtitan.models.deepseek_v3 import deepseekv3_args
+
+    args = copy.deepcopy(deepseekv3_args["debugmodel"])
+    args.n_layers = 4
+    deepseekv3_args["debugmodel_4l"] = args
+
+
+class Probe:
+    """Writes per step: a digest of every gradient of this rank's parts, and the bagualu2 converter's rows."""
+
+    def __init__(self, job_config, parallel_dims):
+        self.dir = os.environ["BAGUALU2_PROBE_DIR"]
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.steps = []
+        self.bias = float(os.environ.get("BAGUALU2_PROBE_BIAS", "0"))
+
+    def convert(self, model):
+        pass
+
+    def post_optimizer_hook(self, model_parts):
+        digest = hashlib.sha256()
+        for part in model_parts:
+            for name, param in sorted(part.named_parameters()):
+                if param.grad is not None:
+                    digest.update(name.encode())
+                    digest.update(param.grad.detach().contiguous().numpy().tobytes())
+        self.steps.append(digest.hexdigest())
+        if self.bias and len(self.steps) == 1:  # from step 2 on, the first half of the experts win every pick
+            for part in model_parts:
+                for module in part.modules():
+                    bias = getattr(module, "expert_bias", None)
+                    if isinstance(bias, torch.Tensor) and bias.numel() > 1:
+                        with torch.no_grad():
+                            bias[: bias.numel() // 2] += self.bias
+        with open(os.path.join(self.dir, f"grads.{self.rank}.json"), "w") as out:
+            json.dump(self.steps, out)
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    _shims()
+    _flavor()
+    from torchtitan.protocols.model_converter import register_model_converter
+    from torchtitan.train import Trainer, main as train
+
+    import bagualu2.integrations.torchtitan  # noqa: F401  (registers the "bagualu2" converter)
+
+    register_model_converter(Probe, "probe")
+    train(Trainer)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""The torchtitan integration without torchtitan: the module imports (torchtitan blocked), its ``[bagualu2]`` config
+refuses bad values in one line naming the field, and the op map reads a torchtitan-shaped decoder."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from bagualu2.integrations.torchtitan import Bagualu2Config, JobConfig, op_map
+
+
+def one_line(excinfo) -> str:
+    text = str(excinfo.value)
+    assert "\n" not in text and text
+    return text
+
+
+@pytest.mark.launch
+def test_the_module_imports_without_torchtitan():
+    code = ("import sys; sys.modules['torchtitan'] = None\n"
+            "from bagualu2.integrations import torchtitan as t\n"
+            "assert t.JobConfig().bagualu2.policy == 'flexible'\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("policy", "greedy", "bagualu2.policy must be one of flexible, static-over, static-under, off"),
+    ("memory_cap_mib", -1, "bagualu2.memory_cap_mib must be a number >= 0"),
+    ("memory_cap_mib", "8", "bagualu2.memory_cap_mib must be a number >= 0"),
+    ("downgrade", "full", "bagualu2.downgrade must be graded or paper"),
+    ("quantize", "no", "bagualu2.quantize must be true or false"),
+    ("report_path", 3, "bagualu2.report_path must be a path string"),
+])
+def test_bad_values_are_one_line_naming_the_field(field, value, message):
+    with pytest.raises(ValueError) as excinfo:
+        Bagualu2Config(**{field: value})
+    assert message in one_line(excinfo)
+
+
+def test_the_cap_in_bytes():
+    assert Bagualu2Config(memory_cap_mib=1.5).cap_bytes == 3 << 19
+    assert Bagualu2Config().cap_bytes is None and Bagualu2Config(memory_cap_mib=4, policy="off").cap_bytes is None
+    assert JobConfig().bagualu2 == Bagualu2Config()
+
+
+class _Router(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(4, 4)
+
+
+class _Experts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.zeros(4, 4, 4))
+
+
+class _FeedForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1, self.w2, self.w3 = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+
+class _MoE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.router, self.experts, self.shared_experts = _Router(), _Experts(), _FeedForward()
+
+
+class _Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wq, self.wkv_a, self.kv_norm, self.wkv_b, self.wo = (nn.Linear(4, 4), nn.Linear(4, 4), nn.LayerNorm(4),
+                                                                  nn.Linear(4, 4), nn.Linear(4, 4))
+
+
+class _Block(nn.Module):
+    def __init__(self, moe: bool):
+        super().__init__()
+        self.attention_norm, self.attention, self.ffn_norm = nn.LayerNorm(4), _Attention(), nn.LayerNorm(4)
+        if moe:
+            self.moe = _MoE()
+        else:
+            self.feed_forward = _FeedForward()
+
+
+def test_the_op_map_of_a_stage_part():
+    part = nn.Module()
+    part.layers = nn.ModuleDict({"2": _Block(moe=False), "3": _Block(moe=True)})  # global layer ids, as after a split
+    labels = op_map(part)
+    assert labels["layers.2.attention_norm"] == "norm1" and labels["layers.3.ffn_norm"] == "norm2"
+    assert labels["layers.3.attention"] == "core_attn" and labels["layers.3.attention.wkv_a"] == "qkv"
+    assert labels["layers.3.attention.wo"] == "attn_out" and "layers.3.attention.kv_norm" not in labels
+    assert labels["layers.3.moe"] == "moe" and labels["layers.3.moe.router"] == "router"
+    assert labels["layers.3.moe.experts"] == "dispatch"
+    assert labels["layers.3.moe.shared_experts.w1"] == labels["layers.3.moe.shared_experts.w3"] == "shared_fc1"
+    assert labels["layers.2.feed_forward.w2"] == "mlp_fc2"
+
+
+def test_a_model_that_is_not_a_torchtitan_decoder():
+    with pytest.raises(ValueError) as excinfo:
+        op_map(nn.Sequential(nn.Linear(2, 2)))
+    assert "has no ModuleDict 'layers'" in one_line(excinfo)
