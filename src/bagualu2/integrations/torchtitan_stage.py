@@ -25,9 +25,9 @@ a forward outside the schedule (torch's shape inference) is not provisioned and 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
-import sys
 import tempfile
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -62,7 +62,7 @@ def scheduled_forward(schedule: ScheduleInfo) -> tuple[int, int, int | None] | N
         return None
     if not schedule.pipelined:
         return 0, 1, None
-    frame = sys._getframe(1)
+    frame = inspect.currentframe()
     for _ in range(FRAMES):
         if frame is None:
             return None
@@ -75,21 +75,23 @@ def scheduled_forward(schedule: ScheduleInfo) -> tuple[int, int, int | None] | N
 
 
 class _Preserved:
-    """The part's buffers (a MoE module's load counters) and the random state, restored on exit."""
+    """The part's buffers (a MoE module's load counters) and the random state (CPU, and the part's CUDA device),
+    restored on exit."""
 
-    def __init__(self, part: torch.nn.Module):
+    def __init__(self, part: torch.nn.Module, device: torch.device):
         self.part = part
+        self.rng = torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else [])
 
     def __enter__(self):
         self.buffers = [(b, b.detach().clone()) for b in self.part.buffers()]
-        self.rng = torch.random.get_rng_state()
+        self.rng.__enter__()
         return self
 
     def __exit__(self, *exc):
+        self.rng.__exit__(*exc)
         with torch.no_grad():
             for buffer, saved in self.buffers:
                 buffer.copy_(saved)
-        torch.random.set_rng_state(self.rng)
         return False
 
 
@@ -110,13 +112,12 @@ class StageProvisioner:
                  num_stages: int, num_microbatches: int, step: int = 0):
         self.config, self.stage_index, self.num_microbatches = config, stage_index, num_microbatches
         self.in_flight = min(num_stages - stage_index, num_microbatches)
-        self.pipelined = num_stages > 1
         labels = op_map(part)
         has_router = "router" in labels.values()
         self.instrumented = instrument(part, labels, gate=gate_report if has_router else None)
         device = next(part.parameters()).device
         hardware = presets.hardware("cpu" if device.type == "cpu" else "paper-gpu")
-        with _Preserved(part):
+        with _Preserved(part, device):
             graph = self.instrumented.trace_graph(*args, hardware=hardware)
         self.graph: OpGraph = planned_graph(graph, quantize=config.quantize)
         self.cap_bytes = cap = config.cap_bytes
