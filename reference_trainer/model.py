@@ -45,7 +45,9 @@ of the group holds the ``E/ep`` experts with global ids ``[i*E/ep, (i+1)*E/ep)``
 copies by global expert id, which groups them by destination rank, then expert, so the send splits are contiguous.
 Right after the router every rank's per-expert counts are all-gathered (a plain collective on an int tensor), so
 the gate hook knows what this rank receives and what the busiest rank of the group receives; ``dispatch`` then
-sends the copies with the autograd ``torch.distributed.nn.functional.all_to_all_single`` (uneven splits) and
+sends the copies with :class:`~reference_trainer.functions.AllToAllFunction` (uneven splits; issued with
+``async_op=True``, so that inside a fused scheduling point the other micro-batch's next stage runs while the
+exchange is in flight, ``bagualu2.exec.overlap_point``) and
 regroups what arrived (source rank, then expert) by local expert (:class:`RowPermuteFunction`, which keeps its
 permutation on ``ctx``, not through saved-tensor hooks: it saves nothing the cost model counts). ``combine`` is
 the inverse: regroup back to (source rank, expert) order and ``all_to_all_single`` the expert outputs home.

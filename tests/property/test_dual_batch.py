@@ -216,3 +216,36 @@ def test_the_backward_is_held_at_its_stage_boundaries_too():
     kinds = [k for k, _ in _check(order).trace]
     switches = sum(a != b for a, b in zip(kinds, kinds[1:]))
     assert switches >= min(len(CHAINS.forward), len(CHAINS.backward)), switches
+
+
+def test_an_op_that_issued_a_collective_lets_the_other_micro_batch_run_before_it_waits():
+    """``exec.overlap_point()`` inside F's dispatch (where an asynchronous all-to-all would be in flight) ends F's
+    stage early: the order's next stage, B's compute, runs before F's dispatch finishes, and everything is still
+    bitwise sequential execution's."""
+    from bagualu2.exec import overlap_point
+
+    seen = []
+
+    def issued(module, args, output):
+        seen.append(module)
+        overlap_point()
+
+    original = _model
+
+    def model_with_hook():
+        model = original()
+        model.layers[1].mlp.dispatch.register_forward_hook(issued)
+        return model
+
+    globals()["_model"] = model_with_hook
+    try:
+        grads, out, result = _fused(dp.solve(CHAINS))
+    finally:
+        globals()["_model"] = original
+    reference_grads, reference_out = _sequential()
+    assert torch.equal(out, reference_out)
+    assert all(torch.equal(g, grads[name]) for name, g in reference_grads.items())
+    trace = result.trace
+    park = trace.index(("F", "park:1"))  # F's stage 1 is L1.dispatch
+    resumed = trace.index(("F", "L1.expert_fc1"))
+    assert any(kind == "B" for kind, _ in trace[park + 1:resumed])  # B's stage 2 ran while the exchange was out

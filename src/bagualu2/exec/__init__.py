@@ -8,7 +8,7 @@ deferred MoE downgrade after the gate; FLOP counting in the cost model's convent
 from .apply import MicroBatchRecord, PlanExecutor, apply_plan
 from .instrument import InstrumentedModel, instrument
 from .trace import TraceResult
-from .ops import OP_SCOPE, GateReport, after_gate, on_backward, op_scope, routed, run_op
+from .ops import OP_SCOPE, GateReport, after_gate, on_backward, op_scope, overlap_point, routed, run_op
 from .deferred import DeferredPlanner
 from .flops import flop_counter
 from .packing import CopyEngine, HostPool, quantize_fp8
@@ -28,4 +28,4 @@ def __getattr__(name: str):
 __all__ = ["ActivationOutOfMemoryError", "ActivationTracker", "CopyEngine", "DeferredPlanner", "DualBatchExecutor",
            "HostPool", "InstrumentedModel", "PointAborted", "TraceResult", "instrument",
            "MicroBatchRecord", "OP_SCOPE", "PlanExecutor", "after_gate", "apply_plan",
-           "flop_counter", "GateReport", "on_backward", "op_scope", "quantize_fp8", "routed", "run_op", "storage_bytes"]
+           "flop_counter", "GateReport", "on_backward", "op_scope", "overlap_point", "quantize_fp8", "routed", "run_op", "storage_bytes"]

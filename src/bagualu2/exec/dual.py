@@ -23,9 +23,14 @@ error reaches the caller. Under expert parallelism this keeps every rank of a gr
 order is agreed, so a rank either follows it or stops; it never runs ahead into another stage's collectives.
 
 Stages of one barrier group are issued one after the other (one worker at a time), so any order that keeps the chain
-orders computes exactly what sequential execution computes. On CPU that is also how they run. On CUDA the issue is
-asynchronous: the O and R copies run on the copy engine's side streams and overlap the compute issued next, and NCCL
-all-to-alls run on NCCL's stream. Forward and backward compute kernels are issued on the streams autograd assigns (a
+orders computes exactly what sequential execution computes. An op that issues an asynchronous collective (the
+reference model's all-to-alls: ``async_op=True``) calls :func:`~bagualu2.exec.ops.overlap_point` before waiting for
+it: its worker pauses as at the gate of its next stage (:meth:`_Worker.park`), so the scheduler issues the order's
+next stage — the other micro-batch's compute — while the collective is in flight, and the op waits for it when its
+worker is let through again. The collectives are issued in the order's sequence on every rank, as before. On CPU
+gloo runs the exchange on its own threads beside that compute; on CUDA the issue is asynchronous: the O and R
+copies run on the copy engine's side streams and overlap the compute issued next, and NCCL all-to-alls run on
+NCCL's stream (``work.wait()`` orders the current stream after it). Forward and backward compute kernels are issued on the streams autograd assigns (a
 backward op runs on its forward op's stream); a second compute stream for alternate micro-batches (F_x and B_y
 compute overlapping each other) is not implemented — it needs cross-stream allocator bookkeeping that can only be
 validated on a GPU.
@@ -42,7 +47,7 @@ import torch
 from bagualu2.fusion import Chains, Order
 
 from .apply import PlanExecutor
-from .ops import FORWARD_GATE
+from .ops import FORWARD_GATE, PARK
 
 
 class PointAborted(RuntimeError):
@@ -62,6 +67,7 @@ class _Worker:
         self.aborted = False
         self.waiting: int | None = None
         self.done = False
+        self.current = -1  # the stage of the last op let through
         self.result: Any = None
         self.error: BaseException | None = None
         self.ops: list[str] = []  # ops in the order they were let through
@@ -87,8 +93,24 @@ class _Worker:
                 self.waiting = None
             if self.aborted:
                 raise PointAborted(f"{self.kind} stopped before {op}: another stage of the point failed")
+            if stage is not None:
+                self.current = max(self.current, stage)
             self.ops.append(op)
             self.trace.append((self.kind, op))
+
+    def park(self) -> None:
+        """The running op issued an asynchronous collective: its stage is done issuing. Pause as at a gate of the
+        next stage (``exec.ops.overlap_point``), so the scheduler runs the order's next stage meanwhile."""
+        stage = self.current + 1
+        with self.cond:
+            self.trace.append((self.kind, f"park:{stage - 1}"))
+            if stage > self.allowed:
+                self.waiting = stage
+                self.cond.notify_all()
+                self.cond.wait_for(lambda: stage <= self.allowed or self.aborted)
+                self.waiting = None
+            if self.aborted:
+                raise PointAborted(f"{self.kind} stopped in stage {stage - 1}: another stage of the point failed")
 
     def run_through(self, stage: int) -> None:
         """Let stages up to ``stage`` run; return when the worker is past them (or finished)."""
@@ -177,11 +199,13 @@ class DualBatchExecutor:
             if callable(forward):
                 def run_forward(fn=forward, worker=worker):
                     FORWARD_GATE.set(worker.gate)  # the worker thread's own context
+                    PARK.set(worker.park)
                     return fn()
             else:
                 name, fn = forward
 
                 def run_forward(fn=fn, name=name, worker=worker):
+                    PARK.set(worker.park)
                     with executor.micro_batch(name) as record:
                         record.forward_gate = worker.gate
                         try:
@@ -195,7 +219,13 @@ class DualBatchExecutor:
             name, loss = backward
             backward_record = self.owner(name).record(name)
             work = loss if callable(loss) else loss.backward
-            workers["B"] = worker = _Worker("B", _stage_index(chains.backward), result.trace, work)
+            workers["B"] = worker = _Worker("B", _stage_index(chains.backward), result.trace)
+
+            def run_backward(work=work, worker=worker):
+                PARK.set(worker.park)  # the CPU backward runs in this thread: its collectives can park it
+                return work()
+
+            worker.work = run_backward
             backward_record.backward_gate = worker.gate
         try:
             for group in order.groups:

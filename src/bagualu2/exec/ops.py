@@ -25,6 +25,8 @@ OP_HINTS: ContextVar[dict | None] = ContextVar("bagualu2_op_hints", default=None
 ACTIVE: ContextVar[tuple[Any, Any] | None] = ContextVar("bagualu2_active", default=None)
 #: The dual-batch executor's forward gate for a forward that records its own micro-batch (see ``DualBatchExecutor``).
 FORWARD_GATE: ContextVar[Callable[[str], None] | None] = ContextVar("bagualu2_forward_gate", default=None)
+#: The dual-batch worker running in this thread (forward or backward): ``park()`` ends its current stage early.
+PARK: ContextVar[Callable[[], None] | None] = ContextVar("bagualu2_park", default=None)
 
 
 class op_scope:
@@ -175,3 +177,16 @@ def on_backward(tensor: torch.Tensor, done: Callable[[], None]) -> torch.Tensor:
     if not tensor.requires_grad:
         return tensor
     return _BackwardEnd.apply(tensor, done)
+
+
+def overlap_point() -> None:
+    """Called by an op right after it issued a collective that completes on its own (an ``async_op=True``
+    all-to-all), before it waits for it: inside a fused scheduling point of the dual-batch executor, the op's
+    stage is then done issuing, and the worker pauses as at the gate of its next stage while the order's next
+    stage — the other micro-batch's compute — runs; the op waits for its collective when the worker is let through
+    again. A plain call outside a fused point (and inside a re-run in backward)."""
+    from .scope import REPLAYING
+
+    park = PARK.get()
+    if park is not None and not REPLAYING.get():
+        park()
