@@ -5,12 +5,11 @@ row permutation of dispatch and combine), and the autograd all-to-all with uneve
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-from bagualu2.exec import overlap_point
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
@@ -171,30 +170,34 @@ class RowPermuteFunction(torch.autograd.Function):
 
 class AllToAllFunction(torch.autograd.Function):
     """All-to-all with uneven splits; its backward is the opposite all-to-all; it saves no tensor. Both directions
-    are issued asynchronously (``async_op=True``): after issuing, :func:`bagualu2.exec.overlap_point` lets a fused
-    scheduling point run the other micro-batch's next stage while the exchange is in flight, then it is waited
-    for (on CUDA the wait orders the current stream after NCCL's). Outside a fused point it is a plain all-to-all.
+    are issued asynchronously (``async_op=True``): after issuing, ``overlap()`` (when given; the instrumentation
+    passes ``bagualu2.exec.overlap_point``) lets a fused scheduling point run the other micro-batch's next stage
+    while the exchange is in flight, then it is waited for (on CUDA the wait orders the current stream after
+    NCCL's). Without it, or outside a fused point, it is a plain all-to-all.
     :data:`TIMELINE`, when a list, receives ``(direction, issued_s, wait_s, done_s)`` per exchange."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
-        ctx.splits, ctx.group = (output_splits, input_splits), group
-        return _exchange("forward", x, output_splits, input_splits, group)
+    def forward(ctx, x: torch.Tensor, output_splits: list[int], input_splits: list[int], group,
+                overlap: Callable[[], None] | None) -> torch.Tensor:
+        ctx.splits, ctx.group, ctx.overlap = (output_splits, input_splits), group, overlap
+        return _exchange("forward", x, output_splits, input_splits, group, overlap)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         output_splits, input_splits = ctx.splits
-        return _exchange("backward", grad, input_splits, output_splits, ctx.group), None, None, None
+        return _exchange("backward", grad, input_splits, output_splits, ctx.group, ctx.overlap), None, None, None, None
 
 
 TIMELINE: list | None = None
 
 
-def _exchange(direction: str, x: torch.Tensor, output_splits: list[int], input_splits: list[int], group):
+def _exchange(direction: str, x: torch.Tensor, output_splits: list[int], input_splits: list[int], group,
+              overlap: Callable[[], None] | None) -> torch.Tensor:
     out = x.new_empty(sum(output_splits), *x.shape[1:])
     issued = time.perf_counter()
     work = dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group, async_op=True)
-    overlap_point()
+    if overlap is not None:
+        overlap()
     waiting = time.perf_counter()
     work.wait()
     if TIMELINE is not None:
@@ -203,8 +206,9 @@ def _exchange(direction: str, x: torch.Tensor, output_splits: list[int], input_s
 
 
 def all_to_all_single(output: torch.Tensor, x: torch.Tensor, output_splits: list[int], input_splits: list[int],
-                       group: dist.ProcessGroup) -> torch.Tensor:
-    """Autograd all-to-all with uneven splits into a new tensor shaped like ``output`` (:class:`AllToAllFunction`)."""
+                       group: dist.ProcessGroup, overlap: Callable[[], None] | None = None) -> torch.Tensor:
+    """Autograd all-to-all with uneven splits into a new tensor shaped like ``output`` (:class:`AllToAllFunction`;
+    ``overlap`` runs between issue and wait)."""
     if output.shape[0] != sum(output_splits):
         raise ValueError(f"output has {output.shape[0]} rows, output_splits sum to {sum(output_splits)}")
-    return AllToAllFunction.apply(x, list(output_splits), list(input_splits), group)
+    return AllToAllFunction.apply(x, list(output_splits), list(input_splits), group, overlap)

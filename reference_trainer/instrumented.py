@@ -18,7 +18,7 @@ import fnmatch
 
 import torch
 
-from bagualu2.exec import InstrumentedModel, instrument
+from bagualu2.exec import InstrumentedModel, instrument, overlap_point
 
 from .model import OP_MAP, MoE
 
@@ -37,6 +37,8 @@ def instrument_reference(module: torch.nn.Module, *, gate: bool = True) -> Instr
     callback (``gate=False``: a model that never reports its gates). Instrument each module once (hooks add
     up)."""
     owners = {moe.gate: moe for moe in module.modules() if isinstance(moe, MoE)}
+    for moe in owners.values():  # fused points overlap the exchanges with the other micro-batch's compute
+        moe.dispatch.layout.overlap_point = overlap_point
 
     def report(router: torch.nn.Module, inputs, output):
         moe = owners[router]

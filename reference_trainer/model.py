@@ -46,8 +46,8 @@ copies by global expert id, which groups them by destination rank, then expert, 
 Right after the router every rank's per-expert counts are all-gathered (a plain collective on an int tensor), so
 the gate hook knows what this rank receives and what the busiest rank of the group receives; ``dispatch`` then
 sends the copies with :class:`~reference_trainer.functions.AllToAllFunction` (uneven splits; issued with
-``async_op=True``, so that inside a fused scheduling point the other micro-batch's next stage runs while the
-exchange is in flight, ``bagualu2.exec.overlap_point``) and
+``async_op=True``; between issue and wait the layout's ``overlap_point``, which the instrumentation sets to
+``bagualu2.exec.overlap_point``, lets a fused scheduling point run the other micro-batch's next stage) and
 regroups what arrived (source rank, then expert) by local expert (:class:`RowPermuteFunction`, which keeps its
 permutation on ``ctx``, not through saved-tensor hooks: it saves nothing the cost model counts). ``combine`` is
 the inverse: regroup back to (source rank, expert) order and ``all_to_all_single`` the expert outputs home.
@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -204,6 +205,8 @@ class ExpertLayout:
 
     def __init__(self, ep_group: dist.ProcessGroup | None, num_local_experts: int):
         self.ep_group = ep_group
+        # called between issuing an exchange and waiting for it (None: nothing); the instrumentation sets it
+        self.overlap_point: Callable[[], None] | None = None
         self.ep = 1 if ep_group is None else dist.get_world_size(ep_group)
         self.num_local_experts = num_local_experts
 
@@ -228,7 +231,8 @@ class Dispatch(nn.Module):
         ep, local = self.layout.ep, self.layout.num_local_experts
         input_splits, output_splits = send.sum(1).tolist(), recv.sum(1).tolist()
         out = x.new_empty(sum(output_splits), x.shape[1])
-        received = all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+        received = all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group,
+                                     overlap=self.layout.overlap_point)
         # arrived grouped (source rank, expert): regroup by (expert, source rank)
         block = torch.repeat_interleave(torch.arange(ep * local, device=x.device), recv.reshape(-1).to(x.device))
         order = torch.sort((block % local) * ep + block // local, stable=True).indices
@@ -250,7 +254,8 @@ class Combine(nn.Module):
         input_splits, output_splits, inverse = state
         x = RowPermuteFunction.apply(x, inverse)  # back to (source rank, expert) order
         out = x.new_empty(sum(input_splits), x.shape[1])
-        return all_to_all_single(out, x, input_splits, output_splits, group=self.layout.ep_group)
+        return all_to_all_single(out, x, input_splits, output_splits, group=self.layout.ep_group,
+                                 overlap=self.layout.overlap_point)
 
 
 class MoE(nn.Module):
