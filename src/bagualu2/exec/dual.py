@@ -86,13 +86,7 @@ class _Worker:
     def gate(self, op: str) -> None:
         stage = self.stage_of.get(op)
         with self.cond:
-            if stage is not None and stage > self.allowed:
-                self.waiting = stage
-                self.cond.notify_all()
-                self.cond.wait_for(lambda: stage <= self.allowed or self.aborted)
-                self.waiting = None
-            if self.aborted:
-                raise PointAborted(f"{self.kind} stopped before {op}: another stage of the point failed")
+            self._hold(stage, f"before {op}")
             if stage is not None:
                 self.current = max(self.current, stage)
             self.ops.append(op)
@@ -104,13 +98,17 @@ class _Worker:
         stage = self.current + 1
         with self.cond:
             self.trace.append((self.kind, f"park:{stage - 1}"))
-            if stage > self.allowed:
-                self.waiting = stage
-                self.cond.notify_all()
-                self.cond.wait_for(lambda: stage <= self.allowed or self.aborted)
-                self.waiting = None
-            if self.aborted:
-                raise PointAborted(f"{self.kind} stopped in stage {stage - 1}: another stage of the point failed")
+            self._hold(stage, f"in stage {stage - 1}")
+
+    def _hold(self, stage: int | None, where: str) -> None:
+        """(Under the lock.) Wait until ``stage`` is let through; raise :class:`PointAborted` once aborted."""
+        if stage is not None and stage > self.allowed:
+            self.waiting = stage
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: stage <= self.allowed or self.aborted)
+            self.waiting = None
+        if self.aborted:
+            raise PointAborted(f"{self.kind} stopped {where}: another stage of the point failed")
 
     def run_through(self, stage: int) -> None:
         """Let stages up to ``stage`` run; return when the worker is past them (or finished)."""
