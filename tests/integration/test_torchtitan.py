@@ -11,6 +11,9 @@ mitigate), same seed:
   before the first step is not counted;
 * the gate re-planned at least once, and both stages ran mitigated plans.
 
+And the same pair for torchtitan's Qwen3 MoE debug model (2 layers, 16 experts) in one process without a pipeline,
+under torchtitan's CPU autocast.
+
 Skipped without torchtitan (``pip install -e ".[torchtitan]"``).
 """
 
@@ -64,36 +67,52 @@ def _assets(root: Path) -> tuple[Path, Path]:
     return assets, data
 
 
-def _run(out: Path, assets: Path, data: Path, *extra: str) -> None:
+PIPELINE = ("--model.name", "deepseek_v3", "--model.flavor", "debugmodel_4l", "--training.local_batch_size",
+            str(MICROBATCHES), "--training.seq_len", "64", "--training.steps", str(STEPS),
+            "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B",
+            "--parallelism.pipeline_parallel_microbatch_size", "1")
+QWEN3 = ("--model.name", "qwen3", "--model.flavor", "debugmodel_moe_2l", "--training.local_batch_size", "2",
+         "--training.seq_len", "64", "--training.steps", "2")  # one process, no pipeline; torchtitan's CPU autocast
+QWEN3_CAP_MIB = 56  # a micro-batch keeps 61.5 MiB unmitigated
+
+
+def _run(out: Path, assets: Path, data: Path, nproc: int, layout: tuple[str, ...], *extra: str) -> None:
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "BAGUALU2_PROBE_DIR": str(out), "HF_DATASETS_OFFLINE": "1",
            "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join([str(HARNESS.parent), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(HARNESS),
-               "--job.dump_folder", str(out / "dump"), "--job.custom_config_module",
-               "bagualu2.integrations.torchtitan", "--model.name", "deepseek_v3", "--model.flavor", "debugmodel_4l",
-               "--model.hf_assets_path", str(assets), "--training.dataset", "c4_test", "--training.dataset_path",
-               str(data), "--training.local_batch_size", str(MICROBATCHES), "--training.seq_len", "64",
-               "--training.steps", str(STEPS), "--parallelism.pipeline_parallel_degree", "2",
-               "--parallelism.pipeline_parallel_schedule", "1F1B", "--parallelism.pipeline_parallel_microbatch_size",
-               "1", "--parallelism.data_parallel_shard_degree", "1", "--activation_checkpoint.mode", "none",
-               "--optimizer.implementation", "foreach", "--metrics.log_freq", "1", "--debug.seed", "0",
-               "--debug.deterministic", *extra]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(HARNESS), "--job.dump_folder", str(out / "dump"), "--job.custom_config_module",
+               "bagualu2.integrations.torchtitan", "--model.hf_assets_path", str(assets), "--training.dataset",
+               "c4_test", "--training.dataset_path", str(data), *layout, "--parallelism.data_parallel_shard_degree",
+               "1", "--activation_checkpoint.mode", "none", "--optimizer.implementation", "foreach",
+               "--metrics.log_freq", "1", "--debug.seed", "0", "--debug.deterministic", *extra]
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     (out / "log.txt").write_text(proc.stdout + proc.stderr)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("torchtitan")
-    assets, data = _assets(root / "assets")
-    _run(root / "plain", assets, data, "--model.converters", "probe")
-    _run(root / "planned", assets, data, "--model.converters", "bagualu2,probe", "--bagualu2.memory_cap_mib",
-         str(CAP_MIB), "--bagualu2.no-quantize", "--bagualu2.report_path", str(root / "planned" / "report.{rank}.json"))
-    grads = {name: [json.loads((root / name / f"grads.{rank}.json").read_text()) for rank in (0, 1)]
-             for name in ("plain", "planned")}
-    reports = [json.loads((root / "planned" / f"report.{rank}.json").read_text()) for rank in (0, 1)]
-    return grads, reports, (root / "planned" / "log.txt").read_text()
+    return root, *_assets(root / "assets")
+
+
+def _pair(root: Path, assets: Path, data: Path, name: str, nproc: int, layout: tuple[str, ...], cap_mib: int):
+    """A plain run and a planned one (flexible, exact plans, ``cap_mib``): the gradient digests of both and the
+    planned run's reports, per rank."""
+    _run(root / f"{name}-plain", assets, data, nproc, layout, "--model.converters", "probe")
+    _run(root / f"{name}-planned", assets, data, nproc, layout, "--model.converters", "bagualu2,probe",
+         "--bagualu2.memory_cap_mib", str(cap_mib), "--bagualu2.no-quantize", "--bagualu2.report_path",
+         str(root / f"{name}-planned" / "report.{rank}.json"))
+    grads = {kind: [json.loads((root / f"{name}-{kind}" / f"grads.{rank}.json").read_text()) for rank in range(nproc)]
+             for kind in ("plain", "planned")}
+    reports = [json.loads((root / f"{name}-planned" / f"report.{rank}.json").read_text()) for rank in range(nproc)]
+    return grads, reports, (root / f"{name}-planned" / "log.txt").read_text()
+
+
+@pytest.fixture(scope="module")
+def runs(assets):
+    return _pair(*assets, "dsv3", 2, PIPELINE, CAP_MIB)
 
 
 @pytest.mark.launch
@@ -127,3 +146,18 @@ def test_the_gate_replans_and_torchtitan_logs_the_kept_bytes(runs):
     for stage in (0, 1):
         for step in range(1, STEPS + 1):
             assert f"bagualu2 step {step} stage {stage}: kept MiB per micro-batch [" in log
+
+
+@pytest.mark.launch
+def test_qwen3_moe_without_a_pipeline_under_autocast(assets):
+    """Qwen3 MoE (torchtitan 0.2.2 has no pipeline split for it) in one process: every forward a micro-batch of its
+    own, torchtitan's CPU autocast on (re-runs in backward compute under it): bitwise gradients, exact bytes."""
+    grads, reports, log = _pair(*assets, "qwen3", 1, QWEN3, QWEN3_CAP_MIB)
+    assert grads["planned"] == grads["plain"] and len(grads["plain"][0]) == 2
+    (report,) = reports
+    rows = [row for step in report["steps"] for row in step]
+    assert len(rows) == 2 and all(row["microbatch"] == 0 for row in rows)
+    for row in rows:
+        assert row["kept_bytes"] == row["predicted_bytes"] <= row["budget_bytes"] == QWEN3_CAP_MIB << 20
+        assert "RECOMPUTE" in row["plan"] and set(row["received"]) == {"0", "1"}
+    assert "bagualu2 step 2 stage 0: kept MiB per micro-batch [" in log

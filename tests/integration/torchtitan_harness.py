@@ -89,11 +89,18 @@ def _shims() -> None:
 
 
 def _flavor() -> None:
+    """Debug models small enough for two CPU cores: DeepSeek-V3's cut to 4 layers, Qwen3 MoE's to 2 layers and 16
+    experts (top-4; its experts on the per-expert loop, as DeepSeek-V3's debug model chooses on CPU by itself)."""
     from torchtitan.models.deepseek_v3 import deepseekv3_args
+    from torchtitan.models.qwen3 import qwen3_args
 
     args = copy.deepcopy(deepseekv3_args["debugmodel"])
     args.n_layers = 4
     deepseekv3_args["debugmodel_4l"] = args
+    args = copy.deepcopy(qwen3_args["debugmodel_moe"])
+    args.n_layers = 2
+    args.moe_args.num_experts, args.moe_args.top_k, args.moe_args.use_grouped_mm = 16, 4, False
+    qwen3_args["debugmodel_moe_2l"] = args
 
 
 class Probe:

@@ -76,3 +76,37 @@ def test_a_recomputed_module_counts_once():
     assert released == [True]  # on_backward reported the end of the backward once
     assert all(torch.equal(a, b) for a, b in zip([p.grad for p in model.parameters()], plain_grads))
     assert all(torch.equal(a, b) for a, b in zip(model.buffers(), plain_buffers))
+
+
+def test_a_re_run_in_backward_computes_under_the_forwards_autocast():
+    """The forward runs under CPU autocast (bf16), the backward outside it, as training loops do: a RECOMPUTE
+    re-run computes in bf16 again, so the gradients are the plain run's bit for bit."""
+    torch.manual_seed(0)
+    model, x = Model(), torch.randn(6, 8, requires_grad=True)
+    instrumented = instrument(model, {"layers.*.norm": "norm1", "layers.*.mix": "mlp_fc1"})
+    before = [b.clone() for b in model.buffers()]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        graph = instrumented.trace_graph(x, hardware=presets.hardware("cpu"))
+
+    def reset():
+        with torch.no_grad():
+            for buffer, value in zip(model.buffers(), before):
+                buffer.copy_(value)
+        model.zero_grad(set_to_none=True)
+
+    reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    out.float().square().sum().backward()
+    plain = [p.grad.clone() for p in model.parameters()]
+    reset()
+    own = {(op.name, s.tensor) for op, s in graph.savings
+           if op.kind == "mlp_fc1" and graph.tensors[s.tensor].producer == op.name}
+    executor = apply_plan(instrumented, Plan.from_decisions({key: Strategy.RECOMPUTE for key in own}), verify=True)
+    with executor.micro_batch("m") as record:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+    assert record.rerun
+    out.float().square().sum().backward()
+    executor.release("m")
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), plain))

@@ -41,7 +41,7 @@ from .ops import ACTIVE, FORWARD_GATE, OP_HINTS, OP_SCOPE
 from .provisional import Provisional, settle, standby_ops
 from .packing import CopyEngine, HostCopy, Offloaded, Quantized, View, flat_storage, quantize_fp8, unpack
 from .record import TORCH_TO_NAME, MicroBatchRecord
-from .recompute import Regenerated, Replay, Source, Stored, checksums
+from .recompute import Regenerated, Replay, Source, Stored, autocast_state, checksums
 from .tracker import ActivationOutOfMemoryError, ActivationTracker, storage_key
 
 class PlanExecutor:
@@ -245,7 +245,7 @@ class PlanExecutor:
             else:
                 sources.append(arg)
         replay = Replay(name, fn, tuple(sources), self.engine, inactive=None if active else holds,
-                        parent=record.active)
+                        parent=record.active, autocast=autocast_state())
         record.active = replay
         return replay
 

@@ -27,6 +27,8 @@ op runs once per backward. Re-running deterministic kernels on equal inputs give
 
 from __future__ import annotations
 
+import contextlib
+
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -163,6 +165,15 @@ class Source:
         return (tensor.requires_grad_(self.requires_grad) if self.requires_grad else tensor), exact
 
 
+def autocast_state() -> tuple:
+    """The autocast state now, per device type: ``(device type, enabled, dtype, cache enabled)``. A replay records
+    its forward's, and a re-run in backward (where the training loop's autocast block has ended) computes under it,
+    as ``torch.utils.checkpoint`` does."""
+    cache = torch.is_autocast_cache_enabled()
+    types = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+    return tuple((kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind), cache) for kind in types)
+
+
 @dataclass(eq=False)
 class Replay:
     """One op of a micro-batch that backward may re-run (see the module docstring)."""
@@ -179,6 +190,7 @@ class Replay:
     parent: "Replay | None" = None      # the enclosing replay while it was recorded (nested module ops)
     expected: tuple | None = None       # verify mode: checksums of the forward's outputs a re-run must match
     approximate: bool = False           # the last run read an input from an FP8 copy (or re-made from one)
+    autocast: tuple = ()                # the forward's autocast state (autocast_state()): a re-run computes under it
     _outputs: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
     _saves: list[torch.Tensor] | None = field(default=None, repr=False)
 
@@ -204,7 +216,11 @@ class Replay:
             saves.append(detached)
             return detached
 
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(capture, lambda t: t):
+        with contextlib.ExitStack() as stack:
+            for device_type, enabled, dtype, cache in self.autocast:  # as the forward ran: autocast on or off
+                stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache))
+            stack.enter_context(torch.enable_grad())
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(capture, lambda t: t))
             outputs = self.fn(*args)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         if self.expected is not None and not self.approximate and checksums(outputs) != self.expected:

@@ -53,10 +53,12 @@ class Bagualu2Converter:
             raise ValueError(f"parallelism.pipeline_parallel_schedule must be one of {', '.join(SCHEDULES)} with "
                              f"the bagualu2 converter, got {parallelism.pipeline_parallel_schedule!r}")
         local = job_config.training.local_batch_size
+        # without a pipeline each forward (one per gradient-accumulation micro-step) is backwarded before the next
         size = parallelism.pipeline_parallel_microbatch_size if pipelined else local
         self.schedule = ScheduleInfo(pipelined=pipelined, num_microbatches=max(local // size, 1))
         self.provisioners: dict[int, object] = {}
         self.step = 0
+        self._tracing = False
 
     def convert(self, model: torch.nn.Module) -> None:
         if "router" not in op_map(model).values():  # one ValueError now for a model this converter cannot instrument
@@ -81,12 +83,18 @@ class Bagualu2Converter:
         stage_index, num_stages, microbatch = where
         found = self.provisioners.get(stage_index)
         if found is None:
-            found = self.provisioners[stage_index] = StageProvisioner(
-                part, args, config=self.config, stage_index=stage_index, num_stages=num_stages,
-                num_microbatches=self.schedule.num_microbatches, step=self.step)
+            self._tracing = True  # the trace runs the part: its forwards are not micro-batches
+            try:
+                found = self.provisioners[stage_index] = StageProvisioner(
+                    part, args, config=self.config, stage_index=stage_index, num_stages=num_stages,
+                    num_microbatches=self.schedule.num_microbatches, step=self.step)
+            finally:
+                self._tracing = False
         return found, microbatch
 
     def _before(self, part, args, kwargs):
+        if self._tracing:
+            return None
         provisioner, microbatch = self._provisioner(part, args)
         if provisioner is not None:
             provisioner.begin(microbatch)

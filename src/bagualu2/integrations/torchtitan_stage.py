@@ -172,6 +172,7 @@ class StageProvisioner:
     def _begin_step(self, step: int) -> None:
         self.step = step
         self.rows: list[dict] = []
+        self._forwards = 0  # forwards this step
         self._current = None
         self._begin_round()
 
@@ -180,17 +181,16 @@ class StageProvisioner:
         self.assigner = (BudgetAssigner(m_max_bytes=self.cap_bytes, m0_bytes=self.graph.floor_bytes,
                                         num_microbatches=self.num_microbatches, num_warmup=self.in_flight)
                          if self.policy == "flexible" else None)
-        self._count = 0
         self._names: dict[int, str] = {}
 
     def begin(self, microbatch: int | None) -> None:
-        """The part's forward of ``microbatch`` starts (None: the next one, without a pipeline schedule)."""
+        """The part's forward of ``microbatch`` starts (None: without a pipeline schedule, where each forward's
+        backward runs before the next forward: every forward is micro-batch 0 of a round of its own)."""
         if microbatch is None:
-            microbatch = self._count
+            microbatch = 0
         if microbatch in self._names:  # the schedule runs again within the step (gradient accumulation)
             self._release_all()
             self._begin_round()
-        self._count += 1
         name = f"s{self.stage_index}.m{microbatch}"
         if self.assigner is not None:
             budget, _ = self.assigner.next_forward()
@@ -230,7 +230,9 @@ class StageProvisioner:
                     f"{microbatch} (budget {budget}, kept {kept}, predicted {predicted}), over the cap of "
                     f"{self.cap_bytes} bytes")
         self._names[microbatch] = name
-        self.rows.append({"step": self.step + 1, "stage": self.stage_index, "microbatch": microbatch,
+        self._forwards += 1
+        self.rows.append({"step": self.step + 1, "stage": self.stage_index, "forward": self._forwards - 1,
+                          "microbatch": microbatch,
                           "policy": self.policy, "budget_bytes": budget, "kept_bytes": kept,
                           "predicted_bytes": predicted, "plan_before_gate": str(plan), "plan": str(record.plan),
                           "downgraded_layers": list(record.downgraded),
@@ -253,7 +255,7 @@ class StageProvisioner:
     def end_step(self, step: int) -> None:
         """After the optimizer step: log and report the step's micro-batches, start the next step's budgets."""
         self._release_all()
-        rows = sorted(self.rows, key=lambda row: row["microbatch"])
+        rows = sorted(self.rows, key=lambda row: row["forward"])
         self.history.append(rows)
         _log(self.stage_index, step, rows)
         if self.config.report_path:
