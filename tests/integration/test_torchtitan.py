@@ -9,7 +9,8 @@ mitigate), same seed:
   budget, and what a stage holds in flight never exceeds the cap;
 * each stage reports exactly the schedule's 4 micro-batches a step, numbered 0-3: torch's shape-inference forward
   before the first step is not counted;
-* the gate re-planned at least once, and both stages ran mitigated plans.
+* the gate re-planned at least once, and both stages ran mitigated plans;
+* torchtitan's own metric loggers (TensorBoard here) receive each stage's kept MiB per micro-batch every step.
 
 And the same pair for torchtitan's Qwen3 MoE debug model (2 layers, 16 experts) in one process without a pipeline,
 under torchtitan's CPU autocast.
@@ -97,13 +98,14 @@ def assets(tmp_path_factory):
     return root, *_assets(root / "assets")
 
 
-def _pair(root: Path, assets: Path, data: Path, name: str, nproc: int, layout: tuple[str, ...], cap_mib: int):
-    """A plain run and a planned one (flexible, exact plans, ``cap_mib``): the gradient digests of both and the
-    planned run's reports, per rank."""
+def _pair(root: Path, assets: Path, data: Path, name: str, nproc: int, layout: tuple[str, ...], cap_mib: int,
+          *planned: str):
+    """A plain run and a planned one (flexible, exact plans, ``cap_mib``, ``planned`` flags): the gradient digests
+    of both and the planned run's reports, per rank."""
     _run(root / f"{name}-plain", assets, data, nproc, layout, "--model.converters", "probe")
     _run(root / f"{name}-planned", assets, data, nproc, layout, "--model.converters", "bagualu2,probe",
          "--bagualu2.memory_cap_mib", str(cap_mib), "--bagualu2.no-quantize", "--bagualu2.report_path",
-         str(root / f"{name}-planned" / "report.{rank}.json"))
+         str(root / f"{name}-planned" / "report.{rank}.json"), *planned)
     grads = {kind: [json.loads((root / f"{name}-{kind}" / f"grads.{rank}.json").read_text()) for rank in range(nproc)]
              for kind in ("plain", "planned")}
     reports = [json.loads((root / f"{name}-planned" / f"report.{rank}.json").read_text()) for rank in range(nproc)]
@@ -112,7 +114,8 @@ def _pair(root: Path, assets: Path, data: Path, name: str, nproc: int, layout: t
 
 @pytest.fixture(scope="module")
 def runs(assets):
-    return _pair(*assets, "dsv3", 2, PIPELINE, CAP_MIB)
+    return _pair(*assets, "dsv3", 2, PIPELINE, CAP_MIB, "--metrics.enable_tensorboard",
+                 "--metrics.save_for_all_ranks")
 
 
 @pytest.mark.launch
@@ -146,6 +149,24 @@ def test_the_gate_replans_and_torchtitan_logs_the_kept_bytes(runs):
     for stage in (0, 1):
         for step in range(1, STEPS + 1):
             assert f"bagualu2 step {step} stage {stage}: kept MiB per micro-batch [" in log
+
+
+@pytest.mark.launch
+def test_torchtitans_metric_loggers_receive_the_kept_bytes(runs, assets):
+    """Each stage's kept and budget MiB per micro-batch, every step, in torchtitan's TensorBoard events."""
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    _, reports, _ = runs
+    root = assets[0]
+    for rank, report in enumerate(reports):
+        (events,) = (root / "dsv3-planned" / "dump").glob(f"tb/*/rank_{rank}/events*")
+        accumulator = event_accumulator.EventAccumulator(str(events))
+        accumulator.Reload()
+        for microbatch in range(MICROBATCHES):
+            scalars = accumulator.Scalars(f"bagualu2/stage{rank}/kept_mib/mb{microbatch}")
+            assert [e.step for e in scalars] == list(range(1, STEPS + 1))
+            kept = [row["kept_bytes"] / 2**20 for rows in report["steps"] for row in rows
+                    if row["microbatch"] == microbatch]
+            assert [e.value for e in scalars] == pytest.approx(kept, rel=1e-6)
 
 
 @pytest.mark.launch

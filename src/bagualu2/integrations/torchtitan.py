@@ -20,11 +20,18 @@ This module imports without torchtitan; the converter needs it (``pip install "b
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 
-from .torchtitan_config import POLICIES, SCHEDULES, Bagualu2Config, JobConfig, gate_report, op_map
+from .torchtitan_config import MIB, POLICIES, SCHEDULES, Bagualu2Config, JobConfig, gate_report, op_map
 from .torchtitan_stage import ACTIVE_FORWARD, ScheduleInfo, StageProvisioner, scheduled_forward
+
+
+#: the decoders :func:`op_map` reads: importing this module gives their train specs a metrics processor builder that
+#: hands torchtitan's metrics processor to the live converters (the spec is otherwise torchtitan's own)
+MODELS = ("deepseek_v3", "qwen3")
+_CONVERTERS: "weakref.WeakSet[Bagualu2Converter]" = weakref.WeakSet()
 
 
 # ---- the converter --------------------------------------------------------------------------------------------------
@@ -59,6 +66,8 @@ class Bagualu2Converter:
         self.provisioners: dict[int, object] = {}
         self.step = 0
         self._tracing = False
+        self.metrics = None  # torchtitan's metrics processor, once the trainer built it (a supported model)
+        _CONVERTERS.add(self)
 
     def convert(self, model: torch.nn.Module) -> None:
         if "router" not in op_map(model).values():  # one ValueError now for a model this converter cannot instrument
@@ -110,6 +119,38 @@ class Bagualu2Converter:
         self.step += 1
         for provisioner in self.provisioners.values():
             provisioner.end_step(self.step)
+        metrics = self.metrics
+        if metrics is not None and self.provisioners and metrics.should_log(self.step):
+            metrics.logger.log(self.step_metrics(), self.step)
+
+    def step_metrics(self) -> dict[str, float]:
+        """The last step's memory per stage and micro-batch (MiB), as torchtitan's metric loggers take them:
+        ``bagualu2/stage{s}/kept_mib/mb{m}``, ``.../budget_mib/mb{m}``, and ``bagualu2/stage{s}/replanned``."""
+        out: dict[str, float] = {}
+        for stage, provisioner in sorted(self.provisioners.items()):
+            rows = provisioner.history[-1] if provisioner.history else []
+            for row in rows:
+                key = f"mb{row['forward']}"
+                out[f"bagualu2/stage{stage}/kept_mib/{key}"] = row["kept_bytes"] / MIB
+                if row["budget_bytes"] is not None:
+                    out[f"bagualu2/stage{stage}/budget_mib/{key}"] = row["budget_bytes"] / MIB
+            out[f"bagualu2/stage{stage}/replanned"] = float(sum(bool(row["downgraded_layers"]) for row in rows))
+        return out
+
+
+def _metrics_builder(original):
+    """torchtitan's metrics processor builder (``original``, or its default), handing what it builds to the live
+    converters, which log each step's memory through its loggers (TensorBoard, W&B)."""
+
+    def build(job_config, parallel_dims, model_args=None):
+        from torchtitan.components.metrics import build_metrics_processor
+
+        processor = (original or build_metrics_processor)(job_config, parallel_dims, model_args)
+        for converter in list(_CONVERTERS):
+            converter.metrics = processor
+        return processor
+
+    return build
 
 
 def _register() -> None:
@@ -120,10 +161,16 @@ def _register() -> None:
     try:
         register_model_converter(Bagualu2Converter, "bagualu2")
     except AssertionError:  # registered already (this module imported under another name)
-        pass
+        return
+    from torchtitan.protocols.train_spec import get_train_spec, register_train_spec
+
+    for name in MODELS:  # a spec registered from outside takes precedence over torchtitan's own of that name
+        spec = get_train_spec(name)
+        register_train_spec(name, dataclasses.replace(
+            spec, build_metrics_processor_fn=_metrics_builder(spec.build_metrics_processor_fn)))
 
 
 _register()
 
-__all__ = ["POLICIES", "Bagualu2Config", "Bagualu2Converter", "JobConfig", "StageProvisioner", "gate_report",
-           "op_map"]
+__all__ = ["MODELS", "POLICIES", "Bagualu2Config", "Bagualu2Converter", "JobConfig", "StageProvisioner",
+           "gate_report", "op_map"]
