@@ -97,7 +97,7 @@ def _module_bindings(tree: ast.AST, path: Path) -> dict[str, str]:
                 full = f"{base}.{alias.name}"
                 try:
                     found = importlib.util.find_spec(full) is not None
-                except (ImportError, ValueError):
+                except Exception:  # a package that fails to import here (torchtitan without triton) binds nothing
                     found = False
                 if found:
                     bound[alias.asname or alias.name] = full
