@@ -205,10 +205,8 @@ def _exchange(direction: str, x: torch.Tensor, output_splits: list[int], input_s
     return out
 
 
-def all_to_all_single(output: torch.Tensor, x: torch.Tensor, output_splits: list[int], input_splits: list[int],
-                       group: dist.ProcessGroup, overlap: Callable[[], None] | None = None) -> torch.Tensor:
-    """Autograd all-to-all with uneven splits into a new tensor shaped like ``output`` (:class:`AllToAllFunction`;
-    ``overlap`` runs between issue and wait)."""
-    if output.shape[0] != sum(output_splits):
-        raise ValueError(f"output has {output.shape[0]} rows, output_splits sum to {sum(output_splits)}")
+def all_to_all_single(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup,
+                      overlap: Callable[[], None] | None = None) -> torch.Tensor:
+    """Autograd all-to-all with uneven splits (:class:`AllToAllFunction`; ``overlap`` runs between issue and
+    wait); the rows received come back in a new tensor."""
     return AllToAllFunction.apply(x, list(output_splits), list(input_splits), group, overlap)

@@ -230,9 +230,7 @@ class Dispatch(nn.Module):
             return x, recv.sum(0), None  # EP=1: every expert is local
         ep, local = self.layout.ep, self.layout.num_local_experts
         input_splits, output_splits = send.sum(1).tolist(), recv.sum(1).tolist()
-        out = x.new_empty(sum(output_splits), x.shape[1])
-        received = all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group,
-                                     overlap=self.layout.overlap_point)
+        received = all_to_all_single(x, output_splits, input_splits, group, overlap=self.layout.overlap_point)
         # arrived grouped (source rank, expert): regroup by (expert, source rank)
         block = torch.repeat_interleave(torch.arange(ep * local, device=x.device), recv.reshape(-1).to(x.device))
         order = torch.sort((block % local) * ep + block // local, stable=True).indices
@@ -253,8 +251,7 @@ class Combine(nn.Module):
             return x
         input_splits, output_splits, inverse = state
         x = RowPermuteFunction.apply(x, inverse)  # back to (source rank, expert) order
-        out = x.new_empty(sum(input_splits), x.shape[1])
-        return all_to_all_single(out, x, input_splits, output_splits, group=self.layout.ep_group,
+        return all_to_all_single(x, input_splits, output_splits, self.layout.ep_group,
                                  overlap=self.layout.overlap_point)
 
 

@@ -80,7 +80,8 @@ QWEN3_CAP_MIB = 56  # a micro-batch keeps 61.5 MiB unmitigated
 def _run(out: Path, assets: Path, data: Path, nproc: int, layout: tuple[str, ...], *extra: str) -> None:
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "BAGUALU2_PROBE_DIR": str(out), "HF_DATASETS_OFFLINE": "1",
-           "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join([str(HARNESS.parent), os.environ.get("PYTHONPATH", "")])}
+           "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(HARNESS.parent), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                str(HARNESS), "--job.dump_folder", str(out / "dump"), "--job.custom_config_module",
                "bagualu2.integrations.torchtitan", "--model.hf_assets_path", str(assets), "--training.dataset",

@@ -28,4 +28,5 @@ def __getattr__(name: str):
 __all__ = ["ActivationOutOfMemoryError", "ActivationTracker", "CopyEngine", "DeferredPlanner", "DualBatchExecutor",
            "HostPool", "InstrumentedModel", "PointAborted", "TraceResult", "instrument",
            "MicroBatchRecord", "OP_SCOPE", "PlanExecutor", "after_gate", "apply_plan",
-           "flop_counter", "GateReport", "on_backward", "op_scope", "overlap_point", "quantize_fp8", "routed", "run_op", "storage_bytes"]
+           "flop_counter", "GateReport", "on_backward", "op_scope", "overlap_point", "quantize_fp8", "routed", "run_op",
+           "storage_bytes"]

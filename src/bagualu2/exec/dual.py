@@ -30,10 +30,10 @@ next stage — the other micro-batch's compute — while the collective is in fl
 worker is let through again. The collectives are issued in the order's sequence on every rank, as before. On CPU
 gloo runs the exchange on its own threads beside that compute; on CUDA the issue is asynchronous: the O and R
 copies run on the copy engine's side streams and overlap the compute issued next, and NCCL all-to-alls run on
-NCCL's stream (``work.wait()`` orders the current stream after it). Forward and backward compute kernels are issued on the streams autograd assigns (a
-backward op runs on its forward op's stream); a second compute stream for alternate micro-batches (F_x and B_y
-compute overlapping each other) is not implemented — it needs cross-stream allocator bookkeeping that can only be
-validated on a GPU.
+NCCL's stream (``work.wait()`` orders the current stream after it). Forward and backward compute kernels are
+issued on the streams autograd assigns (a backward op runs on its forward op's stream); a second compute stream for
+alternate micro-batches (F_x and B_y compute overlapping each other) is not implemented — it needs cross-stream
+allocator bookkeeping that can only be validated on a GPU.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
-from .scope import ROUTED
+from .scope import REPLAYING, ROUTED
 from .tracker import storage_key
 
 #: The cost-model op running now (set by :class:`op_scope`, read by the pack hook).
@@ -185,8 +185,6 @@ def overlap_point() -> None:
     stage is then done issuing, and the worker pauses as at the gate of its next stage while the order's next
     stage — the other micro-batch's compute — runs; the op waits for its collective when the worker is let through
     again. A plain call outside a fused point (and inside a re-run in backward)."""
-    from .scope import REPLAYING
-
     park = PARK.get()
     if park is not None and not REPLAYING.get():
         park()

@@ -36,7 +36,8 @@ import torch
 
 from bagualu2.budget import BudgetAssigner
 from bagualu2.costmodel import OpGraph, Plan, evaluate, presets
-from bagualu2.exec import ActivationOutOfMemoryError, ActivationTracker, DeferredPlanner, apply_plan, instrument, on_backward
+from bagualu2.exec import (ActivationOutOfMemoryError, ActivationTracker, DeferredPlanner, apply_plan, instrument,
+                           on_backward)
 from bagualu2.mitigation import greedy
 from bagualu2.runtime import TracedStage
 
