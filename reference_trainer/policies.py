@@ -30,12 +30,6 @@ FIXED = ("static-under", "static-over", "kwai", "adapipe", "ideal")
 OOM_EXIT_CODE = 75  # EX_TEMPFAIL: the workers ran out of activation memory; torchrun may restart them
 
 
-def executed_downgrade(downgrade: str, expert_parallel: bool) -> str:
-    """The gate flexible's executors run: ``downgrade``, except under expert parallelism, where a changed plan is the
-    module's full downgrade on every rank of the group (``"paper"``: the ranks re-run the same all-to-alls)."""
-    return "paper" if expert_parallel else downgrade
-
-
 def fallback(policy: str) -> str:
     """What a restarted run continues with after an out-of-memory error (static-under -> static-over)."""
     return FALLBACKS.get(policy, policy)

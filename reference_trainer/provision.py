@@ -16,8 +16,9 @@ For every chunk-forward, in the schedule's order:
    EP group receives (the routing counts are all-gathered); ``exec``'s deferred planner asks
    ``bagualu2.runtime.after_gate`` (keep / graded re-plan / full downgrade). Plans and budgets being agreed, every
    EP rank decides for the group's busiest rank: the same decision everywhere, without another collective, and a
-   plan that fits the busiest rank fits them all. Under EP the gate keeps or downgrades (``downgrade="paper"``):
-   the re-plan's partial solves cost more planning time than they save at this scale (measured).
+   plan that fits the busiest rank fits them all. A graded re-plan is a function of agreed inputs (the plan in
+   force, the group's busiest count, the agreed budget), so every rank of the group re-plans alike and re-runs the
+   same all-to-alls in backward.
 5. **kept bytes** — what the activation tracker measured is compared with the cost model's prediction for the
    plan that ran, at the token counts each MoE layer received (``PlanCost.activation_bytes_received``), and
    recorded into the budget (re-basing). Under EP one all-reduce after the forward gives the most bytes any rank
@@ -41,7 +42,6 @@ from bagualu2.exec import ActivationTracker, DeferredPlanner, PlanExecutor
 from bagualu2.runtime import DecisionPath, Iteration, PointOrders, Stage, ceil_bucket
 
 from .parallel import agree_max
-from .policies import executed_downgrade
 from .routing import routing_stats
 
 WARMUP = "warmup"
@@ -87,7 +87,7 @@ class Provisioner:
             chunk: PlanExecutor(self.path.graph(chunk, 1.0), None, tracker=self.tracker, deferred=(
                 _Recorder() if fixed is not None else _TimedPlanner(
                     self, model, parallel, hardware, budget_bytes=0, stage=stage, chunk=chunk,
-                    downgrade=executed_downgrade(downgrade, ep_group is not None),
+                    downgrade=downgrade,
                     imbalance_step=GATE_IMBALANCE_STEP, engine=engine,
                     budget_quantum_bytes=max(self.path.graph(chunk, 1.0).unmitigated_bytes >> GATE_BUDGET_SHIFT, 1))))
             for chunk in range(parallel.vp)}

@@ -3,13 +3,17 @@
     glm_moe_debug   CPU (gloo), 4 processes: 8 layers (pp*vp up to 8 stages), 8 experts top-2, 4,096-token BPE
                     vocabulary, fp32, 64-token sequences; the default layout PP=2 x DP=2 (EP=2).
     glm_moe_small   one GPU: 8 layers, hidden 512, 16 experts top-2, 1,024-token sequences, bf16.
+    glm_moe_bench   CPU (gloo), 4 processes (PP=2 x DP=2, EP=2): a step dominated by matmuls and attention (hidden
+                    384, 512-token sequences, 8 experts top-2, 4 layers), so what a memory decision costs shows in
+                    the step time; its cap lets ordinary micro-batches run unmitigated and makes spikes mitigate.
     glm_moe_multi   8 GPUs (PP=4 x DP=2, EP=2, VP=2): GLM-423B-A30B's shape (128 experts / top-6, head dim 128,
                     8 query groups, 1 shared expert) scaled down to hidden 1,024, 32 experts, top-6 — the same
                     experts-per-rank routing pattern on a node.
 
 The activation capacity ``M_max`` per rank (``memory_cap_bytes``) defaults to ``memory_cap_fraction`` of what the
 busiest stage would keep unmitigated at balanced load (the cost model's in-flight chunks x unmitigated chunk
-bytes), and never below full recompute of every in-flight chunk (``bagualu2.costmodel``; see :func:`default_cap`).
+bytes) or, with ``memory_cap_imbalance``, what it would keep unmitigated at that routing imbalance; never below
+full recompute of every in-flight chunk (``bagualu2.costmodel``; see :func:`default_cap`).
 """
 
 from __future__ import annotations
@@ -65,6 +69,8 @@ class TrainConfig:
       downgrade             after-gate decision: ``graded`` re-plan or the paper's full MoE downgrade.
       memory_cap_bytes      activation capacity M_max per rank; None: ``memory_cap_fraction`` of the default.
       memory_cap_fraction   in (0, 1]: the default cap's share of the busiest stage's unmitigated in-flight bytes.
+      memory_cap_imbalance  None, or >= 1: the default cap is instead the busiest stage's unmitigated in-flight bytes
+                            at this device imbalance (max/mean load): micro-batches routed up to it run unmitigated.
       spike_rate            share of micro-batches whose routing is forced towards one expert-parallel rank.
       spike_max             the largest forced imbalance (max/mean device load); one EP rank can receive at most
                             ``ep`` x the mean, so spikes are drawn up to ``min(spike_max, ep)``.
@@ -95,6 +101,7 @@ class TrainConfig:
     downgrade: str = "graded"
     memory_cap_bytes: int | None = None
     memory_cap_fraction: float = 0.7
+    memory_cap_imbalance: float | None = None
     spike_rate: float = 0.0
     spike_max: float = 2.0
     bias_update_rate: float = 1e-3
@@ -121,6 +128,8 @@ class TrainConfig:
         require_number("--lr", self.lr, 0, 1e4, low_open=True)
         require_number("--weight-decay", self.weight_decay, 0, 1e4)
         require_number("--memory-cap-fraction", self.memory_cap_fraction, 0, 1, low_open=True)
+        if self.memory_cap_imbalance is not None:
+            require_number("--memory-cap-imbalance", self.memory_cap_imbalance, 1, 1e9)
         require_number("--spike-rate", self.spike_rate, 0, 1)
         require_number("--bias-update-rate", self.bias_update_rate, 0, 1)
         require_number("--prediction-scale", self.prediction_scale, 0, 1, low_open=True)
@@ -187,18 +196,22 @@ class TrainConfig:
 
 
 def default_cap(config: TrainConfig) -> int:
-    """``memory_cap_fraction`` x the busiest stage's unmitigated in-flight chunk bytes at balanced load, but at
-    least full recompute (M0) of every in-flight chunk of every stage."""
+    """``memory_cap_fraction`` x the busiest stage's unmitigated in-flight chunk bytes at balanced load (or, with
+    ``memory_cap_imbalance``, 1 x those bytes at that imbalance), but at least full recompute (M0) of every
+    in-flight chunk of every stage."""
     hardware = presets.hardware(config.hardware)
     parallel = config.parallel
+    imbalance = config.memory_cap_imbalance
+    fraction = config.memory_cap_fraction if imbalance is None else 1.0
     unmitigated = floor = 0
     for stage in range(config.pp):
         memory = stage_memory(config.model, parallel, hardware, stage=stage)
-        worst = max(build_graph(config.model, parallel, hardware, stage=stage, chunk=c).unmitigated_bytes
+        worst = max(build_graph(config.model, parallel, hardware, stage=stage, chunk=c,
+                                imbalance=min(imbalance or 1.0, max(parallel.ep, 1))).unmitigated_bytes
                     for c in range(config.vp))
         unmitigated = max(unmitigated, memory.inflight_chunks * worst)
         floor = max(floor, memory.inflight_chunks * memory.m0_bytes)
-    return max(int(config.memory_cap_fraction * unmitigated), floor)
+    return max(int(fraction * unmitigated), floor)
 
 
 def minimum_cap(config: TrainConfig) -> int:
@@ -221,6 +234,14 @@ def glm_moe_debug() -> TrainConfig:
     return TrainConfig(model=model, pp=2, dp=2, ep=2, num_microbatches=4, steps=50, lr=3e-3)
 
 
+def glm_moe_bench() -> TrainConfig:
+    """CPU, 4 processes (PP=2 x DP=2, EP=2); compute-bound steps of a few seconds; spikes 0.15 up to 2.6."""
+    model = _glm(num_layers=4, hidden_size=384, num_attention_heads=6, head_dim=64, ffn_hidden_size=1024,
+                 moe_ffn_hidden_size=384, num_experts=8, top_k=2, seq_length=512, micro_batch_size=1)
+    return TrainConfig(model=model, pp=2, dp=2, ep=2, num_microbatches=4, steps=16, lr=1e-3,
+                       memory_cap_imbalance=1.3, spike_rate=0.15, spike_max=2.6)
+
+
 def glm_moe_small() -> TrainConfig:
     """One GPU."""
     model = _glm(num_layers=8, hidden_size=512, num_attention_heads=8, head_dim=64, ffn_hidden_size=1536,
@@ -238,8 +259,8 @@ def glm_moe_multi() -> TrainConfig:
                        device="cuda", hardware="h100", spike_rate=0.03, spike_max=2.0)
 
 
-RECIPES: dict[str, Callable[[], TrainConfig]] = {"glm_moe_debug": glm_moe_debug, "glm_moe_small": glm_moe_small,
-                                                 "glm_moe_multi": glm_moe_multi}
+RECIPES: dict[str, Callable[[], TrainConfig]] = {"glm_moe_debug": glm_moe_debug, "glm_moe_bench": glm_moe_bench,
+                                                 "glm_moe_small": glm_moe_small, "glm_moe_multi": glm_moe_multi}
 
 
 def recipe(name: str) -> TrainConfig:

@@ -28,6 +28,7 @@ FLAGS = {  # flag -> (TrainConfig field, type)
     "--num-microbatches": ("num_microbatches", int), "--lr": ("lr", float), "--seed": ("seed", int),
     "--schedule": ("schedule", str), "--policy": ("policy", str), "--downgrade": ("downgrade", str),
     "--memory-cap": ("memory_cap_bytes", parse_bytes), "--memory-cap-fraction": ("memory_cap_fraction", float),
+    "--memory-cap-imbalance": ("memory_cap_imbalance", float),
     "--spike-rate": ("spike_rate", float), "--spike-max": ("spike_max", float), "--device": ("device", str),
     "--hardware": ("hardware", str), "--data": ("data", str), "--metrics-file": ("metrics_file", str),
     "--checkpoint-dir": ("checkpoint_dir", str), "--checkpoint-every": ("checkpoint_every", int),
@@ -73,6 +74,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, argparse
         value = getattr(args, field)
         if value is not None:
             changes[field] = kind(value, flag) if kind is parse_bytes else value
+    if "memory_cap_fraction" in changes and "memory_cap_imbalance" not in changes:
+        changes["memory_cap_imbalance"] = None  # the fraction given on the command line decides the default cap
     if args.resume:
         changes["resume"] = True
     changes["extra"] = {**config.extra, "recipe": args.recipe}

@@ -3,10 +3,11 @@
     python -m reference_trainer.experiments.calibrate [--fit each|once] [--fit-steps 8] [--steps 30]
                                           [--hardware-out cpu-fitted.json] [--write docs/trainer.md]
 
-1. **Fit** (a short measurement): ``ideal`` (no cap, no mitigation) and ``static-over`` (it offloads) run
-   ``--fit-steps`` steps each under torchrun as ``reference_trainer.experiments.compare`` runs every policy (``glm_moe_debug``,
-   PP=2 x DP=2, EP=2); their mean steps and imbalance traces fit the ``cpu`` profile's per-op launch cost and its
-   per-copy cost (``bagualu2.sim.calibrate.fit_hardware``). With ``--fit each`` (default) the two fit runs are
+1. **Fit** (a short measurement): ``ideal`` (no cap, no mitigation) and ``kwai`` without spikes (its plans
+   offload) run ``--fit-steps`` steps each under torchrun as ``reference_trainer.experiments.compare`` runs every
+   policy (``--recipe``, default ``glm_moe_bench``: PP=2 x DP=2, EP=2); their mean steps and imbalance traces fit
+   the ``cpu`` profile's per-op launch cost and its per-copy cost (``bagualu2.sim.calibrate.fit_hardware``; the
+   copy cost stays the profile's when the recipe's cap needs no offload). With ``--fit each`` (default) the two fit runs are
    made again right before every policy's run, so that each prediction uses a profile measured minutes, not
    half an hour, earlier (a shared machine's speed drifts by 10-20% between runs); ``--fit once`` fits before the
    first policy only. The fitted profile (the median of the fits' values) is written as Hardware JSON
@@ -35,12 +36,12 @@ from bagualu2.costmodel import presets
 from bagualu2.sim import load_trace
 from bagualu2.sim.calibrate import Measured, fit_hardware, predict
 
-from .compare import add_run_arguments, run_policy, write_block
-from ..policies import executed_downgrade
+from .compare import add_run_arguments, check_run_arguments, run_policy, write_block
+from ..policies import describe
 from ..recipes import default_cap, recipe
 
 BEGIN, END = "<!-- calibrate:begin -->", "<!-- calibrate:end -->"
-FIT_POLICIES = ("ideal", "static-over")  # no host copies (fits the launch cost); offloads (fits the copy cost)
+FIT_POLICIES = ("ideal", "kwai")  # no host copies (fits the launch cost); offloads without spikes (the copy cost)
 
 
 def measured(policy: str, summary: dict, metrics: Path) -> Measured:
@@ -67,14 +68,18 @@ def measured(policy: str, summary: dict, metrics: Path) -> Measured:
                     restart_s=summary["restart_s"], steps_lost=summary["steps_lost"])
 
 
-def fit(model, parallel, base, args, folder: Path, cap: int):
+def fit(config, base, args, folder: Path, cap: int):
     """Run the two fit policies for ``--fit-steps`` steps in ``folder``; returns ``(fitted profile, ideal run)``."""
+    model, parallel = config.model, config.parallel
     folder.mkdir(exist_ok=True)
-    fit_args = argparse.Namespace(**{**vars(args), "steps": args.fit_steps})
-    runs = {policy: measured(policy, run_policy(policy, fit_args, folder), folder / f"{policy}.jsonl")
-            for policy in FIT_POLICIES}
-    hardware = fit_hardware(model, parallel, base, runs["ideal"], copies=runs["static-over"], copies_m_max_bytes=cap,
-                            plan_hardware=base)  # the trainer planned with the recipe's profile
+    runs = {}
+    for policy in FIT_POLICIES:  # the copies' run without spikes: no out-of-memory restart inside a fit
+        fit_args = argparse.Namespace(**{**vars(args), "steps": args.fit_steps,
+                                         **({"spike_rate": 0.0} if policy == "kwai" else {})})
+        runs[policy] = measured(policy, run_policy(policy, fit_args, folder), folder / f"{policy}.s{args.seed}.jsonl")
+    offloads = any("OFFLOAD" in plan for plan in describe(config.with_overrides(policy="kwai"), cap).values())
+    hardware = fit_hardware(model, parallel, base, runs["ideal"], copies=runs["kwai"] if offloads else None,
+                            copies_m_max_bytes=cap, plan_hardware=base)  # planned with the recipe's profile
     return hardware, runs["ideal"]
 
 
@@ -82,7 +87,7 @@ def table(rows: list[dict], hardware, fit_steps: int, mode: str, command: str) -
     when = "right before each policy's run" if mode == "each" else "once, before the first policy's run"
     lines = [f"Command: `{command}`", "",
              f"Fitted {when} (`--fit {mode}`) on two {fit_steps}-step runs: `ideal` (its mean step after the "
-             "first) gives `kernel_launch_s`, the cost per op launch or collective, `static-over` (it offloads) "
+             "first) gives `kernel_launch_s`, the cost per op launch or collective, `kwai` without spikes (it offloads) "
              "`copy_launch_s`, the cost per host copy (columns *fit*; medians "
              f"{hardware.kernel_launch_s * 1e6:.1f} us and {hardware.copy_setup_s * 1e6:.1f} us); the `cpu` "
              "profile's other fields unchanged; the `ideal` fit run's seconds per step outside the steps "
@@ -116,7 +121,8 @@ def main(argv=None) -> None:
         parser.error("--fit-steps and --steps must be at least 3")
     if args.write is not None and not args.write.is_file():
         parser.error(f"--write {args.write}: not an existing regular file")
-    config = recipe("glm_moe_debug")
+    check_run_arguments(parser, args)
+    config = recipe(args.recipe)
     cap = default_cap(config)
     model, parallel, base = config.model, config.parallel, presets.hardware(config.hardware)
     if args.keep is not None and not args.keep.is_dir():
@@ -127,14 +133,14 @@ def main(argv=None) -> None:
         for policy in args.policies:
             if args.fit == "each" or not profiles:
                 print(f"fitting on {' and '.join(FIT_POLICIES)} ...", file=sys.stderr, flush=True)
-                profiles.append(fit(model, parallel, base, args, work / f"fit-{policy}", cap))
+                profiles.append(fit(config, base, args, work / f"fit-{policy}", cap))
             hardware, ideal = profiles[-1]
             print(f"running {policy} ...", file=sys.stderr, flush=True)
             summary = run_policy(policy, args, work)
-            run = measured(policy, summary, work / f"{policy}.jsonl")
+            run = measured(policy, summary, work / f"{policy}.s{args.seed}.jsonl")
             row = predict(model, parallel, hardware, run, m_max_bytes=None if policy == "ideal" else cap,
                           other_s=ideal.other_s, warmup_s=ideal.warmup_s, plan_hardware=base,
-                          downgrade=executed_downgrade("graded", parallel.ep > 1))
+                          downgrade=config.downgrade)
             rows.append({**row, "measured_restarts": summary["restarts"], "kernel_launch_s": hardware.kernel_launch_s,
                          "copy_launch_s": hardware.copy_setup_s})
     hardware = dataclasses.replace(base, name=f"{base.name}-fitted",

@@ -1,15 +1,19 @@
-"""Every policy side by side on one model, data, seed, cap and spike trace (the paper's comparative claim, on CPU).
+"""Every policy side by side on one model, data, cap and spike trace per seed (the paper's comparative claim, on CPU).
 
-    python -m reference_trainer.experiments.compare [--steps 30] [--spike-rate 0.05] [--spike-max 2.6] [--write docs/trainer.md]
+    python -m reference_trainer.experiments.compare [--recipe glm_moe_bench] [--seeds 0 1 2] [--steps N]
+        [--spike-rate R] [--spike-max M] [--schedule runtime] [--policies ...] [--write docs/trainer.md]
 
-Each policy runs as ``torchrun --standalone --nproc_per_node=4 --max-restarts 1 -m reference_trainer.train
---recipe glm_moe_debug --policy P ...`` (PP=2 x DP=2, EP=2) with checkpoints every ``--checkpoint-every`` steps,
-so ``static-under``'s out-of-memory error is a real elastic restart that resumes as ``static-over``. The table:
-effective tokens/s (restarts and lost steps included) and its ratio to ``static-over``, MFU, OOM events, restarts,
-restart seconds, steps lost, safety-net re-runs, peak activation bytes over the cap, planning overhead; the notes
-list each fixed policy's plan stage by stage (``reference_trainer.policies.describe``). ``--write`` replaces the
-block between ``<!-- compare:begin -->`` and ``<!-- compare:end -->`` of that file (written to a temporary file,
-then renamed).
+Each policy runs, for every seed, as ``torchrun --standalone --nproc_per_node=W --max-restarts 1 -m
+reference_trainer.train --recipe RECIPE --policy P --seed S ...`` with checkpoints every ``--checkpoint-every``
+steps, so ``static-under``'s out-of-memory error is a real elastic restart that resumes as ``static-over``. Steps
+and spikes default to the recipe's. The runs go seed by seed (every policy of a seed back to back), so a drift of
+the machine's speed touches all policies of a seed alike. The table, per policy: effective tokens/s (restarts and
+lost steps included), its median over the seeds and range; the ratios of the medians to ``static-over`` and to
+``ideal`` (the range: the same ratio per seed, on the same trace); MFU; OOM events, restarts, restart seconds and
+steps lost summed over the seeds; safety-net re-runs; the largest peak activation bytes over the cap; planning
+overhead. A summary line sets flexible beside static-over, the best of kwai / adapipe and ideal. The notes list
+each fixed policy's plan stage by stage (``reference_trainer.policies.describe``). ``--write`` replaces the block
+between ``<!-- compare:begin -->`` and ``<!-- compare:end -->`` of that file (a temporary file, then renamed).
 """
 
 from __future__ import annotations
@@ -18,29 +22,37 @@ import argparse
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from ..policies import POLICIES, describe
-from ..recipes import default_cap, recipe
+from ..recipes import RECIPES, default_cap, recipe
 
 BEGIN, END = "<!-- compare:begin -->", "<!-- compare:end -->"
+DEFAULT_RECIPE = "glm_moe_bench"
 
 
-def run_policy(policy: str, args, workdir: Path) -> dict:
-    metrics = workdir / f"{policy}.jsonl"
-    command = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node=4",
-               "--max-restarts", "1", "-m", "reference_trainer.train", "--recipe", "glm_moe_debug", "--policy", policy,
-               "--steps", str(args.steps), "--seed", str(args.seed), "--spike-rate", str(args.spike_rate),
-               "--spike-max", str(args.spike_max), "--schedule", args.schedule, "--checkpoint-dir",
-               str(workdir / policy), "--checkpoint-every", str(args.checkpoint_every), "--metrics-file", str(metrics)]
+def run_policy(policy: str, args, workdir: Path, seed: int | None = None) -> dict:
+    """One policy's run under torchrun; its summary record plus ``spikes`` and ``microbatches`` counts."""
+    seed = args.seed if seed is None else seed
+    config = recipe(args.recipe)
+    metrics = workdir / f"{policy}.s{seed}.jsonl"
+    command = [str(Path(sys.executable).with_name("torchrun")), "--standalone",
+               f"--nproc_per_node={config.world_size}", "--max-restarts", "1", "-m", "reference_trainer.train",
+               "--recipe", args.recipe, "--policy", policy, "--seed", str(seed), "--schedule", args.schedule,
+               "--checkpoint-dir", str(workdir / f"{policy}.s{seed}"), "--checkpoint-every",
+               str(args.checkpoint_every), "--metrics-file", str(metrics)]
+    for flag, value in (("--steps", args.steps), ("--spike-rate", args.spike_rate), ("--spike-max", args.spike_max)):
+        if value is not None:
+            command += [flag, str(value)]
     proc = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     summary = next((r for r in reversed(records) if r.get("summary")), None)
     if proc.returncode != 0 or summary is None:
-        raise SystemExit(f"error: policy {policy} failed (exit {proc.returncode}): "
+        raise SystemExit(f"error: policy {policy} (seed {seed}) failed (exit {proc.returncode}): "
                          f"{(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
     steps = [r for r in records if not r.get("summary") and "loss" in r]
     summary["spikes"] = sum(1 for r in steps for mb in r["microbatches"] if max(mb["imbalance"] or [0]) >= 1.75)
@@ -48,17 +60,61 @@ def run_policy(policy: str, args, workdir: Path) -> dict:
     return summary
 
 
-def table(results: dict[str, dict], notes: list[str], command: str) -> str:
-    base = results.get("static-over", {}).get("tokens_per_s")
+def _ratio(runs: dict[str, list[dict]], policy: str, base: str) -> tuple[float, float, float] | None:
+    """``(ratio of the medians, lowest, highest per-seed ratio)`` of tokens/s, or None without both policies."""
+    if policy not in runs or base not in runs:
+        return None
+    per_seed = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs[policy], runs[base])]
+    medians = _median(runs[policy]) / _median(runs[base])
+    return medians, min(per_seed), max(per_seed)
+
+
+def _median(runs: list[dict], key: str = "tokens_per_s") -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def _show(ratio) -> str:
+    if ratio is None:
+        return "n/a"
+    value, low, high = ratio
+    return f"{value:.2f}x ({low:.2f}-{high:.2f})"
+
+
+def table(runs: dict[str, list[dict]], notes: list[str], command: str) -> str:
+    """The markdown block: ``runs`` maps each policy to its summaries, one per seed, in seed order."""
     lines = [f"Command: `{command}`", "",
-             "| policy | tokens/s (effective) | vs static-over | MFU | OOM events | restarts | restart s | steps lost "
-             "| re-runs | peak / cap | planning |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for policy, r in results.items():
-        ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "n/a"
-        lines.append(f"| {policy} | {r['tokens_per_s']:.1f} | {ratio} | {r['mfu']:.2%} | {r['oom_events']} | "
-                     f"{r['restarts']} | {r['restart_s']:.1f} | {r['steps_lost']} | {r['reruns']} | "
-                     f"{r['peak_activation_bytes'] / r['memory_cap_bytes']:.2f} | {r['planning_fraction']:.2%} |")
+             "| policy | tokens/s median (range) | vs static-over | vs ideal | MFU | OOM events | restarts | restart s "
+             "| steps lost | re-runs | peak / cap | planning |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for policy, summaries in runs.items():
+        tokens = [r["tokens_per_s"] for r in summaries]
+        lines.append(
+            f"| {policy} | {_median(summaries):.1f} ({min(tokens):.1f}-{max(tokens):.1f}) | "
+            f"{_show(_ratio(runs, policy, 'static-over'))} | {_show(_ratio(runs, policy, 'ideal'))} | "
+            f"{_median(summaries, 'mfu'):.2%} | {sum(r['oom_events'] for r in summaries)} | "
+            f"{sum(r['restarts'] for r in summaries)} | {sum(r['restart_s'] for r in summaries):.1f} | "
+            f"{sum(r['steps_lost'] for r in summaries)} | {sum(r['reruns'] for r in summaries)} | "
+            f"{max(r['peak_activation_bytes'] / r['memory_cap_bytes'] for r in summaries):.2f} | "
+            f"{_median(summaries, 'planning_fraction'):.2%} |")
+    lines += ["", headline(runs)]
     return "\n".join(lines + [""] + notes) + "\n"
+
+
+def headline(runs: dict[str, list[dict]]) -> str:
+    """flexible's median tokens/s over static-over's, the best of kwai / adapipe's, and ideal's."""
+    if "flexible" not in runs:
+        return "No flexible run."
+    parts = [f"flexible, median over {len(runs['flexible'])} seed(s): "
+             f"{sum(r['oom_events'] for r in runs['flexible'])} OOM events"]
+    for label, base in (("static-over", "static-over"), ("ideal", "ideal")):
+        ratio = _ratio(runs, "flexible", base)
+        if ratio is not None:
+            parts.append(f"{ratio[0]:.2f}x {label}")
+    baselines = [p for p in ("kwai", "adapipe") if p in runs]
+    if baselines:
+        best = max(baselines, key=lambda p: _median(runs[p]))
+        parts.append(f"{_median(runs['flexible']) / _median(runs[best]):.2f}x the best of kwai / adapipe ({best})")
+    return "; ".join(parts) + "."
 
 
 def write_block(path: Path, block: str, begin: str = BEGIN, end: str = END) -> None:
@@ -76,33 +132,54 @@ def write_block(path: Path, block: str, begin: str = BEGIN, end: str = END) -> N
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of the policy runs (:func:`run_policy`), shared with ``reference_trainer.experiments.calibrate``."""
-    parser.add_argument("--steps", type=int, default=30)
+    """The flags of the policy runs (:func:`run_policy`), shared with ``reference_trainer.experiments.calibrate``;
+    ``--steps``, ``--spike-rate`` and ``--spike-max`` default to the recipe's."""
+    parser.add_argument("--recipe", default=DEFAULT_RECIPE, choices=tuple(RECIPES))
+    parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--spike-rate", type=float, default=0.05)
-    parser.add_argument("--spike-max", type=float, default=2.6)
-    parser.add_argument("--schedule", choices=("plain", "runtime"), default="plain")
-    parser.add_argument("--checkpoint-every", type=int, default=5)
+    parser.add_argument("--spike-rate", type=float, default=None)
+    parser.add_argument("--spike-max", type=float, default=None)
+    parser.add_argument("--schedule", choices=("plain", "runtime"), default="runtime")
+    parser.add_argument("--checkpoint-every", type=int, default=4)
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
 
 
+def check_run_arguments(parser: argparse.ArgumentParser, args) -> None:
+    """One line and exit code 2 for a flag the runs would reject (before any run starts)."""
+    try:
+        recipe(args.recipe).with_overrides(**{k: v for k, v in (
+            ("steps", args.steps), ("spike_rate", args.spike_rate), ("spike_max", args.spike_max)) if v is not None},
+            checkpoint_every=args.checkpoint_every)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m reference_trainer.experiments.compare", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m reference_trainer.experiments.compare",
+                                     description=__doc__.splitlines()[0])
     add_run_arguments(parser)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                        help="one run of every policy per seed (default: 0 1 2); --seed is ignored")
     parser.add_argument("--write", type=Path, help="the markdown file whose compare block is replaced")
     args = parser.parse_args(argv)
+    check_run_arguments(parser, args)
+    if any(seed < 0 for seed in args.seeds):
+        parser.error(f"--seeds must be >= 0, got {args.seeds}")
     if args.write is not None and not args.write.is_file():
         parser.error(f"--write {args.write}: not an existing regular file")
-    config = recipe("glm_moe_debug")
+    config = recipe(args.recipe)
     cap = default_cap(config)
-    results = {}
+    runs: dict[str, list[dict]] = {policy: [] for policy in args.policies}
     with tempfile.TemporaryDirectory() as tmp:
-        for policy in args.policies:
-            print(f"running {policy} ...", file=sys.stderr, flush=True)
-            results[policy] = run_policy(policy, args, Path(tmp))
-    notes = [f"Cap {cap / 2**20:.2f} MiB per rank (the recipe's default); {results[args.policies[0]]['microbatches']}"
-             f" micro-batches per run; spikes (device imbalance >= 1.75) seen by the flexible run: "
-             f"{results.get('flexible', {}).get('spikes', 'n/a')}. Plans of the fixed policies:"]
+        for seed in args.seeds:
+            for policy in args.policies:
+                print(f"running {policy}, seed {seed} ...", file=sys.stderr, flush=True)
+                runs[policy].append(run_policy(policy, args, Path(tmp), seed))
+    first = runs[args.policies[0]]
+    notes = [f"Recipe `{args.recipe}`, cap {cap / 2**20:.2f} MiB per rank (its default), seeds "
+             f"{' '.join(map(str, args.seeds))}; {first[0]['microbatches']} micro-batches per run; spikes (device "
+             f"imbalance >= 1.75) seen by flexible per seed: "
+             f"{', '.join(str(r['spikes']) for r in runs.get('flexible', [])) or 'n/a'}. Plans of the fixed policies:"]
     for policy in ("static-under", "static-over", "kwai", "adapipe"):
         for where, plan in describe(config.with_overrides(policy=policy), cap).items():
             counts: dict[str, int] = {}
@@ -112,7 +189,7 @@ def main(argv=None) -> None:
             summary = " ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "none"
             notes.append(f"- {policy}, {where}: {summary}")
     command = "python -m reference_trainer.experiments.compare " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-    block = table(results, notes, command.strip())
+    block = table(runs, notes, command.strip())
     print(block)
     if args.write is not None:
         write_block(args.write, block)

@@ -137,8 +137,7 @@ def predict(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, ru
     (``Measured.other_s``), added to every simulated step; ``warmup_s``: the first step's excess over the others
     (``Measured.warmup_s`` of the fit run), added once. ``plan_hardware``: the profile the trainer planned the
     run with (its recipe's; default ``hardware``) — the simulator makes the trainer's plans with it and times
-    them on ``hardware``; ``downgrade``: the gate the trainer's flexible policy ran (``"paper"`` under expert
-    parallelism: a changed plan is the module's full downgrade on every rank of the group)."""
+    them on ``hardware``; ``downgrade``: the gate the trainer's flexible policy ran (its ``--downgrade``)."""
     plain = _run(model, parallel, hardware, run, m_max_bytes, restart_s=0.0, plan_hardware=plan_hardware,
                  downgrade=downgrade)
     lost_s = run.restart_s + run.steps_lost * _mean_s(plain)

@@ -10,7 +10,8 @@ Plans fixed before training are made at ``plan_imbalance`` (default 1.0, balance
 
 * ``static-under`` one plan per chunk fixed before training for balanced load: ``greedy.solve(graph at r=1,
                    M_max // in-flight count)``; fits at r=1, overruns on spikes (OOM -> restart -> static-over).
-* ``static-over``  full recompute: ``greedy.solve(graph at r=1, graph.floor_bytes)``.
+* ``static-over``  the paper's over-provisioning: full recompute (:func:`full_recompute`: every saving but the
+                   block inputs RECOMPUTE), whose bytes do not depend on the routing.
 * ``kwai``         Megatron-Kwai (on Megatron-Core, its offload copies beside compute): RECOMPUTE of norms and activation functions, plus OFFLOAD of the first
                    ``ceil(alpha * n)`` of the n tensors that plan still keeps (every saving of each, graph order,
                    block inputs excluded), alpha the smallest of 0, 0.05, ..., 1 that fits M_max // in-flight at
@@ -132,8 +133,20 @@ class StaticOver(Static):
     name = "static-over"
 
     def plan(self, chunk):
-        graph = self.design_graph(chunk)
+        return full_recompute(self.design_graph(chunk))
+
+
+def full_recompute(graph: OpGraph) -> Plan:
+    """Full-layer recompute (Megatron's ``--recompute-granularity full``): RECOMPUTE of every saving but the block
+    inputs the recomputation restarts from. Where that cannot run (an op nothing can re-run) or keeps more than the
+    floor, the greedy plan down to the floor."""
+    pinned = graph.pinned
+    plan = Plan(tuple((f"{op.name}/{saving.tensor}", Strategy.RECOMPUTE) for op, saving in graph.savings
+                      if (op.name, saving.tensor) not in pinned))
+    cost = evaluate(graph, plan)
+    if cost.unavailable or cost.activation_bytes > graph.floor_bytes:
         return greedy.solve(graph, graph.floor_bytes).plan
+    return plan
 
 
 class Ideal(Static):
@@ -197,7 +210,7 @@ class AdaPipe(Static):
                 if best is None or score > best[0]:
                     best = (score, tensor, candidate, found)
             if best is None:  # nothing left frees bytes: full recompute
-                return greedy.solve(graph, graph.floor_bytes).plan
+                return full_recompute(graph)
             _, tensor, plan, cost = best
             del left[tensor]
         return plan
