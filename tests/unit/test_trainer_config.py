@@ -81,6 +81,16 @@ def test_recipes_are_valid_and_their_default_cap_runs(name):
         config.with_overrides(lr=-1.0)
 
 
+def test_memory_cap_imbalance_is_validated_and_a_fraction_flag_replaces_it():
+    with pytest.raises(ValueError, match="--memory-cap-imbalance"):
+        recipe("glm_moe_bench").with_overrides(memory_cap_imbalance=0.5)
+    bench = recipe("glm_moe_bench")
+    config, _ = parse_args(["--recipe", "glm_moe_bench", "--memory-cap-fraction", "0.5"])
+    assert config.memory_cap_imbalance is None and default_cap(config) < default_cap(bench)
+    config, _ = parse_args(["--recipe", "glm_moe_bench", "--memory-cap-imbalance", "2"])
+    assert config.memory_cap_imbalance == 2.0 and default_cap(config) > default_cap(bench)
+
+
 @given(pp=st.integers(1, 4), vp=st.integers(1, 3), rounds=st.integers(1, 3))
 def test_runtime_actions_run_every_forward_and_backward_once_in_the_cost_model_order(pp, vp, rounds):
     m, vp = pp * rounds, vp if pp > 1 else 1

@@ -46,3 +46,33 @@ def test_default_cap_static_under_fits_balanced_and_overflows_a_spike_static_ove
 def test_fallbacks():
     assert fallback("static-under") == "static-over" and fallback("flexible") == "flexible"
     assert fixed_plans(CONFIG, 0, CAP) is None  # flexible plans at runtime
+
+
+def test_static_over_is_full_layer_recompute_on_every_recipe_and_profile():
+    """The paper's over-provisioning: every saving but the block inputs RECOMPUTE, down to the floor — on the CPU
+    profile too, where offloading would look cheaper but frees nothing a CPU could use."""
+    for name in ("glm_moe_debug", "glm_moe_bench"):
+        config = recipe(name).with_overrides(policy="static-over")
+        cap = default_cap(config)
+        for stage in range(config.pp):
+            graph = build_graph(config.model, config.parallel, HW, stage=stage)
+            plan = fixed_plans(config, stage, cap)[0]
+            assert {strategy.value for _, strategy in plan.entries} == {"RECOMPUTE"}
+            assert len(plan.entries) == sum(1 for op, s in graph.savings if (op.name, s.tensor) not in graph.pinned)
+            assert evaluate(graph, plan).activation_bytes == graph.floor_bytes
+
+
+def test_bench_cap_runs_ordinary_micro_batches_unmitigated_and_makes_spikes_mitigate():
+    """glm_moe_bench's default cap: the busiest stage keeps its in-flight micro-batches unmitigated up to the
+    recipe's cap imbalance, and a spike (the most one EP rank can receive) does not fit there."""
+    config = recipe("glm_moe_bench")
+    cap = default_cap(config)
+    kept = {}
+    for stage in range(config.pp):
+        inflight = stage_memory(config.model, config.parallel, HW, stage=stage).inflight_chunks
+        for rate in (1.0, config.memory_cap_imbalance, float(config.ep)):
+            graph = build_graph(config.model, config.parallel, HW, imbalance=rate, stage=stage)
+            kept[stage, rate] = inflight * graph.unmitigated_bytes
+    assert all(kept[s, r] <= cap for s in range(config.pp) for r in (1.0, config.memory_cap_imbalance))
+    assert max(kept[s, config.memory_cap_imbalance] for s in range(config.pp)) == cap
+    assert any(kept[s, float(config.ep)] > cap for s in range(config.pp))
