@@ -24,6 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from torchrun_worker import worker_argv
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -76,9 +78,9 @@ def _after_first_step(timeline: list, steps: int) -> int:
 
 
 def main() -> None:
-    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
-        rest = sys.argv[3:]
-        worker(sys.argv[2], rest[1:] if rest[:1] == ["--"] else rest)
+    found = worker_argv(sys.argv)
+    if found is not None:
+        worker(*found)
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)

@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from torchrun_worker import worker_argv
+
 ROOT = Path(__file__).resolve().parents[1]
 GROUPS = ("matmul", "attention", "collectives", "other ops")
 MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addmm_activation", "aten::addbmm")
@@ -109,9 +111,9 @@ def table(ranks: list[dict]) -> str:
 
 
 def main() -> None:
-    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
-        rest = sys.argv[3:]
-        worker(sys.argv[2], rest[1:] if rest[:1] == ["--"] else rest)
+    found = worker_argv(sys.argv)
+    if found is not None:
+        worker(*found)
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="glm_moe_bench")

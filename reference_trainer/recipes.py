@@ -2,10 +2,10 @@
 
     glm_moe_debug   CPU (gloo), 4 processes: 8 layers (pp*vp up to 8 stages), 8 experts top-2, 4,096-token BPE
                     vocabulary, fp32, 64-token sequences; the default layout PP=2 x DP=2 (EP=2).
-    glm_moe_small   one GPU: 8 layers, hidden 512, 16 experts top-2, 1,024-token sequences, bf16.
     glm_moe_bench   CPU (gloo), 4 processes (PP=2 x DP=2, EP=2): a step dominated by matmuls and attention (hidden
-                    384, 512-token sequences, 8 experts top-2, 4 layers), so what a memory decision costs shows in
-                    the step time; its cap lets ordinary micro-batches run unmitigated and makes spikes mitigate.
+                    384, 512-token sequences, 4 MoE layers of 8 experts top-4), so what a memory decision costs
+                    shows in the step time; its cap lets ordinary micro-batches run unmitigated, spikes do not fit.
+    glm_moe_small   one GPU: 8 layers, hidden 512, 16 experts top-2, 1,024-token sequences, bf16.
     glm_moe_multi   8 GPUs (PP=4 x DP=2, EP=2, VP=2): GLM-423B-A30B's shape (128 experts / top-6, head dim 128,
                     8 query groups, 1 shared expert) scaled down to hidden 1,024, 32 experts, top-6 — the same
                     experts-per-rank routing pattern on a node.
@@ -237,9 +237,10 @@ def glm_moe_debug() -> TrainConfig:
 def glm_moe_bench() -> TrainConfig:
     """CPU, 4 processes (PP=2 x DP=2, EP=2); compute-bound steps of a few seconds; spikes 0.15 up to 2.6."""
     model = _glm(num_layers=4, hidden_size=384, num_attention_heads=6, head_dim=64, ffn_hidden_size=1024,
-                 moe_ffn_hidden_size=384, num_experts=8, top_k=2, seq_length=512, micro_batch_size=1)
-    return TrainConfig(model=model, pp=2, dp=2, ep=2, num_microbatches=4, steps=16, lr=1e-3,
-                       memory_cap_imbalance=1.3, spike_rate=0.15, spike_max=2.6)
+                 moe_ffn_hidden_size=384, num_experts=8, top_k=4, num_dense_layers=0, seq_length=512,
+                 micro_batch_size=1)
+    return TrainConfig(model=model, pp=2, dp=2, ep=2, num_microbatches=4, steps=16, lr=1e-3, bias_update_rate=1e-2,
+                       memory_cap_imbalance=1.2, spike_rate=0.15, spike_max=2.6)
 
 
 def glm_moe_small() -> TrainConfig:

@@ -6,8 +6,8 @@
 Each policy runs, for every seed, as ``torchrun --standalone --nproc_per_node=W --max-restarts 1 -m
 reference_trainer.train --recipe RECIPE --policy P --seed S ...`` with checkpoints every ``--checkpoint-every``
 steps, so ``static-under``'s out-of-memory error is a real elastic restart that resumes as ``static-over``. Steps
-and spikes default to the recipe's. The runs go seed by seed (every policy of a seed back to back), so a drift of
-the machine's speed touches all policies of a seed alike. The table, per policy: effective tokens/s (restarts and
+and spikes default to the recipe's. The runs go seed by seed (every policy of a seed back to back, each seed starting
+one policy later than the one before), so a drift of the machine's speed touches the policies alike. The table, per policy: effective tokens/s (restarts and
 lost steps included), its median over the seeds and range; the ratios of the medians to ``static-over`` and to
 ``ideal`` (the range: the same ratio per seed, on the same trace); MFU; OOM events, restarts, restart seconds and
 steps lost summed over the seeds; safety-net re-runs; the largest peak activation bytes over the cap; planning
@@ -171,8 +171,9 @@ def main(argv=None) -> None:
     cap = default_cap(config)
     runs: dict[str, list[dict]] = {policy: [] for policy in args.policies}
     with tempfile.TemporaryDirectory() as tmp:
-        for seed in args.seeds:
-            for policy in args.policies:
+        for index, seed in enumerate(args.seeds):  # each seed starts one policy later: drift spreads over all
+            shift = index % len(args.policies)
+            for policy in args.policies[shift:] + args.policies[:shift]:
                 print(f"running {policy}, seed {seed} ...", file=sys.stderr, flush=True)
                 runs[policy].append(run_policy(policy, args, Path(tmp), seed))
     first = runs[args.policies[0]]
