@@ -85,10 +85,9 @@ def worker(out: str, argv: list[str]) -> None:
 def measure(recipe: str, steps: int, extra: list[str], tmp: Path) -> list[dict]:
     """Run the trainer under the profiler; one dict of group seconds and wall seconds per rank."""
     sys.path.insert(0, str(ROOT))
-    from reference_trainer.recipes import recipe as make
+    from reference_trainer.train import parse_args
 
-    config = make(recipe)
-    nproc = config.world_size
+    nproc = parse_args(["--recipe", recipe, *extra])[0].world_size
     out = tmp / "share"
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TOKENIZERS_PARALLELISM": "false"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__,
@@ -119,15 +118,18 @@ def main() -> None:
     parser.add_argument("--recipe", default="glm_moe_bench")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--policy", default="ideal")
-    parser.add_argument("--schedule", default="runtime")
+    parser.add_argument("--schedule", default="plain",
+                        help="plain (default): every op on the rank's main thread, which the profiler follows")
+    parser.add_argument("--layout", default="", help="trainer flags of another layout, e.g. '--pp 1 --dp 1 --ep 1'")
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps must be >= 2 (the first step is not profiled)")
-    extra = ["--policy", args.policy, "--schedule", args.schedule, "--spike-rate", "0"]
+    extra = ["--policy", args.policy, "--schedule", args.schedule, "--spike-rate", "0", *args.layout.split()]
     with tempfile.TemporaryDirectory() as tmp:
         ranks = measure(args.recipe, args.steps, extra, Path(tmp))
+    layout = f" --layout '{args.layout}'" if args.layout else ""
     print(f"`python benchmarks/compute_share.py --recipe {args.recipe} --steps {args.steps} --policy {args.policy} "
-          f"--schedule {args.schedule}` ({len(ranks)} ranks, OMP_NUM_THREADS="
+          f"--schedule {args.schedule}{layout}` ({len(ranks)} ranks, OMP_NUM_THREADS="
           f"{os.environ.get('OMP_NUM_THREADS', '1')})\n")
     print(table(ranks))
 

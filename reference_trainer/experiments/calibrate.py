@@ -117,7 +117,7 @@ def main(argv=None) -> None:
     parser.add_argument("--write", type=Path, help="the markdown file whose calibrate block is replaced")
     parser.add_argument("--keep", type=Path, help="keep every run's metrics file in this (existing) folder")
     args = parser.parse_args(argv)
-    if args.fit_steps < 3 or args.steps < 3:
+    if args.fit_steps < 3 or (args.steps is not None and args.steps < 3):
         parser.error("--fit-steps and --steps must be at least 3")
     if args.write is not None and not args.write.is_file():
         parser.error(f"--write {args.write}: not an existing regular file")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from reference_trainer.experiments import compare
+from reference_trainer.experiments import calibrate, compare
 
 
 def _summary(tokens: float, *, oom: int = 0, restarts: int = 0) -> dict:
@@ -50,4 +50,12 @@ def test_table_has_a_row_per_policy_and_sums_restarts_over_seeds():
 def test_bad_flags_exit_2_with_one_line_before_any_run(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         compare.main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [(["--fit-steps", "2"], "--fit-steps"), (["--steps", "2"], "--steps"),
+                                           (["--spike-max", "0.5"], "--spike-max")])
+def test_calibrate_bad_flags_exit_2_before_any_run(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        calibrate.main(argv)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
