@@ -68,6 +68,11 @@ def measured(policy: str, summary: dict, metrics: Path) -> Measured:
                     restart_s=summary["restart_s"], steps_lost=summary["steps_lost"])
 
 
+def kwai_offloads(config, cap: int) -> bool:
+    """Do kwai's plans under ``cap`` offload anything (else its fit run says nothing of the copy cost)?"""
+    return any("OFFLOAD" in plan for plan in describe(config.with_overrides(policy="kwai"), cap).values())
+
+
 def fit(config, base, args, folder: Path, cap: int):
     """Run the two fit policies for ``--fit-steps`` steps in ``folder``; returns ``(fitted profile, ideal run)``."""
     model, parallel = config.model, config.parallel
@@ -77,18 +82,21 @@ def fit(config, base, args, folder: Path, cap: int):
         fit_args = argparse.Namespace(**{**vars(args), "steps": args.fit_steps,
                                          **({"spike_rate": 0.0} if policy == "kwai" else {})})
         runs[policy] = measured(policy, run_policy(policy, fit_args, folder), folder / f"{policy}.s{args.seed}.jsonl")
-    offloads = any("OFFLOAD" in plan for plan in describe(config.with_overrides(policy="kwai"), cap).values())
+    offloads = kwai_offloads(config, cap)
     hardware = fit_hardware(model, parallel, base, runs["ideal"], copies=runs["kwai"] if offloads else None,
                             copies_m_max_bytes=cap, plan_hardware=base)  # planned with the recipe's profile
     return hardware, runs["ideal"]
 
 
-def table(rows: list[dict], hardware, fit_steps: int, mode: str, command: str) -> str:
+def table(rows: list[dict], hardware, fit_steps: int, mode: str, command: str, offloads: bool = True) -> str:
     when = "right before each policy's run" if mode == "each" else "once, before the first policy's run"
+    copies_text = ("(its plans offload) `copy_launch_s`, the cost per host copy" if offloads else
+                   "nothing more (its plans do not offload under this cap: a host copy costs a launch, "
+                   "`copy_launch_s` unset)")
     lines = [f"Command: `{command}`", "",
              f"Fitted {when} (`--fit {mode}`) on two {fit_steps}-step runs: `ideal` (its mean step after the "
-             "first) gives `kernel_launch_s`, the cost per op launch or collective, `kwai` without spikes (it offloads) "
-             "`copy_launch_s`, the cost per host copy (columns *fit*; medians "
+             "first) gives `kernel_launch_s`, the cost per op launch or collective, `kwai` without spikes "
+             f"{copies_text} (columns *fit*; medians "
              f"{hardware.kernel_launch_s * 1e6:.1f} us and {hardware.copy_setup_s * 1e6:.1f} us); the `cpu` "
              "profile's other fields unchanged; the `ideal` fit run's seconds per step outside the steps "
              "(checkpoints every `--checkpoint-every` steps, metrics) are added to every predicted step, its first "
@@ -152,7 +160,8 @@ def main(argv=None) -> None:
             handle.write(hardware.to_json() + "\n")
         os.replace(tmp, args.hardware_out)
     command = "python -m reference_trainer.experiments.calibrate " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-    block = table(rows, hardware, args.fit_steps, args.fit, command.strip())
+    offloads = kwai_offloads(config, cap)
+    block = table(rows, hardware, args.fit_steps, args.fit, command.strip(), offloads)
     print(block)
     if args.write is not None:
         write_block(args.write, block, BEGIN, END)
