@@ -3,15 +3,15 @@
     python -m reference_trainer.experiments.calibrate [--fit each|once] [--fit-steps 8] [--steps 30]
                                           [--hardware-out cpu-fitted.json] [--write docs/trainer.md]
 
-1. **Fit** (a short measurement): ``ideal`` (no cap, no mitigation) and ``kwai`` without spikes (its plans
-   offload) run ``--fit-steps`` steps each under torchrun as ``reference_trainer.experiments.compare`` runs every
-   policy (``--recipe``, default ``glm_moe_bench``: PP=2 x DP=2, EP=2); their mean steps and imbalance traces fit
-   the ``cpu`` profile's per-op launch cost and its per-copy cost (``bagualu2.sim.calibrate.fit_hardware``; the
-   copy cost stays the profile's when the recipe's cap needs no offload). With ``--fit each`` (default) the two fit runs are
-   made again right before every policy's run, so that each prediction uses a profile measured minutes, not
-   half an hour, earlier (a shared machine's speed drifts by 10-20% between runs); ``--fit once`` fits before the
-   first policy only. The fitted profile (the median of the fits' values) is written as Hardware JSON
-   (``--hardware-out``; usable as ``bagualu2 ... -H FILE``).
+1. **Fit** (a short measurement): ``ideal`` (no cap, no mitigation) and ``kwai`` without spikes (its plans offload)
+   run ``--fit-steps`` steps each under torchrun as ``reference_trainer.experiments.compare`` runs every policy
+   (``--recipe``, default ``glm_moe_bench``: PP=2 x DP=2, EP=2); their mean steps and imbalance traces fit the
+   ``cpu`` profile's per-op launch cost and its per-copy cost (``bagualu2.sim.calibrate.fit_hardware``; the copy
+   cost stays the profile's when the recipe's cap needs no offload). With ``--fit each`` (default) the two fit runs
+   are made again right before every policy's run, so that each prediction uses a profile measured minutes, not half
+   an hour, earlier (a shared machine's speed drifts by 10-20% between runs); ``--fit once`` fits before the first
+   policy only. The fitted profile (the median of the fits' values) is written as Hardware JSON (``--hardware-out``;
+   usable as ``bagualu2 ... -H FILE``).
 2. **Check**: every policy runs ``--steps`` steps (as ``reference_trainer.experiments.compare``, spikes and a real torchrun
    restart for ``static-under``); the simulator predicts each run from its own imbalance trace, the recipe's cap and
    its measured restart seconds (``bagualu2.sim.calibrate.predict``) on the profile fitted before it, and the table

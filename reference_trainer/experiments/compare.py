@@ -6,14 +6,15 @@
 Each policy runs, for every seed, as ``torchrun --standalone --nproc_per_node=W --max-restarts 1 -m
 reference_trainer.train --recipe RECIPE --policy P --seed S ...`` with checkpoints every ``--checkpoint-every``
 steps, so ``static-under``'s out-of-memory error is a real elastic restart that resumes as ``static-over``. Steps
-and spikes default to the recipe's. The runs go seed by seed (every policy of a seed back to back, each seed starting
-one policy later than the one before), so a drift of the machine's speed touches the policies alike. The table, per policy: effective tokens/s (restarts and
-lost steps included), its median over the seeds and range; the ratios of the medians to ``static-over`` and to
-``ideal`` (the range: the same ratio per seed, on the same trace); MFU; OOM events, restarts, restart seconds and
-steps lost summed over the seeds; safety-net re-runs; the largest peak activation bytes over the cap; planning
-overhead. A summary line sets flexible beside static-over, the best of kwai / adapipe and ideal. The notes list
-each fixed policy's plan stage by stage (``reference_trainer.policies.describe``). ``--write`` replaces the block
-between ``<!-- compare:begin -->`` and ``<!-- compare:end -->`` of that file (a temporary file, then renamed).
+and spikes default to the recipe's. The runs go seed by seed (every policy of a seed back to back, each seed
+starting one policy later than the one before), so a drift of the machine's speed touches the policies alike. The
+table, per policy: effective tokens/s (restarts and lost steps included), its median over the seeds and range; the
+ratios of the medians to ``static-over`` and to ``ideal`` (the range: the same ratio per seed, on the same trace);
+MFU; OOM events, restarts, restart seconds and steps lost summed over the seeds; safety-net re-runs; the largest
+peak activation bytes over the cap; planning overhead. A summary line sets flexible beside static-over, the best of
+kwai / adapipe and ideal. The notes list each fixed policy's plan stage by stage
+(``reference_trainer.policies.describe``). ``--write`` replaces the block between ``<!-- compare:begin -->`` and
+``<!-- compare:end -->`` of that file (a temporary file, then renamed).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from bagualu2.costmodel import presets
+from bagualu2.costmodel import build_graph, presets, stage_memory
 from bagualu2.sim import load_trace, simulate
 from bagualu2.sim.calibrate import CPU_OVERLAP, Measured, fit_hardware, predict
 
@@ -16,14 +16,23 @@ MODEL, _TINY = presets.model("tiny-moe")
 PARALLEL = dataclasses.replace(_TINY, dp=2, ep=2, num_microbatches=4)  # ep=2: imbalances up to 2
 BASE = presets.hardware("cpu")
 TRACE = ((1.0, 1.2, 1.1, 1.3), (1.5, 1.0, 1.05, 1.1), (1.2, 1.2, 1.0, 1.0))
+# a run that offloads: static-under's plan at 60% of the unmitigated in-flight bytes (the cpu profile's copies are
+# cheap, so its greedy plan offloads), on balanced routing (it fits: no out-of-memory restart)
+COPIES_CAP = int(0.6 * max(stage_memory(MODEL, PARALLEL, BASE, stage=s).inflight_chunks
+                           * build_graph(MODEL, PARALLEL, BASE, stage=s).unmitigated_bytes for s in range(PARALLEL.pp)))
+COPIES_TRACE = ((1.0,) * 4,) * 3
 
 
-def _measured(policy: str, hardware, **fields) -> Measured:
+def _measured(policy: str, hardware, *, trace=TRACE, m_max_bytes=None, **fields) -> Measured:
     parallel = PARALLEL
-    result = simulate(MODEL, parallel, hardware, policy, TRACE, overlap=CPU_OVERLAP)
+    result = simulate(MODEL, parallel, hardware, policy, trace, overlap=CPU_OVERLAP, m_max_bytes=m_max_bytes)
     step = sum(it.time_s for it in result.iterations) / len(result.iterations)
-    return Measured(policy=policy, trace=TRACE, step_s=step, tokens_per_s=result.tokens_per_s,
+    return Measured(policy=policy, trace=trace, step_s=step, tokens_per_s=result.tokens_per_s,
                     peak_activation_bytes=max(max(it.peak_bytes) for it in result.iterations), **fields)
+
+
+def _copies(hardware) -> Measured:
+    return _measured("static-under", hardware, trace=COPIES_TRACE, m_max_bytes=COPIES_CAP)
 
 
 @pytest.mark.slow
@@ -45,8 +54,9 @@ def test_fit_recovers_the_launch_cost_of_a_simulated_run_and_predicts_it_back():
 @pytest.mark.slow
 def test_fit_recovers_a_separate_copy_cost_from_a_run_that_offloads():
     truth = dataclasses.replace(BASE, kernel_launch_s=3e-4, copy_launch_s=4e-5)
-    copies = _measured("static-over", truth)
-    fitted = fit_hardware(MODEL, PARALLEL, BASE, _measured("ideal", truth), copies=copies)
+    copies = _copies(truth)
+    fitted = fit_hardware(MODEL, PARALLEL, BASE, _measured("ideal", truth), copies=copies,
+                          copies_m_max_bytes=COPIES_CAP)
     assert fitted.kernel_launch_s == pytest.approx(3e-4, rel=1e-6)
     assert fitted.copy_launch_s == pytest.approx(4e-5, rel=1e-4)
     row = predict(MODEL, PARALLEL, fitted, _measured("kwai", truth))
@@ -58,17 +68,18 @@ def test_a_copies_run_outside_what_copy_costs_reach_fits_the_nearest_end():
     """Dear copies make the plan recompute instead, so the run's time stops growing with the copy cost: a copies
     run slower than that fits the copy cost where the plateau starts (not the range's top)."""
     truth = dataclasses.replace(BASE, kernel_launch_s=3e-4, copy_launch_s=4e-5)
-    copies = _measured("static-over", truth)
+    copies = _copies(truth)
     slow = dataclasses.replace(copies, step_s=copies.step_s * 100)
-    fitted = fit_hardware(MODEL, PARALLEL, BASE, _measured("ideal", truth), copies=slow)
-    plateau = _measured("static-over", dataclasses.replace(fitted, copy_launch_s=1.0)).step_s
-    at_fit = _measured("static-over", fitted).step_s
+    fitted = fit_hardware(MODEL, PARALLEL, BASE, _measured("ideal", truth), copies=slow, copies_m_max_bytes=COPIES_CAP)
+    plateau = _copies(dataclasses.replace(fitted, copy_launch_s=1.0)).step_s
+    at_fit = _copies(fitted).step_s
     assert at_fit == pytest.approx(plateau, rel=1e-6) and at_fit < slow.step_s
     assert 4e-5 < fitted.copy_launch_s < 1.0
-    half = _measured("static-over", dataclasses.replace(fitted, copy_launch_s=fitted.copy_launch_s / 2)).step_s
+    half = _copies(dataclasses.replace(fitted, copy_launch_s=fitted.copy_launch_s / 2)).step_s
     assert half < at_fit  # the fit is where the plateau starts, not anywhere on it
     fast = dataclasses.replace(copies, step_s=copies.step_s / 100)  # faster than free copies allow: the bottom
-    assert fit_hardware(MODEL, PARALLEL, BASE, _measured("ideal", truth), copies=fast).copy_launch_s < 1e-9
+    assert fit_hardware(MODEL, PARALLEL, BASE, _measured("ideal", truth), copies=fast,
+                        copies_m_max_bytes=COPIES_CAP).copy_launch_s < 1e-9
     with pytest.raises(ValueError, match="above what kernel_launch_s"):  # the launch cost is never clamped
         fit_hardware(MODEL, PARALLEL, BASE, dataclasses.replace(copies, policy="ideal", step_s=1e6))
 
