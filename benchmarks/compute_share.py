@@ -1,15 +1,17 @@
 """Where a reference-trainer step spends its time on CPU: matmuls, attention, the rest (``torch.profiler``).
 
-    python benchmarks/compute_share.py --recipe glm_moe_bench --steps 4 [--policy ideal] [--schedule runtime]
+    python benchmarks/compute_share.py --recipe glm_moe_bench --steps 4 [--policy ideal] [--schedule plain]
+        [--layout '--pp 1 --dp 1 --ep 1']
 
-Runs the trainer under torchrun (the recipe's layout, ``OMP_NUM_THREADS=1``) with ``torch.profiler`` (CPU
-activities, every thread of every rank) from the second step on; the first step traces and plans. Per rank, the
-self time of each aten op is summed into groups — ``matmul`` (mm, addmm, bmm, baddbmm, matmul kernels),
-``attention`` (scaled-dot-product attention kernels, forward and backward), ``collectives`` (c10d ops: the time
-their calls take, waits included), ``other ops`` (every other aten op) — and divided by the rank's profiled
-wall time (the steps after the first). What no op covers is Python, hooks, the schedule and the time a thread
-spends blocked outside an op. Printed: a markdown table, one row per group, the share median and range over the
-ranks.
+Runs the trainer under torchrun (the recipe's layout or ``--layout``'s flags, ``OMP_NUM_THREADS=1``, no spikes)
+with ``torch.profiler`` (CPU activities) from the second step on; the first step traces and plans. The profiler
+follows the rank's main thread, so the default schedule is ``plain`` (under ``runtime`` the fused points run on the
+dual-batch executor's worker threads, which it misses). Per rank, the self time of each aten op is summed into
+groups — ``matmul`` (mm, addmm, bmm, baddbmm), ``attention`` (scaled-dot-product attention kernels, forward and
+backward), ``collectives`` (c10d ops: the time their calls take, waits included), ``other ops`` (every other aten
+op) — and divided by the rank's profiled wall time. What no op covers is Python, hooks, the schedule and the time
+the rank waits (for a core, a peer or a pipeline bubble). Printed: a markdown table, one row per group, the share's
+median and range over the ranks.
 """
 
 from __future__ import annotations

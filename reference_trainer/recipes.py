@@ -207,7 +207,7 @@ def default_cap(config: TrainConfig) -> int:
     for stage in range(config.pp):
         memory = stage_memory(config.model, parallel, hardware, stage=stage)
         worst = max(build_graph(config.model, parallel, hardware, stage=stage, chunk=c,
-                                imbalance=min(imbalance or 1.0, max(parallel.ep, 1))).unmitigated_bytes
+                                imbalance=min(imbalance or 1.0, parallel.ep)).unmitigated_bytes
                     for c in range(config.vp))
         unmitigated = max(unmitigated, memory.inflight_chunks * worst)
         floor = max(floor, memory.inflight_chunks * memory.m0_bytes)

@@ -73,8 +73,9 @@ def kwai_offloads(config, cap: int) -> bool:
     return any("OFFLOAD" in plan for plan in describe(config.with_overrides(policy="kwai"), cap).values())
 
 
-def fit(config, base, args, folder: Path, cap: int):
-    """Run the two fit policies for ``--fit-steps`` steps in ``folder``; returns ``(fitted profile, ideal run)``."""
+def fit(config, base, args, folder: Path, cap: int, offloads: bool):
+    """Run the two fit policies for ``--fit-steps`` steps in ``folder``; returns ``(fitted profile, ideal run)``.
+    ``offloads``: :func:`kwai_offloads` (else the copies run does not fit the copy cost)."""
     model, parallel = config.model, config.parallel
     folder.mkdir(exist_ok=True)
     runs = {}
@@ -82,7 +83,6 @@ def fit(config, base, args, folder: Path, cap: int):
         fit_args = argparse.Namespace(**{**vars(args), "steps": args.fit_steps,
                                          **({"spike_rate": 0.0} if policy == "kwai" else {})})
         runs[policy] = measured(policy, run_policy(policy, fit_args, folder), folder / f"{policy}.s{args.seed}.jsonl")
-    offloads = kwai_offloads(config, cap)
     hardware = fit_hardware(model, parallel, base, runs["ideal"], copies=runs["kwai"] if offloads else None,
                             copies_m_max_bytes=cap, plan_hardware=base)  # planned with the recipe's profile
     return hardware, runs["ideal"]
@@ -132,6 +132,7 @@ def main(argv=None) -> None:
     check_run_arguments(parser, args)
     config = recipe(args.recipe)
     cap = default_cap(config)
+    offloads = kwai_offloads(config, cap)
     model, parallel, base = config.model, config.parallel, presets.hardware(config.hardware)
     if args.keep is not None and not args.keep.is_dir():
         parser.error(f"--keep {args.keep}: not an existing folder")
@@ -141,7 +142,7 @@ def main(argv=None) -> None:
         for policy in args.policies:
             if args.fit == "each" or not profiles:
                 print(f"fitting on {' and '.join(FIT_POLICIES)} ...", file=sys.stderr, flush=True)
-                profiles.append(fit(config, base, args, work / f"fit-{policy}", cap))
+                profiles.append(fit(config, base, args, work / f"fit-{policy}", cap, offloads))
             hardware, ideal = profiles[-1]
             print(f"running {policy} ...", file=sys.stderr, flush=True)
             summary = run_policy(policy, args, work)
@@ -160,7 +161,6 @@ def main(argv=None) -> None:
             handle.write(hardware.to_json() + "\n")
         os.replace(tmp, args.hardware_out)
     command = "python -m reference_trainer.experiments.calibrate " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-    offloads = kwai_offloads(config, cap)
     block = table(rows, hardware, args.fit_steps, args.fit, command.strip(), offloads)
     print(block)
     if args.write is not None:
