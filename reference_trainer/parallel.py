@@ -82,9 +82,12 @@ def is_expert_parameter(name: str) -> bool:
 def _all_reduce_flat(tensors: list[torch.Tensor], group, scale: float) -> None:
     if not tensors:
         return
+    if group is None:  # nothing to reduce: scale in place (what the flat path computes, element for element)
+        if scale != 1.0:
+            torch._foreach_mul_(tensors, scale)
+        return
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    if group is not None:
-        dist.all_reduce(flat, group=group)
+    dist.all_reduce(flat, group=group)
     if scale != 1.0:
         flat.mul_(scale)
     offset = 0

@@ -27,6 +27,18 @@ from .watchdog import STALL_EXIT_CODE, Watchdog, collective_failure, exit_after_
 NONFINITE_EXIT_CODE = 65  # EX_DATAERR: a non-finite loss or gradient under --on-nonfinite stop
 
 
+def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Whether every entry of every tensor is finite (a 0-d bool tensor). A finite sum proves it (NaN and inf
+    propagate through a sum) in one pass; a tensor whose sum is not finite is checked entry by entry, since finite
+    entries may overflow their sum."""
+    if not tensors:
+        return torch.tensor(True)
+    sums = torch.stack([t.sum() for t in tensors]).isfinite()
+    if bool(sums.all()):
+        return sums.all()
+    return torch.stack([torch.isfinite(t).all() for t, ok in zip(tensors, sums.tolist()) if not ok]).all()
+
+
 class Guard:
     """The rank's watchdog, collective checker and fault injections (module docstring)."""
 
@@ -84,7 +96,7 @@ class Guard:
         """The ranks whose loss or gradients of ``step`` are not finite (the same list on every rank)."""
         self.faults.poison(step, params)
         grads = [p.grad for _, p in params if p.grad is not None]
-        finite = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
+        finite = all_finite(grads)
         device = collective_device()
         flags = torch.zeros(self.world_size, dtype=torch.float64, device=device)
         flags[self.rank] = float(not math.isfinite(loss_sum)) + (~finite).to(device, torch.float64)  # one sync

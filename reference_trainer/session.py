@@ -103,7 +103,7 @@ class Session:
                                        capped=config.policy != "ideal", prediction_scale=config.prediction_scale)
         self.params = [(self._global_name(n), p) for n, p in model.named_parameters()]
         self.optimizer = torch.optim.AdamW([p for _, p in self.params], lr=config.lr,
-                                           weight_decay=config.weight_decay)
+                                           weight_decay=config.weight_decay, fused=True)  # one kernel per tensor
         self.chunks = []
         self.schedule = None
         if config.pp > 1:  # torch.distributed.pipelining (1.4 s to import) only where there is a pipeline
@@ -167,7 +167,8 @@ class Session:
         for name, p in self.params:
             state = self.optimizer.state[p]
             if not state:  # a fresh optimizer: AdamW's lazy initial state, so a load fills it in place
-                state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                state.update(step=torch.zeros((), dtype=torch.float32, device=p.device),  # fused AdamW's step
+                             exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
             optim[name] = state
         extra = {"step": step, "data": self.run.batches.state_dict(), "provisioner": self.provisioner.state_dict()}
         return {"model": model_state, "optim": optim,

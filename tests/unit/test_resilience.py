@@ -10,9 +10,12 @@ import textwrap
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from reference_trainer import collectives, faults, train
 from reference_trainer.checkpoint import CheckpointError, save
+from reference_trainer.resilience import all_finite
 from reference_trainer.watchdog import STALL_EXIT_CODE, Watchdog, collective_failure
 
 
@@ -145,3 +148,15 @@ def test_a_failed_checkpoint_write_names_the_cause_and_leaves_nothing(tmp_path):
     blocker.write_text("not a directory")
     with pytest.raises(CheckpointError, match="cannot be written: Not a directory"):
         save(blocker / "ckpt", 1, state)
+
+
+ENTRIES = st.one_of(st.floats(width=32, allow_nan=True, allow_infinity=True), st.sampled_from([3.4e38, -3.4e38]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(ENTRIES, min_size=1, max_size=6), max_size=4))
+def test_all_finite_is_an_entry_by_entry_check(tensors):
+    """A finite sum proves finiteness; huge finite entries whose sum overflows are still finite; NaN and inf are
+    found wherever they are."""
+    ts = [torch.tensor(t, dtype=torch.float32) for t in tensors]
+    assert bool(all_finite(ts)) == all(bool(torch.isfinite(t).all()) for t in ts)
