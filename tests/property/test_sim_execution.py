@@ -15,8 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import bagualu2.sim
-from bagualu2.costmodel import Plan, Strategy, presets
+from bagualu2.costmodel import Plan, Resource, Strategy, presets
 from bagualu2.fusion import build_chains
+from bagualu2.fusion.baselines import reruns_all_to_all
 from bagualu2.sim import simulate
 from bagualu2.sim.execution import COMM_SM_SHARE, EXECUTIONS, makespan_ns, order_of
 from bagualu2.sim.stage import StageContext
@@ -57,6 +58,21 @@ def test_every_step_lies_between_its_busiest_resource_and_the_serial_sum(data, s
     assert serial.forward_s == pytest.approx(cost.forward_s, abs=1e-12)  # the evaluator's serial times
     assert serial.backward_s == pytest.approx(cost.backward_s, abs=1e-12)
     assert serial.pair_s == pytest.approx(cost.forward_s + cost.backward_s, abs=1e-12)
+
+
+@pytest.mark.parametrize("policy", ["static-over", "static-under"])
+def test_megatron_pairs_f_and_b_only_when_recompute_reruns_no_all_to_all(policy):
+    """Megatron-Core refuses its expert-parallel all-to-all overlap with full recomputation: static-over's steady
+    pairs (full recompute re-runs dispatch and combine) run F then B, static-under's (nothing re-run) pair them."""
+    ctx = CONTEXTS[0]
+    plan = bagualu2.sim.make_policy(policy, ctx).plans[0]
+    graph = ctx.timing_graph(0, 1.0)
+    chains = build_chains(graph, plan, graph, plan)
+    order = order_of("megatron", chains, ctx.timing.order)
+    paired = any({kind for kind, _ in group} >= {"F", "B"} for group in order.groups)
+    assert reruns_all_to_all(chains) == (policy == "static-over")
+    assert paired == (not reruns_all_to_all(chains))
+    assert any(stage.resource is Resource.COMM for stage in chains.forward.stages)
 
 
 rates = st.floats(1.0, 2.6, allow_nan=False).map(lambda r: round(r, 1))

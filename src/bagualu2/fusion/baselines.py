@@ -57,12 +57,22 @@ def megatron_overlapped(chains: Chains) -> Order:
 
 
 def megatron_overlapped_groups(chains: Chains) -> tuple[tuple[StageRef, ...], ...]:
-    """The groups of :func:`megatron_overlapped`, without timing them."""
+    """The groups of :func:`megatron_overlapped`, without timing them. A point whose recovery re-runs an
+    expert-parallel all-to-all (full-layer recompute, or a recomputed MoE dispatch) is not paired: Megatron-Core
+    refuses its all-to-all overlap (``--overlap-moe-expert-parallel-comm``) with full recomputation, a recompute
+    method or layer count, and a recomputed ``moe`` module (``TransformerConfig``'s checks), so F and B run one
+    after the other, each still joined by the copies."""
     reloads = 0
     if chains.recovery:
         while reloads < len(chains.recovery) and chains.recovery.stages[reloads].resource is Resource.H2D:
             reloads += 1
-    return tuple(_join([list(group) for group in _pair_f_b(chains)], chains, reloads))
+    groups = (_singles(chains, "F") + _singles(chains, "B") if reruns_all_to_all(chains) else _pair_f_b(chains))
+    return tuple(_join([list(group) for group in groups], chains, reloads))
+
+
+def reruns_all_to_all(chains: Chains) -> bool:
+    """Whether the recovery chain re-runs communication (a recomputed dispatch or combine)."""
+    return bool(chains.recovery) and any(stage.resource is Resource.COMM for stage in chains.recovery.stages)
 
 
 def megatron_kwai(chains: Chains) -> Order:

@@ -8,7 +8,8 @@ between policies is only the order, i.e. the overlap their real systems have:
 
 * ``megatron`` (Megatron-Core, the base of every static policy, of Megatron-Kwai and of the ablation levels
   L1-L3): ``fusion.baselines.megatron_overlapped`` — in a steady pair the expert-parallel all-to-all of one
-  micro-batch runs beside the other's compute (combined 1F1B, ``--overlap-moe-expert-parallel-comm``); offload
+  micro-batch runs beside the other's compute (combined 1F1B, ``--overlap-moe-expert-parallel-comm``) unless the
+  recovery re-runs an all-to-all (full or layer-level recompute: Megatron-Core refuses the overlap then); offload
   copies and reloads run on copy streams beside compute (Megatron-Kwai's pipeline-aware offloading prefetches
   the next backward's tensors): ``max(compute, copy)``, not the sum; recompute and dequantise casts run on the
   compute stream before the backward that needs them.
