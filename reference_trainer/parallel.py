@@ -84,7 +84,8 @@ def _all_reduce_flat(tensors: list[torch.Tensor], group, scale: float) -> None:
         return
     if group is None:  # nothing to reduce: scale in place (what the flat path computes, element for element)
         if scale != 1.0:
-            torch._foreach_mul_(tensors, scale)
+            for t in tensors:
+                t.mul_(scale)
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
     dist.all_reduce(flat, group=group)
