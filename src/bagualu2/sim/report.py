@@ -156,6 +156,7 @@ def _why(report: Report) -> list[str]:
     focus = report.focus
     drops = spike_drops(report)
     outside, bare, _ = drops["ideal"]
+    _, _, sec2b = provisioning_ratio(report)
     return ["## Where ours differ from the paper, and why", "",
             "* **Every policy runs on one execution model** (docs/sim.md): the baselines get Megatron-Core's "
             "overlap (expert-parallel all-to-all beside the other micro-batch's compute, copies on copy streams), "
@@ -163,6 +164,12 @@ def _why(report: Report) -> list[str]:
             "therefore comes from memory and from what the fused order adds to that overlap: L2 -> L3 "
             f"(dynamic per-micro-batch plans) {l3 / l2:.2f}x, L3 -> L4 (fused order) {l4 / l3:.2f}x on "
             f"{report.config.focus}.",
+            "* **Full recompute runs without the all-to-all overlap**: it re-runs every all-to-all of the forward "
+            "in the backward, and Megatron-Core refuses its expert-parallel overlap with full recomputation "
+            f"(`TransformerConfig`), so static-over's and L1's steady pairs run F then B: §II-B's ratio {sec2b:.2f} "
+            f"(paper {PAPER['sec2b_over_mfu'] / PAPER['sec2b_under_mfu']:.2f}) and L1 -> L2 "
+            f"{l2 / run.mfu('L1'):.2f}x (paper {PAPER['fig11_steps'][0]:.2f}x). With no overlap for any policy (`simulate --overlap none`) "
+            "the §II-B ratio is higher, since then the under-provisioned plan loses its overlap too.",
             f"* **Spikes rarely crash the baselines here**: in {len(report.spikes())} spike iterations kwai OOMed "
             f"{focus.results['kwai'].oom_events}x and adapipe {focus.results['adapipe'].oom_events}x. A spike hits "
             "one micro-batch of its iteration (§II-B: skew \"occurs in a small fraction of micro-batches\"), and plans "
