@@ -151,7 +151,8 @@ class UnpermuteFunction(torch.autograd.Function):
         grad_rows = _wide(grad).index_select(0, order // top_k)
         grad_combined = (grad_rows * weights).to(combined.dtype)
         grad_weights = (grad_rows * _wide(combined)).sum(-1)
-        grad_probs = torch.zeros_like(probs).reshape(-1).index_copy_(0, order, grad_weights).reshape(probs.shape)
+        # order is a permutation of every (t, k): each entry is written, no zero fill needed
+        grad_probs = torch.empty_like(probs).reshape(-1).index_copy_(0, order, grad_weights).reshape(probs.shape)
         return grad_combined, grad_probs, None
 
 
@@ -165,7 +166,7 @@ class RowPermuteFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return torch.zeros_like(grad).index_copy_(0, ctx.order, grad), None
+        return torch.empty_like(grad).index_copy_(0, ctx.order, grad), None  # a permutation writes every row
 
 
 class AllToAllFunction(torch.autograd.Function):
