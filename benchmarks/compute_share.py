@@ -63,7 +63,7 @@ def process_cpu_s() -> float:
 
 def op_clock(totals: dict[str, float]):
     """A dispatch mode adding each op's thread CPU seconds to ``totals[name]`` (names as the profiler's)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._python_dispatch import TorchDispatchMode  # private torch API (no public one); benchmark only
 
     class OpClock(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -92,7 +92,8 @@ def worker(out: str, argv: list[str]) -> None:
 
     def profiled_step(self, step: int):
         if state["profiler"] is None and step >= 1:
-            state["profiler"] = profile(activities=[ProfilerActivity.CPU]) if clock == "wall" else op_clock(state["ops"])
+            state["profiler"] = (profile(activities=[ProfilerActivity.CPU]) if clock == "wall"
+                                 else op_clock(state["ops"]))
             state["profiler"].__enter__()
             state["started"], state["cpu_s"] = time.perf_counter(), process_cpu_s()
         return run_step(self, step)
@@ -129,7 +130,8 @@ def measure(recipe: str, steps: int, extra: list[str], tmp: Path, clock: str) ->
 
     nproc = parse_args(["--recipe", recipe, *extra])[0].world_size
     out = tmp / f"share-{clock}"
-    env = {**os.environ, "COMPUTE_SHARE_CLOCK": clock, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "COMPUTE_SHARE_CLOCK": clock, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "TOKENIZERS_PARALLELISM": "false"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__,
                "--worker", str(out), "--", "--recipe", recipe, "--steps", str(steps), *extra]
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)

@@ -57,6 +57,7 @@ class SwiGLUFunction(torch.autograd.Function):
         return F.silu(gate) * up
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the out= writes below have no double backward
     def backward(ctx, grad: torch.Tensor):
         (fc1_out,) = ctx.saved_tensors
         gate, up = fc1_out.chunk(2, dim=-1)

@@ -29,13 +29,14 @@ NONFINITE_EXIT_CODE = 65  # EX_DATAERR: a non-finite loss or gradient under --on
 
 def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Whether every entry of every tensor is finite (a 0-d bool tensor). A finite sum proves it (NaN and inf
-    propagate through a sum) in one pass; a tensor whose sum is not finite is checked entry by entry, since finite
-    entries may overflow their sum."""
+    propagate through a sum) in one pass, summed in at least fp32; a tensor whose sum is not finite is checked entry
+    by entry, since finite entries may overflow their sum."""
     if not tensors:
         return torch.tensor(True)
-    sums = torch.stack([t.sum() for t in tensors]).isfinite()
-    if bool(sums.all()):
-        return sums.all()
+    sums = torch.stack([t.sum(dtype=torch.promote_types(t.dtype, torch.float32)) for t in tensors]).isfinite()
+    every = sums.all()
+    if bool(every):
+        return every
     return torch.stack([torch.isfinite(t).all() for t, ok in zip(tensors, sums.tolist()) if not ok]).all()
 
 

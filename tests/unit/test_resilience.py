@@ -153,7 +153,7 @@ def test_a_failed_checkpoint_write_names_the_cause_and_leaves_nothing(tmp_path):
 ENTRIES = st.one_of(st.floats(width=32, allow_nan=True, allow_infinity=True), st.sampled_from([3.4e38, -3.4e38]))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(deadline=None)
 @given(st.lists(st.lists(ENTRIES, min_size=1, max_size=6), max_size=4))
 def test_all_finite_is_an_entry_by_entry_check(tensors):
     """A finite sum proves finiteness; huge finite entries whose sum overflows are still finite; NaN and inf are

@@ -44,7 +44,9 @@ def _pair_f_b(chains: Chains) -> list[tuple[StageRef, ...]]:
 
 
 def megatron_core(chains: Chains) -> Order:
-    """Megatron-Core's fixed combined-1F1B order for F and B; offload and recovery after them."""
+    """Megatron-Core's fixed combined-1F1B order for F and B; offload and recovery after them (an order to compare
+    with; the simulator runs Megatron-Core as :func:`megatron_overlapped`, which also knows when the pairing is
+    refused)."""
     return _finish(_pair_f_b(chains) + _singles(chains, "O") + _singles(chains, "R"), chains, "megatron-core")
 
 
@@ -58,7 +60,7 @@ def megatron_overlapped(chains: Chains) -> Order:
 
 def megatron_overlapped_groups(chains: Chains) -> tuple[tuple[StageRef, ...], ...]:
     """The groups of :func:`megatron_overlapped`, without timing them. A point whose recovery re-runs an
-    expert-parallel all-to-all (full-layer recompute, or a recomputed MoE dispatch) is not paired: Megatron-Core
+    expert-parallel all-to-all (full-layer recompute, or a recomputed MoE dispatch or combine) is not paired: Megatron-Core
     refuses its all-to-all overlap (``--overlap-moe-expert-parallel-comm``) with full recomputation, a recompute
     method or layer count, and a recomputed ``moe`` module (``TransformerConfig``'s checks), so F and B run one
     after the other, each still joined by the copies."""
