@@ -75,6 +75,21 @@ def test_megatron_pairs_f_and_b_only_when_recompute_reruns_no_all_to_all(policy)
     assert any(stage.resource is Resource.COMM for stage in chains.forward.stages)
 
 
+@pytest.mark.parametrize("saving, reruns", [("L0.expert_fc1/L0.dispatched", True), ("L0.unpermute/L0.combined", True),
+                                            ("L0.qkv/L0.norm1_out", False)])
+def test_one_recomputed_dispatch_or_combine_is_enough_to_lose_the_pairing(saving, reruns):
+    """A single recomputed tensor whose producer is a dispatch or a combine re-runs an all-to-all in backward:
+    Megatron-Core then runs F then B; a recomputed norm output re-runs no communication and keeps the pair."""
+    ctx = CONTEXTS[0]
+    graph = ctx.timing_graph(0, 1.0)
+    plan = Plan.from_str(f"{saving}=RECOMPUTE")
+    chains = build_chains(graph, plan, graph, plan)
+    order = order_of("megatron", chains, ctx.timing.order)
+    paired = any({kind for kind, _ in group} >= {"F", "B"} for group in order.groups)
+    assert reruns_all_to_all(chains) == reruns
+    assert paired == (not reruns)
+
+
 rates = st.floats(1.0, 2.6, allow_nan=False).map(lambda r: round(r, 1))
 traces = st.lists(rates, min_size=1, max_size=3).map(tuple)
 
