@@ -27,13 +27,18 @@ from .watchdog import STALL_EXIT_CODE, Watchdog, collective_failure, exit_after_
 NONFINITE_EXIT_CODE = 65  # EX_DATAERR: a non-finite loss or gradient under --on-nonfinite stop
 
 
-def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Whether every entry of every tensor is finite (a 0-d bool tensor). A finite sum proves it (NaN and inf
-    propagate through a sum) in one pass, summed in at least fp32; a tensor whose sum is not finite is checked entry
-    by entry, since finite entries may overflow their sum."""
+def sums_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Per tensor, whether its sum (in at least fp32) is finite: a 1-d bool tensor, no host sync. True proves every
+    entry finite (NaN and inf propagate through a sum); False may also be finite entries that overflow their sum."""
     if not tensors:
-        return torch.tensor(True)
-    sums = torch.stack([t.sum(dtype=torch.promote_types(t.dtype, torch.float32)) for t in tensors]).isfinite()
+        return torch.ones(0, dtype=torch.bool)
+    return torch.stack([t.sum(dtype=torch.promote_types(t.dtype, torch.float32)) for t in tensors]).isfinite()
+
+
+def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Whether every entry of every tensor is finite (a 0-d bool tensor): :func:`sums_finite` in one pass, then the
+    tensors whose sum is not finite entry by entry."""
+    sums = sums_finite(tensors)
     every = sums.all()
     if bool(every):
         return every
@@ -97,13 +102,19 @@ class Guard:
         """The ranks whose loss or gradients of ``step`` are not finite (the same list on every rank)."""
         self.faults.poison(step, params)
         grads = [p.grad for _, p in params if p.grad is not None]
-        finite = all_finite(grads)
         device = collective_device()
-        flags = torch.zeros(self.world_size, dtype=torch.float64, device=device)
-        flags[self.rank] = float(not math.isfinite(loss_sum)) + (~finite).to(device, torch.float64)  # one sync
-        if dist.is_initialized():
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return [rank for rank, flag in enumerate(flags.tolist()) if flag > 0]
+
+        def reduced(finite: torch.Tensor) -> list[float]:
+            flags = torch.zeros(self.world_size, dtype=torch.float64, device=device)
+            flags[self.rank] = float(not math.isfinite(loss_sum)) + (~finite).to(device, torch.float64)
+            if dist.is_initialized():
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            return flags.tolist()  # the step's one host sync on the common path
+
+        flags = reduced(sums_finite(grads).all())
+        if any(flag > 0 for flag in flags):  # every rank sees it: a sum may overflow finite entries, look closer
+            flags = reduced(all_finite(grads))
+        return [rank for rank, flag in enumerate(flags) if flag > 0]
 
     def end_step(self, step: int) -> None:
         """After the step's last collective: the ``diverge`` fault, then the collective-order check."""

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from reference_trainer import collectives, faults, train
 from reference_trainer.checkpoint import CheckpointError, save
-from reference_trainer.resilience import all_finite
+from reference_trainer.resilience import all_finite, sums_finite
 from reference_trainer.watchdog import STALL_EXIT_CODE, Watchdog, collective_failure
 
 
@@ -160,3 +160,5 @@ def test_all_finite_is_an_entry_by_entry_check(tensors):
     found wherever they are."""
     ts = [torch.tensor(t, dtype=torch.float32) for t in tensors]
     assert bool(all_finite(ts)) == all(bool(torch.isfinite(t).all()) for t in ts)
+    for t, ok in zip(ts, sums_finite(ts).tolist()):  # the one-pass verdict never calls a non-finite tensor finite
+        assert not ok or bool(torch.isfinite(t).all())
