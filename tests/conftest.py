@@ -31,6 +31,15 @@ def scaled(n: int) -> int:
     return max(1, round(n * settings.default.max_examples / CI_EXAMPLES))
 
 
+def pytest_sessionstart(session):
+    """matplotlib builds its font cache on first use by running ``fc-list``: build it before any test runs, so a
+    test drawing a PNG on a fresh machine launches nothing."""
+    try:
+        import matplotlib.font_manager  # noqa: F401  (importing it loads or builds the cache)
+    except ImportError:
+        pass
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         if item.get_closest_marker("launch") is not None and item.get_closest_marker("slow") is None:
