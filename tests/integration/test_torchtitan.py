@@ -71,26 +71,30 @@ def _assets(root: Path) -> tuple[Path, Path]:
 PIPELINE = ("--model.name", "deepseek_v3", "--model.flavor", "debugmodel_4l", "--training.local_batch_size",
             str(MICROBATCHES), "--training.seq_len", "64", "--training.steps", str(STEPS),
             "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B",
-            "--parallelism.pipeline_parallel_microbatch_size", "1")
+            "--parallelism.pipeline_parallel_microbatch_size", "1", "--parallelism.data_parallel_shard_degree", "1")
 QWEN3 = ("--model.name", "qwen3", "--model.flavor", "debugmodel_moe_2l", "--training.local_batch_size", "2",
-         "--training.seq_len", "64", "--training.steps", "2")  # one process, no pipeline; torchtitan's CPU autocast
+         "--training.seq_len", "64", "--training.steps", "2",  # one process, no pipeline; torchtitan's CPU autocast
+         "--parallelism.data_parallel_shard_degree", "1")
 QWEN3_CAP_MIB = 56  # a micro-batch keeps 61.5 MiB unmitigated
 
 
-def _run(out: Path, assets: Path, data: Path, nproc: int, layout: tuple[str, ...], *extra: str) -> None:
+def _run(out: Path, assets: Path, data: Path, nproc: int, layout: tuple[str, ...], *extra: str,
+         env: dict | None = None, ok: bool = True) -> str:
+    """torchtitan's trainer under torchrun; its output. ``ok``: it must succeed (else: it must fail)."""
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "BAGUALU2_PROBE_DIR": str(out), "HF_DATASETS_OFFLINE": "1",
-           "HF_HUB_OFFLINE": "1",
+           "HF_HUB_OFFLINE": "1", **(env or {}),
            "PYTHONPATH": os.pathsep.join([str(HARNESS.parent), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                str(HARNESS), "--job.dump_folder", str(out / "dump"), "--job.custom_config_module",
                "bagualu2.integrations.torchtitan", "--model.hf_assets_path", str(assets), "--training.dataset",
-               "c4_test", "--training.dataset_path", str(data), *layout, "--parallelism.data_parallel_shard_degree",
-               "1", "--activation_checkpoint.mode", "none", "--optimizer.implementation", "foreach",
-               "--metrics.log_freq", "1", "--debug.seed", "0", "--debug.deterministic", *extra]
+               "c4_test", "--training.dataset_path", str(data), *layout, "--activation_checkpoint.mode", "none",
+               "--optimizer.implementation", "foreach", "--metrics.log_freq", "1", "--debug.seed", "0",
+               "--debug.deterministic", *extra]
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    assert (proc.returncode == 0) == ok, (proc.stdout + proc.stderr)[-6000:]
     (out / "log.txt").write_text(proc.stdout + proc.stderr)
+    return proc.stdout + proc.stderr
 
 
 @pytest.fixture(scope="module")
@@ -183,3 +187,55 @@ def test_qwen3_moe_without_a_pipeline_under_autocast(assets):
         assert row["kept_bytes"] == row["predicted_bytes"] <= row["budget_bytes"] == QWEN3_CAP_MIB << 20
         assert "RECOMPUTE" in row["plan"] and set(row["received"]) == {"0", "1"}
     assert "bagualu2 step 2 stage 0: kept MiB per micro-batch [" in log
+
+
+# ---- expert parallelism: a spike overflows a plan fixed for balanced routing, flexible re-plans at the gate -------
+EP_STEPS = 4
+EP_CAP_MIB = 19  # stage 0 holds two micro-batches of ~9.3 MiB unmitigated, ~9.9 MiB when a spike doubles its rows
+EXPERT_PARALLEL = ("--model.name", "deepseek_v3", "--model.flavor", "debugmodel_4l", "--training.local_batch_size",
+                   str(MICROBATCHES), "--training.seq_len", "64", "--training.steps", str(EP_STEPS),
+                   "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B",
+                   "--parallelism.pipeline_parallel_microbatch_size", "1", "--parallelism.data_parallel_shard_degree",
+                   "2", "--parallelism.expert_parallel_degree", "2")
+SPIKE = {"BAGUALU2_PROBE_GROUPED_MM": "1", "BAGUALU2_PROBE_BIAS": "10"}  # from step 2 every pick goes to EP rank 0
+CALM = {"BAGUALU2_PROBE_GROUPED_MM": "1"}
+EP_PLANNED = ("--bagualu2.memory_cap_mib", str(EP_CAP_MIB), "--bagualu2.no-quantize")
+
+
+@pytest.fixture(scope="module")
+def expert_parallel(assets):
+    """PP 2 x EP 2 (borrowed from FSDP's data-parallel shard degree 2), 4 processes, the grouped-GEMM experts: an
+    unplanned run and flexible under a spike, static-under without and with it."""
+    root, tokenizer, data = assets
+    _run(root / "ep-plain", tokenizer, data, 4, EXPERT_PARALLEL, "--model.converters", "probe", env=SPIKE)
+    _run(root / "ep-flexible", tokenizer, data, 4, EXPERT_PARALLEL, "--model.converters", "bagualu2,probe",
+         *EP_PLANNED, "--bagualu2.report_path", str(root / "ep-flexible" / "report.{rank}.json"), env=SPIKE)
+    under = ("--model.converters", "bagualu2,probe", "--bagualu2.policy", "static-under", *EP_PLANNED)
+    _run(root / "ep-under-calm", tokenizer, data, 4, EXPERT_PARALLEL, *under, env=CALM)
+    spiked = _run(root / "ep-under-spike", tokenizer, data, 4, EXPERT_PARALLEL, *under, env=SPIKE, ok=False)
+    grads = {kind: [json.loads((root / f"ep-{kind}" / f"grads.{rank}.json").read_text()) for rank in range(4)]
+             for kind in ("plain", "flexible")}
+    reports = [json.loads((root / "ep-flexible" / f"report.{rank}.json").read_text()) for rank in range(4)]
+    return grads, reports, spiked
+
+
+@pytest.mark.launch
+def test_expert_parallel_flexible_fits_a_spike_that_static_under_does_not(expert_parallel):
+    grads, reports, spiked = expert_parallel
+    assert "ActivationOutOfMemoryError" in spiked  # the plan fixed for balanced routing overflows the cap
+    assert [len(steps) for steps in grads["plain"]] == [EP_STEPS] * 4
+    assert grads["flexible"] == grads["plain"]  # re-planned, recomputed experts included: bit for bit
+    cap = EP_CAP_MIB << 20
+    for rank, report in enumerate(reports):
+        stage, in_flight = rank // 2, 2 - rank // 2  # ranks 0, 1: stage 0 (two in flight); 2, 3: stage 1
+        assert report["stage"] == stage and len(report["steps"]) == EP_STEPS
+        for rows in report["steps"]:
+            assert [row["microbatch"] for row in rows] == list(range(MICROBATCHES))
+            for row in rows:  # the gate counts the dispatched rows exactly: kept = evaluate's prediction
+                assert row["kept_bytes"] == row["predicted_bytes"] <= cap
+            for first in range(MICROBATCHES - in_flight + 1):
+                assert sum(row["kept_bytes"] for row in rows[first:first + in_flight]) <= cap
+    spiked_rows = [row for rank in (0, 2) for rows in reports[rank]["steps"][1:] for row in rows]
+    assert min(row["imbalance"] for row in spiked_rows) > 1.5  # EP rank 0 receives every pick after step 1
+    assert any(row["downgraded_layers"] for rank in (0, 1) for rows in reports[rank]["steps"][1:] for row in rows)
+

@@ -22,14 +22,43 @@ import types
 import torch
 
 
-def _shims() -> None:
+def _kernels() -> None:
+    """torchtitan's MoE kernels module with its CPU implementation: the module imports triton at import time (a CPU
+    machine lacks it), so its source runs with a stand-in triton in ``sys.modules`` for that moment only (torch is
+    already imported; the triton kernels are never launched), and the expert-parallel permutation gets the
+    module's own ``use_cpu=True`` path."""
+    import functools
+    import importlib.util
+
+    class Anything(types.ModuleType):
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return object()
+
+    triton, language = types.ModuleType("triton"), Anything("triton.language")
+    triton.jit, triton.language = (lambda fn=None, **_: fn if fn is not None else (lambda f: f)), language
+    package = os.path.dirname(importlib.util.find_spec("torchtitan").origin)  # finds, imports nothing
+    path = os.path.join(package, "models", "moe", "kernels.py")
     kernels = types.ModuleType("torchtitan.models.moe.kernels")
+    kernels.__file__ = path
+    saved = {name: sys.modules.get(name) for name in ("triton", "triton.language")}
+    sys.modules.update({"triton": triton, "triton.language": language})
+    try:
+        with open(path) as source:
+            exec(compile(source.read(), path, "exec"), kernels.__dict__)
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+    kernels.generate_permute_indices = functools.partial(kernels.generate_permute_indices, use_cpu=True)
+    sys.modules[kernels.__name__] = kernels
 
-    def unavailable(*args, **kwargs):
-        raise NotImplementedError("triton kernels are not available on CPU (grouped GEMM path)")
 
-    kernels.generate_permute_indices = kernels.fill_indices_wrapper = unavailable
-    sys.modules["torchtitan.models.moe.kernels"] = kernels
+def _shims() -> None:
+    _kernels()
 
     import torchtitan.components.metrics
     import torchtitan.distributed.parallel_dims
@@ -87,6 +116,23 @@ def _shims() -> None:
 
     moe.torch = TorchWithIntegerHistc("torch")
 
+    import torchtitan.models.llama4.infra.parallelize as fsdp_setup  # DeepSeek-V3's FSDP set-up is Llama 4's
+
+    divide_by_one = fsdp_setup.disable_fsdp_gradient_division
+
+    def reduce_by_sum(model):
+        divide_by_one(model)
+        for module in model.modules():
+            if isinstance(module, torch.distributed.fsdp.FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+
+    fsdp_setup.disable_fsdp_gradient_division = reduce_by_sum
+
+    if os.environ.get("BAGUALU2_PROBE_GROUPED_MM") == "1":
+        import torchtitan.models.deepseek_v3.model.args as deepseek_args
+
+        deepseek_args.has_cuda_capability = lambda major, minor: True  # torch._grouped_mm runs on CPU too
+
 
 def _flavor() -> None:
     """Debug models small enough for two CPU cores: DeepSeek-V3's cut to 4 layers, Qwen3 MoE's to 2 layers and 16
@@ -120,8 +166,10 @@ class Probe:
         for part in model_parts:
             for name, param in sorted(part.named_parameters()):
                 if param.grad is not None:
+                    grad = param.grad.detach()
+                    grad = grad.to_local() if hasattr(grad, "to_local") else grad  # this rank's shard (FSDP, EP)
                     digest.update(name.encode())
-                    digest.update(param.grad.detach().contiguous().numpy().tobytes())
+                    digest.update(grad.contiguous().numpy().tobytes())
         self.steps.append(digest.hexdigest())
         if self.bias and len(self.steps) == 1:  # from step 2 on, the first half of the experts win every pick
             for part in model_parts:

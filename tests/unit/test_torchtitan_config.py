@@ -106,3 +106,38 @@ def test_a_model_that_is_not_a_torchtitan_decoder():
     with pytest.raises(ValueError) as excinfo:
         op_map(nn.Sequential(nn.Linear(2, 2)))
     assert "has no ModuleDict 'layers'" in one_line(excinfo)
+
+
+def _converter(*, ep: int = 1, tp: int = 1):
+    from types import SimpleNamespace
+
+    from bagualu2.integrations.torchtitan import Bagualu2Converter
+
+    job = SimpleNamespace(bagualu2=Bagualu2Config(memory_cap_mib=8),
+                          activation_checkpoint=SimpleNamespace(mode="none"),
+                          parallelism=SimpleNamespace(pipeline_parallel_schedule="1F1B",
+                                                      pipeline_parallel_microbatch_size=1),
+                          training=SimpleNamespace(local_batch_size=4))
+    dims = SimpleNamespace(tp_enabled=tp > 1, cp_enabled=False, ep_enabled=ep > 1, ep=ep, pp_enabled=True)
+    return Bagualu2Converter(job, dims)
+
+
+def _decoder(grouped: bool):
+    part = nn.Module()
+    part.layers = nn.ModuleDict({"0": _Block(moe=True)})
+    part.layers["0"].moe.experts.use_grouped_mm = grouped
+    return part
+
+
+def test_expert_parallelism_needs_the_grouped_gemm_experts():
+    with pytest.raises(ValueError) as excinfo:
+        _converter(ep=2).convert(_decoder(grouped=False))
+    assert "needs torchtitan's grouped-GEMM experts (moe_args.use_grouped_mm" in one_line(excinfo)
+    _converter(ep=2).convert(_decoder(grouped=True))  # accepted: its hooks go on
+    _converter(ep=1).convert(_decoder(grouped=False))  # without expert parallelism the loop is fine
+
+
+def test_tensor_parallelism_is_refused_in_one_line():
+    with pytest.raises(ValueError) as excinfo:
+        _converter(tp=2)
+    assert "tensor_parallel_degree and context_parallel_degree must be 1" in one_line(excinfo)

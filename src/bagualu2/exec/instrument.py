@@ -124,9 +124,12 @@ class InstrumentedModel:
         self._handles = []
         for path, binding in self.bindings.items():
             module = modules[path]
+            # the op is the module's forward, as a replay re-runs it: the pre-hook goes after the module's own
+            # pre-hooks and the hook before its own hooks (an expert-parallel dispatch and combine put on the
+            # module run outside the op, in its parent)
             self._handles.append(module.register_forward_pre_hook(self._pre_hook(binding), with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._post_hook(binding), with_kwargs=True,
-                                                              always_call=True))
+                                                              always_call=True, prepend=True))
 
     def __call__(self, *args, **kwargs):
         return self.model(*args, **kwargs)

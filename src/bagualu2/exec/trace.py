@@ -39,7 +39,7 @@ from .callargs import draws_random, nested_tensors, stateful_type, tensors_of
 from .flops import attention_formulas
 from .record import TORCH_TO_NAME
 from .scope import FRAME, ROUTED, Frame
-from .tracker import storage_bytes, storage_key
+from .tracker import is_parameter, storage_bytes, storage_key
 
 ROUTED_KINDS = frozenset({"dispatch", "expert_fc1", "expert_act", "expert_fc2"})  # sizes follow the routing
 COMM_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
@@ -80,11 +80,13 @@ class _Call:
 
 
 class _Storage:
-    __slots__ = ("nbytes", "dtype", "producer", "role", "first_op", "routed")
+    __slots__ = ("nbytes", "dtype", "producer", "role", "first_op", "routed", "rows")
 
-    def __init__(self, nbytes: int, dtype: torch.dtype, producer: str | None, role: str, first_op: str):
-        self.nbytes, self.dtype, self.producer, self.role, self.first_op = nbytes, dtype, producer, role, first_op
+    def __init__(self, tensor: torch.Tensor, producer: str | None, role: str, first_op: str):
+        self.nbytes, self.dtype = storage_bytes(tensor), tensor.dtype
+        self.producer, self.role, self.first_op = producer, role, first_op
         self.routed = ROUTED.get()  # first seen while the model made its routed rows (``exec.routed``)
+        self.rows = tensor.shape[0] if tensor.dim() else 1  # its leading dimension as first seen
 
 
 class _Counter(TorchDispatchMode):
@@ -158,7 +160,7 @@ class TraceRecorder:
                     self.alive.append(value)
                 continue
             if key not in self.storages:
-                self.storages[key] = _Storage(storage_bytes(value), value.dtype, None, "in", binding.op)
+                self.storages[key] = _Storage(value, None, "in", binding.op)
                 self.alive.append(value)
             call.inputs.append(key)
         if self.timed:
@@ -177,7 +179,7 @@ class TraceRecorder:
                 continue
             info = self.storages.get(key)
             if info is None:
-                self.storages[key] = _Storage(storage_bytes(tensor), tensor.dtype, op, "out", op)
+                self.storages[key] = _Storage(tensor, op, "out", op)
                 self.alive.append(tensor)
             elif info.producer == op and info.role == "saved":
                 info.role = "out"  # a saving of its own that it returns
@@ -189,7 +191,7 @@ class TraceRecorder:
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         key = storage_key(tensor)
-        if key in self.excluded:
+        if key in self.excluded or is_parameter(tensor):
             return tensor
         frame = FRAME.get()
         if frame is None or frame.state is None:
@@ -205,8 +207,8 @@ class TraceRecorder:
                              f"{', '.join(sorted(set(TORCH_TO_NAME.values())))}")
         if key not in self.storages:  # made by this op, unless it came in as a constant argument (cos/sin tables)
             made = key not in self.constants
-            self.storages[key] = _Storage(storage_bytes(tensor), tensor.dtype, binding.op if made else None,
-                                          "saved" if made else "in", binding.op)
+            self.storages[key] = _Storage(tensor, binding.op if made else None, "saved" if made else "in",
+                                          binding.op)
             self.alive.append(tensor)  # a saving whose graph branch dies in the forward must not lend its address
         frame.state.saves.append((key, dtype))
         self.slots.append((binding.path, frame.call, frame.slot, key, dtype))

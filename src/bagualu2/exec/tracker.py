@@ -57,7 +57,7 @@ class ActivationTracker:
             self._excluded.update(weight_keys(module))
 
     def excludes(self, tensor: torch.Tensor) -> bool:
-        return storage_key(tensor) in self._excluded
+        return storage_key(tensor) in self._excluded or is_parameter(tensor)
 
     def open(self, name: str) -> MicroBatchBytes:
         """Start the accounting of micro-batch ``name`` (for hooks that do their own packing, e.g. plans)."""
@@ -110,7 +110,7 @@ class ActivationTracker:
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         record = self._current
         key = storage_key(tensor)
-        if record is not None and key not in self._excluded and key not in record.storages:
+        if record is not None and key not in self._excluded and key not in record.storages and not is_parameter(tensor):
             nbytes = storage_bytes(tensor)
             if self.cap_bytes is not None and self.in_flight_bytes + nbytes > self.cap_bytes:
                 raise ActivationOutOfMemoryError(
@@ -139,6 +139,12 @@ def weight_keys(module: torch.nn.Module) -> set[tuple[str, int]]:
         keys.add(storage_key(local))
         keys.add(storage_key(tensor))
     return keys
+
+
+def is_parameter(tensor: torch.Tensor) -> bool:
+    """A parameter or a view of one: never an activation, wherever its storage lives (FSDP gathers a sharded
+    parameter into a parameter of a storage of its own for the forward and backward)."""
+    return isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter)
 
 
 def storage_bytes(tensor: torch.Tensor) -> int:

@@ -24,7 +24,8 @@ import weakref
 
 import torch
 
-from .torchtitan_config import MIB, POLICIES, SCHEDULES, Bagualu2Config, JobConfig, gate_report, op_map
+from .torchtitan_config import (MIB, POLICIES, SCHEDULES, Bagualu2Config, JobConfig, gate_report, op_map,
+                                padded_rows)
 from .torchtitan_stage import ACTIVE_FORWARD, ScheduleInfo, StageProvisioner, scheduled_forward
 
 
@@ -52,9 +53,10 @@ class Bagualu2Converter:
         if getattr(job_config.activation_checkpoint, "mode", "none") != "none":
             raise ValueError("activation_checkpoint.mode must be none with the bagualu2 converter: it decides what "
                              "each micro-batch recomputes")
-        if parallel_dims.tp_enabled or parallel_dims.cp_enabled or parallel_dims.ep_enabled:
-            raise ValueError("the bagualu2 converter supports pipeline and data parallelism; "
-                             "tensor_parallel_degree, context_parallel_degree and expert_parallel_degree must be 1")
+        if parallel_dims.tp_enabled or parallel_dims.cp_enabled:
+            raise ValueError("the bagualu2 converter supports pipeline, data and expert parallelism; "
+                             "tensor_parallel_degree and context_parallel_degree must be 1")
+        self.expert_parallel_degree = parallel_dims.ep if parallel_dims.ep_enabled else 1
         pipelined = parallel_dims.pp_enabled
         if pipelined and parallelism.pipeline_parallel_schedule not in SCHEDULES:
             raise ValueError(f"parallelism.pipeline_parallel_schedule must be one of {', '.join(SCHEDULES)} with "
@@ -70,8 +72,15 @@ class Bagualu2Converter:
         _CONVERTERS.add(self)
 
     def convert(self, model: torch.nn.Module) -> None:
-        if "router" not in op_map(model).values():  # one ValueError now for a model this converter cannot instrument
+        labels = op_map(model)
+        if "router" not in labels.values():  # one ValueError now for a model this converter cannot instrument
             raise ValueError(f"{type(model).__name__} has no MoE layer (a module with a router and experts)")
+        if self.expert_parallel_degree > 1 and not all(getattr(model.get_submodule(path), "use_grouped_mm", False)
+                                                       for path, label in labels.items() if label == "dispatch"):
+            # the per-expert loop saves one tensor per expert, whose rows the gate cannot know before the dispatch
+            raise ValueError("expert_parallel_degree > 1 with the bagualu2 converter needs torchtitan's grouped-GEMM "
+                             "experts (moe_args.use_grouped_mm, torchtitan's choice on GPUs of compute capability "
+                             "9.0 and later), not the per-expert loop")
         if self.config.policy == "off" and self.config.cap_bytes is None and not self.config.report_path:
             return
         # plain functions (closures): the pipeline split deep-copies the model with its hooks, and a bound method
@@ -96,7 +105,8 @@ class Bagualu2Converter:
             try:
                 found = self.provisioners[stage_index] = StageProvisioner(
                     part, args, config=self.config, stage_index=stage_index, num_stages=num_stages,
-                    num_microbatches=self.schedule.num_microbatches, step=self.step)
+                    num_microbatches=self.schedule.num_microbatches,
+                    expert_parallel_degree=self.expert_parallel_degree, step=self.step)
             finally:
                 self._tracing = False
         return found, microbatch
@@ -173,4 +183,4 @@ def _register() -> None:
 _register()
 
 __all__ = ["MODELS", "POLICIES", "Bagualu2Config", "Bagualu2Converter", "JobConfig", "StageProvisioner",
-           "gate_report", "op_map"]
+           "gate_report", "op_map", "padded_rows"]

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bagualu2.exec import GateReport
+from bagualu2.exec import GateReport, routed
 
 POLICIES = ("flexible", "static-over", "static-under", "off")
 SCHEDULES = ("1F1B",)
@@ -119,12 +119,85 @@ def _ffn(path: str, module: torch.nn.Module, kind: str, labels: dict) -> None:
             labels[f"{path}.{name}"] = f"{kind}_{part}"
 
 
-def gate_report(router: torch.nn.Module, inputs, output) -> GateReport:
-    """The routed token copies after a torchtitan router (``(scores, top-k indices, tokens per expert)``): every
-    top-k pick of this rank's tokens goes to this rank's experts (no expert parallelism)."""
+def expert_group(experts: torch.nn.Module | None):
+    """``(process group, degree)`` of torchtitan's expert parallelism over a routed-experts module (its weights
+    sharded on the ``ep`` dimension of their device mesh), else None."""
+    mesh = getattr(getattr(experts, "w1", None), "device_mesh", None)
+    if mesh is None or "ep" not in (mesh.mesh_dim_names or ()):
+        return None
+    ep = mesh["ep"] if mesh.ndim > 1 else mesh
+    return ep.get_group(), ep.size()
+
+
+def padded_rows(copies: int, local_experts: int) -> int:
+    """The rows torchtitan's expert-parallel dispatch hands a rank's experts for ``copies`` received routed copies:
+    it pads them to ``copies + local_experts x alignment``, rounded up to the alignment (``_permute``), and the
+    grouped GEMMs compute on all of them."""
+    from torchtitan.models.moe import utils
+
+    align = utils.TOKEN_GROUP_ALIGN_SIZE_M
+    return -(-(copies + local_experts * align) // align) * align
+
+
+def gate_report(router: torch.nn.Module, inputs, output, experts: torch.nn.Module | None = None) -> GateReport:
+    """The routed rows a rank's experts compute on after a torchtitan router (``(scores, top-k indices, tokens
+    per expert)``). Without expert parallelism every top-k pick of this rank's tokens goes to this rank's experts.
+    Under it (``experts`` sharded on an ``ep`` mesh), one all-to-all of per-rank counts over the expert-parallel
+    group gives the copies every rank's router sends here, as the dispatch will, and the report is in the rows the
+    dispatch pads them to (:func:`padded_rows`), balanced routing's (each rank receiving what it sends) the mean;
+    the group's ranks then agree on the gate's decision."""
     values = output if isinstance(output, tuple) else (output,)
     indices = next((v for v in values if isinstance(v, torch.Tensor) and not v.is_floating_point()), None)
     if indices is None:
         raise ValueError(f"{type(router).__name__} returns no top-k indices: not a torchtitan router")
     sent = int(indices.numel())
-    return GateReport(sent, sent=sent)
+    sharded = expert_group(experts)
+    if sharded is None:
+        return GateReport(sent, sent=sent)
+    group, degree = sharded
+    local = experts.num_experts // degree
+    counts = torch.bincount(indices.reshape(-1), minlength=experts.num_experts).view(degree, local).sum(1)
+    received = torch.empty_like(counts)
+    torch.distributed.all_to_all_single(received, counts, group=group)
+    return GateReport(padded_rows(int(received.sum()), local), group, None, padded_rows(sent, local))
+
+
+def gate_of(part: torch.nn.Module, labels: dict[str, str]):
+    """The gate callable of a stage's part: :func:`gate_report` with the routed experts beside each router."""
+    modules = dict(part.named_modules())
+    experts_of = {modules[path]: modules.get(f"{path.rpartition('.')[0]}.experts")
+                  for path, label in labels.items() if label == "router"}
+
+    def gate(router: torch.nn.Module, inputs, output) -> GateReport:
+        return gate_report(router, inputs, output, experts_of.get(router))
+
+    return gate
+
+
+def mark_routed_rows(part: torch.nn.Module, labels: dict[str, str]) -> int:
+    """Under expert parallelism, mark what each routed-experts module makes from its dispatch to its combine as
+    routed rows (``exec.routed``): the dispatch, a forward pre-hook torchtitan puts on the module, makes the padded
+    rows and their permutation before the module's own forward, so the op's hooks alone would see them as its
+    inputs. The marking starts in a pre-hook put first and ends in a hook put last. Returns how many modules were
+    marked (0 without expert parallelism)."""
+    marked = 0
+    for path, label in labels.items():
+        experts = part.get_submodule(path)
+        if label != "dispatch" or expert_group(experts) is None:
+            continue
+        scopes: list = []
+
+        def enter(module, args, scopes=scopes):
+            scope = routed()
+            scope.__enter__()
+            scopes.append(scope)
+
+        def leave(module, args, output, scopes=scopes):
+            if scopes:
+                scopes.pop().__exit__(None, None, None)
+
+        experts.register_forward_pre_hook(enter, prepend=True)
+        experts.register_forward_hook(leave, always_call=True)
+        marked += 1
+    return marked
+

@@ -41,7 +41,7 @@ from bagualu2.exec import (ActivationOutOfMemoryError, ActivationTracker, Deferr
 from bagualu2.mitigation import greedy
 from bagualu2.runtime import TracedStage
 
-from .torchtitan_config import Bagualu2Config, gate_report, op_map
+from .torchtitan_config import Bagualu2Config, gate_of, mark_routed_rows, op_map
 
 #: The provisioner whose micro-batch forward is running (set between the part's forward hooks).
 ACTIVE_FORWARD: ContextVar["StageProvisioner | None"] = ContextVar("bagualu2_torchtitan_forward", default=None)
@@ -96,12 +96,15 @@ class _Preserved:
         return False
 
 
-def planned_graph(graph: OpGraph, *, quantize: bool = True) -> OpGraph:
-    """The traced graph the plans are made on: torchtitan runs a layer's experts in one call (a loop over the
-    experts, or one grouped GEMM), whose per-expert tensors change size with the routing while their sum does not;
-    what that call saves is kept (pinned: no plan names a tensor whose size it cannot know). ``quantize=False``:
-    no FP8 storage (exact plans)."""
-    experts = frozenset((op.name, saving.tensor) for op in graph.ops if op.kind == "dispatch" for saving in op.saves)
+def planned_graph(graph: OpGraph, *, quantize: bool = True, expert_parallel: bool = False) -> OpGraph:
+    """The traced graph the plans are made on. Without expert parallelism torchtitan runs a layer's experts in one
+    call (a loop over the experts, or one grouped GEMM on rows padded per expert) whose tensors change size with
+    the routing while their sum does not: what that call saves is kept (pinned: no plan names a tensor whose size
+    it cannot know). Under expert parallelism the grouped GEMMs run on the dispatched rows, which the gate counts
+    exactly (:func:`~.torchtitan_config.padded_rows`): nothing is pinned. ``quantize=False``: no FP8 storage
+    (exact plans)."""
+    experts = frozenset() if expert_parallel else frozenset(
+        (op.name, saving.tensor) for op in graph.ops if op.kind == "dispatch" for saving in op.saves)
     return dataclasses.replace(graph, pinned=graph.pinned | experts, quantize=quantize)
 
 
@@ -110,17 +113,19 @@ class StageProvisioner:
     micro-batches; ``history`` every finished step's."""
 
     def __init__(self, part: torch.nn.Module, args: tuple, *, config: Bagualu2Config, stage_index: int,
-                 num_stages: int, num_microbatches: int, step: int = 0):
+                 num_stages: int, num_microbatches: int, expert_parallel_degree: int = 1, step: int = 0):
         self.config, self.stage_index, self.num_microbatches = config, stage_index, num_microbatches
         self.in_flight = min(num_stages - stage_index, num_microbatches)
         labels = op_map(part)
         has_router = "router" in labels.values()
-        self.instrumented = instrument(part, labels, gate=gate_report if has_router else None)
+        self.instrumented = instrument(part, labels, gate=gate_of(part, labels) if has_router else None)
+        mark_routed_rows(part, labels)
         device = next(part.parameters()).device
         hardware = presets.hardware("cpu" if device.type == "cpu" else "paper-gpu")
         with _Preserved(part, device):
             graph = self.instrumented.trace_graph(*args, hardware=hardware)
-        self.graph: OpGraph = planned_graph(graph, quantize=config.quantize)
+        self.graph: OpGraph = planned_graph(graph, quantize=config.quantize,
+                                            expert_parallel=expert_parallel_degree > 1)
         self.cap_bytes = cap = config.cap_bytes
         floor = self.graph.floor_bytes
         if cap is not None and cap < self.in_flight * floor:
@@ -137,7 +142,9 @@ class StageProvisioner:
             self.planner = DeferredPlanner.for_graph(self.graph, budget_bytes=0, downgrade=config.downgrade,
                                                      engine=self.engine)
         elif policy in ("static-under", "static-over"):
-            rate = 1.0  # without expert parallelism a rank's experts receive every copy its router sends
+            # without expert parallelism a rank's experts receive every copy its router sends; under it at most
+            # every rank's copies (the rows padded for them: fewer than the degree times the mean's)
+            rate = 1.0 if policy == "static-under" else float(expert_parallel_degree)
             graph = self.engine.graph(0, rate) if routed else self.graph
             self.fixed = self._solve(graph, cap // self.in_flight)
         # a fixed plan runs out of memory when its micro-batches overflow the cap (the tracker raises mid-forward);

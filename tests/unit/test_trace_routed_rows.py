@@ -1,0 +1,83 @@
+"""What a traced graph counts as routed rows and as activations.
+
+* A tensor the experts make is routed only when it holds one row per routed copy the gate reported: its leading
+  dimension is the count, not only its size a multiple of it (a weight copy made beside the routed rows, whose
+  size happens to divide, keeps its traced size when the graph is resized).
+* A parameter, or a view of one, is never an activation, wherever its storage lives (FSDP gathers a sharded
+  parameter into a parameter of a storage of its own for the forward and backward).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from bagualu2.costmodel import presets
+from bagualu2.costmodel.rescale import at_imbalance
+from bagualu2.exec import ActivationTracker, GateReport, instrument
+from bagualu2.exec.tracker import is_parameter
+
+HW = presets.hardware("cpu")
+TOKENS, TOP_K, DIM = 4, 2, 4
+COPIES = TOKENS * TOP_K  # 8 routed rows
+
+
+class _Router(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(DIM, 4)
+
+    def forward(self, x):
+        return self.proj(x), torch.arange(COPIES).remainder(4).view(TOKENS, TOP_K)
+
+
+class _Experts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(DIM, 16))  # 64 elements: a multiple of the 8 routed rows
+
+    def forward(self, x):
+        rows = x.repeat_interleave(TOP_K, dim=0)            # one row per routed copy
+        copy = self.w * 1.0                                 # a weight copy (4 x 16), saved by the matmul
+        return torch.tanh(rows @ copy).view(TOKENS, TOP_K, 16).sum(1)
+
+
+class _Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.router, self.experts = _Router(), _Experts()
+
+    def forward(self, x):
+        _, _ = self.router(x)
+        return self.experts(x)
+
+
+def _gate(router, inputs, output):
+    return GateReport(COPIES, sent=COPIES)
+
+
+def test_only_tensors_with_one_row_per_routed_copy_are_routed():
+    model = nn.ModuleDict({"layer": _Layer()})
+    instrumented = instrument(model["layer"], {"router": "router", "experts": "dispatch"}, gate=_gate)
+    graph = instrumented.trace_graph(torch.randn(TOKENS, DIM, requires_grad=True), hardware=HW)
+    experts = next(op for op in graph.ops if op.kind == "dispatch")
+    sizes = {saving.tensor: graph.tensors[saving.tensor].numel for saving in experts.saves}
+    routed = {name for name in sizes if graph.tensors[name].routed}
+    assert 64 in sizes.values() and COPIES * DIM in sizes.values()
+    assert {sizes[name] for name in routed} >= {COPIES * DIM, COPIES * 16}  # the rows and the tanh output
+    weight_copy = next(name for name in sizes if name not in routed and sizes[name] == 64)
+    doubled = at_imbalance(graph, 2.0)
+    assert doubled.tensors[weight_copy].numel == 64  # the weight copy keeps its size
+    assert all(doubled.tensors[name].numel == 2 * sizes[name] for name in routed)
+
+
+def test_a_parameter_or_a_view_of_one_is_not_an_activation():
+    gathered = nn.Parameter(torch.randn(8, 8))  # a parameter of no module the tracker was told of
+    assert is_parameter(gathered) and is_parameter(gathered.t()) and not is_parameter(gathered * 1.0)
+    tracker = ActivationTracker()
+    x = torch.randn(4, 8, requires_grad=True)
+    with tracker.micro_batch("mb"):
+        y = x @ gathered.t()   # saves x and a view of the parameter
+        z = (y * 2.0).sum()
+    assert tracker.kept_bytes("mb") == x.untyped_storage().nbytes()  # x only: not the parameter view
+    z.backward()
