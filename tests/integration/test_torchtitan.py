@@ -45,7 +45,7 @@ WORDS = ("the a of and to in is was for on with as by at from that this it be ar
          "layer pipeline stage micro batch gradient loss train step data parallel tensor memory").split()
 
 
-def _assets(root: Path) -> tuple[Path, Path]:
+def make_assets(root: Path) -> tuple[Path, Path]:
     """A byte-level BPE tokenizer and a local text dataset (torchtitan's ``c4_test`` reads a folder of JSON lines)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -78,9 +78,9 @@ QWEN3 = ("--model.name", "qwen3", "--model.flavor", "debugmodel_moe_2l", "--trai
 QWEN3_CAP_MIB = 56  # a micro-batch keeps 61.5 MiB unmitigated
 
 
-def _run(out: Path, assets: Path, data: Path, nproc: int, layout: tuple[str, ...], *extra: str,
-         env: dict | None = None, ok: bool = True) -> str:
-    """torchtitan's trainer under torchrun; its output. ``ok``: it must succeed (else: it must fail)."""
+def launch(out: Path, assets: Path, data: Path, nproc: int, layout: tuple[str, ...], *extra: str,
+           env: dict | None = None, ok: bool | None = True) -> str:
+    """torchtitan's trainer under torchrun; its output. ``ok``: it must succeed (False: it must fail; None: either)."""
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "BAGUALU2_PROBE_DIR": str(out), "HF_DATASETS_OFFLINE": "1",
            "HF_HUB_OFFLINE": "1", **(env or {}),
@@ -92,7 +92,7 @@ def _run(out: Path, assets: Path, data: Path, nproc: int, layout: tuple[str, ...
                "--optimizer.implementation", "foreach", "--metrics.log_freq", "1", "--debug.seed", "0",
                "--debug.deterministic", *extra]
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert (proc.returncode == 0) == ok, (proc.stdout + proc.stderr)[-6000:]
+    assert ok is None or (proc.returncode == 0) == ok, (proc.stdout + proc.stderr)[-6000:]
     (out / "log.txt").write_text(proc.stdout + proc.stderr)
     return proc.stdout + proc.stderr
 
@@ -100,15 +100,15 @@ def _run(out: Path, assets: Path, data: Path, nproc: int, layout: tuple[str, ...
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("torchtitan")
-    return root, *_assets(root / "assets")
+    return root, *make_assets(root / "assets")
 
 
 def _pair(root: Path, assets: Path, data: Path, name: str, nproc: int, layout: tuple[str, ...], cap_mib: int,
           *planned: str):
     """A plain run and a planned one (flexible, exact plans, ``cap_mib``, ``planned`` flags): the gradient digests
     of both and the planned run's reports, per rank."""
-    _run(root / f"{name}-plain", assets, data, nproc, layout, "--model.converters", "probe")
-    _run(root / f"{name}-planned", assets, data, nproc, layout, "--model.converters", "bagualu2,probe",
+    launch(root / f"{name}-plain", assets, data, nproc, layout, "--model.converters", "probe")
+    launch(root / f"{name}-planned", assets, data, nproc, layout, "--model.converters", "bagualu2,probe",
          "--bagualu2.memory_cap_mib", str(cap_mib), "--bagualu2.no-quantize", "--bagualu2.report_path",
          str(root / f"{name}-planned" / "report.{rank}.json"), *planned)
     grads = {kind: [json.loads((root / f"{name}-{kind}" / f"grads.{rank}.json").read_text()) for rank in range(nproc)]
@@ -207,12 +207,12 @@ def expert_parallel(assets):
     """PP 2 x EP 2 (borrowed from FSDP's data-parallel shard degree 2), 4 processes, the grouped-GEMM experts: an
     unplanned run and flexible under a spike, static-under without and with it."""
     root, tokenizer, data = assets
-    _run(root / "ep-plain", tokenizer, data, 4, EXPERT_PARALLEL, "--model.converters", "probe", env=SPIKE)
-    _run(root / "ep-flexible", tokenizer, data, 4, EXPERT_PARALLEL, "--model.converters", "bagualu2,probe",
+    launch(root / "ep-plain", tokenizer, data, 4, EXPERT_PARALLEL, "--model.converters", "probe", env=SPIKE)
+    launch(root / "ep-flexible", tokenizer, data, 4, EXPERT_PARALLEL, "--model.converters", "bagualu2,probe",
          *EP_PLANNED, "--bagualu2.report_path", str(root / "ep-flexible" / "report.{rank}.json"), env=SPIKE)
     under = ("--model.converters", "bagualu2,probe", "--bagualu2.policy", "static-under", *EP_PLANNED)
-    _run(root / "ep-under-calm", tokenizer, data, 4, EXPERT_PARALLEL, *under, env=CALM)
-    spiked = _run(root / "ep-under-spike", tokenizer, data, 4, EXPERT_PARALLEL, *under, env=SPIKE, ok=False)
+    launch(root / "ep-under-calm", tokenizer, data, 4, EXPERT_PARALLEL, *under, env=CALM)
+    spiked = launch(root / "ep-under-spike", tokenizer, data, 4, EXPERT_PARALLEL, *under, env=SPIKE, ok=False)
     grads = {kind: [json.loads((root / f"ep-{kind}" / f"grads.{rank}.json").read_text()) for rank in range(4)]
              for kind in ("plain", "flexible")}
     reports = [json.loads((root / "ep-flexible" / f"report.{rank}.json").read_text()) for rank in range(4)]

@@ -34,16 +34,29 @@ def test_views_and_shared_consumers_count_once():
     z.backward()
 
 
-def test_parameters_counted_unless_excluded():
+class _Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.ones(64))
+
+    def forward(self, x):
+        return x * self.scale  # saves the buffer (the gradient of x needs it)
+
+
+def test_parameters_never_counted_buffers_unless_excluded():
     model = _mlp()
-    x = torch.randn(4, 64)
-    with_params = ActivationTracker()
-    with with_params.micro_batch("m"):
-        model(x).sum()
-    without = ActivationTracker(exclude=[model])
-    with without.micro_batch("m"):
-        model(x).sum()
-    assert with_params.kept_bytes("m") > without.kept_bytes("m")
+    x = torch.randn(4, 64, requires_grad=True)
+    plain, excluded = ActivationTracker(), ActivationTracker(exclude=[model])
+    for tracker in (plain, excluded):
+        with tracker.micro_batch("m"):
+            model(x).sum()
+    assert plain.kept_bytes("m") == excluded.kept_bytes("m")  # a parameter (or a view of one) is not an activation
+    scaled = _Scaled()
+    plain, excluded = ActivationTracker(), ActivationTracker(exclude=[scaled])
+    for tracker in (plain, excluded):
+        with tracker.micro_batch("m"):
+            scaled(x).sum()
+    assert plain.kept_bytes("m") == excluded.kept_bytes("m") + scaled.scale.untyped_storage().nbytes()
 
 
 def test_cap_raises_an_out_of_memory_error():
