@@ -47,8 +47,9 @@ def layout(steps: int) -> tuple[str, ...]:
 def summary(out: Path, output: str, plain: list | None, seconds: float) -> dict:
     grads = [out / f"grads.{rank}.json" for rank in range(NUM_PROCESSES)]
     steps = [json.loads(path.read_text()) if path.exists() else [] for path in grads]
-    row = {"finished_steps": min(len(s) for s in steps), "oom": "ActivationOutOfMemoryError" in output,
-           "wall_s": round(seconds, 1), "gradients_bitwise": None if plain is None else steps == plain}
+    finished = min(len(s) for s in steps)
+    row = {"finished_steps": finished, "oom": "ActivationOutOfMemoryError" in output, "wall_s": round(seconds, 1),
+           "gradients_bitwise": None if plain is None or finished < len(plain[0]) else steps == plain}
     reports = [out / f"report.{rank}.json" for rank in range(NUM_PROCESSES)]
     if all(path.exists() for path in reports):
         held, replanned, exact = {}, 0, True

@@ -15,6 +15,12 @@ mitigate), same seed:
 And the same pair for torchtitan's Qwen3 MoE debug model (2 layers, 16 experts) in one process without a pipeline,
 under torchtitan's CPU autocast.
 
+And under expert parallelism (4 processes: pipeline degree 2 x expert parallelism 2 borrowed from FSDP's shard
+degree 2, the grouped-GEMM experts), with a spike from step 2 (every pick goes to expert-parallel rank 0's experts):
+``static-under`` fits without the spike and runs out of memory on it, under the same cap ``flexible`` fits, keeps
+exactly what ``evaluate`` predicts at the rows the gate counted, re-plans at the gate, and its gradients are the
+unplanned run's, bitwise.
+
 Skipped without torchtitan (``pip install -e ".[torchtitan]"``).
 """
 

@@ -102,7 +102,10 @@ def after_gate(layer: int, received_tokens: int, group: Any = None, group_max_to
     all-reduced (any rank changes -> all run the full downgrade), so the re-run collectives in backward match.
     """
     active = ACTIVE.get()
-    if active is None or active[0].deferred is None:
+    if active is None:
+        return False
+    if active[0].deferred is None:  # a fixed plan: the count is noted (what the micro-batch keeps follows it)
+        active[1].received_tokens[layer] = received_tokens
         return False
     return active[0].gate(active[1], layer, received_tokens, group, group_max_tokens)
 
