@@ -1,8 +1,7 @@
 """What a traced graph counts as routed rows and as activations.
 
-* A tensor the experts make is routed only when it holds one row per routed copy the gate reported: its leading
-  dimension is the count, not only its size a multiple of it (a weight copy made beside the routed rows, whose
-  size happens to divide, keeps its traced size when the graph is resized).
+* A cast or copy of a weight the experts make beside their routed rows is not routed, even when its size happens
+  to be a multiple of the routed copies: it keeps its traced size when the graph is resized.
 * A parameter, or a view of one, is never an activation, wherever its storage lives (FSDP gathers a sharded
   parameter into a parameter of a storage of its own for the forward and backward).
 """
@@ -38,7 +37,7 @@ class _Experts(nn.Module):
 
     def forward(self, x):
         rows = x.repeat_interleave(TOP_K, dim=0)            # one row per routed copy
-        copy = self.w * 1.0                                 # a weight copy (4 x 16), saved by the matmul
+        copy = self.w.clone()                               # a weight copy (4 x 16), saved by the matmul
         return torch.tanh(rows @ copy).view(TOKENS, TOP_K, 16).sum(1)
 
 
@@ -56,7 +55,7 @@ def _gate(router, inputs, output):
     return GateReport(COPIES, sent=COPIES)
 
 
-def test_only_tensors_with_one_row_per_routed_copy_are_routed():
+def test_a_weight_copy_beside_the_routed_rows_is_not_routed():
     model = nn.ModuleDict({"layer": _Layer()})
     instrumented = instrument(model["layer"], {"router": "router", "experts": "dispatch"}, gate=_gate)
     graph = instrumented.trace_graph(torch.randn(TOKENS, DIM, requires_grad=True), hardware=HW)

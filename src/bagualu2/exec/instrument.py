@@ -39,7 +39,7 @@ from .ops import ACTIVE, OP_SCOPE, after_gate, gate_report, hook_outputs
 from .scope import FRAME, REPLAYING, TRACER, Frame, OpBinding
 from .trace import TraceRecorder, TraceResult, run_trace
 from .tracegraph import build_graph_of
-from .tracker import storage_key, weight_keys
+from .tracker import OP_WEIGHTS, storage_key, weight_keys
 
 GENERIC_KIND = "residual"  # the graph kind of a label that names no cost-model kind: memory-bound, no role
 SUPPORTED_DEVICES = ("cpu", "cuda")
@@ -210,7 +210,8 @@ class InstrumentedModel:
                 record = active[1]
                 frame.call = record.calls.get(binding.path, 0)
                 record.calls[binding.path] = frame.call + 1
-            frame.tokens = (FRAME.set(frame), OP_SCOPE.set(binding.op))
+            frame.tokens = (FRAME.set(frame), OP_SCOPE.set(binding.op),
+                            OP_WEIGHTS.set(OP_WEIGHTS.get() | weight_keys(module)))
             if tracer is not None:
                 tracer.enter(frame, args, kwargs)
             if active is not None:
@@ -243,6 +244,7 @@ class InstrumentedModel:
             finally:
                 FRAME.reset(frame.tokens[0])
                 OP_SCOPE.reset(frame.tokens[1])
+                OP_WEIGHTS.reset(frame.tokens[2])
             if self.gate is not None and binding.kind == "router" and (active is not None or tracer is not None):
                 report = gate_report(self.gate(module, args, output))
                 if tracer is not None:

@@ -38,12 +38,13 @@ from bagualu2.costmodel.graph import OpGraph
 from .callargs import draws_random, nested_tensors, stateful_type, tensors_of
 from .flops import attention_formulas
 from .record import TORCH_TO_NAME
-from .scope import FRAME, ROUTED, Frame
+from .scope import FRAME, ROUTED, TRACER, Frame
 from .tracker import is_parameter, storage_bytes, storage_key
 
 ROUTED_KINDS = frozenset({"dispatch", "expert_fc1", "expert_act", "expert_fc2"})  # sizes follow the routing
 COMM_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
 VALUE_READS = frozenset({torch.ops.aten._local_scalar_dense, torch.ops.aten.equal})  # .item(), .tolist(), ==
+COPIES = frozenset({torch.ops.aten._to_copy, torch.ops.aten.clone})  # what casts or copies a weight
 
 
 @dataclass(frozen=True)
@@ -80,13 +81,12 @@ class _Call:
 
 
 class _Storage:
-    __slots__ = ("nbytes", "dtype", "producer", "role", "first_op", "routed", "rows")
+    __slots__ = ("nbytes", "dtype", "producer", "role", "first_op", "routed")
 
     def __init__(self, tensor: torch.Tensor, producer: str | None, role: str, first_op: str):
         self.nbytes, self.dtype = storage_bytes(tensor), tensor.dtype
         self.producer, self.role, self.first_op = producer, role, first_op
         self.routed = ROUTED.get()  # first seen while the model made its routed rows (``exec.routed``)
-        self.rows = tensor.shape[0] if tensor.dim() else 1  # its leading dimension as first seen
 
 
 class _Counter(TorchDispatchMode):
@@ -111,6 +111,12 @@ class _Counter(TorchDispatchMode):
                 call.comm = True
             if torch.Tag.dynamic_output_shape in func.tags or func._overloadpacket in VALUE_READS:
                 call.value_dependent = True
+        if func._overloadpacket in COPIES and args and isinstance(args[0], torch.Tensor) and isinstance(
+                out, torch.Tensor):
+            tracer = TRACER.get()
+            if tracer is not None and (is_parameter(args[0]) or storage_key(args[0]) in tracer.excluded
+                                       or storage_key(args[0]) in tracer.weight_copies):
+                tracer.weight_copies.add(storage_key(out))  # a cast or copy of a weight: not routed rows
         return out
 
 
@@ -131,6 +137,7 @@ class TraceRecorder:
         self.received: dict[int, int] = {}  # MoE layer -> routed copies its experts received (the gate's report)
         self.sent: dict[int, int] = {}      # MoE layer -> routed copies this rank's router sent
         self.reports: dict[int, int] = {}   # MoE layer -> gate reports (router calls)
+        self.weight_copies: set[tuple] = set()  # storages made by casting or copying a parameter
 
     def routed_tokens(self, layer: int, received: int, sent: int) -> None:
         """The gate's report after MoE layer ``layer``'s router (a layer seen twice: the counts add up, and the

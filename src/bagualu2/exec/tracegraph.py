@@ -52,7 +52,7 @@ def build_graph_of(recorder: TraceRecorder, model: torch.nn.Module, hardware: Ha
             if dtype is None:
                 raise ValueError(f"op {name} uses a {info.dtype} tensor; traced tensors must be one of "
                                  f"{', '.join(sorted(set(TORCH_TO_NAME.values())))}")
-            routed = _is_routed(info, by_op, marked)
+            routed = _is_routed(info, by_op, marked) and key not in recorder.weight_copies  # a weight's cast: fixed
             producer = None if key in fixed else info.producer
             tensors[names[key]] = TensorSpec(names[key], info.nbytes // ITEM_BYTES[dtype], dtype, producer, routed)
         flops = sum(c.flops for c in calls)
@@ -75,7 +75,7 @@ def build_graph_of(recorder: TraceRecorder, model: torch.nn.Module, hardware: Ha
         pinned = frozenset((unmapped.name, s.tensor) for s in unmapped.saves)
     graph = _with_routed_counts(recorder, OpGraph(ops=tuple(ops), tensors=tensors, hardware=hardware,
                                                   label=f"traced {type(model).__name__}",
-                                                  activation_dtype=activation_dtype, pinned=pinned), names)
+                                                  activation_dtype=activation_dtype, pinned=pinned))
     mapped = {k for c in recorder.calls for k, _ in c.saves}
     outside = {k: b for k, (b, _) in recorder.unmapped.items() if k not in mapped}
     saved = sum(recorder.storages[k].nbytes for k in mapped) + sum(outside.values())
@@ -107,20 +107,18 @@ def _mean_routed_tokens(recorder: TraceRecorder) -> int:
     return next(iter(recorder.sent.values()), 0)
 
 
-def _with_routed_counts(recorder: TraceRecorder, graph: OpGraph, names: dict) -> OpGraph:
+def _with_routed_counts(recorder: TraceRecorder, graph: OpGraph) -> OpGraph:
     """``graph`` with the routed copies each MoE layer's experts received in the trace (the gate's reports; none
-    without a gate): a routed tensor of a layer with no report, or not one row per reported copy (its leading
-    dimension, as first seen, the count: a weight copy made beside the routed rows is not routed), is not routed (it
-    keeps its traced size)."""
+    without a gate): a routed tensor of a layer with no report, or not one row per reported copy, is not routed
+    (it keeps its traced size)."""
     mean = _mean_routed_tokens(recorder)
     if not recorder.received or not mean:
         return graph
-    rows = {names[key]: info.rows for key, info in recorder.storages.items()}
     tensors = dict(graph.tensors)
     for name, spec in graph.tensors.items():
         if spec.routed:
             received = recorder.received.get(graph.tensor_layers[name])
-            if received is None or (received and (spec.numel % received or rows.get(name) != received)):
+            if received is None or (received and spec.numel % received):
                 tensors[name] = spec._replace(routed=False)
     return dataclasses.replace(graph, tensors=tensors, mean_routed_tokens=mean,
                                layer_routed_tokens=dict(recorder.received))

@@ -13,6 +13,7 @@ from __future__ import annotations
 from bagualu2.costmodel.validate import require_int
 
 import contextlib
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
@@ -141,10 +142,17 @@ def weight_keys(module: torch.nn.Module) -> set[tuple[str, int]]:
     return keys
 
 
+#: Storage keys of the parameters of the instrumented op modules running now, read when each op starts (after a
+#: wrapper such as FSDP has gathered them into storages of their own for the forward).
+OP_WEIGHTS: ContextVar[frozenset] = ContextVar("bagualu2_op_weights", default=frozenset())
+
+
 def is_parameter(tensor: torch.Tensor) -> bool:
-    """A parameter or a view of one: never an activation, wherever its storage lives (FSDP gathers a sharded
-    parameter into a parameter of a storage of its own for the forward and backward)."""
-    return isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter)
+    """A parameter or a view of one, or a tensor on the storage of a parameter of an op running now: never an
+    activation, wherever its storage lives (FSDP gathers a sharded parameter into a storage of its own for the
+    forward and backward; an expert-parallel weight is used through its local shard)."""
+    return (isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter)
+            or storage_key(tensor) in OP_WEIGHTS.get())
 
 
 def storage_bytes(tensor: torch.Tensor) -> int:

@@ -57,6 +57,10 @@ class Bagualu2Converter:
             raise ValueError("the bagualu2 converter supports pipeline, data and expert parallelism; "
                              "tensor_parallel_degree and context_parallel_degree must be 1")
         self.expert_parallel_degree = parallel_dims.ep if parallel_dims.ep_enabled else 1
+        backend = getattr(parallelism, "expert_parallel_comm_backend", "standard")
+        if self.expert_parallel_degree > 1 and backend != "standard":
+            raise ValueError("parallelism.expert_parallel_comm_backend must be standard with the bagualu2 converter "
+                             f"(its gate counts the rows torchtitan's all-to-all dispatch pads), got {backend!r}")
         pipelined = parallel_dims.pp_enabled
         if pipelined and parallelism.pipeline_parallel_schedule not in SCHEDULES:
             raise ValueError(f"parallelism.pipeline_parallel_schedule must be one of {', '.join(SCHEDULES)} with "

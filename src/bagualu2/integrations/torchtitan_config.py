@@ -3,6 +3,7 @@ stage's part of the model and what a router reports to the gate (see :mod:`.torc
 
 # no "from __future__ import annotations": torchtitan merges JobConfig's fields with their types resolved
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -174,30 +175,29 @@ def gate_of(part: torch.nn.Module, labels: dict[str, str]):
     return gate
 
 
-def mark_routed_rows(part: torch.nn.Module, labels: dict[str, str]) -> int:
+def mark_routed_rows(part: torch.nn.Module, labels: dict[str, str]) -> list:
     """Under expert parallelism, mark what each routed-experts module makes from its dispatch to its combine as
     routed rows (``exec.routed``): the dispatch, a forward pre-hook torchtitan puts on the module, makes the padded
     rows and their permutation before the module's own forward, so the op's hooks alone would see them as its
-    inputs. The marking starts in a pre-hook put first and ends in a hook put last. Returns how many modules were
-    marked (0 without expert parallelism)."""
-    marked = 0
+    inputs. The marking starts in a pre-hook put first and ends in a hook put last (per thread). Returns the hook
+    handles (none without expert parallelism)."""
+    handles = []
     for path, label in labels.items():
         experts = part.get_submodule(path)
         if label != "dispatch" or expert_group(experts) is None:
             continue
-        scopes: list = []
+        scopes: dict[int, list] = {}
 
         def enter(module, args, scopes=scopes):
             scope = routed()
             scope.__enter__()
-            scopes.append(scope)
+            scopes.setdefault(threading.get_ident(), []).append(scope)
 
         def leave(module, args, output, scopes=scopes):
-            if scopes:
-                scopes.pop().__exit__(None, None, None)
+            open_scopes = scopes.get(threading.get_ident())
+            if open_scopes:
+                open_scopes.pop().__exit__(None, None, None)
 
-        experts.register_forward_pre_hook(enter, prepend=True)
-        experts.register_forward_hook(leave, always_call=True)
-        marked += 1
-    return marked
-
+        handles.append(experts.register_forward_pre_hook(enter, prepend=True))
+        handles.append(experts.register_forward_hook(leave, always_call=True))
+    return handles

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from bagualu2.budget import BudgetAssigner
-from bagualu2.costmodel import OpGraph, Plan, evaluate, presets
+from bagualu2.costmodel import OpGraph, Plan, Resource, evaluate, presets
 from bagualu2.exec import (ActivationOutOfMemoryError, ActivationTracker, DeferredPlanner, apply_plan, instrument,
                            on_backward)
 from bagualu2.mitigation import greedy
@@ -101,11 +101,19 @@ def planned_graph(graph: OpGraph, *, quantize: bool = True, expert_parallel: boo
     call (a loop over the experts, or one grouped GEMM on rows padded per expert) whose tensors change size with
     the routing while their sum does not: what that call saves is kept (pinned: no plan names a tensor whose size
     it cannot know). Under expert parallelism the grouped GEMMs run on the dispatched rows, which the gate counts
-    exactly (:func:`~.torchtitan_config.padded_rows`): nothing is pinned. ``quantize=False``: no FP8 storage
-    (exact plans)."""
-    experts = frozenset() if expert_parallel else frozenset(
-        (op.name, saving.tensor) for op in graph.ops if op.kind == "dispatch" for saving in op.saves)
-    return dataclasses.replace(graph, pinned=graph.pinned | experts, quantize=quantize)
+    exactly (:func:`~.torchtitan_config.padded_rows`): the experts are planned, and a re-run of them runs their
+    forward on the rows they kept. What an op whose call issued a collective saves (the MoE module around the
+    experts: its re-run would dispatch again) is kept, so no re-run in backward issues a collective, whatever
+    plan each rank of the group runs. ``quantize=False``: no FP8 storage (exact plans)."""
+    if expert_parallel:
+        # "dispatch" (the experts op) is a communication kind of the cost model, but its call is the module's
+        # forward on the dispatched rows: the all-to-alls run in torchtitan's hooks, outside it
+        pinned = frozenset((op.name, saving.tensor) for op in graph.ops
+                           if op.resource is Resource.COMM and op.kind != "dispatch" for saving in op.saves)
+    else:
+        pinned = frozenset((op.name, saving.tensor) for op in graph.ops if op.kind == "dispatch"
+                           for saving in op.saves)
+    return dataclasses.replace(graph, pinned=graph.pinned | pinned, quantize=quantize)
 
 
 class StageProvisioner:
@@ -119,7 +127,7 @@ class StageProvisioner:
         labels = op_map(part)
         has_router = "router" in labels.values()
         self.instrumented = instrument(part, labels, gate=gate_of(part, labels) if has_router else None)
-        mark_routed_rows(part, labels)
+        self.handles = mark_routed_rows(part, labels)
         device = next(part.parameters()).device
         hardware = presets.hardware("cpu" if device.type == "cpu" else "paper-gpu")
         with _Preserved(part, device):
