@@ -15,7 +15,7 @@ Per run: whether it finished or ran out of memory, its wall time, and from the c
 held in flight, the micro-batches re-planned at the gate, whether every micro-batch kept exactly what ``evaluate``
 predicts, and whether the gradients are the plain run's bit for bit.
 
-    python benchmarks/torchtitan_spike.py --steps 20 --cap-mib 19
+    python benchmarks/torchtitan_spike.py --steps 20 --cap-mib 16
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def summary(out: Path, output: str, plain: list | None, seconds: float) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--cap-mib", type=float, default=19.0)
+    parser.add_argument("--cap-mib", type=float, default=16.0)
     parser.add_argument("--out", type=Path, default=None, help="where the runs go (default: a temporary folder)")
     args = parser.parse_args()
     if args.steps < 2 or args.cap_mib <= 0:
