@@ -206,7 +206,8 @@ EXPERT_PARALLEL = ("--model.name", "deepseek_v3", "--model.flavor", "debugmodel_
 SPIKE = {"BAGUALU2_PROBE_GROUPED_MM": "1", "BAGUALU2_PROBE_BIAS": "10"}  # from step 2 every pick goes to EP rank 0
 CALM = {"BAGUALU2_PROBE_GROUPED_MM": "1"}
 # Kept equals the prediction in every local run; one CI run (2 cores, a second test process beside it) saw one
-# rank of stage 1 off by 32 to 832 bytes (below 0.01 %), cause not found: the check allows 1 KiB.
+# rank of stage 1 off by 32 to 832 bytes (below 0.01 %), most likely a weight cast's freed address reused by the
+# dispatch's indices in the trace (the trace now keeps such casts alive); the check still allows 1 KiB.
 EP_SLACK_BYTES = 1024
 EP_PLANNED = ("--bagualu2.memory_cap_mib", str(EP_CAP_MIB), "--bagualu2.no-quantize")
 

@@ -117,6 +117,7 @@ class _Counter(TorchDispatchMode):
             if tracer is not None and (is_parameter(args[0]) or storage_key(args[0]) in tracer.excluded
                                        or storage_key(args[0]) in tracer.weight_copies):
                 tracer.weight_copies.add(storage_key(out))  # a cast or copy of a weight: not routed rows
+                tracer.alive.append(out)  # its address is not reused by a later tensor while the trace runs
         return out
 
 
