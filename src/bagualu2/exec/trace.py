@@ -113,9 +113,9 @@ class _Counter(TorchDispatchMode):
                 call.value_dependent = True
         if func._overloadpacket in COPIES and args and isinstance(args[0], torch.Tensor) and isinstance(
                 out, torch.Tensor):
-            tracer = TRACER.get()
-            if tracer is not None and (is_parameter(args[0]) or storage_key(args[0]) in tracer.excluded
-                                       or storage_key(args[0]) in tracer.weight_copies):
+            tracer, source = TRACER.get(), storage_key(args[0])
+            if tracer is not None and (is_parameter(args[0]) or source in tracer.excluded
+                                       or source in tracer.weight_copies):
                 tracer.weight_copies.add(storage_key(out))  # a cast or copy of a weight: not routed rows
                 tracer.alive.append(out)  # its address is not reused by a later tensor while the trace runs
         return out

@@ -111,7 +111,7 @@ class ActivationTracker:
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         record = self._current
         key = storage_key(tensor)
-        if record is not None and key not in self._excluded and key not in record.storages and not is_parameter(tensor):
+        if record is not None and key not in record.storages and not self.excludes(tensor):
             nbytes = storage_bytes(tensor)
             if self.cap_bytes is not None and self.in_flight_bytes + nbytes > self.cap_bytes:
                 raise ActivationOutOfMemoryError(

@@ -105,14 +105,14 @@ def planned_graph(graph: OpGraph, *, quantize: bool = True, expert_parallel: boo
     forward on the rows they kept. What an op whose call issued a collective saves (the MoE module around the
     experts: its re-run would dispatch again) is kept, so no re-run in backward issues a collective, whatever
     plan each rank of the group runs. ``quantize=False``: no FP8 storage (exact plans)."""
-    if expert_parallel:
+    def kept(op) -> bool:
+        if not expert_parallel:
+            return op.kind == "dispatch"
         # "dispatch" (the experts op) is a communication kind of the cost model, but its call is the module's
         # forward on the dispatched rows: the all-to-alls run in torchtitan's hooks, outside it
-        pinned = frozenset((op.name, saving.tensor) for op in graph.ops
-                           if op.resource is Resource.COMM and op.kind != "dispatch" for saving in op.saves)
-    else:
-        pinned = frozenset((op.name, saving.tensor) for op in graph.ops if op.kind == "dispatch"
-                           for saving in op.saves)
+        return op.resource is Resource.COMM and op.kind != "dispatch"
+
+    pinned = frozenset((op.name, saving.tensor) for op in graph.ops if kept(op) for saving in op.saves)
     return dataclasses.replace(graph, pinned=graph.pinned | pinned, quantize=quantize)
 
 
