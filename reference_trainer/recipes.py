@@ -60,8 +60,9 @@ class TrainConfig:
       steps                 optimizer steps to run (in total, counting a resumed run's earlier steps).
       lr, weight_decay      AdamW; ``warmup_steps`` linear warm-up of the learning rate.
       seed                  model initialisation, data order and spikes.
-      schedule              ``runtime`` (generated action list, fused OVERLAP_F_B points) or ``plain`` (stock
-                            Schedule1F1B / ScheduleInterleaved1F1B, no fusion).
+      schedule              ``runtime`` (generated action list, fused OVERLAP_F_B points; at pp = 1 under EP the
+                            combined 1F1B: F_(i+1) fused with B_i) or ``plain`` (stock Schedule1F1B /
+                            ScheduleInterleaved1F1B; at pp = 1 F_i then B_i; no fusion).
       policy                ``flexible`` (BaGuaLu-2 runtime provisioning), ``static-under``, ``static-over``, ``kwai``,
                             ``adapipe`` or ``ideal`` (:mod:`reference_trainer.policies`).
       prediction_scale      in (0, 1]: the flexible runtime plans as if the cost model's bytes were this share of
@@ -185,7 +186,12 @@ class TrainConfig:
     def parallel(self) -> ParallelConfig:
         """The cost model's layout of this run."""
         return ParallelConfig(dp=self.dp, ep=self.ep, pp=self.pp, vp=self.vp, num_microbatches=self.num_microbatches,
-                              distributed_optimizer=False)
+                              distributed_optimizer=False, paired=self.paired)
+
+    @property
+    def paired(self) -> bool:
+        """``runtime`` without a pipeline under expert parallelism: F_(i+1) runs beside B_i (combined 1F1B)."""
+        return self.pp == 1 and self.ep > 1 and self.schedule == "runtime"
 
     @property
     def global_batch_sequences(self) -> int:

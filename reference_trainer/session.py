@@ -98,7 +98,7 @@ class Session:
         self.provisioner = Provisioner(config.model, self.parallel, run.hardware, stage=groups.pp_rank,
                                        cap_bytes=run.cap_bytes, ep_group=groups.ep_group,
                                        downgrade=config.downgrade, dual=config.schedule == "runtime"
-                                       and config.pp > 1, exclude=[model],
+                                       and (config.pp > 1 or config.paired), exclude=[model],
                                        fixed=fixed_plans(config, groups.pp_rank, run.cap_bytes),
                                        capped=config.policy != "ideal", prediction_scale=config.prediction_scale)
         self.params = [(self._global_name(n), p) for n, p in model.named_parameters()]
@@ -227,14 +227,49 @@ class Session:
         b = self.config.model.micro_batch_size
         total = 0.0
         chunk = self.chunks[0]
-        for i in range(m):  # pp = 1: the cost model's order (F_i, B_i)
-            loss = _loss(chunk(inputs[i * b:(i + 1) * b]), targets[i * b:(i + 1) * b])
-            loss.backward()
-            total += float(loss.detach())
+        if self.config.paired:
+            total = self._run_paired(chunk, inputs, targets)
+        else:
+            for i in range(m):  # pp = 1: the cost model's order (F_i, B_i)
+                loss = _loss(chunk(inputs[i * b:(i + 1) * b]), targets[i * b:(i + 1) * b])
+                loss.backward()
+                total += float(loss.detach())
         for _, p in self.params:
             if p.grad is not None:
                 p.grad.div_(m)
         return total, m
+
+    def _run_paired(self, chunk: ChunkModule, inputs, targets) -> float:
+        """pp = 1, ``paired``: the cost model's combined-1F1B order; each F_(i+1) B_i is one fused point, run by
+        the dual-batch executor in the fusion DP's order (the all-to-alls of one beside the other's compute).
+        Returns the sum of the micro-batch losses."""
+        from bagualu2.costmodel import schedule
+
+        b, provisioner = self.config.model.micro_batch_size, self.provisioner
+        losses: dict[int, torch.Tensor] = {}
+
+        def forward(i: int) -> None:
+            losses[i] = _loss(chunk(inputs[i * b:(i + 1) * b]), targets[i * b:(i + 1) * b])
+
+        actions = schedule(self.parallel)
+        index = 0
+        while index < len(actions):
+            action = actions[index]
+            following = actions[index + 1] if index + 1 < len(actions) else None
+            if action.kind == "F" and following is not None and following.kind == "B":
+                x, y = action.microbatch, following.microbatch
+                provisioner.point(forward=(0, x), backward=(0, y), previous=None, following=None,
+                                  run_forward=lambda x=x: forward(x), run_backward=lambda y=y: losses[y].backward())
+                index += 2
+                continue
+            if action.kind == "F":
+                provisioner.flush_offloads()
+                provisioner.prepare(0, action.microbatch)
+                forward(action.microbatch)
+            else:
+                losses[action.microbatch].backward()
+            index += 1
+        return sum(float(loss.detach()) for loss in losses.values())
 
     def _balance(self) -> None:
         """Aux-loss-free balancing: move each expert's bias towards the mean load (counts summed over dp)."""

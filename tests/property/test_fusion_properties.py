@@ -131,14 +131,18 @@ def test_bad_inputs_raise():
         Order.from_str("X3")
 
 
-def test_no_pipeline_falls_back_to_sequential():
+def test_at_pipeline_degree_one_f_and_b_interleave_and_copies_run_after():
+    """x - y = 1 (combined 1F1B without a pipeline): F and B are ordered by the DP, no warning; a plan's own
+    copies (O and R would be of the micro-batches F and B run) run after them, one stage at a time."""
     chains = Chains(Chain("F", (Stage("a", Resource.COMPUTE, 5),)), Chain("B", (Stage("b", Resource.COMM, 5),)))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         order = dp.solve(chains, pipeline_degree=1)
-    assert order.solver == "sequential" and order.makespan_ns == 10
-    assert any("pipeline degree 1" in str(w.message) for w in caught)
-    assert dp.solve(chains, pipeline_degree=4).makespan_ns == 5
+    assert order.makespan_ns == 5 == dp.solve(chains, pipeline_degree=4).makespan_ns
+    copies = Chains(chains.forward, chains.backward, Chain("O", (Stage("o", Resource.D2H, 3),)),
+                    Chain("R", (Stage("r", Resource.H2D, 2),)))
+    order = dp.solve(copies, pipeline_degree=1)
+    assert order.groups[-2:] == ((("O", 0),), (("R", 0),)) and order.makespan_ns == 5 + 3 + 2
 
 
 @given(random_chains())

@@ -159,6 +159,9 @@ class ParallelConfig:
       sequence_parallel       shard norm/dropout activations over tp (requires tp > 1 to matter).
       num_microbatches        micro-batches per iteration per data-parallel replica.
       distributed_optimizer   shard fp32 master weights and Adam states over data parallel ranks.
+      paired                  pp = 1 only: Megatron-Core's combined 1F1B without a pipeline; after one warmup
+                              forward each F_(i+1) runs beside B_i (two micro-batches in flight), so one micro-batch's
+                              expert-parallel all-to-alls can overlap the other's compute.
     """
 
     dp: int = 1
@@ -170,11 +173,12 @@ class ParallelConfig:
     sequence_parallel: bool = False
     num_microbatches: int = 1
     distributed_optimizer: bool = True
+    paired: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "ep", "pp", "vp", "cp", "num_microbatches"):
             _check_int(self, name)
-        for name in ("sequence_parallel", "distributed_optimizer"):
+        for name in ("sequence_parallel", "distributed_optimizer", "paired"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if (self.dp * self.tp * self.cp) % self.ep:
@@ -182,6 +186,8 @@ class ParallelConfig:
                              "(experts are folded over the data/tensor/context ranks of a stage)")
         if self.vp > 1 and self.pp < 2:
             raise ValueError(f"vp must be 1 when pp=1 (interleaving needs pp >= 2), got vp={self.vp}")
+        if self.paired and self.pp != 1:
+            raise ValueError(f"paired needs pp=1 (with a pipeline every steady pair is already fused), got pp={self.pp}")
 
     @property
     def world_size(self) -> int:

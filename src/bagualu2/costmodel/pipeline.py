@@ -1,7 +1,8 @@
 """Pipeline-iteration model (paper §IV-A, Fig. 5c): 1F1B and interleaved 1F1B schedules and memory curves.
 
 A schedule is the per-stage sequence of ``Action(kind, microbatch, chunk)``: warmup forwards, steady
-forward/backward pairs, cooldown backwards (Megatron's order; with ``vp > 1`` the interleaved one). The memory
+forward/backward pairs, cooldown backwards (Megatron's order; with ``vp > 1`` the interleaved one; with
+``paired`` at pp = 1, Megatron-Core's combined 1F1B: one warmup forward, then F_(i+1) B_i). The memory
 curve adds a chunk's activation bytes at each forward and frees them at its backward, so spikes are fed in by
 giving a micro-batch more bytes.
 """
@@ -30,11 +31,12 @@ def _check_stage(parallel: ParallelConfig, stage: int) -> None:
 
 
 def num_warmup(parallel: ParallelConfig, stage: int = 0) -> int:
-    """Forwards of ``stage`` before its first steady 1F1B pair (Megatron's warmup count)."""
+    """Forwards of ``stage`` before its first steady 1F1B pair (Megatron's warmup count; one more when
+    ``parallel.paired``: F_(i+1) then runs beside B_i without a pipeline)."""
     _check_stage(parallel, stage)
     pp, vp, m = parallel.pp, parallel.vp, parallel.num_microbatches
     if vp == 1:
-        return min(pp - stage - 1, m)
+        return min(pp - stage - 1 + parallel.paired, m)
     total = m * vp
     if m == pp:
         return total

@@ -17,7 +17,6 @@ run at the point's edges (:func:`with_edges`).
 from __future__ import annotations
 
 import math
-import warnings
 from functools import lru_cache
 
 import numpy as np
@@ -101,17 +100,20 @@ def solve(chains: Chains, *, pipeline_degree: int | None = None) -> Order:
 
     ``pipeline_degree`` 2 means x - y = 2: the offload's micro-batch (x-1) is the recovery's (y+1), whose copies
     out must end before its copies back begin. F and B are still independent and ordered by the DP; O and R run at
-    the point's edges (:func:`with_edges`). ``pipeline_degree`` 1 (no pipeline) gives the sequential order with a
-    warning. Durations are in the chains.
+    the point's edges (:func:`with_edges`). ``pipeline_degree`` 1 means x - y = 1 (no pipeline, Megatron-Core's
+    combined 1F1B: F_(y+1) beside B_y): the DP orders F and B; O's micro-batch would be B's and R's F's, so copies
+    given with them (a plan's own) run one stage at a time after F and B. Durations are in the chains.
     """
     if pipeline_degree is not None:
         degree = require_int("pipeline_degree", pipeline_degree, 1)
-        if degree == 1:
-            from .baselines import sequential
+        if degree == 1 and (chains.offload is not None or chains.recovery is not None):
+            from .simulate import simulate
 
-            warnings.warn("pipeline degree 1: no scheduling point pairs two micro-batches; using the sequential "
-                          "order", RuntimeWarning, stacklevel=2)
-            return sequential(chains)
+            core = solve(Chains(chains.forward, chains.backward)).groups if chains.forward or chains.backward else ()
+            copies = tuple(((kind, i),) for kind in "OR" if chains.get(kind) is not None
+                           for i in range(len(chains.get(kind))))
+            ordered = Order(core + copies, barriers=True)
+            return Order(ordered.groups, barriers=True, makespan_ns=simulate(ordered, chains).makespan_ns, solver="dp")
         if degree == 2 and chains.offload is not None and chains.recovery is not None:
             if chains.forward is None and chains.backward is None:
                 from .baselines import sequential

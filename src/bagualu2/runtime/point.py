@@ -7,7 +7,8 @@ and R_{y+1} from those, one ``(graph, plan)`` each (None: that chain is absent),
 one order function (``Stage.order``: the DP, memoised by what it reads), so repeated points are nearly free.
 
 The F chain's ops do not depend on x's plan beyond its FP8 casts, so an order solved with x's *pre-gate* plan
-stays executable when the gate changes the plan. ``pipeline_degree`` 1 gives the sequential order.
+stays executable when the gate changes the plan. Without a pipeline (pp = 1) the order is sequential unless the
+layout is ``paired`` (F_(y+1) beside B_y).
 """
 
 from __future__ import annotations
@@ -73,5 +74,5 @@ class PointOrders:
         return chain
 
     def order(self, chains: Chains) -> Order:
-        """The order of ``chains`` (``Stage.order``: the DP's; sequential at ``pipeline_degree`` 1)."""
+        """The order of ``chains`` (``Stage.order``: the DP's; sequential at pp = 1 unless ``paired``)."""
         return self.engine.order(chains)

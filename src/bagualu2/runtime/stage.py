@@ -237,13 +237,14 @@ class Stage(_Engine):
 
     def order(self, chains: Chains) -> Order:
         """The fused order of ``chains``: the DP's (``fusion.dp``; at pipeline degree 2 of F and B, with O and R
-        at the point's edges), or the sequential order without a pipeline (degree 1); memoised by what the DP
+        at the point's edges; ``paired`` at pp = 1: of F_(y+1) and B_y), or the sequential order without a
+        pipeline (F_i then B_i); memoised by what the DP
         reads, each chain's stage resources and durations, so points that differ elsewhere share one order."""
         key = OrderKey(tuple(None if chain is None else tuple((s.resource, s.duration_ns) for s in chain.stages)
                              for chain in (chains.forward, chains.backward, chains.offload, chains.recovery)))
         found = self._orders.get(key)
         if found is None:
-            found = self._orders[key] = (sequential(chains) if self.parallel.pp == 1
+            found = self._orders[key] = (sequential(chains) if self.parallel.pp == 1 and not self.parallel.paired
                                          else dp.solve(chains, pipeline_degree=self.parallel.pp))
         return found
 
