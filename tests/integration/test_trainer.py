@@ -3,6 +3,7 @@
 * PP=2 x DP=2 (EP=2), two virtual stages per rank, through the runtime schedule, the same through
   ``--schedule plain`` and one process with the same global batch agree (plain: bitwise; one process: 1e-5 relative
   in fp32);
+* PP=1 x DP=2 (EP=2): the runtime schedule pairs F_(i+1) with B_i (combined 1F1B), bitwise the plain schedule;
 * PP=4 x DP=1 runs fused OVERLAP_F_B points with O and R (pipeline degree > 2), every micro-batch keeps the bytes
   the cost model predicts for its plan, and the loss falls;
 * (killed, stopped and corrupted runs: tests/integration/test_faults.py)
@@ -150,10 +151,31 @@ def test_static_under_runs_out_of_memory_is_restarted_by_torchrun_and_continues_
     assert [r["step"] for r in rows if "loss" in r][-1] == 3
 
 
+def test_pp1_dp2_runtime_pairs_f_and_b_and_matches_the_plain_schedule_bitwise(tmp_path):
+    """No pipeline, EP=2: the runtime schedule runs every F_(i+1) B_i as a fused point (combined 1F1B, two
+    micro-batches in flight, all-to-alls of one beside the other's compute); the losses are bitwise the plain
+    schedule's (F_i then B_i), every micro-batch keeps what the cost model predicts, the collective checker is on."""
+    runs = {}
+    for schedule in ("runtime", "plain"):
+        runs[schedule] = tmp_path / f"{schedule}.jsonl"
+        ok(torchrun(2, "--steps", "3", "--pp", "1", "--dp", "2", "--ep", "2", "--schedule", schedule,
+                    "--metrics-file", str(runs[schedule])))
+    assert losses(runs["runtime"]) == losses(runs["plain"]) and len(losses(runs["plain"])) == 3
+    steps = [r for r in records(runs["runtime"]) if not r.get("summary")]
+    for record in steps:
+        points = [point.split(":")[0] for point in record["order"]]  # both ranks' points
+        assert points == [f"Fc0.m{i + 1} Bc0.m{i}" for i in range(3)] * 2
+        assert any("+" in point for point in record["order"])  # F and B stages share groups
+        assert all(mb["kept_bytes"] == mb["predicted_bytes"] for mb in record["microbatches"])
+    summary = records(runs["runtime"])[-1]
+    assert summary["peak_activation_bytes"] <= summary["memory_cap_bytes"]
+    assert summary["memory_cap_bytes"] > records(runs["plain"])[-1]["memory_cap_bytes"]  # two in flight, not one
+
+
 def test_flexible_safety_net_reruns_a_mispredicted_micro_batch_without_a_restart(tmp_path):
     metrics = tmp_path / "net.jsonl"
     ok(torchrun(2, "--steps", "3", "--pp", "1", "--dp", "2", "--ep", "2", "--prediction-scale", "0.6",
-                "--metrics-file", str(metrics)))
+                "--schedule", "plain", "--metrics-file", str(metrics)))  # one micro-batch in flight: it overflows
     rows = records(metrics)
     summary = rows[-1]
     assert summary["oom_events"] == 0 and summary["restarts"] == 0 and summary["reruns"] > 0
