@@ -12,7 +12,7 @@ from conftest import scaled
 from hypothesis import strategies as st
 
 from bagualu2.budget import BudgetAssigner
-from bagualu2.costmodel import build_graph, evaluate, presets
+from bagualu2.costmodel import Plan, build_graph, evaluate, presets
 from bagualu2.mitigation import greedy
 from bagualu2.runtime import (DecisionPath, GateAction, after_gate, downgrade_plan, gate_free_tensors,
                               replay_iteration)
@@ -138,3 +138,24 @@ def test_replay_absorbs_only_in_warmup_and_every_budget_stays_above_m0(name, sta
         assert decision.budget_bytes >= replay.m0_bytes
         if decision.kept_bytes > decision.budget_bytes:
             assert decision.action == "absorb" and decision.phase == "warmup"
+
+
+@settings(max_examples=scaled(20))
+@given(m=st.integers(1, 8), data=st.data())
+def test_paired_layout_keeps_two_in_flight_under_m_max_and_interleaves_its_points(m, data):
+    """pp=1, ``paired`` (combined 1F1B): the budgets count two micro-batches in flight and never let them exceed
+    M_max; a steady point F_(y+1) B_y is ordered by the DP (no slower than F then B), not sequentially."""
+    from bagualu2.costmodel import ParallelConfig
+    from bagualu2.runtime import Stage
+
+    model, _ = presets.model("tiny-moe")
+    parallel = ParallelConfig(dp=2, ep=2, num_microbatches=m, paired=True)
+    hardware = presets.hardware("cpu")
+    trace = data.draw(st.lists(st.floats(1.0, 2.0).map(lambda r: round(r, 3)), min_size=m, max_size=m))
+    replay = replay_iteration(model, parallel, hardware, trace)
+    assert replay.peak_in_flight_bytes <= replay.m_max_bytes
+    assert [d.phase for d in replay.decisions][:2] == ["warmup"] * min(2, m)
+    paired, alone = (Stage(model, p, hardware, stage=0) for p in (parallel, parallel.replace(paired=False)))
+    order = paired.point_order(Plan(), 1.0, 0)
+    assert order.solver == "dp" and any(len(group) > 1 for group in order.groups)
+    assert order.makespan_ns <= alone.point_order(Plan(), 1.0, 0).makespan_ns

@@ -52,6 +52,23 @@ def test_spike_in_warmup_raises_peak_by_its_bytes(pp, vp, k, base, spike, data):
     assert curve[0] == 0 and curve[-1] == 0
 
 
+@given(m=st.integers(1, 32), ep=st.sampled_from([1, 2, 4]))
+def test_paired_without_a_pipeline_runs_f_next_beside_b(m, ep):
+    """Combined 1F1B at pp=1: one warmup forward, then F_(i+1) B_i, then B_(m-1); two micro-batches in flight."""
+    parallel = ParallelConfig(dp=4, ep=ep, num_microbatches=m, paired=True)
+    expected = [("F", 0)] + [kind for i in range(m - 1) for kind in (("F", i + 1), ("B", i))] + [("B", m - 1)]
+    assert [(a.kind, a.microbatch) for a in schedule(parallel)] == expected
+    assert num_warmup(parallel) == 1 and inflight_chunks(parallel) == min(2, m)
+    assert inflight_chunks(parallel.replace(paired=False)) == 1
+
+
+def test_paired_needs_pp_1_and_a_bool():
+    with pytest.raises(ValueError, match="paired needs pp=1"):
+        ParallelConfig(pp=2, num_microbatches=4, paired=True)
+    with pytest.raises(ValueError, match="paired must be true or false"):
+        ParallelConfig(paired=1)
+
+
 def test_warmup_counts():
     assert num_warmup(ParallelConfig(pp=4, num_microbatches=8), 0) == 3
     assert num_warmup(ParallelConfig(pp=4, vp=2, num_microbatches=8), 0) == 2 * 3 + 4
