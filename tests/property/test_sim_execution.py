@@ -75,6 +75,21 @@ def test_megatron_pairs_f_and_b_only_when_recompute_reruns_no_all_to_all(policy)
     assert any(stage.resource is Resource.COMM for stage in chains.forward.stages)
 
 
+def test_released_megatron_never_pairs_f_and_b_but_keeps_its_copies_beside_compute():
+    """``megatron-unpaired`` (the baselines' 2024 releases): F then B at every point, the copies still joined to
+    compute groups; never faster than the paired order."""
+    ctx = CONTEXTS[0]
+    plan = bagualu2.sim.make_policy("kwai", ctx).plans[0]
+    graph = ctx.timing_graph(0, 1.0)
+    chains = build_chains(graph, Plan.from_str("L0.qkv/L0.norm1_out=OFFLOAD"), graph, plan)
+    unpaired = order_of("megatron-unpaired", chains, ctx.timing.order)
+    assert not any({kind for kind, _ in group} >= {"F", "B"} for group in unpaired.groups)
+    assert any({kind for kind, _ in group} & {"F", "B"} and {kind for kind, _ in group} & {"O", "R"}
+               for group in unpaired.groups)
+    paired = order_of("megatron", chains, ctx.timing.order)
+    assert makespan_ns(paired, chains, 0.0) <= makespan_ns(unpaired, chains, 0.0)
+
+
 @pytest.mark.parametrize("saving, reruns", [("L0.expert_fc1/L0.dispatched", True), ("L0.unpermute/L0.combined", True),
                                             ("L0.qkv/L0.norm1_out", False)])
 def test_one_recomputed_dispatch_or_combine_is_enough_to_lose_the_pairing(saving, reruns):
@@ -98,13 +113,15 @@ traces = st.lists(rates, min_size=1, max_size=3).map(tuple)
 @settings(max_examples=scaled(5), deadline=None)
 @given(traces, st.sampled_from(["flexible", "static-under", "static-over", "kwai", "adapipe", "ideal", "L1", "L3"]))
 def test_more_overlap_never_slows_an_iteration(trace, policy):
-    """The same plans under "real", "fused-only" and "none": each iteration's time only grows as overlap is
-    taken away, and with none it is the serial model (every step the sum of its ops)."""
+    """The same plans under "real", "released", "fused-only" and "none": each iteration's time only grows as
+    overlap is taken away ("released" drops the baselines' all-to-all pairing), and with none it is the serial model
+    (every step the sum of its ops)."""
     runs = [simulate(MODEL, PARALLEL, HW, policy, trace, overlap=o, restart_s=0.0)
-            for o in ("real", "fused-only", "none")]
-    for real, fused, serial in zip(*(r.iterations for r in runs)):
-        assert real.peak_bytes == fused.peak_bytes == serial.peak_bytes
-        assert real.time_s <= serial.time_s * (1 + 1e-9) and fused.time_s <= serial.time_s * (1 + 1e-9)
+            for o in ("real", "released", "fused-only", "none")]
+    for real, released, fused, serial in zip(*(r.iterations for r in runs)):
+        assert real.peak_bytes == released.peak_bytes == fused.peak_bytes == serial.peak_bytes
+        assert real.time_s <= released.time_s * (1 + 1e-9) and released.time_s <= serial.time_s * (1 + 1e-9)
+        assert fused.time_s <= serial.time_s * (1 + 1e-9)
 
 
 ordinary = st.floats(1.0, 1.2, allow_nan=False).map(lambda r: round(r, 2))

@@ -90,7 +90,7 @@ def test_reproduce_reports_every_figure():
     assert len(labels) == steps(report.config) and labels[0] == MODEL
     text = markdown(report)
     for heading in ("## Fig. 8", "## §II-B", "## Fig. 9", "## Fig. 10", "(a) sparsity", "(b) sequence length", "## Fig. 11",
-                    "## Runtime decision overhead", "## Where ours differ"):
+                    "## The baselines' overlap: a range", "## Runtime decision overhead", "## Where ours differ"):
         assert heading in text
     assert f"--iterations {SMALL['iterations']} --seed {SMALL['seed']}" in text
     focus = report.focus
@@ -102,6 +102,10 @@ def test_reproduce_reports_every_figure():
     assert inside == pytest.approx(focus.mfu("ideal"), rel=0.2) and outside != outside  # all spikes: no others
     for name, data in figures(report).items():
         assert name.startswith("repro-fig") and data.startswith(PNG)
+    # without Megatron-Core's all-to-all pairing no baseline, static policy or level runs faster
+    for policy, result in report.released.results.items():
+        real = report.ablation if policy in ABLATION else focus
+        assert result.mean_mfu <= real.mfu(policy) + 1e-12, policy
 
 
 @pytest.mark.parametrize("kwargs, field", [({"iterations": 5}, "iterations"), ({"restart_s": -1.0}, "restart_s"),
@@ -131,6 +135,9 @@ def test_cli_reproduce_writes_the_report_and_plots_atomically(tmp_path, monkeypa
     for key, runs in (("fig10a_mfu", report.sparsity), ("fig10b_mfu", report.seq_length)):
         assert data[key] == {run.label: {p: run.mfu(p) for p in run.results} for run in runs}
     assert data["sec2b"]["ratio"] == pytest.approx(data["sec2b"]["over_mfu"] / data["sec2b"]["under_mfu"])
+    assert data["released"]["real"]["sec2b"] == pytest.approx(data["sec2b"]["ratio"])
+    assert data["released"]["real"]["l3_l4"] == pytest.approx(data["fig11_steps"][2])
+    assert set(data["released"]) == {"real", "released", "paper"}
     os.symlink(tmp_path / "reproduction.md", tmp_path / "img" / "repro-fig9.png.lnk")
     (tmp_path / "img" / "repro-fig9.png").unlink()
     os.symlink(tmp_path / "reproduction.md", tmp_path / "img" / "repro-fig9.png")

@@ -75,8 +75,9 @@ def simulate_cmd(
                                                     "iteration the spike hits (paper trace; 0: every one, the "
                                                     "worst case for memory).")] = 1,
     overlap: Annotated[str, typer.Option("--overlap", help="Execution model: real (every policy the overlap of its "
-                                         "real system), fused-only (only flexible's fused pairs overlap) or none "
-                                         "(all serial).")] = "real",
+                                         "real system), released (the baselines without Megatron-Core's "
+                                         "all-to-all overlap, as their 2024 releases ran), fused-only (only "
+                                         "flexible's fused pairs overlap) or none (all serial).")] = "real",
     png: Annotated[Optional[str], typer.Option("--png", metavar="PATH", help="Also plot the imbalance and every "
                                                "policy's MFU per iteration (PNG, written atomically).")] = None,
     json_output: Annotated[bool, typer.Option("--json", help=JSON_HELP + " " + JSON_DOC)] = False,

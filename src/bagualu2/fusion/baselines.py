@@ -58,17 +58,19 @@ def megatron_overlapped(chains: Chains) -> Order:
     return _finish(list(megatron_overlapped_groups(chains)), chains, "megatron-overlapped")
 
 
-def megatron_overlapped_groups(chains: Chains) -> tuple[tuple[StageRef, ...], ...]:
+def megatron_overlapped_groups(chains: Chains, *, pair: bool = True) -> tuple[tuple[StageRef, ...], ...]:
     """The groups of :func:`megatron_overlapped`, without timing them. A point whose recovery re-runs an
     expert-parallel all-to-all (full-layer recompute, or a recomputed MoE dispatch or combine) is not paired: Megatron-Core
     refuses its all-to-all overlap (``--overlap-moe-expert-parallel-comm``) with full recomputation, a recompute
     method or layer count, and a recomputed ``moe`` module (``TransformerConfig``'s checks), so F and B run one
-    after the other, each still joined by the copies."""
+    after the other, each still joined by the copies. ``pair=False``: never paired (a Megatron release before
+    that overlap, Megatron-Core 0.14), the copies still beside compute."""
     reloads = 0
     if chains.recovery:
         while reloads < len(chains.recovery) and chains.recovery.stages[reloads].resource is Resource.H2D:
             reloads += 1
-    groups = (_singles(chains, "F") + _singles(chains, "B") if reruns_all_to_all(chains) else _pair_f_b(chains))
+    groups = (_singles(chains, "F") + _singles(chains, "B") if not pair or reruns_all_to_all(chains)
+              else _pair_f_b(chains))
     return tuple(_join([list(group) for group in groups], chains, reloads))
 
 

@@ -15,11 +15,16 @@ between policies is only the order, i.e. the overlap their real systems have:
   compute stream before the backward that needs them.
 * ``fused`` (bagualu2, ``oracle``, ``ideal``): the fused dual-batch DP's order (``runtime.Stage.order``), which
   also places recompute, casts and copies of adjacent micro-batches beside communication (§V-B).
+* ``megatron-unpaired``: ``megatron`` without the combined-1F1B pairing (F then B at every point), the copies
+  still on copy streams beside compute: the baselines as their open-source releases ran (Megatron-Kwai's of May
+  2024 and AdaPipe's of 2024 predate ``--overlap-moe-expert-parallel-comm``, Megatron-Core 0.14, 2025-09).
 * ``serial``: one stage at a time, nothing overlaps (every step the sum of its ops).
 * ``fused-pairs``: the DP's order for steady pairs, the other steps serial (the fused policies under
   ``"fused-only"``).
 
-``OVERLAP`` switches the model for a whole simulation: ``"real"`` (default) as above; ``"fused-only"``: the static
+``OVERLAP`` switches the model for a whole simulation: ``"real"`` (default) as above; ``"released"``: as
+``"real"`` but every ``megatron`` policy ``megatron-unpaired`` (a bound: the paper does not say which Megatron its
+baselines ran on); ``"fused-only"``: the static
 policies serial, the fused ones ``fused-pairs``, no interference (the model in which only bagualu2's own steady
 pairs overlap);
 ``"none"``: every policy serial.
@@ -36,8 +41,8 @@ from ..costmodel import Resource
 from ..fusion import Chains, Order
 from ..fusion.baselines import megatron_overlapped_groups
 
-OVERLAP = ("real", "fused-only", "none")
-EXECUTIONS = ("serial", "megatron", "fused", "fused-pairs")
+OVERLAP = ("real", "released", "fused-only", "none")
+EXECUTIONS = ("serial", "megatron", "megatron-unpaired", "fused", "fused-pairs")
 COMM_SM_SHARE = 20 / 132  # DeepSeek-V3 technical report §3.2.2: 20 SMs of 132 run the all-to-all kernels
 
 
@@ -53,12 +58,15 @@ def execution_of(native: str, overlap: str) -> str:
         return "serial"
     if overlap == "fused-only":
         return "fused-pairs" if native == "fused" else "serial"
+    if overlap == "released" and native == "megatron":
+        return "megatron-unpaired"
     return native
 
 
 def interference_of(overlap: str) -> float:
-    """The compute slowdown share while communication overlaps: ``COMM_SM_SHARE`` under ``"real"``, else 0."""
-    return COMM_SM_SHARE if overlap == "real" else 0.0
+    """The compute slowdown share while communication overlaps: ``COMM_SM_SHARE`` under ``"real"`` and
+    ``"released"``, else 0."""
+    return COMM_SM_SHARE if overlap in ("real", "released") else 0.0
 
 
 def order_of(execution: str, chains: Chains, fused) -> Order:
@@ -66,8 +74,9 @@ def order_of(execution: str, chains: Chains, fused) -> Order:
     DP (the stage engine's memoised one)."""
     if execution == "fused" or (execution == "fused-pairs" and chains.forward and chains.backward):
         return fused(chains)
-    if execution == "megatron":
-        return Order(megatron_overlapped_groups(chains), barriers=True, solver="megatron-overlapped")
+    if execution in ("megatron", "megatron-unpaired"):
+        return Order(megatron_overlapped_groups(chains, pair=execution == "megatron"), barriers=True,
+                     solver="megatron-overlapped")
     return Order(tuple(((chain.kind, i),) for chain in chains.present() for i in range(len(chain))), barriers=True,
                  solver="sequential")
 

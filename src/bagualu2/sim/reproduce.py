@@ -16,6 +16,9 @@ trainer's fallback).
 * Fig. 9   GLM-423B-A30B on 512 GPUs: MFU per iteration beside the imbalance; MFU during spikes.
 * Fig. 10  (a) sparsity: the same experts (same total parameters), top-k varied; (b) sequence length.
 * Fig. 11  the ablation L1 -> L4 (:data:`~.policies.ABLATION`).
+* released the focus model's baselines, static policies and L1-L3 once more under ``overlap="released"``
+           (:mod:`.execution`: without Megatron-Core's all-to-all overlap, as the baselines' 2024 releases ran): the
+           other end of the range the paper's ratios fall in.
 * decision overhead: the runtime decision path's measured CPU time per iteration (stage 0) beside the simulated
   iteration time.
 """
@@ -38,6 +41,7 @@ from .traces import PaperTrace, paper_trace
 BASELINES = ("kwai", "adapipe")
 FIG8_POLICIES = ("flexible", "kwai", "adapipe", "static-under", "static-over", "ideal", "oracle")
 SWEEP_POLICIES = ("flexible", "kwai", "adapipe", "ideal", "oracle")
+RELEASED_POLICIES = ("kwai", "adapipe", "static-under", "static-over", "L1", "L2", "L3")
 
 
 def on_oom(policy: str) -> str:
@@ -114,6 +118,7 @@ class Report:
     sparsity: tuple[Run, ...]            # Fig. 10a
     seq_length: tuple[Run, ...]          # Fig. 10b
     ablation: Run                        # Fig. 11
+    released: Run                        # the focus model under overlap="released" (RELEASED_POLICIES)
     overhead: tuple[tuple[str, float, float], ...]   # (model, decision ms per iteration, simulated iteration s)
 
     @property
@@ -151,19 +156,19 @@ def _runs(config: ReproduceConfig, step: Callable[[str], None]):
 
     done: dict[tuple, SimResult] = {}  # a configuration met twice (the focus in the sweeps) is simulated once
 
-    def result(model, parallel, policy):
-        key = (model, parallel, policy)
-        if policy == "L4" and (model, parallel, "flexible") in done:  # L4 is flexible
-            done[key] = dataclasses.replace(done[(model, parallel, "flexible")], policy="L4")
+    def result(model, parallel, policy, overlap="real"):
+        key = (model, parallel, policy, overlap)
+        if policy == "L4" and (model, parallel, "flexible", overlap) in done:  # L4 is flexible
+            done[key] = dataclasses.replace(done[(model, parallel, "flexible", overlap)], policy="L4")
         if key not in done:
             done[key] = simulate(model, parallel, hardware, policy, trace_for(config, parallel.num_microbatches),
                                  restart_s=config.restart_s, on_oom=on_oom(policy),
-                                 plan_imbalance=config.plan_imbalance)
+                                 plan_imbalance=config.plan_imbalance, overlap=overlap)
         return done[key]
 
-    def run(label, model, parallel, policies):
+    def run(label, model, parallel, policies, overlap="real"):
         step(label)
-        return Run(label, {p: result(model, parallel, p) for p in policies}, parallel.world_size)
+        return Run(label, {p: result(model, parallel, p, overlap) for p in policies}, parallel.world_size)
 
     scales = tuple(run(name, *presets.model(name), FIG8_POLICIES) for name in config.models)
     if config.focus not in config.models:
@@ -174,7 +179,8 @@ def _runs(config: ReproduceConfig, step: Callable[[str], None]):
     lengths = tuple(run(f"{n // 1024}K" if n % 1024 == 0 else str(n), dataclasses.replace(model, seq_length=n),
                         parallel, SWEEP_POLICIES) for n in config.seq_lengths)
     ablation = run("ablation", model, parallel, ABLATION)
-    return scales, sparsity, lengths, ablation
+    released = run("released", model, parallel, RELEASED_POLICIES, overlap="released")
+    return scales, sparsity, lengths, ablation, released
 
 
 def decision_ms(model_name: str, hardware_name: str, trace, iterations: int) -> float:
@@ -193,7 +199,7 @@ def decision_ms(model_name: str, hardware_name: str, trace, iterations: int) -> 
 def steps(config: ReproduceConfig) -> int:
     """How many progress steps :func:`reproduce` reports."""
     models = len(config.models) + (config.focus not in config.models)
-    return models + len(config.top_ks) + len(config.seq_lengths) + 1 + len(config.models)
+    return models + len(config.top_ks) + len(config.seq_lengths) + 2 + len(config.models)
 
 
 def reproduce(config: ReproduceConfig | None = None, *, progress: Callable[[str], None] | None = None) -> Report:
@@ -202,7 +208,7 @@ def reproduce(config: ReproduceConfig | None = None, *, progress: Callable[[str]
     config = config or ReproduceConfig()
     step = progress or (lambda label: None)
     trace = trace_for(config)
-    scales, sparsity, lengths, ablation = _runs(config, step)
+    scales, sparsity, lengths, ablation, released = _runs(config, step)
     overhead = []
     for run in scales:
         if run.label not in config.models:
@@ -211,4 +217,4 @@ def reproduce(config: ReproduceConfig | None = None, *, progress: Callable[[str]
         flexible = run.results["flexible"]
         overhead.append((run.label, decision_ms(run.label, config.hardware, trace, config.overhead_iterations),
                          flexible.total_time_s / len(flexible.iterations)))
-    return Report(config, tuple(trace), scales, sparsity, lengths, ablation, tuple(overhead))
+    return Report(config, tuple(trace), scales, sparsity, lengths, ablation, released, tuple(overhead))

@@ -57,7 +57,8 @@ class SimConfig:
     m_max_bytes: every stage's activation capacity instead of what its memory leaves (the trainer's
     ``--memory-cap``); None: ``stage_memory``'s ``M_max``.
     overlap: the execution model (``execution.OVERLAP``): ``"real"`` (every policy the overlap of its real
-    system), ``"fused-only"`` (only the fused policies' steady pairs overlap) or ``"none"`` (all serial)."""
+    system), ``"released"`` (the same without Megatron-Core's all-to-all overlap for the baselines),
+    ``"fused-only"`` (only the fused policies' steady pairs overlap) or ``"none"`` (all serial)."""
 
     restart_s: float = 284.0
     plan_imbalance: float = 1.0
