@@ -206,7 +206,10 @@ class Provisioner:
         started = time.perf_counter()
         kept = record.device_bytes
         own = self._cost(chunk, record.plan).activation_bytes_received(graph, dict(record.received_tokens))
-        over = float(self.safety_net and self.capped and self.tracker.in_flight_bytes > self.cap_bytes)
+        # the most in flight while the forward ran: in a fused point the other micro-batch's backward may have
+        # released its bytes before the forward ended
+        most_in_flight = max(self.tracker.high_water_bytes, self.tracker.in_flight_bytes)
+        over = float(self.safety_net and self.capped and most_in_flight > self.cap_bytes)
         agreed = time.perf_counter()
         self.planning_s += agreed - started
         if self.ep_group is None or self.fixed is not None:
@@ -228,6 +231,7 @@ class Provisioner:
         executor = self.executors[chunk]
         stats = [routing_stats(moe) for moe in moes]
         loads = [s.load for s in stats]
+        self.tracker.watch()
         with executor.micro_batch(forward.name, plan=forward.plan, budget_bytes=forward.gate_budget_bytes) as record:
             out = layers(x)
         rerun = False
@@ -240,6 +244,7 @@ class Provisioner:
                 s.load = load
             rerun = True
             self.reruns += 1
+            self.tracker.watch()
             with executor.micro_batch(forward.name, plan=self.path.pre_gate(0, chunk), budget_bytes=0) as record:
                 out = layers(x)
             _, recorded, predicted = self._after_forward(record, graph, chunk)
@@ -322,8 +327,8 @@ class Provisioner:
         self.dual.run(order, chains, forward=run_forward, backward=(y.name, run_backward),
                       offload=prev.name if prev is not None and chains.offload is not None else None,
                       recovery=nxt.name if nxt is not None and chains.recovery is not None else None)
-        if prev is not None and prev.name in self.executors[previous[0]]:
-            self.flush_offloads()
+        if self.parallel.paired or (prev is not None and prev.name in self.executors[previous[0]]):
+            self.flush_offloads()  # without a pipeline (paired) x's copies start right after its point
 
 
 class _TimedPlanner(DeferredPlanner):

@@ -256,16 +256,17 @@ class Session:
         while index < len(actions):
             action = actions[index]
             following = actions[index + 1] if index + 1 < len(actions) else None
-            if action.kind == "F" and following is not None and following.kind == "B":
+            if (action.kind == "F" and following is not None and following.kind == "B"
+                    and following.microbatch != action.microbatch):
                 x, y = action.microbatch, following.microbatch
                 provisioner.point(forward=(0, x), backward=(0, y), previous=None, following=None,
                                   run_forward=lambda x=x: forward(x), run_backward=lambda y=y: losses[y].backward())
                 index += 2
                 continue
             if action.kind == "F":
-                provisioner.flush_offloads()
                 provisioner.prepare(0, action.microbatch)
                 forward(action.microbatch)
+                provisioner.flush_offloads()  # its copies start now, as after every point
             else:
                 losses[action.microbatch].backward()
             index += 1

@@ -170,12 +170,16 @@ def test_pp1_dp2_runtime_pairs_f_and_b_and_matches_the_plain_schedule_bitwise(tm
     summary = records(runs["runtime"])[-1]
     assert summary["peak_activation_bytes"] <= summary["memory_cap_bytes"]
     assert summary["memory_cap_bytes"] > records(runs["plain"])[-1]["memory_cap_bytes"]  # two in flight, not one
+    single = tmp_path / "single.jsonl"  # one micro-batch: F0 then B0, nothing to pair
+    ok(torchrun(2, "--steps", "1", "--pp", "1", "--dp", "2", "--ep", "2", "--num-microbatches", "1",
+                "--metrics-file", str(single)))
+    assert records(single)[0]["order"] == [] and len(losses(single)) == 1
 
 
 def test_flexible_safety_net_reruns_a_mispredicted_micro_batch_without_a_restart(tmp_path):
     metrics = tmp_path / "net.jsonl"
     ok(torchrun(2, "--steps", "3", "--pp", "1", "--dp", "2", "--ep", "2", "--prediction-scale", "0.6",
-                "--schedule", "plain", "--metrics-file", str(metrics)))  # one micro-batch in flight: it overflows
+                "--metrics-file", str(metrics)))  # paired: an overflow while B_y still held its bytes counts
     rows = records(metrics)
     summary = rows[-1]
     assert summary["oom_events"] == 0 and summary["restarts"] == 0 and summary["reruns"] > 0

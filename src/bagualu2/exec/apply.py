@@ -295,7 +295,7 @@ class PlanExecutor:
                 f"activations in flight would reach {tracker.in_flight_bytes + nbytes} bytes, over the cap of "
                 f"{tracker.cap_bytes} bytes")
         record.device.storages[key] = nbytes
-        tracker.peak_bytes = max(tracker.peak_bytes, tracker.in_flight_bytes)
+        tracker.observe()
 
     def _storage(self, record: MicroBatchRecord, tensor: torch.Tensor, key) -> Stored:
         entry = record.storages.get(key)

@@ -51,6 +51,7 @@ class ActivationTracker:
         self._in_flight: dict[str, MicroBatchBytes] = {}
         self._current: MicroBatchBytes | None = None
         self.peak_bytes = 0
+        self.high_water_bytes = 0  # the most in flight since the last ``watch()``
 
     def exclude(self, *modules: torch.nn.Module) -> None:
         """Do not count the parameters and buffers of ``modules`` as activations."""
@@ -70,6 +71,20 @@ class ActivationTracker:
     def drop(self, name: str) -> None:
         """Forget micro-batch ``name`` without asking whether it was in flight (failure paths)."""
         self._in_flight.pop(name, None)
+
+    def watch(self) -> int:
+        """Start a new high-water mark of the bytes in flight (``high_water_bytes``, e.g. over one forward that
+        runs beside another micro-batch's backward); returns the bytes in flight now."""
+        self.high_water_bytes = self.in_flight_bytes
+        return self.high_water_bytes
+
+    def observe(self) -> int:
+        """Raise ``peak_bytes`` and ``high_water_bytes`` to the bytes in flight now (after an activation was
+        counted); returns them."""
+        in_flight = self.in_flight_bytes
+        self.peak_bytes = max(self.peak_bytes, in_flight)
+        self.high_water_bytes = max(self.high_water_bytes, in_flight)
+        return in_flight
 
     @property
     def in_flight_bytes(self) -> int:
@@ -118,7 +133,7 @@ class ActivationTracker:
                     f"activations in flight would reach {self.in_flight_bytes + nbytes} bytes, over the cap of "
                     f"{self.cap_bytes} bytes")
             record.storages[key] = nbytes
-            self.peak_bytes = max(self.peak_bytes, self.in_flight_bytes)
+            self.observe()
         return tensor.detach()  # an alias: packing a saved output as itself would form a leaking reference cycle
 
 

@@ -76,7 +76,7 @@ def order_of(execution: str, chains: Chains, fused) -> Order:
         return fused(chains)
     if execution in ("megatron", "megatron-unpaired"):
         return Order(megatron_overlapped_groups(chains, pair=execution == "megatron"), barriers=True,
-                     solver="megatron-overlapped")
+                     solver="megatron-overlapped" if execution == "megatron" else execution)
     return Order(tuple(((chain.kind, i),) for chain in chains.present() for i in range(len(chain))), barriers=True,
                  solver="sequential")
 
