@@ -11,7 +11,8 @@ the level by 1 to 4) with numpy, one vector step per level. The transfer points 
 the last state, each state's first minimising transition is recomputed from the table of best times.
 
 At pipeline degree 2 the offload and the recovery copy the same micro-batch: the DP orders F and B, and O and R
-run at the point's edges (:func:`with_edges`).
+run at the point's edges (:func:`with_edges`). At degree 1 (no pipeline, F_(y+1) beside B_y) the DP orders F and
+B and any copies run after them.
 """
 
 from __future__ import annotations
