@@ -2,7 +2,8 @@
 
 Per step: every rank draws its micro-batches (``DomainBatches.micro_batch(step, dp_rank * m + i)``: the same
 data for any layout), runs them through its pipeline schedule (``pp > 1``) or the cost model's 1F1B order
-(``pp = 1``: F, B alternate; under EP with ``--schedule runtime`` each F_(i+1) fused with B_i), each forward provisioned by the rank's :class:`~.provision.Provisioner`; then the
+(``pp = 1``: F, B alternate; under EP with ``--schedule runtime`` each F_(i+1) fused with B_i), each forward
+provisioned by the rank's :class:`~.provision.Provisioner`; then the
 gradients are reduced (dense over dp, experts over their replicas), AdamW steps, the routers' expert biases move
 towards balance (aux-loss-free, from the routing counts summed over dp), rank 0 gathers the stages' records and
 writes one JSONL line. Gradients are scaled by 1/m after the backwards, as the pipelining schedules do.

@@ -26,7 +26,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as S
 from torch.distributed.pipelining.schedules import FORWARD, FULL_BACKWARD, OVERLAP_F_B
 
-from bagualu2.costmodel import ParallelConfig, schedule
+from bagualu2.costmodel import ParallelConfig, points
 from bagualu2.costmodel.build import chunk_layers
 
 from .chunks import ChunkModule
@@ -37,26 +37,14 @@ from .provision import Provisioner
 def runtime_actions(parallel: ParallelConfig) -> dict[int, list[S._Action]]:
     """Every pp rank's compute actions: the cost model's schedule, steady (F, B) pairs of different
     micro-batches as ``OVERLAP_F_B``."""
-    orders: dict[int, list[S._Action]] = {}
-    for rank in range(parallel.pp):
-        steps = list(schedule(parallel, rank))
-        actions: list[S._Action] = []
-        index = 0
-        while index < len(steps):
-            step = steps[index]
-            action = S._Action(step.chunk * parallel.pp + rank, FORWARD if step.kind == "F" else FULL_BACKWARD,
-                             step.microbatch)
-            following = steps[index + 1] if index + 1 < len(steps) else None
-            if (step.kind == "F" and following is not None and following.kind == "B"
-                    and following.microbatch != step.microbatch):
-                backward = S._Action(following.chunk * parallel.pp + rank, FULL_BACKWARD, following.microbatch)
-                actions.append(S._Action(-1, OVERLAP_F_B, None, (action, backward)))
-                index += 2
-                continue
-            actions.append(action)
-            index += 1
-        orders[rank] = actions
-    return orders
+    def action(step, rank: int) -> S._Action:
+        return S._Action(step.chunk * parallel.pp + rank, FORWARD if step.kind == "F" else FULL_BACKWARD,
+                         step.microbatch)
+
+    return {rank: [action(group[0], rank) if len(group) == 1
+                   else S._Action(-1, OVERLAP_F_B, None, tuple(action(step, rank) for step in group))
+                   for group in points(parallel, rank)]
+            for rank in range(parallel.pp)}
 
 
 def build_stages(model: GLMMoEModel, parallel: ParallelConfig, *, pp_rank: int, provisioner: Provisioner,

@@ -243,7 +243,7 @@ class Session:
         """pp = 1, ``paired``: the cost model's combined-1F1B order; each F_(i+1) B_i is one fused point, run by
         the dual-batch executor in the fusion DP's order (the all-to-alls of one beside the other's compute).
         Returns the sum of the micro-batch losses."""
-        from bagualu2.costmodel import schedule
+        from bagualu2.costmodel import points
 
         b, provisioner = self.config.model.micro_batch_size, self.provisioner
         losses: dict[int, torch.Tensor] = {}
@@ -251,25 +251,17 @@ class Session:
         def forward(i: int) -> None:
             losses[i] = _loss(chunk(inputs[i * b:(i + 1) * b]), targets[i * b:(i + 1) * b])
 
-        actions = schedule(self.parallel)
-        index = 0
-        while index < len(actions):
-            action = actions[index]
-            following = actions[index + 1] if index + 1 < len(actions) else None
-            if (action.kind == "F" and following is not None and following.kind == "B"
-                    and following.microbatch != action.microbatch):
-                x, y = action.microbatch, following.microbatch
+        for group in points(self.parallel):
+            if len(group) == 2:
+                x, y = (step.microbatch for step in group)
                 provisioner.point(forward=(0, x), backward=(0, y), previous=None, following=None,
-                                  run_forward=lambda x=x: forward(x), run_backward=lambda y=y: losses[y].backward())
-                index += 2
-                continue
-            if action.kind == "F":
-                provisioner.prepare(0, action.microbatch)
-                forward(action.microbatch)
+                                  run_forward=lambda x=x: forward(x), run_backward=losses[y].backward)
+            elif group[0].kind == "F":
+                provisioner.prepare(0, group[0].microbatch)
+                forward(group[0].microbatch)
                 provisioner.flush_offloads()  # its copies start now, as after every point
             else:
-                losses[action.microbatch].backward()
-            index += 1
+                losses[group[0].microbatch].backward()
         return sum(float(loss.detach()) for loss in losses.values())
 
     def _balance(self) -> None:

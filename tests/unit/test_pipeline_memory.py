@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from bagualu2.costmodel import (ParallelConfig, Plan, inflight_chunks, inflight_microbatches, memory_curve,
                                 presets, schedule, stage_memory, static_bytes)
-from bagualu2.costmodel.pipeline import num_warmup, peak_bytes
+from bagualu2.costmodel.pipeline import num_warmup, peak_bytes, points
 
 
 @given(pp=st.integers(1, 16), m=st.integers(1, 64), data=st.data())
@@ -59,6 +59,8 @@ def test_paired_without_a_pipeline_runs_f_next_beside_b(m, ep):
     expected = [("F", 0)] + [kind for i in range(m - 1) for kind in (("F", i + 1), ("B", i))] + [("B", m - 1)]
     assert [(a.kind, a.microbatch) for a in schedule(parallel)] == expected
     assert num_warmup(parallel) == 1 and inflight_chunks(parallel) == min(2, m)
+    assert [tuple(a.microbatch for a in group) for group in points(parallel)] == (
+        [(0,)] + [(i + 1, i) for i in range(m - 1)] + [(m - 1,)])
     assert inflight_chunks(parallel.replace(paired=False)) == 1
 
 

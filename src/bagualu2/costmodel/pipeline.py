@@ -64,6 +64,25 @@ def schedule(parallel: ParallelConfig, stage: int = 0) -> tuple[Action, ...]:
     return tuple(actions)
 
 
+def points(parallel: ParallelConfig, stage: int = 0) -> tuple[tuple[Action, ...], ...]:
+    """``schedule(parallel, stage)`` grouped as it runs: each steady forward with the backward after it, of another
+    micro-batch, is one scheduling point ``(F_x, B_y)``; every other action is alone ``(action,)``."""
+    actions = schedule(parallel, stage)
+    grouped: list[tuple[Action, ...]] = []
+    index = 0
+    while index < len(actions):
+        action = actions[index]
+        following = actions[index + 1] if index + 1 < len(actions) else None
+        if (action.kind == "F" and following is not None and following.kind == "B"
+                and following.microbatch != action.microbatch):
+            grouped.append((action, following))
+            index += 2
+        else:
+            grouped.append((action,))
+            index += 1
+    return tuple(grouped)
+
+
 def inflight_chunks(parallel: ParallelConfig, stage: int = 0) -> int:
     """Most chunk activations ``stage`` holds at once (warmup + 1 for a full steady phase)."""
     held = peak = 0

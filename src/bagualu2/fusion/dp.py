@@ -111,8 +111,8 @@ def solve(chains: Chains, *, pipeline_degree: int | None = None) -> Order:
             from .simulate import simulate
 
             core = solve(Chains(chains.forward, chains.backward)).groups if chains.forward or chains.backward else ()
-            copies = tuple(((kind, i),) for kind in "OR" if chains.get(kind) is not None
-                           for i in range(len(chains.get(kind))))
+            copies = tuple(((chain.kind, i),) for chain in (chains.offload, chains.recovery) if chain is not None
+                           for i in range(len(chain)))
             ordered = Order(core + copies, barriers=True)
             return Order(ordered.groups, barriers=True, makespan_ns=simulate(ordered, chains).makespan_ns, solver="dp")
         if degree == 2 and chains.offload is not None and chains.recovery is not None:
