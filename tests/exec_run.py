@@ -14,6 +14,15 @@ def run_plan(config, graph, plan, *, seed: int = 0, deferred=None, gate: bool = 
     """``(record or None, loss, {name: grad} incl. "input", backward FLOPs)`` of one micro-batch (``plan=None``:
     no executor at all; ``deferred``: a DeferredPlanner consulted after every MoE gate; ``gate=False``: the
     instrumented model never reports its gates)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one reduction order for every run compared bitwise, whatever a test set before
+    try:
+        return _run(config, graph, plan, seed, deferred, gate)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(config, graph, plan, seed, deferred, gate):
     torch.manual_seed(seed)
     model = GLMMoEModel(config)
     instrument_reference(model, gate=gate)
