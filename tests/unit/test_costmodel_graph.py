@@ -173,3 +173,19 @@ def test_kind_level_recompute_is_selective_recompute_of_the_op():
     # an explicit entry wins over the policy
     explicit = resolve(graph, Plan.of({"expert_act": "RECOMPUTE", "L0.expert_fc2/L0.expert_act_out": "OFFLOAD"}))
     assert explicit[("L0.expert_fc2", "L0.expert_act_out")] is Strategy.OFFLOAD
+
+
+@pytest.mark.parametrize("flash", [True, False])
+def test_a_flash_attention_backward_does_two_and_a_half_forwards_every_other_op_two(flash):
+    """FlashAttention's backward re-computes the scores (five matrix products for the forward's two); a kernel that
+    saved the probabilities, and every other compute op, does twice its forward."""
+    model, parallel = presets.model("glm-423b-a30b")
+    graph = build_graph(model.replace(flash_attention=flash), parallel, HW)
+    launch_ns = HW.kernel_launch_s * 1e9
+    for op in graph.ops:
+        if op.resource is Resource.COMM:
+            continue
+        factor = 2.5 if flash and op.kind == "core_attn" else 2.0
+        compute_ns = max(op.flops / (HW.peak_flops * HW.matmul_efficiency), op.moved_bytes / HW.hbm_bytes_per_s) * 1e9
+        assert op.forward_ns == pytest.approx(launch_ns + compute_ns, abs=1)
+        assert op.backward_ns == pytest.approx(launch_ns + factor * compute_ns, abs=1), op.name

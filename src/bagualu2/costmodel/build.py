@@ -15,6 +15,11 @@ from .config import Hardware, ModelConfig, ParallelConfig, check_compatible
 from .graph import COMM_KINDS, ITEM_BYTES, Op, OpGraph, Resource, Saving, TensorSpec
 from .strategy import roofline_ns, seconds_to_ns
 
+# A fused (flash) attention backward re-computes the score matrix: five matrix products for the forward's two,
+# 2.5 x its FLOPs (FlashAttention-2, Dao 2023, §4.1); every other compute op's backward does 2 x (input and weight
+# gradients).
+FLASH_BACKWARD_FACTOR = 2.5
+
 
 class _Builder:
     def __init__(self, model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, imbalance: float):
@@ -34,8 +39,9 @@ class _Builder:
 
     def op(self, layer: int, label: str, kind: str, inputs: tuple[str, ...], outputs: dict[str, tuple],
            saves: tuple[tuple[str, str], ...] = (), flops: int = 0, moved: int | None = None,
-           comm_bytes: int = 0, comm_group: int = 1) -> tuple[str, ...]:
-        """Append op ``L{layer}.{label}``; ``outputs`` maps a role to ``(numel, dtype[, routed])``."""
+           comm_bytes: int = 0, comm_group: int = 1, backward_factor: float = 2.0) -> tuple[str, ...]:
+        """Append op ``L{layer}.{label}``; ``outputs`` maps a role to ``(numel, dtype[, routed])``; a compute op's
+        backward does ``backward_factor`` times its forward FLOPs and bytes (2: the input and weight gradients)."""
         name = f"L{layer}.{label}"
         tensors = self.tensors
         out_names = []
@@ -50,7 +56,7 @@ class _Builder:
             resource = Resource.COMM
         else:
             fwd = self._compute_ns(flops, moved)
-            bwd = self._compute_ns(2 * flops, 2 * moved)
+            bwd = self._compute_ns(backward_factor * flops, backward_factor * moved)
             resource = Resource.COMPUTE
         savings = tuple([Saving(t, d) for t, d in saves])
         self.ops.append(Op(name, kind, layer, resource, inputs, tuple(out_names), savings, int(flops), int(moved),
@@ -132,7 +138,8 @@ class _Builder:
             saves = tuple(saves_list)
             moved = self.nbytes(4 * T * heads * d + 3 * probs_numel)
         (o,) = self.op(layer, "core_attn", "core_attn", (qr, kr, v), {"attn_out_in": (T * heads * d, self.dt)},
-                       saves=saves, flops=attn_flops, moved=moved)
+                       saves=saves, flops=attn_flops, moved=moved,
+                       backward_factor=FLASH_BACKWARD_FACTOR if m.flash_attention else 2.0)
         (proj,) = self.op(layer, "attn_out", "attn_out", (o,), {"attn_proj": (T * h, self.dt)},
                           saves=((o, self.dt),), flops=2 * T * heads * d * h,
                           moved=self.nbytes(T * heads * d + T * h + heads * d * h))
