@@ -1,5 +1,7 @@
 """Pipeline schedules, in-flight counts, memory curves with spikes, and static memory."""
 
+import dataclasses
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -64,11 +66,23 @@ def test_paired_without_a_pipeline_runs_f_next_beside_b(m, ep):
     assert inflight_chunks(parallel.replace(paired=False)) == 1
 
 
-def test_paired_needs_pp_1_and_a_bool():
-    with pytest.raises(ValueError, match="paired needs pp=1"):
-        ParallelConfig(pp=2, num_microbatches=4, paired=True)
+def test_paired_is_a_bool():
     with pytest.raises(ValueError, match="paired must be true or false"):
         ParallelConfig(paired=1)
+
+
+@pytest.mark.parametrize("pp, vp, m", [(2, 1, 4), (4, 1, 8), (4, 2, 8), (8, 2, 64), (3, 1, 2)])
+def test_paired_adds_one_warmup_forward_so_no_steady_pair_holds_its_own_backward(pp, vp, m):
+    plain, paired = ParallelConfig(pp=pp, vp=vp, num_microbatches=m), ParallelConfig(pp=pp, vp=vp,
+                                                                                    num_microbatches=m, paired=True)
+    for stage in range(pp):
+        assert num_warmup(paired, stage) == min(num_warmup(plain, stage) + 1, m * vp)
+        pairs = [point for point in points(paired, stage) if len(point) == 2]
+        assert all(f.microbatch != b.microbatch for f, b in pairs)
+        if num_warmup(paired, stage) < m * vp:  # a steady phase: its forwards all pair
+            assert len(pairs) == m * vp - num_warmup(paired, stage)
+    last = [point for point in points(plain, pp - 1) if len(point) == 2]
+    assert len(last) < m * vp - num_warmup(plain, pp - 1)  # without: the last stage runs F_i right before B_i
 
 
 def test_warmup_counts():
@@ -99,7 +113,9 @@ def test_stage_memory_peak_and_budget_inputs():
     mem = stage_memory(model, parallel, hw, stage=0)
     assert mem.peak_bytes == mem.static_bytes + mem.activation_peak_bytes
     assert mem.activation_peak_bytes == max(memory_curve(parallel, [mem.chunk_bytes] * parallel.num_microbatches))
-    assert mem.inflight_microbatches == pytest.approx(8 * (1 + 7 / 16))
+    assert mem.inflight_microbatches == pytest.approx(8 * (1 + 7 / 16) + 1 / 2)  # paired: one more chunk
+    plain = stage_memory(model, dataclasses.replace(parallel, paired=False), hw, stage=0)
+    assert plain.inflight_microbatches == pytest.approx(8 * (1 + 7 / 16))
     assert mem.m_max_bytes == hw.hbm_bytes - hw.reserved_bytes - mem.static_bytes
     spike = stage_memory(model, parallel, hw, stage=0, imbalance=2.6)
     assert spike.activation_peak_bytes > mem.activation_peak_bytes

@@ -61,6 +61,8 @@ def test_a_spike_hits_a_few_micro_batches_of_its_iteration():
                                            ({"num_iterations": 5, "base_low": 0.5}, "base_low"),
                                            ({"num_iterations": 5, "base_high": 0.9}, "base_high"),
                                            ({"num_iterations": 5, "spike_max": 1.1}, "spike_max"),
+                                           ({"num_iterations": 5, "base_high": 1.25, "spike_max": 1.255},
+                                            "spike_max"),  # no rate above base_high at 2 decimals
                                            ({"num_iterations": 5, "seed": -1}, "seed")])
 def test_paper_trace_rejects_bad_fields(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -191,7 +193,8 @@ def test_cli_table_and_trace_file(tmp_path):
 
 @pytest.mark.parametrize("args, option", [(["-p", "nope"], "--policy"), (["-n", "-1"], "--iterations"),
                                           (["--restart-s", "-2"], "--restart-s"), (["--seed", "-1"], "--seed"),
-                                          (["--model", "nope"], "--model")])
+                                          (["--model", "nope"], "--model"),
+                                          (["--model", "tiny-moe"], "--model")])  # ep=1: no paper trace
 def test_cli_errors_are_one_line(args, option):
     result = runner.invoke(app, ["simulate", *args])
     assert result.exit_code == 2
@@ -237,3 +240,39 @@ def test_a_memory_cap_replaces_every_stages_capacity():
     assert simulate(model, parallel, HARDWARE, "ideal", WITH_SPIKES, m_max_bytes=cap).oom_events == 0
     with pytest.raises(ValueError, match="m_max_bytes"):
         SimConfig(m_max_bytes=0)
+
+
+def test_a_forward_is_never_paired_with_its_own_backward():
+    """At pp=1 without pairing every step is F_i then B_i: each is priced alone, under every execution."""
+    import dataclasses
+
+    from bagualu2.sim.policies import make_policy
+    from bagualu2.sim.simulate import stage_time
+    from bagualu2.sim.stage import StageContext
+
+    model, parallel = presets.model("glm-423b-a30b")
+    model = model.replace(num_layers=2)
+    parallel = dataclasses.replace(parallel, pp=1, vp=1, dp=256, num_microbatches=4, paired=False)
+    ctx = StageContext(model, parallel, presets.hardware("h200"), 0)
+    rates = (1.1,) * parallel.num_microbatches
+    ideal = stage_time(make_policy("ideal", ctx), rates).busy_s
+    for name in ("static-under", "kwai", "L3", "flexible"):
+        policy = make_policy(name, ctx, plan_imbalance=1.2) if name in ("static-under", "kwai") else \
+            make_policy(name, ctx)
+        choice = policy.forward(0, 1.1, "steady", 1 << 62)
+        assert stage_time(policy, rates).busy_s == pytest.approx(4 * (choice.forward_s + choice.backward_s))
+        assert stage_time(policy, rates).busy_s >= ideal * (1 - 1e-9)
+
+
+def test_the_gradient_reduction_hides_behind_the_last_backward_on_every_stage():
+    """The last micro-batch's backward counts whether it runs alone or inside the last steady pair."""
+    from bagualu2.sim.policies import make_policy
+    from bagualu2.sim.simulate import stage_time
+    from bagualu2.sim.stage import StageContext
+
+    model, parallel = presets.model(MODEL)
+    rates = (1.1,) * parallel.num_microbatches
+    spans = [stage_time(make_policy("ideal", StageContext(model, parallel, HARDWARE, s)), rates).last_backward_s
+             for s in range(parallel.pp)]
+    assert min(spans) > 0
+    assert spans == pytest.approx([spans[0]] * parallel.pp)

@@ -111,7 +111,8 @@ def test_reproduce_reports_every_figure():
 @pytest.mark.parametrize("kwargs, field", [({"iterations": 5}, "iterations"), ({"restart_s": -1.0}, "restart_s"),
                                            ({"top_ks": (0,)}, "top_ks"), ({"models": ("glm-9t",)}, "glm-9t"),
                                            ({"plan_imbalance": 0.5}, "imbalance"),
-                                           ({"seq_lengths": (0,)}, "seq_lengths")])
+                                           ({"seq_lengths": (0,)}, "seq_lengths"),
+                                           ({"models": ("tiny-moe",)}, "models must have ep")])
 def test_reproduce_config_rejects_bad_fields(kwargs, field):
     with pytest.raises(ValueError, match=field):
         ReproduceConfig(**kwargs)
@@ -151,7 +152,8 @@ def test_cli_reproduce_writes_the_report_and_plots_atomically(tmp_path, monkeypa
 
 @pytest.mark.parametrize("args, option", [(["-n", "3"], "--iterations"), (["--restart-s", "-1"], "--restart-s"),
                                           (["--seed", "-2"], "--seed"), (["-m", "nope"], "--model"),
-                                          (["-H", "tpu"], "--hardware"), (["--docs", "/nonexistent/x"], "--docs")])
+                                          (["-H", "tpu"], "--hardware"), (["--docs", "/nonexistent/x"], "--docs"),
+                                          (["-m", "tiny-moe"], "--model")])
 def test_cli_reproduce_bad_input_is_one_line(args, option):
     result = runner.invoke(app, ["reproduce", *args])
     assert result.exit_code == 2 and option in result.output and len(result.output.strip().splitlines()) == 1

@@ -137,7 +137,7 @@ def schedule(
     header = (f"schedule: {name} on {hw.name}, {graph.label}, imbalance {rate:g}, budget {_gib(budget)} GiB "
               f"(floor M0 {_gib(graph.floor_bytes)}, unmitigated {_gib(graph.unmitigated_bytes)} GiB; "
               f"plan kept {_gib(solution.cost.activation_bytes)} GiB)\nstages per chain: {stages}")
-    if parallel.paired:
+    if parallel.paired and parallel.pp == 1:
         header += ("\nnote: pp=1, paired: offload and recovery would copy the micro-batches F and B run, so at "
                    "runtime F_(y+1) and B_y run in the DP's order and the plan's own copies after them")
     elif parallel.pp <= 2:

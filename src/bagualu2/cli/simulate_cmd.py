@@ -3,13 +3,15 @@ and MFU, on the paper's imbalance trace (or the trainer's JSONL log)."""
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Optional
 
 import typer
 from rich.markup import escape
 from rich.table import Table
 
-from bagualu2.sim import ABLATION, ON_OOM, OVERLAP, POLICIES, SimResult, load_trace, paper_trace, simulate
+from bagualu2.sim import (ABLATION, ON_OOM, OVERLAP, POLICIES, PaperTrace, SimResult, load_trace, paper_trace,
+                          simulate)
 
 from .common import (HARDWARE_HELP, JSON_HELP, MODEL_HELP, CliError, blame, console, echo_json, handle_errors,
                      load_hardware, load_model, output_path, write_output)
@@ -118,6 +120,11 @@ def simulate_cmd(
                                  f"num_microbatches={parallel.num_microbatches}")
         source = f"{escape(trace)} ({len(rates)} iterations)"
     else:
+        highest = PaperTrace(num_iterations=1).spike_max
+        if parallel.ep < highest:
+            raise CliError(f"{name} has ep={parallel.ep}, below the paper trace's largest rate {highest:g} (one of "
+                           f"ep ranks receives at most ep x the mean tokens); use --trace or a model with "
+                           f"ep >= {math.ceil(highest)}", "--model")
         rates = (paper_trace(iterations, seed=seed) if spike_microbatches == 0 else
                  paper_trace(iterations, seed=seed, num_microbatches=parallel.num_microbatches,
                              spike_microbatches=spike_microbatches))

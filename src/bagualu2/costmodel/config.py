@@ -159,9 +159,11 @@ class ParallelConfig:
       sequence_parallel       shard norm/dropout activations over tp (requires tp > 1 to matter).
       num_microbatches        micro-batches per iteration per data-parallel replica.
       distributed_optimizer   shard fp32 master weights and Adam states over data parallel ranks.
-      paired                  pp = 1 only: Megatron-Core's combined 1F1B without a pipeline; after one warmup
-                              forward each F_(i+1) runs beside B_i (two micro-batches in flight), so one micro-batch's
-                              expert-parallel all-to-alls can overlap the other's compute.
+      paired                  Megatron-Core's combined 1F1B (``--overlap-moe-expert-parallel-comm``): one more
+                              warmup forward than 1F1B, so that every steady F_x B_y pairs two independent
+                              micro-batches and one's expert-parallel all-to-alls can overlap the other's compute
+                              (without it the last stage runs each F_i right before its own B_i). At pp = 1: one
+                              warmup forward, then each F_(i+1) beside B_i (two micro-batches in flight).
     """
 
     dp: int = 1
@@ -186,8 +188,6 @@ class ParallelConfig:
                              "(experts are folded over the data/tensor/context ranks of a stage)")
         if self.vp > 1 and self.pp < 2:
             raise ValueError(f"vp must be 1 when pp=1 (interleaving needs pp >= 2), got vp={self.vp}")
-        if self.paired and self.pp != 1:
-            raise ValueError(f"paired needs pp=1 (with a pipeline every steady pair is already fused), got pp={self.pp}")
 
     @property
     def world_size(self) -> int:

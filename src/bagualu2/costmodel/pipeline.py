@@ -2,7 +2,8 @@
 
 A schedule is the per-stage sequence of ``Action(kind, microbatch, chunk)``: warmup forwards, steady
 forward/backward pairs, cooldown backwards (Megatron's order; with ``vp > 1`` the interleaved one; with
-``paired`` at pp = 1, Megatron-Core's combined 1F1B: one warmup forward, then F_(i+1) B_i). The memory
+``paired``, Megatron-Core's combined 1F1B: one more warmup forward, so that no steady pair holds a forward and its
+own backward; at pp = 1 one warmup forward, then F_(i+1) B_i). The memory
 curve adds a chunk's activation bytes at each forward and frees them at its backward, so spikes are fed in by
 giving a micro-batch more bytes.
 """
@@ -31,8 +32,9 @@ def _check_stage(parallel: ParallelConfig, stage: int) -> None:
 
 
 def num_warmup(parallel: ParallelConfig, stage: int = 0) -> int:
-    """Forwards of ``stage`` before its first steady 1F1B pair (Megatron's warmup count; one more when
-    ``parallel.paired``: F_(i+1) then runs beside B_i without a pipeline)."""
+    """Forwards of ``stage`` before its first steady 1F1B pair: Megatron's warmup count, one more when
+    ``parallel.paired`` (Megatron-Core's combined 1F1B: every steady F_x B_y then pairs independent micro-batches,
+    on the last stage too)."""
     _check_stage(parallel, stage)
     pp, vp, m = parallel.pp, parallel.vp, parallel.num_microbatches
     if vp == 1:
@@ -40,7 +42,7 @@ def num_warmup(parallel: ParallelConfig, stage: int = 0) -> int:
     total = m * vp
     if m == pp:
         return total
-    return min((pp - stage - 1) * 2 + (vp - 1) * pp, total)
+    return min((pp - stage - 1) * 2 + (vp - 1) * pp + parallel.paired, total)
 
 
 def schedule(parallel: ParallelConfig, stage: int = 0) -> tuple[Action, ...]:

@@ -7,7 +7,10 @@ bf16, micro-batch 1, sequence parallelism and the distributed optimizer. With th
 out at the names' totals (e.g. 423B total / 30B active). Table II's VP is the number of layers per virtual
 pipeline stage (§VI-A; Megatron's ``--num-layers-per-virtual-pipeline-stage``), so a stage holds
 ``32 / (PP x VP)`` virtual chunks: ``ParallelConfig.vp``, Megatron's number of virtual chunks per stage.
-``num_microbatches`` (not in the paper) is set to 64.
+``num_microbatches`` (not in the paper) is set to 64. The layouts are ``paired``: one more warmup forward than
+Megatron's 1F1B, so that every steady scheduling point F_x B_y pairs two independent micro-batches. §V-B's scheduling
+points need it (``x - y > 2`` holds exactly when the pipeline degree exceeds two, i.e. ``x - y = pp`` on the first
+stage), and Megatron-Core's combined 1F1B adds the same forward (``--overlap-moe-expert-parallel-comm``).
 
 The GPU profiles carry ``link_efficiency`` 0.86 (DeepEP's normal all-to-all kernels on H800 with CX7 400 Gb/s
 InfiniBand reach 43 GB/s of the NIC's ~50 GB/s at EP16: github.com/deepseek-ai/DeepEP, V1 performance table)
@@ -49,7 +52,7 @@ def _table_ii(name: str) -> tuple[ModelConfig, ParallelConfig]:
                         moe_ffn_hidden_size=moe_hidden, num_experts=experts, top_k=top_k, num_shared_experts=1,
                         num_dense_layers=0, vocab_size=151552, seq_length=4096, micro_batch_size=1)
     parallel = ParallelConfig(dp=dp, tp=tp, ep=ep, pp=pp, vp=vp, sequence_parallel=True, num_microbatches=64,
-                              distributed_optimizer=True)
+                              distributed_optimizer=True, paired=True)
     assert parallel.world_size == gpus, name
     return model, parallel
 

@@ -61,7 +61,10 @@ def _scales(report: Report) -> list[str]:
                 "", f"Average speedup of flexible: **{mean['kwai']:.2f}x over kwai** (paper {PAPER['fig8_vs_kwai']}x), "
                 f"**{mean['adapipe']:.2f}x over adapipe** (paper {PAPER['fig8_vs_adapipe']}x); mean MFU of flexible "
                 f"{statistics.fmean(r.mfu('flexible') for r in runs):.3f} (paper {PAPER['fig8_mean_mfu']}). "
-                "Flexible had " + str(sum(r.results['flexible'].oom_events for r in runs)) + " OOM events."])
+                "Flexible had " + str(sum(r.results['flexible'].oom_events for r in runs)) + " OOM events. "
+                "TFLOP/s is the paper's throughput (§VI-A: per-iteration MFU averaged over the run, restarts "
+                "included) x peak x GPUs; FLOPs over wall time would weigh each restart by its seconds instead "
+                "(`SimResult.time_weighted_mfu`)."])
 
 
 def spike_drops(report: Report) -> dict[str, tuple[float, float, float]]:

@@ -80,8 +80,12 @@ class ReproduceConfig:
         require_number("restart_s", self.restart_s, 0)
         require_int("overhead_iterations", self.overhead_iterations, 1)
         presets.hardware(self.hardware)
+        highest = PaperTrace(num_iterations=1).spike_max
         for name in (self.focus, *self.models):
-            presets.model(name)
+            ep = presets.model(name)[1].ep
+            if ep < highest:
+                raise ValueError(f"models must have ep >= {highest:g}, the paper trace's largest rate (one of ep "
+                                 f"ranks receives at most ep x the mean tokens): {name} has ep={ep}")
         experts = presets.model(self.focus)[0].num_experts
         for k in self.top_ks:
             if not (type(k) is int and 1 <= k <= experts):

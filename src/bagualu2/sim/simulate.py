@@ -184,9 +184,13 @@ def stage_time(policy: StagePolicy, rates: tuple[float, ...]) -> StageTime:
     for i, step in enumerate(steps):
         if step.forward:
             choice = running[step.index] = next(choices)
-            if step.phase == STEADY and i < last and not steps[i + 1].forward:
+            after = steps[i + 1] if i < last else None
+            if (step.phase == STEADY and after is not None and not after.forward
+                    and after.microbatch != step.microbatch):  # never a micro-batch beside its own backward
                 busy += choice.pair_s  # a steady F_x B_y point: the pair in the policy's execution
                 paired = True
+                if after.microbatch == final_mb:  # the last backward ran inside the pair: sync hides behind it
+                    final += running[after.index].backward_s
             else:
                 busy += choice.forward_s
             if step.microbatch == 0:

@@ -65,12 +65,22 @@ class PaperTrace:
         require_number("base_low", self.base_low, 1)
         require_number("base_high", self.base_high, self.base_low)
         require_number("spike_max", self.spike_max, self.base_high, low_open=self.spike_share > 0)
+        lowest = self.lowest_spike
+        if self.spike_share > 0 and self.spike_max < lowest - 1e-9:
+            raise ValueError(f"spike_max must be at least {lowest:g} (the smallest rate above base_high at "
+                             f"{DECIMALS} decimals) when spike_share > 0, got {self.spike_max!r}")
         if self.num_microbatches is not None:
             require_int("num_microbatches", self.num_microbatches, 1)
             require_int("spike_microbatches", self.spike_microbatches, 1, self.num_microbatches + 1)
         if self.spike_microbatch_share is not None:
             require_number("spike_microbatch_share", self.spike_microbatch_share, 0, 1, low_open=True,
                            high_open=False)
+
+    @property
+    def lowest_spike(self) -> float:
+        """The smallest spike rate: the first rate above ``base_high`` at ``DECIMALS`` decimals."""
+        scale = 10 ** DECIMALS
+        return (math.floor(self.base_high * scale + 1e-9) + 1) / scale
 
     @property
     def hit_microbatches(self) -> int | None:
@@ -104,7 +114,7 @@ class PaperTrace:
         n = self.num_iterations
         spikes = set(rng.sample(range(n), round(self.spike_share * n)))
         scale = 10 ** DECIMALS
-        floor = math.floor(self.base_high * scale + 1e-9) + 1  # the smallest rounded rate above base_high
+        floor = round(self.lowest_spike * scale)  # the smallest rounded rate above base_high
         out = []
         for i in range(n):
             if i in spikes:
