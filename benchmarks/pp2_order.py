@@ -1,6 +1,7 @@
-"""The fused order at pipeline degree 2 against the sequential order, per point (the cost model's times).
+"""The fused order at x - y = 2 against the sequential order, per point (the cost model's times).
 
-At degree 2 the offload (of x-1) and the recovery (of y+1) copy the same micro-batch, so ``dp.solve(chains,
+At x - y = 2 (the first stage of a paired PP=2 pipeline) the offload (of x-1) and the recovery (of y+1) copy the
+same micro-batch, so ``dp.solve(chains,
 pipeline_degree=2)`` orders F and B with the DP and puts O and R at the point's edges. This prints, for a steady
 point of a few presets cut to PP=2 (one virtual stage) with greedy plans at two budgets and a plan that offloads
 the experts' activations, the makespan of the sequential order, of the degree-2 order and of the DP without the

@@ -58,6 +58,17 @@ def test_traced_graph_equals_build_graph_per_op(traced):
         [op.name for op in analytic.ops if op.resource.name == "COMM"]
 
 
+def test_traced_attention_costs_what_the_analytic_one_does(traced):
+    """The attention kernel is a fused one: both graphs count its FLOPs alike and charge its backward, which
+    re-computes the scores, 2.5 x them."""
+    config, _, graph, analytic = traced
+    attention = [op for op in analytic.ops if op.kind == "core_attn"]
+    assert attention and config.flash_attention
+    for op in attention:
+        ours = graph.op(op.name)
+        assert (ours.flops, ours.forward_ns, ours.backward_ns) == (op.flops, op.forward_ns, op.backward_ns)
+
+
 @pytest.mark.slow
 def test_plans_from_outside_on_the_traced_and_the_analytic_graph(traced):
     """The same instrumented model runs plans of its traced graph and of ``build_graph``'s: bytes = prediction,

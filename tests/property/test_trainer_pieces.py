@@ -81,8 +81,13 @@ def test_point_orders_match_the_dp_and_are_memoised():
                        recovery=(graph, plan)) == chains == build_chains(graph, plan, graph, plan, hardware=HW)
     assert deep.order(chains) == dp.solve(chains, pipeline_degree=4)
     assert deep.order(chains) is deep.order(chains)
-    assert shallow.order(chains) == dp.solve(chains, pipeline_degree=2)  # F and B by the DP, O and R at the edges
+    # pp=2: F_(y+1) beside B_y, so O would copy B's micro-batch: F and B by the DP, the copies after them
+    assert shallow.engine.point_relation == 1
+    assert shallow.order(chains) == dp.solve(chains, pipeline_degree=1)
     assert shallow.order(chains).makespan_ns < baselines.sequential(chains).makespan_ns
+    paired = PointOrders(Stage(MODEL, dataclasses.replace(EP2, pp=2, num_microbatches=8, paired=True), HW))
+    assert paired.engine.point_relation == 2  # F_(y+2) beside B_y: O and R copy one micro-batch, at the edges
+    assert paired.order(chains) == dp.solve(chains, pipeline_degree=2)
     warm = deep.chains(forward=(graph, plan), offload=(graph, plan))
     assert warm.backward is None and warm.recovery is None and warm.offload is not None
 

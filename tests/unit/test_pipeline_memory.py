@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from bagualu2.costmodel import (ParallelConfig, Plan, inflight_chunks, inflight_microbatches, memory_curve,
                                 presets, schedule, stage_memory, static_bytes)
-from bagualu2.costmodel.pipeline import num_warmup, peak_bytes, points
+from bagualu2.costmodel.pipeline import num_warmup, peak_bytes, point_relation, points
 
 
 @given(pp=st.integers(1, 16), m=st.integers(1, 64), data=st.data())
@@ -125,3 +125,31 @@ def test_stage_memory_peak_and_budget_inputs():
     assert last.m_max_bytes < hw.hbm_bytes - hw.reserved_bytes - last.static_bytes  # logits on the last stage
     with pytest.raises(ValueError, match="does not have"):
         stage_memory(model, parallel, hw, plan=Plan.of({"L31.qkv/L31.norm1_out": "R"}), stage=0)
+
+
+@pytest.mark.parametrize("pp", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("paired", [False, True])
+def test_the_point_relation_is_x_minus_y_of_the_stage(pp, paired):
+    """1F1B: a steady point is F_(y+w) B_y with w the stage's warmup forwards, so the DP's relation is w (at most
+    3); a stage without points (the last of a plain pipeline, pp = 1 unpaired) reports 3."""
+    parallel = ParallelConfig(pp=pp, num_microbatches=2 * pp + 4, paired=paired)
+    for stage in range(pp):
+        warmup = num_warmup(parallel, stage)
+        pairs = [p for p in points(parallel, stage) if len(p) == 2]
+        assert all(f.microbatch - b.microbatch == warmup for f, b in pairs)
+        assert point_relation(parallel, stage) == (min(warmup, 3) if pairs else 3)
+
+
+def test_a_warmup_forward_is_never_paired():
+    """A point pairs only a forward after the stage's warmup: paired with m == pp every forward of stage 0 is
+    warmup, so none pairs with a backward (that backward waits on a later stage that waits on this forward)."""
+    for pp in range(2, 9):
+        for paired in (False, True):
+            for m in (pp, 2 * pp):
+                parallel = ParallelConfig(pp=pp, num_microbatches=m, paired=paired)
+                for stage in range(pp):
+                    forwards = [a for a in schedule(parallel, stage) if a.kind == "F"]
+                    for point in points(parallel, stage):
+                        if len(point) == 2:
+                            assert forwards.index(point[0]) >= num_warmup(parallel, stage)
+        assert all(len(point) == 1 for point in points(ParallelConfig(pp=pp, num_microbatches=pp, paired=True), 0))

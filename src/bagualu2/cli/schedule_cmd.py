@@ -10,7 +10,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from bagualu2.costmodel import build_graph
+from bagualu2.costmodel import build_graph, point_relation
 from bagualu2.fusion import CHAIN_KINDS, Chains, Order, Timeline, build_chains, dp, exact, simulate
 from bagualu2.fusion.baselines import BASELINES
 from bagualu2.fusion.gantt import gantt_png_bytes, gantt_text
@@ -137,11 +137,14 @@ def schedule(
     header = (f"schedule: {name} on {hw.name}, {graph.label}, imbalance {rate:g}, budget {_gib(budget)} GiB "
               f"(floor M0 {_gib(graph.floor_bytes)}, unmitigated {_gib(graph.unmitigated_bytes)} GiB; "
               f"plan kept {_gib(solution.cost.activation_bytes)} GiB)\nstages per chain: {stages}")
-    if parallel.paired and parallel.pp == 1:
-        header += ("\nnote: pp=1, paired: offload and recovery would copy the micro-batches F and B run, so at "
-                   "runtime F_(y+1) and B_y run in the DP's order and the plan's own copies after them")
-    elif parallel.pp <= 2:
-        header += (f"\nnote: pp={parallel.pp}: offload and recovery copy the same micro-batch, so at runtime "
-                   + ("the sequential order runs instead of the DP's (shown for analysis)" if parallel.pp == 1
-                      else "F and B run in the DP's order with O and R at the point's edges"))
+    relation = point_relation(parallel, stage)
+    if parallel.pp == 1 and not parallel.paired:
+        header += ("\nnote: pp=1: F_i and B_i are one micro-batch, so at runtime the sequential order runs instead "
+                   "of the DP's (shown for analysis)")
+    elif relation == 1:
+        header += (f"\nnote: stage {stage}: offload and recovery would copy the micro-batches F and B run, so at "
+                   "runtime F and B run in the DP's order and the plan's own copies after them")
+    elif relation == 2:
+        header += (f"\nnote: stage {stage}: offload and recovery copy the same micro-batch, so at runtime F and B "
+                   "run in the DP's order with O and R at the point's edges")
     _print(header, chains, orders, timelines, png_path)

@@ -41,7 +41,8 @@ class _Builder:
            saves: tuple[tuple[str, str], ...] = (), flops: int = 0, moved: int | None = None,
            comm_bytes: int = 0, comm_group: int = 1, backward_factor: float = 2.0) -> tuple[str, ...]:
         """Append op ``L{layer}.{label}``; ``outputs`` maps a role to ``(numel, dtype[, routed])``; a compute op's
-        backward does ``backward_factor`` times its forward FLOPs and bytes (2: the input and weight gradients)."""
+        backward does ``backward_factor`` times its forward FLOPs (2: the input and weight gradients) and moves
+        twice its bytes."""
         name = f"L{layer}.{label}"
         tensors = self.tensors
         out_names = []
@@ -56,7 +57,7 @@ class _Builder:
             resource = Resource.COMM
         else:
             fwd = self._compute_ns(flops, moved)
-            bwd = self._compute_ns(backward_factor * flops, backward_factor * moved)
+            bwd = self._compute_ns(backward_factor * flops, 2 * moved)
             resource = Resource.COMPUTE
         savings = tuple([Saving(t, d) for t, d in saves])
         self.ops.append(Op(name, kind, layer, resource, inputs, tuple(out_names), savings, int(flops), int(moved),

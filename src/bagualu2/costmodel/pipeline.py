@@ -67,22 +67,48 @@ def schedule(parallel: ParallelConfig, stage: int = 0) -> tuple[Action, ...]:
 
 
 def points(parallel: ParallelConfig, stage: int = 0) -> tuple[tuple[Action, ...], ...]:
-    """``schedule(parallel, stage)`` grouped as it runs: each steady forward with the backward after it, of another
-    micro-batch, is one scheduling point ``(F_x, B_y)``; every other action is alone ``(action,)``."""
+    """``schedule(parallel, stage)`` grouped as it runs: each steady forward (after the ``num_warmup``) with the
+    backward after it, of another micro-batch, is one scheduling point ``(F_x, B_y)``; every other action is alone
+    ``(action,)``."""
     actions = schedule(parallel, stage)
+    warmup = num_warmup(parallel, stage)
     grouped: list[tuple[Action, ...]] = []
-    index = 0
+    index = forwards = 0
     while index < len(actions):
         action = actions[index]
         following = actions[index + 1] if index + 1 < len(actions) else None
-        if (action.kind == "F" and following is not None and following.kind == "B"
-                and following.microbatch != action.microbatch):
+        steady = action.kind == "F" and forwards >= warmup
+        forwards += action.kind == "F"
+        if steady and following is not None and following.kind == "B" and following.microbatch != action.microbatch:
             grouped.append((action, following))
             index += 2
         else:
             grouped.append((action,))
             index += 1
     return tuple(grouped)
+
+
+def point_relation(parallel: ParallelConfig, stage: int = 0) -> int:
+    """How far apart the micro-batches of ``stage``'s scheduling points F_x B_y are, as §V-B's ``x - y`` (the
+    fusion DP's ``pipeline_degree``): 1 when a point's offload (of the forward before F_x) would copy B_y's own
+    micro-batch, 2 when it would copy the recovery's (of the backward after B_y), else 3 (four distinct
+    micro-batches); the most constrained point decides. 3 when the stage has no scheduling point."""
+    actions = schedule(parallel, stage)
+    position = {action: i for i, action in enumerate(actions)}  # an action is (kind, micro-batch, chunk): unique
+    relation = 3
+    for point in points(parallel, stage):
+        if len(point) != 2:
+            continue
+        forward, backward = point
+        before = next((a for a in reversed(actions[:position[forward]]) if a.kind == "F"), None)
+        after = next((a for a in actions[position[backward] + 1:] if a.kind == "B"), None)
+        if before is None:
+            continue
+        if (before.microbatch, before.chunk) == (backward.microbatch, backward.chunk):
+            return 1
+        if after is not None and (before.microbatch, before.chunk) == (after.microbatch, after.chunk):
+            relation = 2
+    return relation
 
 
 def inflight_chunks(parallel: ParallelConfig, stage: int = 0) -> int:

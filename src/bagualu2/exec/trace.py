@@ -33,6 +33,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, shape_wrapper
 
+from bagualu2.costmodel.build import FLASH_BACKWARD_FACTOR
 from bagualu2.costmodel.graph import OpGraph
 
 from .callargs import draws_random, nested_tensors, stateful_type, tensors_of
@@ -66,8 +67,8 @@ class TraceResult:
 
 
 class _Call:
-    __slots__ = ("binding", "inputs", "outputs", "saves", "flops", "start_s", "inner_s", "forward_s", "random",
-                 "comm", "value_dependent", "stateful")
+    __slots__ = ("binding", "inputs", "outputs", "saves", "flops", "backward_flops", "start_s", "inner_s",
+                 "forward_s", "random", "comm", "value_dependent", "stateful")
 
     def __init__(self, binding):
         self.binding = binding
@@ -75,6 +76,7 @@ class _Call:
         self.outputs: list = []
         self.saves: list = []
         self.flops = 0
+        self.backward_flops = 0.0  # 2 x the forward's, 2.5 x a fused attention kernel's (it re-computes the scores)
         self.start_s = self.inner_s = self.forward_s = 0.0
         self.random = self.comm = self.value_dependent = False
         self.stateful: str | None = None  # the type of an argument that holds state (a KV cache), if any
@@ -94,7 +96,9 @@ class _Counter(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.registry = {**flop_registry, **{k: shape_wrapper(v) for k, v in attention_formulas().items()}}
+        fused = attention_formulas()
+        self.registry = {**flop_registry, **{k: shape_wrapper(v) for k, v in fused.items()}}
+        self.fused = frozenset(fused)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -104,7 +108,9 @@ class _Counter(TorchDispatchMode):
         if call is not None:
             formula = self.registry.get(func._overloadpacket)
             if formula is not None:
-                call.flops += int(formula(*args, **kwargs, out_val=out))
+                flops = int(formula(*args, **kwargs, out_val=out))
+                call.flops += flops
+                call.backward_flops += flops * (FLASH_BACKWARD_FACTOR if func._overloadpacket in self.fused else 2)
             if torch.Tag.nondeterministic_seeded in func.tags and draws_random(func, args, kwargs):
                 call.random = True
             if func.namespace in COMM_NAMESPACES:

@@ -39,7 +39,7 @@ class PointOrders:
             raise ValueError(f"stage must be a runtime Stage, got {type(stage).__name__}")
         self.engine = stage
         self.hardware = stage.hardware
-        self.pipeline_degree = stage.parallel.pp
+        self.pipeline_degree = stage.point_relation  # the DP's pipeline_degree (x - y) at this stage
         self._chains = stage.memo.table(ChainKey)
 
     def chains(self, *, forward: Batch = None, backward: Batch = None, offload: Batch = None,

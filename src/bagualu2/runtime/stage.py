@@ -23,7 +23,7 @@ from typing import Hashable, NamedTuple
 
 from ..budget import BudgetPhase
 from ..costmodel import (Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, PlanCost, StageMemory, build_graph,
-                         evaluate, schedule, stage_memory)
+                         evaluate, point_relation, schedule, stage_memory)
 from ..costmodel.rescale import at_imbalance
 from ..costmodel.validate import require_int
 from ..fusion import Chains, Order, build_chains, dp
@@ -198,6 +198,7 @@ class Stage(_Engine):
         self._graphs: dict[tuple[int, float], OpGraph] = {}
         self.memory: StageMemory = stage_memory(model, parallel, hardware, stage=self.stage)
         self.steps: tuple[Step, ...] = self._steps()
+        self.point_relation = point_relation(parallel, stage)  # the fusion DP's pipeline_degree at this stage
         self.aliases: dict[int, tuple[int, int]] = chunk_aliases({c: self.graph(c, 1.0) for c in range(parallel.vp)})
         self._costs = self.memo.table(CostKey)
         self._orders = self.memo.table(OrderKey)
@@ -236,16 +237,16 @@ class Stage(_Engine):
         return found
 
     def order(self, chains: Chains) -> Order:
-        """The fused order of ``chains``: the DP's (``fusion.dp``; at pipeline degree 2 of F and B, with O and R
-        at the point's edges; ``paired`` at pp = 1: of F_(y+1) and B_y), or the sequential order without a
-        pipeline (F_i then B_i); memoised by what the DP
+        """The fused order of ``chains``: the DP's (``fusion.dp`` at the stage's ``point_relation``: 2, of F and
+        B with O and R at the point's edges; 1, as at pp = 1 ``paired``, of F and B with the copies after them), or
+        the sequential order without a pipeline (F_i then B_i); memoised by what the DP
         reads, each chain's stage resources and durations, so points that differ elsewhere share one order."""
         key = OrderKey(tuple(None if chain is None else tuple((s.resource, s.duration_ns) for s in chain.stages)
                              for chain in (chains.forward, chains.backward, chains.offload, chains.recovery)))
         found = self._orders.get(key)
         if found is None:
             found = self._orders[key] = (sequential(chains) if self.parallel.pp == 1 and not self.parallel.paired
-                                         else dp.solve(chains, pipeline_degree=self.parallel.pp))
+                                         else dp.solve(chains, pipeline_degree=self.point_relation))
         return found
 
     def point_order(self, plan: Plan, imbalance: float, chunk: int, *, warmup: bool = False) -> Order:

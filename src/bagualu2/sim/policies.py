@@ -57,7 +57,6 @@ KWAI_BASE = Plan.uniform({"norm": Strategy.RECOMPUTE, "expert_act": Strategy.REC
                           "shared_act": Strategy.RECOMPUTE, "mlp_act": Strategy.RECOMPUTE})
 KWAI_STEPS = 20  # alpha in 0, 1/20, ..., 1
 NO_PLAN = Plan()
-STEADY = "steady"
 
 
 def check_policy(name: str) -> str:

@@ -35,13 +35,13 @@ import numbers
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ..costmodel import Hardware, ModelConfig, ParallelConfig
+from ..costmodel import Hardware, ModelConfig, ParallelConfig, num_warmup
 from ..costmodel.build import check_imbalance
 from ..costmodel.validate import require_int, require_number
 from ..runtime import check_downgrade, run_iteration
 from .execution import check_overlap
 from .overheads import stage_overheads
-from .policies import FALLBACKS, STEADY, StagePolicy, check_policy, make_policy
+from .policies import FALLBACKS, StagePolicy, check_policy, make_policy
 from .stage import StageContext
 
 ON_OOM = ("fallback", "replan")
@@ -181,11 +181,12 @@ def stage_time(policy: StagePolicy, rates: tuple[float, ...]) -> StageTime:
     paired = False  # the backward after a steady forward ran inside its pair
     steps = ctx.steps
     last, final_mb = len(steps) - 1, len(rates) - 1
+    warmup = num_warmup(ctx.parallel, ctx.stage)  # the schedule's scheduling points (costmodel.points)
     for i, step in enumerate(steps):
         if step.forward:
             choice = running[step.index] = next(choices)
             after = steps[i + 1] if i < last else None
-            if (step.phase == STEADY and after is not None and not after.forward
+            if (step.index >= warmup and after is not None and not after.forward
                     and after.microbatch != step.microbatch):  # never a micro-batch beside its own backward
                 busy += choice.pair_s  # a steady F_x B_y point: the pair in the policy's execution
                 paired = True
