@@ -117,3 +117,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    # A finished run leaves without interpreter teardown: process groups still referenced (the model's and the
+    # session's sub-groups) would otherwise be destroyed during finalization, where gloo's worker threads can abort
+    # the process ("terminate called without an active exception") after a successful run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
