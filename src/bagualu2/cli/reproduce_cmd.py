@@ -17,7 +17,8 @@ from bagualu2.sim.reproduce import ReproduceConfig, reproduce, steps
 
 from .common import JSON_HELP, CliError, blame, check_output_path, console, echo_json, handle_errors, write_output
 
-OPTIONS = {"iterations": "--iterations", "seed": "--seed", "restart_s": "--restart-s", "models": "--model"}  # config field -> option
+# config field -> option
+OPTIONS = {"iterations": "--iterations", "seed": "--seed", "restart_s": "--restart-s", "models": "--model"}
 
 
 @handle_errors
