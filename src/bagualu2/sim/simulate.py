@@ -35,7 +35,7 @@ import numbers
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ..costmodel import Hardware, ModelConfig, ParallelConfig, num_warmup
+from ..costmodel import Hardware, ModelConfig, ParallelConfig
 from ..costmodel.build import check_imbalance
 from ..costmodel.validate import require_int, require_number
 from ..runtime import check_downgrade, run_iteration
@@ -180,14 +180,12 @@ def stage_time(policy: StagePolicy, rates: tuple[float, ...]) -> StageTime:
     busy = first = final = 0.0
     paired = False  # the backward after a steady forward ran inside its pair
     steps = ctx.steps
-    last, final_mb = len(steps) - 1, len(rates) - 1
-    warmup = num_warmup(ctx.parallel, ctx.stage)  # the schedule's scheduling points (costmodel.points)
+    final_mb = len(rates) - 1
     for i, step in enumerate(steps):
         if step.forward:
             choice = running[step.index] = next(choices)
-            after = steps[i + 1] if i < last else None
-            if (step.index >= warmup and after is not None and not after.forward
-                    and after.microbatch != step.microbatch):  # never a micro-batch beside its own backward
+            if (step.microbatch, step.chunk) in ctx.point_leads:  # F_x B_y: the backward is the next step
+                after = steps[i + 1]
                 busy += choice.pair_s  # a steady F_x B_y point: the pair in the policy's execution
                 paired = True
                 if after.microbatch == final_mb:  # the last backward ran inside the pair: sync hides behind it

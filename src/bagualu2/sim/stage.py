@@ -8,7 +8,7 @@ import dataclasses
 from functools import lru_cache
 from typing import NamedTuple
 
-from ..costmodel import Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, PlanCost, StageMemory
+from ..costmodel import Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, PlanCost, StageMemory, points
 from ..costmodel.graph import MATMUL_KINDS
 from ..costmodel.validate import require_int
 from ..fusion import build_chains
@@ -76,6 +76,9 @@ class StageContext:
         if m_max_bytes is not None:
             self.memory = dataclasses.replace(self.memory, m_max_bytes=require_int("m_max_bytes", m_max_bytes, 1))
         self.steps = self.engine.steps
+        # the forwards that lead a scheduling point F_x B_y (costmodel.points: the one pairing rule)
+        self.point_leads = frozenset((group[0].microbatch, group[0].chunk)
+                                     for group in points(parallel, stage) if len(group) == 2)
         self._choices = self.timing.memo.table(ChoiceKey)
 
     @property
