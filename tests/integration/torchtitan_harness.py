@@ -193,6 +193,11 @@ def main() -> None:
 
     register_model_converter(Probe, "probe")
     train(Trainer)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The run is done and its files are written: skip interpreter teardown, whose gloo
+    # thread destructors can abort under load.
+    os._exit(0)
 
 
 if __name__ == "__main__":
