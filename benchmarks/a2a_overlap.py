@@ -2,6 +2,7 @@
 
     python benchmarks/a2a_overlap.py --steps 6            # PP2 x DP2 (EP2), glm_moe_debug, runtime vs plain
     python benchmarks/a2a_overlap.py --steps 8 --recipe glm_moe_bench   # the compute-bound recipe, no spikes
+    python benchmarks/a2a_overlap.py --steps 12 --paired                 # runtime with --paired (combined 1F1B)
 
 Runs the trainer under torchrun twice, ``--schedule runtime`` (fused F_x B_y points: each all-to-all is issued
 asynchronously and the other micro-batch's next stage runs before it is waited for) and ``--schedule plain``
@@ -43,14 +44,15 @@ def worker(out: str, argv: list[str]) -> None:
             json.dump(functions.TIMELINE, handle)
 
 
-def run(schedule: str, steps: int, layout: list[str], tmp: Path, recipe: str = "glm_moe_debug") -> dict:
+def run(schedule: str, steps: int, layout: list[str], tmp: Path, recipe: str = "glm_moe_debug",
+        extra: tuple[str, ...] = ()) -> dict:
     out = tmp / schedule
     metrics = tmp / f"{schedule}.jsonl"
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TOKENIZERS_PARALLELISM": "false"}
     nproc = int(layout[layout.index("--pp") + 1]) * int(layout[layout.index("--dp") + 1])
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__,
                "--worker", str(out), "--", "--recipe", recipe, "--spike-rate", "0", "--steps", str(steps),
-               "--schedule", schedule, "--metrics-file", str(metrics), *layout]
+               "--schedule", schedule, "--metrics-file", str(metrics), *layout, *extra]
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise SystemExit(f"{schedule} run failed:\n{proc.stderr[-3000:]}")
@@ -87,10 +89,15 @@ def main() -> None:
     parser.add_argument("--recipe", default="glm_moe_debug", help="the trainer's recipe (default: glm_moe_debug)")
     parser.add_argument("--layout", default="--pp 2 --dp 2 --ep 2",
                         help="trainer flags of the layout (default: --pp 2 --dp 2 --ep 2)")
+    parser.add_argument("--paired", action="store_true",
+                        help="run the runtime schedule with --paired (one more warmup forward per stage: every steady "
+                        "point pairs two micro-batches, the last stage's too); plain stays torch's 1F1B")
     args = parser.parse_args()
     layout = args.layout.split()
     with tempfile.TemporaryDirectory() as tmp:
-        results = [run(schedule, args.steps, layout, Path(tmp), args.recipe) for schedule in ("runtime", "plain")]
+        results = [run(schedule, args.steps, layout, Path(tmp), args.recipe,
+                       ("--paired",) if args.paired and schedule == "runtime" else ())
+                   for schedule in ("runtime", "plain")]
     runtime, plain = results
     for r in results:
         print(f"{r['schedule']:8s} exchanges {r['exchanges']:5d}  issue->done {r['exchange_s']:7.3f} s  "

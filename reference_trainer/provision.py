@@ -327,7 +327,8 @@ class Provisioner:
         self.dual.run(order, chains, forward=run_forward, backward=(y.name, run_backward),
                       offload=prev.name if prev is not None and chains.offload is not None else None,
                       recovery=nxt.name if nxt is not None and chains.recovery is not None else None)
-        if self.parallel.paired or (prev is not None and prev.name in self.executors[previous[0]]):
+        if (self.parallel.paired and self.parallel.pp == 1) or (prev is not None
+                                                                and prev.name in self.executors[previous[0]]):
             self.flush_offloads()  # without a pipeline (paired) x's copies start right after its point
 
 

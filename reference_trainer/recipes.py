@@ -63,6 +63,10 @@ class TrainConfig:
       schedule              ``runtime`` (generated action list, fused OVERLAP_F_B points; at pp = 1 under EP the
                             combined 1F1B: F_(i+1) fused with B_i) or ``plain`` (stock Schedule1F1B /
                             ScheduleInterleaved1F1B; at pp = 1 F_i then B_i; no fusion).
+      paired                Megatron-Core's combined 1F1B (``--overlap-moe-expert-parallel-comm``): one more warmup
+                            forward per stage (one more chunk in flight), so every steady point pairs a forward with
+                            another micro-batch's backward, the last stage's too. None (default): on for ``runtime``
+                            at pp = 1 under expert parallelism, off otherwise; True needs ``--schedule runtime``.
       policy                ``flexible`` (BaGuaLu-2 runtime provisioning), ``static-under``, ``static-over``, ``kwai``,
                             ``adapipe`` or ``ideal`` (:mod:`reference_trainer.policies`).
       prediction_scale      in (0, 1]: the flexible runtime plans as if the cost model's bytes were this share of
@@ -98,6 +102,7 @@ class TrainConfig:
     warmup_steps: int = 5
     seed: int = 0
     schedule: str = "runtime"
+    paired: bool | None = None
     policy: str = "flexible"
     downgrade: str = "graded"
     memory_cap_bytes: int | None = None
@@ -142,6 +147,10 @@ class TrainConfig:
                 raise ValueError(f"{option} must be one of {', '.join(allowed)}, got {value!r}")
         if self.memory_cap_bytes is not None:
             require_int("--memory-cap", self.memory_cap_bytes, 1)
+        if self.paired is not None and not isinstance(self.paired, bool):
+            raise ValueError(f"--paired must be true, false or unset, got {self.paired!r}")
+        if self.paired and self.schedule != "runtime":
+            raise ValueError("--paired needs --schedule runtime (the stock schedules run F then B at every step)")
         self.check_layout()
         if self.spike_rate > 0 and self.ep < 2:
             raise ValueError("--spike-rate > 0 needs --ep >= 2 (a spike forces routing towards one expert-parallel "
@@ -186,11 +195,14 @@ class TrainConfig:
     def parallel(self) -> ParallelConfig:
         """The cost model's layout of this run."""
         return ParallelConfig(dp=self.dp, ep=self.ep, pp=self.pp, vp=self.vp, num_microbatches=self.num_microbatches,
-                              distributed_optimizer=False, paired=self.paired)
+                              distributed_optimizer=False, paired=self.combined_1f1b)
 
     @property
-    def paired(self) -> bool:
-        """``runtime`` without a pipeline under expert parallelism: F_(i+1) runs beside B_i (combined 1F1B)."""
+    def combined_1f1b(self) -> bool:
+        """Does this run pair its steady points (``paired``, or by default ``runtime`` without a pipeline under
+        expert parallelism: F_(i+1) beside B_i)?"""
+        if self.paired is not None:
+            return self.paired
         return self.pp == 1 and self.ep > 1 and self.schedule == "runtime"
 
     @property

@@ -98,7 +98,7 @@ class Session:
         self.provisioner = Provisioner(config.model, self.parallel, run.hardware, stage=groups.pp_rank,
                                        cap_bytes=run.cap_bytes, ep_group=groups.ep_group,
                                        downgrade=config.downgrade, dual=config.schedule == "runtime"
-                                       and (config.pp > 1 or config.paired), exclude=[model],
+                                       and (config.pp > 1 or config.combined_1f1b), exclude=[model],
                                        fixed=fixed_plans(config, groups.pp_rank, run.cap_bytes),
                                        capped=config.policy != "ideal", prediction_scale=config.prediction_scale)
         self.params = [(self._global_name(n), p) for n, p in model.named_parameters()]
@@ -227,7 +227,7 @@ class Session:
         b = self.config.model.micro_batch_size
         total = 0.0
         chunk = self.chunks[0]
-        if self.config.paired:
+        if self.config.combined_1f1b:
             total = self._run_paired(chunk, inputs, targets)
         else:
             for i in range(m):  # pp = 1: the cost model's order (F_i, B_i)

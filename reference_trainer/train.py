@@ -63,6 +63,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, argparse
         parser.add_argument(flag, dest=field, default=None, type=str if kind is parse_bytes else kind,
                             choices=CHOICES.get(flag), help=f"TrainConfig.{field} (default: the recipe's)")
     parser.add_argument("--resume", action="store_true", default=None, help="from the latest complete checkpoint")
+    parser.add_argument("--paired", action=argparse.BooleanOptionalAction, default=None,
+                        help="TrainConfig.paired: combined 1F1B, one more warmup forward per stage (default: on for "
+                        "--schedule runtime at --pp 1 under expert parallelism)")
     parser.add_argument("--json", action="store_true", help="print the summary record on stdout (rank 0)")
     parser.add_argument("--world-size", action="store_true",
                         help="print the world size (--pp x --dp) the flags need, and exit")
@@ -78,6 +81,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, argparse
         changes["memory_cap_imbalance"] = None  # the fraction given on the command line decides the default cap
     if args.resume:
         changes["resume"] = True
+    if args.paired is not None:
+        changes["paired"] = args.paired
     changes["extra"] = {**config.extra, "recipe": args.recipe}
     return config.with_overrides(**changes), args
 

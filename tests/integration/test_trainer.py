@@ -4,6 +4,7 @@
   ``--schedule plain`` and one process with the same global batch agree (plain: bitwise; one process: 1e-5 relative
   in fp32);
 * PP=1 x DP=2 (EP=2): the runtime schedule pairs F_(i+1) with B_i (combined 1F1B), bitwise the plain schedule;
+  PP=2 x DP=2 with ``--paired`` pairs every steady point, the last stage's too, bitwise the plain schedule;
 * PP=4 x DP=1 runs fused OVERLAP_F_B points with O and R (pipeline degree > 2), every micro-batch keeps the bytes
   the cost model predicts for its plan, and the loss falls;
 * (killed, stopped and corrupted runs: tests/integration/test_faults.py)
@@ -174,6 +175,29 @@ def test_pp1_dp2_runtime_pairs_f_and_b_and_matches_the_plain_schedule_bitwise(tm
     ok(torchrun(2, "--steps", "1", "--pp", "1", "--dp", "2", "--ep", "2", "--num-microbatches", "1",
                 "--metrics-file", str(single)))
     assert records(single)[0]["order"] == [] and len(losses(single)) == 1
+
+
+def test_pp2_paired_pairs_the_last_stage_too_and_matches_the_plain_schedule_bitwise(tmp_path):
+    """PP=2 x DP=2 (EP=2), ``--paired`` (Megatron-Core's combined 1F1B): one more warmup forward per stage, so the
+    last stage runs F_(i+1) beside B_i too and stage 0 pairs F_(i+2) with B_i; the losses are bitwise the plain
+    schedule's, every micro-batch keeps what the cost model predicts, within a cap that counts one more chunk in
+    flight; the collective checker is on."""
+    runs = {}
+    for name, flags in (("paired", ("--paired",)), ("unpaired", ()), ("plain", ("--schedule", "plain"))):
+        runs[name] = tmp_path / f"{name}.jsonl"
+        ok(torchrun(4, "--steps", "2", *flags, "--metrics-file", str(runs[name])))
+    assert losses(runs["paired"]) == losses(runs["plain"]) == losses(runs["unpaired"])
+    for record in (r for r in records(runs["paired"]) if not r.get("summary")):
+        points = sorted(point.split(":")[0] for point in record["order"])  # all ranks' points
+        last = [f"Fc0.m{i + 1} Bc0.m{i}" for i in range(3)] * 2  # the two replicas of stage 1
+        first = [f"Fc0.m{i + 2} Bc0.m{i}" for i in range(2)] * 2
+        assert points == sorted(first + last)
+        assert all(mb["kept_bytes"] == mb["predicted_bytes"] for mb in record["microbatches"])
+    summary, unpaired = records(runs["paired"])[-1], records(runs["unpaired"])[-1]
+    assert summary["peak_activation_bytes"] <= summary["memory_cap_bytes"]
+    assert summary["memory_cap_bytes"] > unpaired["memory_cap_bytes"]  # three chunks in flight on stage 0, not two
+    bad = torchrun(4, "--steps", "1", "--paired", "--schedule", "plain")
+    assert bad.returncode != 0 and "--paired needs --schedule runtime" in bad.stderr
 
 
 def test_flexible_safety_net_reruns_a_mispredicted_micro_batch_without_a_restart(tmp_path):

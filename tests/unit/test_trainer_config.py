@@ -29,6 +29,7 @@ from reference_trainer.train import main, parse_args
     (["--pp", "1", "--dp", "1", "--ep", "1"], None),  # fine: the world size check follows (WORLD_SIZE unset)
     (["--num-microbatches", "1"], "--num-microbatches=1 must be >= --pp=2"),
     (["--vp", "2", "--num-microbatches", "2"], "needs --num-microbatches > --pp=2"),
+    (["--paired", "--schedule", "plain"], "--paired needs --schedule runtime"),
 ])
 def test_bad_flags_fail_in_one_line(argv, message, capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -89,6 +90,22 @@ def test_memory_cap_imbalance_is_validated_and_a_fraction_flag_replaces_it():
     assert config.memory_cap_imbalance is None and default_cap(config) < default_cap(bench)
     config, _ = parse_args(["--recipe", "glm_moe_bench", "--memory-cap-imbalance", "2"])
     assert config.memory_cap_imbalance == 2.0 and default_cap(config) > default_cap(bench)
+
+
+def test_paired_defaults_to_combined_1f1b_without_a_pipeline_and_is_opt_in_with_one():
+    """Unset, ``paired`` is on for the runtime schedule at pp = 1 under EP only; ``--paired`` turns it on at any
+    pp (the cost model then counts one more chunk in flight), ``--no-paired`` off."""
+    debug = recipe("glm_moe_debug")
+    assert debug.paired is None and not debug.combined_1f1b and not debug.parallel.paired
+    flat = debug.with_overrides(pp=1)
+    assert flat.combined_1f1b and flat.with_overrides(schedule="plain").combined_1f1b is False
+    assert not flat.with_overrides(ep=1, dp=1).combined_1f1b
+    config, _ = parse_args(["--paired"])
+    assert config.paired is True and config.parallel.paired and default_cap(config) > default_cap(debug)
+    config, _ = parse_args(["--pp", "1", "--no-paired"])
+    assert config.paired is False and not config.combined_1f1b
+    with pytest.raises(ValueError, match="--paired must be true, false or unset"):
+        debug.with_overrides(paired=1)
 
 
 @given(pp=st.integers(1, 4), vp=st.integers(1, 3), rounds=st.integers(1, 3))
