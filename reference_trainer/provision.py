@@ -26,8 +26,9 @@ For every chunk-forward, in the schedule's order:
    records that maximum — the same number everywhere, never below what the rank kept. The tracker enforces the
    cap ``M_max``.
 6. **order** — at a fused point F_x B_y, ``bagualu2.runtime.PointOrders`` orders F_x, B_y, O_{x-1}, R_{y+1} from
-   their real plans; the ``DualBatchExecutor`` runs it. The inputs of the order are agreed values, so every EP
-   rank runs the same interleaving of its all-to-alls.
+   their real plans (a baseline policy: Megatron-Core's combined-1F1B order of the same chains,
+   ``bagualu2.fusion.baselines.megatron_overlapped``); the ``DualBatchExecutor`` runs it. The inputs of the order
+   are agreed values, so every EP rank runs the same interleaving of its all-to-alls.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from typing import Any, Callable
 
 from bagualu2.costmodel import Hardware, ModelConfig, ParallelConfig, Plan
 from bagualu2.exec import ActivationTracker, DeferredPlanner, PlanExecutor
+from bagualu2.fusion.baselines import megatron_overlapped, reruns_all_to_all
 from bagualu2.runtime import DecisionPath, Iteration, PointOrders, Stage, ceil_bucket
 
 from .parallel import agree_max
@@ -68,9 +70,12 @@ class Provisioner:
     def __init__(self, model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, *, stage: int,
                  cap_bytes: int, ep_group=None, downgrade: str = "graded", dual: bool = False,
                  exclude=(), fixed: tuple[Plan, ...] | None = None, capped: bool = True,
-                 prediction_scale: float = 1.0):
+                 prediction_scale: float = 1.0, execution: str = "fused"):
         self.stage, self.parallel, self.ep_group, self.downgrade = stage, parallel, ep_group, downgrade
         self.fixed = fixed                    # a fixed policy's plan per chunk (None: flexible)
+        if execution not in ("fused", "megatron"):
+            raise ValueError(f"execution must be fused or megatron, got {execution!r}")
+        self.execution = execution            # fused points: the fusion DP's order or Megatron-Core's
         self.safety_net = fixed is None       # flexible: an overflow is re-run with full recompute, no restart
         self.prediction_scale = prediction_scale
         self.engine = engine = Stage(model, parallel, hardware, stage=stage)  # shared by path, gates and orders
@@ -321,7 +326,11 @@ class Provisioner:
             backward=self._batch(backward),
             offload=self._batch(previous) if prev is not None else None,
             recovery=self._batch(following) if nxt is not None else None)
-        order = self.orders.order(chains)
+        if self.execution == "fused":
+            order = self.orders.order(chains)
+        else:  # Megatron-Core refuses the all-to-all overlap with a plan that re-runs one (in R, or inside B)
+            own = self.orders.chains(recovery=self._batch(backward))
+            order = megatron_overlapped(chains, pair=not reruns_all_to_all(own))
         self.planning_s += time.perf_counter() - started
         self.points.append(f"F{x.name} B{y.name}: {order}")
         self.dual.run(order, chains, forward=run_forward, backward=(y.name, run_backward),

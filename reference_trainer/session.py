@@ -19,7 +19,7 @@ from .metrics import MetricsWriter, Progress, mfu, print_summary
 from .chunks import ChunkModule
 from .model import GLMMoEModel
 from .parallel import build_groups, is_expert_parameter, reduce_gradients
-from .policies import OOM_EXIT_CODE, fallback, fixed_plans
+from .policies import OOM_EXIT_CODE, execution, fallback, fixed_plans
 from .provision import Provisioner
 from .resilience import NONFINITE_EXIT_CODE, Guard
 from .restarts import RunState
@@ -100,7 +100,8 @@ class Session:
                                        downgrade=config.downgrade, dual=config.schedule == "runtime"
                                        and (config.pp > 1 or config.combined_1f1b), exclude=[model],
                                        fixed=fixed_plans(config, groups.pp_rank, run.cap_bytes),
-                                       capped=config.policy != "ideal", prediction_scale=config.prediction_scale)
+                                       capped=config.policy != "ideal", prediction_scale=config.prediction_scale,
+                                       execution=execution(config.policy))
         self.params = [(self._global_name(n), p) for n, p in model.named_parameters()]
         self.optimizer = torch.optim.AdamW([p for _, p in self.params], lr=config.lr,
                                            weight_decay=config.weight_decay, fused=True)  # one kernel per tensor

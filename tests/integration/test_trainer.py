@@ -5,6 +5,7 @@
   in fp32);
 * PP=1 x DP=2 (EP=2): the runtime schedule pairs F_(i+1) with B_i (combined 1F1B), bitwise the plain schedule;
   PP=2 x DP=2 with ``--paired`` pairs every steady point, the last stage's too, bitwise the plain schedule;
+  the baselines run their points in Megatron-Core's combined-1F1B order, flexible in the fusion DP's;
 * PP=4 x DP=1 runs fused OVERLAP_F_B points with O and R (pipeline degree > 2), every micro-batch keeps the bytes
   the cost model predicts for its plan, and the loss falls;
 * (killed, stopped and corrupted runs: tests/integration/test_faults.py)
@@ -198,6 +199,33 @@ def test_pp2_paired_pairs_the_last_stage_too_and_matches_the_plain_schedule_bitw
     assert summary["memory_cap_bytes"] > unpaired["memory_cap_bytes"]  # three chunks in flight on stage 0, not two
     bad = torchrun(4, "--steps", "1", "--paired", "--schedule", "plain")
     assert bad.returncode != 0 and "--paired needs --schedule runtime" in bad.stderr
+
+
+def test_baselines_run_megatron_cores_combined_1f1b_order_bitwise_the_plain_schedule(tmp_path):
+    """Under the runtime schedule a baseline runs its fused points as its real system would (Megatron-Core's
+    combined 1F1B): kwai (norm and activation recompute, no all-to-all re-run) pairs one forward stage with one
+    backward stage in program order; static-over (full recompute re-runs dispatch and combine inside B) runs F then
+    B, never paired. Losses bitwise the plain schedule's; the collective checker is on."""
+    for policy in ("kwai", "static-over"):
+        runs = {}
+        for schedule in ("runtime", "plain"):
+            runs[schedule] = tmp_path / f"{policy}-{schedule}.jsonl"
+            ok(torchrun(2, "--steps", "2", "--pp", "1", "--dp", "2", "--ep", "2", "--policy", policy,
+                        "--schedule", schedule, "--spike-rate", "0", "--metrics-file", str(runs[schedule])))
+        assert losses(runs["runtime"]) == losses(runs["plain"])
+        orders = [point.split(": ")[1] for r in records(runs["runtime"])[:-1] for point in r["order"]]
+        assert orders
+        for order in orders:
+            groups = [group.split("+") for group in order.split("|")]
+            forwards = [int(ref[1:]) for group in groups for ref in group if ref[0] == "F"]
+            backwards = [int(ref[1:]) for group in groups for ref in group if ref[0] == "B"]
+            assert forwards == sorted(forwards) and backwards == sorted(backwards)  # each chain in program order
+            paired = [group for group in groups if {ref[0] for ref in group} >= {"F", "B"}]
+            if policy == "kwai":
+                assert paired and all(len(group) == 2 for group in paired)
+            else:
+                kinds = [group[0][0] for group in groups]
+                assert not paired and kinds == sorted(kinds, key="FB".index)  # every F stage, then every B stage
 
 
 def test_flexible_safety_net_reruns_a_mispredicted_micro_batch_without_a_restart(tmp_path):

@@ -75,6 +75,25 @@ def test_megatron_pairs_f_and_b_only_when_recompute_reruns_no_all_to_all(policy)
     assert any(stage.resource is Resource.COMM for stage in chains.forward.stages)
 
 
+def test_megatron_overlapped_unpaired_on_request_and_each_policy_names_its_native_execution():
+    """``megatron_overlapped(pair=False)``: F then B with the copies still beside compute (a point whose backward
+    re-runs an all-to-all inside B, as the trainer's x - y = 1 points); the policies' real systems: bagualu2's
+    fused order for flexible, ideal and oracle, Megatron-Core's for the rest."""
+    from bagualu2.fusion.baselines import megatron_overlapped
+
+    ctx = CONTEXTS[0]
+    graph = ctx.timing_graph(0, 1.0)
+    chains = build_chains(graph, Plan(), graph, Plan())
+    paired, alone = megatron_overlapped(chains), megatron_overlapped(chains, pair=False)
+    assert any({kind for kind, _ in group} >= {"F", "B"} for group in paired.groups)
+    assert not any({kind for kind, _ in group} >= {"F", "B"} for group in alone.groups)
+    assert paired.makespan_ns <= alone.makespan_ns == chains.sequential_ns
+    natives = {name: bagualu2.sim.native_execution(name) for name in bagualu2.sim.POLICIES + bagualu2.sim.ABLATION}
+    assert {name for name, native in natives.items() if native == "fused"} == {"flexible", "ideal", "oracle", "L4"}
+    with pytest.raises(ValueError, match="policy must be one of"):
+        bagualu2.sim.native_execution("fast")
+
+
 def test_released_megatron_never_pairs_f_and_b_but_keeps_its_copies_beside_compute():
     """``megatron-unpaired`` (the baselines' 2024 releases): F then B at every point, the copies still joined to
     compute groups; never faster than the paired order."""

@@ -50,12 +50,14 @@ def megatron_core(chains: Chains) -> Order:
     return _finish(_pair_f_b(chains) + _singles(chains, "O") + _singles(chains, "R"), chains, "megatron-core")
 
 
-def megatron_overlapped(chains: Chains) -> Order:
+def megatron_overlapped(chains: Chains, *, pair: bool = True) -> Order:
     """Megatron-Core with its copies on copy streams: the combined-1F1B F/B groups, each joined by the next
     device->host copy of O and the next host->device reload at the head of R (copy engines beside compute:
     ``max(compute, copy)`` per group, not the sum); what is left of O, then the rest of R (dequantise casts and
-    recomputed ops, on the compute stream before the backward that needs them) one stage at a time after."""
-    return _finish(list(megatron_overlapped_groups(chains)), chains, "megatron-overlapped")
+    recomputed ops, on the compute stream before the backward that needs them) one stage at a time after.
+    ``pair=False``: F then B (as where R re-runs an all-to-all; a caller whose plan re-runs one outside R, inside
+    B, says so)."""
+    return _finish(list(megatron_overlapped_groups(chains, pair=pair)), chains, "megatron-overlapped")
 
 
 def megatron_overlapped_groups(chains: Chains, *, pair: bool = True) -> tuple[tuple[StageRef, ...], ...]:

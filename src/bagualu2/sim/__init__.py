@@ -5,11 +5,11 @@ stage on one execution model (:mod:`.execution`) with OOMs, restarts and MFU; :m
 numbers. Never imports torch."""
 
 from .execution import OVERLAP
-from .policies import ABLATION, FALLBACKS, POLICIES, StagePolicy, check_policy, make_policy
+from .policies import ABLATION, FALLBACKS, POLICIES, StagePolicy, check_policy, make_policy, native_execution
 from .simulate import ON_OOM, IterationResult, SimConfig, SimResult, check_trace, simulate
 from .stage import Choice, StageContext
 from .traces import PaperTrace, load_trace, paper_trace
 
 __all__ = ["ABLATION", "ON_OOM", "Choice", "FALLBACKS", "IterationResult", "OVERLAP", "POLICIES", "PaperTrace", "SimConfig",
            "SimResult", "StageContext", "StagePolicy", "check_policy", "check_trace", "load_trace", "make_policy",
-           "paper_trace", "simulate"]
+           "native_execution", "paper_trace", "simulate"]

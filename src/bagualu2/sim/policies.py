@@ -303,6 +303,11 @@ CLASSES = {cls.name: cls for cls in (Flexible, StaticUnder, StaticOver, Kwai, Ad
                                      FineStatic, Unfused, FlexibleL4)}
 
 
+def native_execution(name: str) -> str:
+    """The execution policy ``name``'s real system has (:mod:`.execution`): ``fused`` or ``megatron``."""
+    return CLASSES[check_policy(name)].native
+
+
 def make_policy(name: str, ctx: StageContext, *, plan_imbalance: float = 1.0, overlap: str = "real"
                 ) -> StagePolicy:
     """Policy ``name`` (one of ``POLICIES`` or ``ABLATION``) on the stage of ``ctx``; the plans fixed before
