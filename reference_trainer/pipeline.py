@@ -9,7 +9,8 @@ identity at its input reports the end of its backward (the micro-batch's activat
 (Megatron's 1F1B / interleaved 1F1B order, the one the budgets assume) in which every steady forward/backward
 pair of different micro-batches is one ``OVERLAP_F_B`` action. Custom functions: ``FORWARD`` sets the micro-batch's
 plan before the forward; ``OVERLAP_F_B`` runs F_x and B_y through the ``DualBatchExecutor`` in the fusion DP's
-order, with the offload of x-1 (O) and the recovery of y+1 (R) inside it. ``schedule="plain"``: the stock
+order (a baseline policy: Megatron-Core's), with the offload of x-1 (O) and the recovery of y+1 (R) inside
+it. ``schedule="plain"``: the stock
 ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` (each forward still provisioned; no fusion).
 
 Private pipelining APIs used (pinned torch range in pyproject.toml): ``_Action``, ``_PipelineScheduleRuntime``,

@@ -66,7 +66,8 @@ class TrainConfig:
       paired                Megatron-Core's combined 1F1B (``--overlap-moe-expert-parallel-comm``): one more warmup
                             forward per stage (one more chunk in flight), so every steady point pairs a forward with
                             another micro-batch's backward, the last stage's too. None (default): on for ``runtime``
-                            at pp = 1 under expert parallelism, off otherwise; True needs ``--schedule runtime``.
+                            at pp = 1 under expert parallelism, off otherwise; True needs ``--schedule runtime`` and
+                            ``ep >= 2``.
       policy                ``flexible`` (BaGuaLu-2 runtime provisioning), ``static-under``, ``static-over``, ``kwai``,
                             ``adapipe`` or ``ideal`` (:mod:`reference_trainer.policies`).
       prediction_scale      in (0, 1]: the flexible runtime plans as if the cost model's bytes were this share of
@@ -151,6 +152,9 @@ class TrainConfig:
             raise ValueError(f"--paired must be true, false or unset, got {self.paired!r}")
         if self.paired and self.schedule != "runtime":
             raise ValueError("--paired needs --schedule runtime (the stock schedules run F then B at every step)")
+        if self.paired and self.ep < 2:
+            raise ValueError("--paired needs --ep >= 2 (combined 1F1B runs one micro-batch's expert-parallel "
+                             "all-to-alls beside the other's compute)")
         self.check_layout()
         if self.spike_rate > 0 and self.ep < 2:
             raise ValueError("--spike-rate > 0 needs --ep >= 2 (a spike forces routing towards one expert-parallel "

@@ -241,8 +241,9 @@ class Session:
         return total, m
 
     def _run_paired(self, chunk: ChunkModule, inputs, targets) -> float:
-        """pp = 1, ``paired``: the cost model's combined-1F1B order; each F_(i+1) B_i is one fused point, run by
-        the dual-batch executor in the fusion DP's order (the all-to-alls of one beside the other's compute).
+        """No pipeline, ``paired``: the cost model's combined-1F1B order; each F_(i+1) B_i is one fused point, run
+        by the dual-batch executor in the policy's order (``Provisioner.point``: the all-to-alls of one beside the
+        other's compute). With a pipeline the ``RuntimeSchedule`` runs the same points.
         Returns the sum of the micro-batch losses."""
         from bagualu2.costmodel import points
 

@@ -30,6 +30,7 @@ from reference_trainer.train import main, parse_args
     (["--num-microbatches", "1"], "--num-microbatches=1 must be >= --pp=2"),
     (["--vp", "2", "--num-microbatches", "2"], "needs --num-microbatches > --pp=2"),
     (["--paired", "--schedule", "plain"], "--paired needs --schedule runtime"),
+    (["--paired", "--ep", "1"], "--paired needs --ep >= 2"),
 ])
 def test_bad_flags_fail_in_one_line(argv, message, capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
