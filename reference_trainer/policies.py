@@ -16,7 +16,7 @@
 
 The plans of the fixed policies are exactly the simulator's (``bagualu2.sim.make_policy`` on a stage context whose
 ``M_max`` is the cap); ``describe`` prints them stage by stage. So is the order each runs a fused point in
-(``execution``): ``flexible`` and ``ideal`` the fusion DP's, the baselines Megatron-Core's combined 1F1B (one
+(``bagualu2.sim.native_execution``): ``flexible`` and ``ideal`` the fusion DP's, the baselines Megatron-Core's combined 1F1B (one
 micro-batch's all-to-alls beside the other's compute, copies beside compute, recompute before the backward that
 needs it; no pairing where the recovery re-runs an all-to-all), the overlap their real systems have.
 """
@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 
 from bagualu2.costmodel import Plan, presets
-from bagualu2.sim import FALLBACKS, StageContext, make_policy, native_execution
+from bagualu2.sim import FALLBACKS, StageContext, make_policy
 
 POLICIES = ("flexible", "static-under", "static-over", "kwai", "adapipe", "ideal")
 FIXED = ("static-under", "static-over", "kwai", "adapipe", "ideal")
@@ -36,12 +36,6 @@ OOM_EXIT_CODE = 75  # EX_TEMPFAIL: the workers ran out of activation memory; tor
 def fallback(policy: str) -> str:
     """What a restarted run continues with after an out-of-memory error (static-under -> static-over)."""
     return FALLBACKS.get(policy, policy)
-
-
-def execution(policy: str) -> str:
-    """The order ``policy`` runs its fused points in: ``fused`` (the fusion DP's) or ``megatron``
-    (``bagualu2.fusion.baselines.megatron_overlapped``), as in the simulator."""
-    return native_execution(policy)
 
 
 def fixed_plans(config, stage: int, cap_bytes: int) -> tuple[Plan, ...] | None:

@@ -76,7 +76,6 @@ class Provisioner:
         if execution not in ("fused", "megatron"):
             raise ValueError(f"execution must be fused or megatron, got {execution!r}")
         self.execution = execution            # fused points: the fusion DP's order or Megatron-Core's
-        self._pairs: bool | None = None       # Megatron-Core's order: F and B paired (decided once)
         self.safety_net = fixed is None       # flexible: an overflow is re-run with full recompute, no restart
         self.prediction_scale = prediction_scale
         self.engine = engine = Stage(model, parallel, hardware, stage=stage)  # shared by path, gates and orders
@@ -105,6 +104,12 @@ class Provisioner:
 
             self.dual = DualBatchExecutor(*self.executors.values())
         self.orders = PointOrders(engine)
+        # Megatron-Core's order pairs F and B unless a plan re-runs an all-to-all (full recompute, a recomputed
+        # dispatch or combine): it refuses the overlap for the whole run, so one answer per stage from every
+        # chunk's fixed plan (the same on every EP rank)
+        self.megatron_pairs = execution == "megatron" and not any(
+            reruns_all_to_all(self.orders.chains(recovery=(self.path.graph(chunk, 1.0), plan)))
+            for chunk, plan in enumerate(fixed or ()))
         self._pending: tuple[int, float] | None = None  # (chunk, local imbalance) of the last forward
         started = time.perf_counter()
         self._warm(parallel.ep)
@@ -328,7 +333,7 @@ class Provisioner:
             offload=self._batch(previous) if prev is not None else None,
             recovery=self._batch(following) if nxt is not None else None)
         order = (self.orders.order(chains) if self.execution == "fused"
-                 else megatron_overlapped(chains, pair=self._megatron_pairs()))
+                 else megatron_overlapped(chains, pair=self.megatron_pairs))
         self.planning_s += time.perf_counter() - started
         self.points.append(f"F{x.name} B{y.name}: {order}")
         self.dual.run(order, chains, forward=run_forward, backward=(y.name, run_backward),
@@ -336,16 +341,6 @@ class Provisioner:
                       recovery=nxt.name if nxt is not None and chains.recovery is not None else None)
         if self.orders.pipeline_degree == 1 or (prev is not None and prev.name in self.executors[previous[0]]):
             self.flush_offloads()  # at x - y = 1 no point's O copies x: its copies start right after its point
-
-    def _megatron_pairs(self) -> bool:
-        """A fixed policy on Megatron-Core's order: does it pair F and B? Megatron-Core refuses its all-to-all
-        overlap for the whole run when a plan re-runs an all-to-all (full recompute, a recomputed dispatch or
-        combine), so one answer per stage from every chunk's plan (fixed plans: the same on every EP rank)."""
-        if self._pairs is None:
-            recoveries = (self.orders.chains(recovery=(self.path.graph(chunk, 1.0), plan))
-                          for chunk, plan in enumerate(self.fixed or ()))
-            self._pairs = not any(reruns_all_to_all(chains) for chains in recoveries)
-        return self._pairs
 
 
 class _TimedPlanner(DeferredPlanner):

@@ -19,13 +19,14 @@ from .metrics import MetricsWriter, Progress, mfu, print_summary
 from .chunks import ChunkModule
 from .model import GLMMoEModel
 from .parallel import build_groups, is_expert_parameter, reduce_gradients
-from .policies import OOM_EXIT_CODE, execution, fallback, fixed_plans
+from .policies import OOM_EXIT_CODE, fallback, fixed_plans
 from .provision import Provisioner
 from .resilience import NONFINITE_EXIT_CODE, Guard
 from .restarts import RunState
 from .routing import record_routing, routing_stats
 from .watchdog import find_cause
 from bagualu2.exec import ActivationOutOfMemoryError
+from bagualu2.sim import native_execution
 
 
 WORKSPACE_BYTES = 1 << 30  # allocator slack, recompute and communication buffers, cuBLAS workspaces
@@ -101,7 +102,7 @@ class Session:
                                        and (config.pp > 1 or config.combined_1f1b), exclude=[model],
                                        fixed=fixed_plans(config, groups.pp_rank, run.cap_bytes),
                                        capped=config.policy != "ideal", prediction_scale=config.prediction_scale,
-                                       execution=execution(config.policy))
+                                       execution=native_execution(config.policy))
         self.params = [(self._global_name(n), p) for n, p in model.named_parameters()]
         self.optimizer = torch.optim.AdamW([p for _, p in self.params], lr=config.lr,
                                            weight_decay=config.weight_decay, fused=True)  # one kernel per tensor
