@@ -69,7 +69,7 @@ def test_ablation_levels_build_on_each_other():
 
 def test_replan_restarts_the_same_policy_for_the_imbalance_that_crashed_it_then_returns_to_its_plans():
     model, parallel = presets.model(MODEL)
-    trace = (1.0, 2.0, 1.5, 2.0, 2.4, 1.1)
+    trace = (1.0, 2.0, 1.5, 2.0, 2.4, 1.0)
     result = simulate(model, parallel, HARDWARE, "kwai", trace, on_oom="replan", restart_s=100.0)
     crashes = [simulate(model, parallel, HARDWARE, "kwai", (rate,)).oom_events == 1 for rate in trace]
     assert [it.restarted for it in result.iterations] == crashes and any(crashes) and not crashes[0]

@@ -12,10 +12,12 @@ Plans fixed before training are made at ``plan_imbalance`` (default 1.0, balance
                    M_max // in-flight count)``; fits at r=1, overruns on spikes (OOM -> restart -> static-over).
 * ``static-over``  the paper's over-provisioning: full recompute (:func:`full_recompute`: every saving but the
                    block inputs RECOMPUTE), whose bytes do not depend on the routing.
-* ``kwai``         Megatron-Kwai (on Megatron-Core, its offload copies beside compute): RECOMPUTE of norms and activation functions, plus OFFLOAD of the first
-                   ``ceil(alpha * n)`` of the n tensors that plan still keeps (every saving of each, graph order,
-                   block inputs excluded), alpha the smallest of 0, 0.05, ..., 1 that fits M_max // in-flight at
-                   r=1 (alpha = 1 if none does).
+* ``kwai``         Megatron-Kwai (on Megatron-Core, its offload copies beside compute): its configuration search,
+                   the faster of two checkpointing levels that fits M_max // in-flight at r=1 — none, or RECOMPUTE
+                   of norms and activation functions (its compute-memory balanced checkpointing) — each plus
+                   OFFLOAD of the first ``ceil(alpha * n)`` of the n tensors it still keeps (every saving of each,
+                   graph order, block inputs excluded), alpha the smallest of 0, 0.05, ..., 1 that fits (the
+                   balanced level with alpha = 1 if none does). A chunk that fits unmitigated runs nothing.
 * ``adapipe``      AdaPipe's adaptive recomputation, fixed before training at r=1, RECOMPUTE only: repeatedly
                    recompute the kept tensor (all its savings) with the most bytes freed per added recompute-ns
                    (``evaluate``) until the chunk fits M_max // in-flight; full recompute if it never does.
@@ -168,24 +170,50 @@ def _tensor_savings(graph: OpGraph) -> dict[str, list[str]]:
 
 
 class Kwai(Static):
+    """Megatron-Kwai's configuration search: the fastest of its checkpointing levels that fits. Its ATC'24
+    artifact's tuned runs pick checkpointing "no" or "ours" (its compute-memory balanced checkpointing) and an
+    offloaded share alpha from 0 to 1 per run, so a chunk that fits unmitigated runs nothing. Per level (none;
+    ``KWAI_BASE``) the smallest alpha that fits the target at ``plan_imbalance``; of the levels that fit, the one
+    with the shorter forward + backward under the policy's execution (a tie: no checkpointing); if neither fits,
+    ``KWAI_BASE`` with alpha = 1. ``levels[chunk]`` and ``alphas[chunk]`` say what was chosen."""
+
     name = "kwai"
 
     def __init__(self, ctx: StageContext, **options):
         self.alphas: dict[int, float] = {}  # chunk -> the offloaded fraction chosen
+        self.levels: dict[int, str] = {}  # chunk -> "none" or "balanced" (the checkpointing chosen)
         super().__init__(ctx, **options)
+
+    def _smallest_alpha(self, chunk: int, graph: OpGraph, base: Plan) -> tuple[Plan, float, bool]:
+        """``base`` plus OFFLOAD of the first ``ceil(alpha * n)`` tensors it keeps, alpha the smallest multiple of
+        ``1 / KWAI_STEPS`` that fits (1 if none does), and whether it fits."""
+        strategies = resolve(graph, base)
+        kept = [keys for keys in _tensor_savings(graph).values()
+                if all(strategies[tuple(k.split("/", 1))] is Strategy.KEEP for k in keys)]
+        for step in range(KWAI_STEPS + 1):
+            count = math.ceil(step * len(kept) / KWAI_STEPS)
+            plan = Plan(base.entries + tuple((k, Strategy.OFFLOAD) for keys in kept[:count] for k in keys))
+            if self.ctx.cost(chunk, graph.imbalance, plan).activation_bytes <= self.ctx.per_chunk_bytes:
+                return plan, step / KWAI_STEPS, True
+        return plan, 1.0, False
 
     def plan(self, chunk):
         graph = self.design_graph(chunk)
-        strategies = resolve(graph, KWAI_BASE)
-        kept = [keys for keys in _tensor_savings(graph).values()
-                if all(strategies[tuple(k.split("/", 1))] is Strategy.KEEP for k in keys)]
-        plan = KWAI_BASE
-        for step in range(KWAI_STEPS + 1):
-            count = math.ceil(step * len(kept) / KWAI_STEPS)
-            plan = Plan(KWAI_BASE.entries + tuple((k, Strategy.OFFLOAD) for keys in kept[:count] for k in keys))
-            if self.ctx.cost(chunk, graph.imbalance, plan).activation_bytes <= self.ctx.per_chunk_bytes:
-                break
-        self.alphas[chunk] = step / KWAI_STEPS
+        fitting = {}
+        for level, base in (("none", NO_PLAN), ("balanced", KWAI_BASE)):
+            plan, alpha, fits = self._smallest_alpha(chunk, graph, base)
+            if fits:
+                fitting[level] = (plan, alpha)
+        if not fitting:
+            fitting["balanced"] = (plan, alpha)  # the last tried: KWAI_BASE, everything else offloaded
+
+        def seconds(level: str) -> float:
+            choice = self.run(chunk, graph.imbalance, fitting[level][0])
+            return choice.forward_s + choice.backward_s
+
+        level = min(fitting, key=seconds)  # min keeps the first of equals: no checkpointing
+        self.levels[chunk] = level
+        plan, self.alphas[chunk] = fitting[level]
         return plan
 
 
