@@ -8,8 +8,10 @@
                     -> exit code ``OOM_EXIT_CODE`` -> ``torchrun --max-restarts`` restarts the workers, which resume
                     from the latest checkpoint with ``static-over`` (the paper's operator).
 * ``static-over``   full recompute of every chunk (sized for the worst case).
-* ``kwai``          Megatron-Kwai: recompute of norms and activation functions plus offload of a uniform fraction
-                    alpha of the other kept tensors, alpha the smallest multiple of 0.05 that fits at r = 1.
+* ``kwai``          Megatron-Kwai's configuration search, fixed at r = 1: no checkpointing or its balanced one
+                    (recompute of norms and activation functions), each plus offload of a uniform fraction alpha of
+                    the tensors it keeps, alpha the smallest multiple of 0.05 that fits; the faster level that
+                    fits. A chunk that fits unmitigated runs nothing, and overflows on spikes like static-under.
 * ``adapipe``       AdaPipe: recompute only, fixed before training at r = 1, tensors with the most bytes freed per
                     added recompute time first, until the chunk fits.
 * ``ideal``         no cap, no mitigation (the upper limit; memory may exceed the cap).
