@@ -201,7 +201,7 @@ def test_pp2_paired_pairs_the_last_stage_too_and_matches_the_plain_schedule_bitw
 
 def test_baselines_run_megatron_cores_combined_1f1b_order_bitwise_the_plain_schedule(tmp_path):
     """Under the runtime schedule a baseline runs its fused points as its real system would (Megatron-Core's
-    combined 1F1B): kwai (norm and activation recompute, no all-to-all re-run) pairs one forward stage with one
+    combined 1F1B): kwai (its search offloads here; no all-to-all re-run) pairs one forward stage with one
     backward stage in program order; static-over (full recompute re-runs dispatch and combine inside B) runs F then
     B, never paired. Losses bitwise the plain schedule's; the collective checker is on."""
     for policy in ("kwai", "static-over"):

@@ -76,3 +76,21 @@ def test_bench_cap_runs_ordinary_micro_batches_unmitigated_and_makes_spikes_miti
     assert all(kept[s, r] <= cap for s in range(config.pp) for r in (1.0, config.memory_cap_imbalance))
     assert max(kept[s, config.memory_cap_imbalance] for s in range(config.pp)) == cap
     assert any(kept[s, float(config.ep)] > cap for s in range(config.pp))
+
+
+def test_bench_cap_leaves_the_baselines_unmitigated_so_a_spike_overflows_them():
+    """Under glm_moe_bench's cap an ordinary micro-batch fits unmitigated, so every baseline planned at balanced
+    load runs nothing (kwai's search picks no checkpointing and alpha = 0, as its artifact's tuned runs do where
+    memory allows), and the busiest stage's in-flight pair overflows with one spiked micro-batch."""
+    config = recipe("glm_moe_bench")
+    cap = default_cap(config)
+    for policy in ("static-under", "kwai", "adapipe"):
+        plans = [fixed_plans(config.with_overrides(policy=policy), s, cap) for s in range(config.pp)]
+        assert all(plan.entries == () for stage in plans for plan in stage), policy
+    overflow = []
+    for stage in range(config.pp):
+        one = {rate: build_graph(config.model, config.parallel, HW, imbalance=rate, stage=stage).unmitigated_bytes
+               for rate in (1.0, float(config.ep))}
+        inflight = stage_memory(config.model, config.parallel, HW, stage=stage).inflight_chunks
+        overflow.append(one[float(config.ep)] + (inflight - 1) * one[1.0] > cap)
+    assert any(overflow)
