@@ -45,6 +45,7 @@ counted but the run goes on (a configuration where they happen cannot train at a
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 from ..costmodel import OpGraph, Plan, Strategy, evaluate, resolve
 from ..mitigation import greedy
@@ -169,11 +170,23 @@ def _tensor_savings(graph: OpGraph) -> dict[str, list[str]]:
     return out
 
 
+class KwaiKey(NamedTuple):
+    """What Megatron-Kwai's search for one chunk depends on."""
+
+    chunk: int
+    imbalance: float
+    target_bytes: int
+    plan_hardware: object
+    execution: str
+    share: float
+
+
 class Kwai(Static):
-    """Megatron-Kwai's configuration search: the fastest of its checkpointing levels that fits. Its ATC'24
-    artifact's tuned runs pick checkpointing "no" or "ours" (its compute-memory balanced checkpointing) and an
-    offloaded share alpha from 0 to 1 per run, so a chunk that fits unmitigated runs nothing. Per level (none;
-    ``KWAI_BASE``) the smallest alpha that fits the target at ``plan_imbalance``; of the levels that fit, the one
+    """Megatron-Kwai's configuration search: the faster of its checkpointing levels that fits. Its ATC'24
+    artifact's tuned runs pick a checkpointing level, "no" or "ours" (its compute-memory balanced checkpointing),
+    and an offloaded share alpha from 0 to 1 per run, so a chunk that fits unmitigated runs nothing. Here: per level
+    (none; ``KWAI_BASE``) the smallest alpha in 0, 1/KWAI_STEPS, ..., 1 that fits the target at ``plan_imbalance``
+    (OFFLOAD of the first ``ceil(alpha * n)`` of the n tensors the level keeps); of the levels that fit, the one
     with the shorter forward + backward under the policy's execution (a tie: no checkpointing); if neither fits,
     ``KWAI_BASE`` with alpha = 1. ``levels[chunk]`` and ``alphas[chunk]`` say what was chosen."""
 
@@ -184,37 +197,45 @@ class Kwai(Static):
         self.levels: dict[int, str] = {}  # chunk -> "none" or "balanced" (the checkpointing chosen)
         super().__init__(ctx, **options)
 
-    def _smallest_alpha(self, chunk: int, graph: OpGraph, base: Plan) -> tuple[Plan, float, bool]:
-        """``base`` plus OFFLOAD of the first ``ceil(alpha * n)`` tensors it keeps, alpha the smallest multiple of
-        ``1 / KWAI_STEPS`` that fits (1 if none does), and whether it fits."""
-        strategies = resolve(graph, base)
-        kept = [keys for keys in _tensor_savings(graph).values()
-                if all(strategies[tuple(k.split("/", 1))] is Strategy.KEEP for k in keys)]
-        for step in range(KWAI_STEPS + 1):
-            count = math.ceil(step * len(kept) / KWAI_STEPS)
-            plan = Plan(base.entries + tuple((k, Strategy.OFFLOAD) for keys in kept[:count] for k in keys))
-            if self.ctx.cost(chunk, graph.imbalance, plan).activation_bytes <= self.ctx.per_chunk_bytes:
-                return plan, step / KWAI_STEPS, True
-        return plan, 1.0, False
+    @staticmethod
+    def configurations(graph: OpGraph):
+        """``(level, alpha, plan)`` of every configuration the search considers: per level, alpha ascending."""
+        for level, base in (("none", NO_PLAN), ("balanced", KWAI_BASE)):
+            strategies = resolve(graph, base)
+            kept = [keys for keys in _tensor_savings(graph).values()
+                    if all(strategies[tuple(k.split("/", 1))] is Strategy.KEEP for k in keys)]
+            for step in range(KWAI_STEPS + 1):
+                count = math.ceil(step * len(kept) / KWAI_STEPS)
+                offloaded = tuple((k, Strategy.OFFLOAD) for keys in kept[:count] for k in keys)
+                yield level, step / KWAI_STEPS, Plan(base.entries + offloaded)
 
     def plan(self, chunk):
         graph = self.design_graph(chunk)
-        fitting = {}
-        for level, base in (("none", NO_PLAN), ("balanced", KWAI_BASE)):
-            plan, alpha, fits = self._smallest_alpha(chunk, graph, base)
-            if fits:
-                fitting[level] = (plan, alpha)
+        key = KwaiKey(chunk, graph.imbalance, self.ctx.per_chunk_bytes, self.ctx.plan_hardware, self.execution,
+                      self.share)
+        memo = self.ctx.timing.memo.table(KwaiKey)  # the search is a pure function of the key: a restart re-uses it
+        found = memo.get(key)
+        if found is None:
+            found = memo[key] = self.search(chunk, graph)
+        self.levels[chunk], self.alphas[chunk], plan = found
+        return plan
+
+    def search(self, chunk: int, graph: OpGraph) -> tuple[str, float, Plan]:
+        """``(level, alpha, plan)`` of ``chunk``: per level the smallest alpha that fits, then the faster level."""
+        fitting: dict[str, tuple[str, float, Plan]] = {}
+        for level, alpha, plan in self.configurations(graph):
+            last = (level, alpha, plan)
+            if level not in fitting and (self.ctx.cost(chunk, graph.imbalance, plan).activation_bytes
+                                         <= self.ctx.per_chunk_bytes):
+                fitting[level] = last
         if not fitting:
-            fitting["balanced"] = (plan, alpha)  # the last tried: KWAI_BASE, everything else offloaded
+            return last  # the last configuration: balanced, everything else offloaded
 
         def seconds(level: str) -> float:
-            choice = self.run(chunk, graph.imbalance, fitting[level][0])
+            choice = self.run(chunk, graph.imbalance, fitting[level][2])
             return choice.forward_s + choice.backward_s
 
-        level = min(fitting, key=seconds)  # min keeps the first of equals: no checkpointing
-        self.levels[chunk] = level
-        plan, self.alphas[chunk] = fitting[level]
-        return plan
+        return fitting[min(fitting, key=seconds)]  # min keeps the first of equals: no checkpointing
 
 
 class AdaPipe(Static):
