@@ -47,7 +47,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from ..costmodel import OpGraph, Plan, Strategy, evaluate, resolve
+from ..costmodel import Hardware, OpGraph, Plan, Strategy, evaluate, resolve
 from ..mitigation import greedy
 from .execution import check_overlap, execution_of, interference_of
 from .stage import Choice, StageContext
@@ -176,7 +176,7 @@ class KwaiKey(NamedTuple):
     chunk: int
     imbalance: float
     target_bytes: int
-    plan_hardware: object
+    plan_hardware: Hardware
     execution: str
     share: float
 
