@@ -224,12 +224,11 @@ class Kwai(Static):
         """``(level, alpha, plan)`` of ``chunk``: per level the smallest alpha that fits, then the faster level."""
         fitting: dict[str, tuple[str, float, Plan]] = {}
         for level, alpha, plan in self.configurations(graph):
-            last = (level, alpha, plan)
             if level not in fitting and (self.ctx.cost(chunk, graph.imbalance, plan).activation_bytes
                                          <= self.ctx.per_chunk_bytes):
-                fitting[level] = last
+                fitting[level] = (level, alpha, plan)
         if not fitting:
-            return last  # the last configuration: balanced, everything else offloaded
+            return level, alpha, plan  # the last configuration: balanced, everything else offloaded
 
         def seconds(level: str) -> float:
             choice = self.run(chunk, graph.imbalance, fitting[level][2])
