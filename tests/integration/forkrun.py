@@ -16,6 +16,7 @@ so a launch costs its own work, not an interpreter start and a torch import.
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import importlib
 import multiprocessing
 import os
@@ -63,6 +64,7 @@ def main(argv: list[str]) -> None:
     elastic_launch(config=config, entrypoint=worker)(*args.training_script_args)
 
 
+STACKS_S = 5  # at a timeout: how long the hung processes get to write their stacks before SIGKILL
 FORKRUN = str(Path(__file__).resolve())  # forked(FORKRUN, TORCHRUN_ARGS, "-m", MODULE, ARGS)
 PRELOAD = ["torch", "torch.distributed.run", "reference_trainer.pipeline", *MODULES]
 
@@ -79,6 +81,7 @@ def _child(argv: list[str], cwd: str, env: dict, out_path: str, err_path: str) -
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(target, fd)
         os.close(target)
+    faulthandler.enable(all_threads=True)  # the agent and its forked workers: SIGABRT at a timeout dumps stacks
     code = 0
     try:
         if argv[0] == "-m":
@@ -103,6 +106,14 @@ def _child(argv: list[str], cwd: str, env: dict, out_path: str, err_path: str) -
     os._exit(code)
 
 
+def _read(path: str) -> str:
+    try:
+        with open(path) as file:
+            return file.read()
+    except FileNotFoundError:
+        return ""
+
+
 def forked(*argv: str, cwd: str | Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
     """``subprocess.run([sys.executable, *argv], cwd=, env=, capture_output=True, text=True, timeout=)`` for a run
     of this file or ``-m`` a trainer module, forked from the session's fork server (see the module docstring)."""
@@ -113,10 +124,18 @@ def forked(*argv: str, cwd: str | Path, env: dict, timeout: float) -> subprocess
         child = context.Process(target=_child, args=(list(argv), str(cwd), dict(env), out_path, err_path))
         child.start()
         child.join(timeout)
-        if child.exitcode is None:
-            os.killpg(child.pid, signal.SIGKILL)
+        if child.exitcode is None:  # hung: every process of the group dumps its threads' stacks, then dies
+            os.killpg(child.pid, signal.SIGABRT)
+            child.join(STACKS_S)
+            try:
+                os.killpg(child.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             child.join()
-            raise subprocess.TimeoutExpired([sys.executable, *argv], timeout)
+            output, errors = _read(out_path), _read(err_path)  # absent if it hung before it started
+            sys.stderr.write(f"timed out after {timeout} s; the run's stderr (the stacks at the end):\n"
+                             f"{errors[-20000:]}\n")
+            raise subprocess.TimeoutExpired([sys.executable, *argv], timeout, output=output, stderr=errors)
         with open(out_path) as out, open(err_path) as err:
             return subprocess.CompletedProcess([sys.executable, *argv], child.exitcode, out.read(), err.read())
 
