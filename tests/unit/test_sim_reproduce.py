@@ -21,7 +21,7 @@ from bagualu2.sim.stage import StageContext
 MODEL = "glm-188b-a20b"
 HARDWARE = presets.hardware("paper-gpu")
 SMALL = dict(iterations=40, seed=3, models=(MODEL,), focus=MODEL, top_ks=(4,), seq_lengths=(4096,),
-             overhead_iterations=2)
+             overhead_iterations=2, jobs=1)
 runner = CliRunner(env={"COLUMNS": "200", "NO_COLOR": "1"})
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -108,7 +108,19 @@ def test_reproduce_reports_every_figure():
         assert result.mean_mfu <= real.mfu(policy) + 1e-12, policy
 
 
-@pytest.mark.parametrize("kwargs, field", [({"iterations": 5}, "iterations"), ({"restart_s": -1.0}, "restart_s"),
+@pytest.mark.launch
+def test_worker_processes_change_nothing_but_the_wall_time():
+    report, labels = small_report()
+    steps_seen = []
+    parallel = reproduce(ReproduceConfig(**{**SMALL, "jobs": 2}), progress=steps_seen.append)
+    assert tuple(steps_seen) == labels  # the same progress steps, in the report's order
+    for part in ("scales", "sparsity", "seq_length", "ablation", "released"):
+        assert getattr(parallel, part) == getattr(report, part), part
+    assert parallel.ablation.results["L4"].policy == "L4"
+    assert parallel.ablation.results["L4"].iterations == parallel.focus.results["flexible"].iterations
+
+
+@pytest.mark.parametrize("kwargs, field", [({"iterations": 5}, "iterations"), ({"jobs": 0}, "jobs"), ({"restart_s": -1.0}, "restart_s"),
                                            ({"top_ks": (0,)}, "top_ks"), ({"models": ("glm-9t",)}, "glm-9t"),
                                            ({"plan_imbalance": 0.5}, "imbalance"),
                                            ({"seq_lengths": (0,)}, "seq_lengths"),
@@ -153,7 +165,7 @@ def test_cli_reproduce_writes_the_report_and_plots_atomically(tmp_path, monkeypa
 @pytest.mark.parametrize("args, option", [(["-n", "3"], "--iterations"), (["--restart-s", "-1"], "--restart-s"),
                                           (["--seed", "-2"], "--seed"), (["-m", "nope"], "--model"),
                                           (["-H", "tpu"], "--hardware"), (["--docs", "/nonexistent/x"], "--docs"),
-                                          (["-m", "tiny-moe"], "--model")])
+                                          (["-m", "tiny-moe"], "--model"), (["-j", "0"], "--jobs")])
 def test_cli_reproduce_bad_input_is_one_line(args, option):
     result = runner.invoke(app, ["reproduce", *args])
     assert result.exit_code == 2 and option in result.output and len(result.output.strip().splitlines()) == 1

@@ -2,4 +2,5 @@
 
 from .app import main
 
-main()
+if __name__ == "__main__":  # not when a worker process (multiprocessing's spawn) imports the main module
+    main()

@@ -18,7 +18,8 @@ from bagualu2.sim.reproduce import ReproduceConfig, reproduce, steps
 from .common import JSON_HELP, CliError, blame, check_output_path, console, echo_json, handle_errors, write_output
 
 # config field -> option
-OPTIONS = {"iterations": "--iterations", "seed": "--seed", "restart_s": "--restart-s", "models": "--model"}
+OPTIONS = {"iterations": "--iterations", "seed": "--seed", "restart_s": "--restart-s", "models": "--model",
+           "jobs": "--jobs"}
 
 
 @handle_errors
@@ -34,6 +35,9 @@ def reproduce_cmd(
                                       "plots go to DIR/img, made when missing).")] = "docs",
     json_output: Annotated[bool, typer.Option("--json", help=JSON_HELP + " (the report's ratios beside the "
                                               "paper's, after writing the files)")] = False,
+    jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", help="Worker processes for the simulations (>= 1; "
+                                                "default: the CPUs this process may use). The report is the same "
+                                                "for any value.")] = None,
 ) -> None:
     """Run the paper's evaluation (§VI: Fig. 8-11, decision overhead) in the simulator and write
     DIR/reproduction.md with its PNG plots (each written atomically); a progress bar runs on stderr."""
@@ -44,7 +48,7 @@ def reproduce_cmd(
         presets.hardware(hardware)
     try:
         config = ReproduceConfig(iterations=iterations, seed=seed, restart_s=restart_s, hardware=hardware,
-                                 **({"models": tuple(dict.fromkeys(model))} if model else {}))
+                                 jobs=jobs, **({"models": tuple(dict.fromkeys(model))} if model else {}))
     except ValueError as exc:
         raise CliError(str(exc), next((o for f, o in OPTIONS.items() if str(exc).startswith(f)), None)) from None
     folder = Path(docs)

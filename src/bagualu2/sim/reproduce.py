@@ -21,12 +21,19 @@ trainer's fallback).
            other end of the range the paper's ratios fall in.
 * decision overhead: the runtime decision path's measured CPU time per iteration (stage 0) beside the simulated
   iteration time.
+
+The simulations are independent of each other (each builds its own stages and memo), so ``jobs`` worker processes
+run them side by side; the report is the same for any ``jobs``. The decision overhead is measured afterwards, in
+this process, with nothing else running.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
+import os
 import statistics
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -59,8 +66,9 @@ class ReproduceConfig:
     costs (the paper's 284); hardware: a hardware preset name; focus: the preset of Fig. 9-11 (the paper's
     GLM-423B-A30B); top_ks: Fig. 10a's top-k values (each in [1, experts]); seq_lengths: Fig. 10b's;
     overhead_iterations: iterations of the decision-overhead replay, at most the trace's (>= 1; default the whole
-    trace: a run's typical iteration, its first iterations making the plans the later ones find); plan_imbalance: the imbalance the
-    plans fixed before training are made for (>= 1; default the trace's highest ordinary rate)."""
+    trace: a run's typical iteration, its first iterations making the plans the later ones find); plan_imbalance: the
+    imbalance the plans fixed before training are made for (>= 1; default the trace's highest ordinary rate);
+    jobs: worker processes for the simulations (>= 1; None: the CPUs this process may run on; 1: in this process)."""
 
     iterations: int = 1000
     seed: int = 0
@@ -72,9 +80,12 @@ class ReproduceConfig:
     seq_lengths: tuple[int, ...] = (4096, 8192, 16384)
     overhead_iterations: int = 1000
     plan_imbalance: float = 1.2
+    jobs: int | None = None
 
     def __post_init__(self) -> None:
         check_imbalance(self.plan_imbalance)
+        if self.jobs is not None:
+            require_int("jobs", self.jobs, 1)
         require_int("iterations", self.iterations, 10)
         PaperTrace(num_iterations=self.iterations, seed=self.seed)  # checks the seed
         require_number("restart_s", self.restart_s, 0)
@@ -155,36 +166,76 @@ def trace_for(config: ReproduceConfig, num_microbatches: int | None = None) -> t
     return paper_trace(config.iterations, seed=config.seed, num_microbatches=num_microbatches)
 
 
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the platform reports one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _simulate_one(key, hardware, trace, config: ReproduceConfig) -> SimResult:
+    model, parallel, policy, overlap = key
+    return simulate(model, parallel, hardware, policy, trace, restart_s=config.restart_s, on_oom=on_oom(policy),
+                    plan_imbalance=config.plan_imbalance, overlap=overlap)
+
+
+def _specs(config: ReproduceConfig) -> tuple[list, tuple[int, ...]]:
+    """Every run as (label, model, parallel, policies, overlap), in the report's order, and where each part of the
+    report (scales, sparsity, lengths, ablation, released) ends in that list."""
+    specs = [(name, *presets.model(name), FIG8_POLICIES, "real") for name in config.models]
+    if config.focus not in config.models:
+        specs.append((config.focus, *presets.model(config.focus), FIG8_POLICIES, "real"))
+    ends = [len(specs)]
+    model, parallel = presets.model(config.focus)
+    specs += [(f"top-{k}", dataclasses.replace(model, top_k=k), parallel, SWEEP_POLICIES, "real")
+              for k in config.top_ks]
+    ends.append(len(specs))
+    specs += [(f"{n // 1024}K" if n % 1024 == 0 else str(n), dataclasses.replace(model, seq_length=n), parallel,
+               SWEEP_POLICIES, "real") for n in config.seq_lengths]
+    ends.append(len(specs))
+    specs.append(("ablation", model, parallel, ABLATION, "real"))
+    specs.append(("released", model, parallel, RELEASED_POLICIES, "released"))
+    return specs, (*ends, len(specs) - 1, len(specs))
+
+
+def _key(model, parallel, policy: str, overlap: str) -> tuple:
+    return (model, parallel, "flexible" if policy == "L4" else policy, overlap)  # L4 is flexible
+
+
 def _runs(config: ReproduceConfig, step: Callable[[str], None]):
     hardware = presets.hardware(config.hardware)
+    specs, ends = _specs(config)
+    keys = list(dict.fromkeys(_key(m, p, policy, o) for _, m, p, policies, o in specs for policy in policies))
+    jobs = min(config.jobs or available_cpus(), len(keys))  # a configuration met twice is simulated once
 
-    done: dict[tuple, SimResult] = {}  # a configuration met twice (the focus in the sweeps) is simulated once
+    def trace(key):
+        return trace_for(config, key[1].num_microbatches)
 
-    def result(model, parallel, policy, overlap="real"):
-        key = (model, parallel, policy, overlap)
-        if policy == "L4" and (model, parallel, "flexible", overlap) in done:  # L4 is flexible
-            done[key] = dataclasses.replace(done[(model, parallel, "flexible", overlap)], policy="L4")
+    pool, futures, done = None, {}, {}
+    if jobs > 1:  # every simulation submitted in the report's order: the progress follows the runs as they finish
+        pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
+        futures = {key: pool.submit(_simulate_one, key, hardware, trace(key), config) for key in keys}
+
+    def result(key) -> SimResult:
+        if key in futures:
+            return futures[key].result()
         if key not in done:
-            done[key] = simulate(model, parallel, hardware, policy, trace_for(config, parallel.num_microbatches),
-                                 restart_s=config.restart_s, on_oom=on_oom(policy),
-                                 plan_imbalance=config.plan_imbalance, overlap=overlap)
+            done[key] = _simulate_one(key, hardware, trace(key), config)
         return done[key]
 
-    def run(label, model, parallel, policies, overlap="real"):
-        step(label)
-        return Run(label, {p: result(model, parallel, p, overlap) for p in policies}, parallel.world_size)
-
-    scales = tuple(run(name, *presets.model(name), FIG8_POLICIES) for name in config.models)
-    if config.focus not in config.models:
-        scales += (run(config.focus, *presets.model(config.focus), FIG8_POLICIES),)
-    model, parallel = presets.model(config.focus)
-    sparsity = tuple(run(f"top-{k}", dataclasses.replace(model, top_k=k), parallel, SWEEP_POLICIES)
-                     for k in config.top_ks)
-    lengths = tuple(run(f"{n // 1024}K" if n % 1024 == 0 else str(n), dataclasses.replace(model, seq_length=n),
-                        parallel, SWEEP_POLICIES) for n in config.seq_lengths)
-    ablation = run("ablation", model, parallel, ABLATION)
-    released = run("released", model, parallel, RELEASED_POLICIES, overlap="released")
-    return scales, sparsity, lengths, ablation, released
+    runs = []
+    try:
+        for label, model, parallel, policies, overlap in specs:
+            step(label)
+            found = {policy: result(_key(model, parallel, policy, overlap)) for policy in policies}
+            runs.append(Run(label, {p: r if r.policy == p else dataclasses.replace(r, policy=p)
+                                    for p, r in found.items()}, parallel.world_size))
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+    scales, sparsity, lengths, ablation, released = (runs[a:b] for a, b in zip((0, *ends[:-1]), ends))
+    return tuple(scales), tuple(sparsity), tuple(lengths), ablation[0], released[0]
 
 
 def decision_ms(model_name: str, hardware_name: str, trace, iterations: int) -> float:
