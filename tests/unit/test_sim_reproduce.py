@@ -122,6 +122,17 @@ def test_worker_processes_change_nothing_but_the_wall_time():
     assert two.ablation.results["L4"].iterations == two.focus.results["flexible"].iterations
 
 
+def test_default_workers_are_the_usable_cpus_within_the_available_memory(monkeypatch):
+    import bagualu2.sim.reproduce as module
+
+    monkeypatch.setattr(module.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    pages = {"SC_PAGE_SIZE": 4096}
+    monkeypatch.setattr(module.os, "sysconf", lambda name: pages[name])
+    for available, jobs in ((64 << 30, 4), (9 << 30, 2), (1 << 30, 1)):
+        pages["SC_AVPHYS_PAGES"] = available // 4096
+        assert module.default_jobs() == jobs
+
+
 @pytest.mark.parametrize("kwargs, field", [({"iterations": 5}, "iterations"), ({"jobs": 0}, "jobs"), ({"restart_s": -1.0}, "restart_s"),
                                            ({"top_ks": (0,)}, "top_ks"), ({"models": ("glm-9t",)}, "glm-9t"),
                                            ({"plan_imbalance": 0.5}, "imbalance"),

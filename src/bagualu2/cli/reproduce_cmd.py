@@ -36,8 +36,8 @@ def reproduce_cmd(
     json_output: Annotated[bool, typer.Option("--json", help=JSON_HELP + " (the report's ratios beside the "
                                               "paper's, after writing the files)")] = False,
     jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", help="Worker processes for the simulations (>= 1; "
-                                                "default: the CPUs this process may use). The report is the same "
-                                                "for any value.")] = None,
+                                                "default: the CPUs this process may use, at most one per 4 GiB of "
+                                                "available memory). The report is the same for any value.")] = None,
 ) -> None:
     """Run the paper's evaluation (§VI: Fig. 8-11, decision overhead) in the simulator and write
     DIR/reproduction.md with its PNG plots (each written atomically); a progress bar runs on stderr."""

@@ -22,9 +22,9 @@ trainer's fallback).
 * decision overhead: the runtime decision path's measured CPU time per iteration (stage 0) beside the simulated
   iteration time.
 
-The simulations are independent of each other (each builds its own stages and memo), so ``jobs`` worker processes
-run them side by side; the report is the same for any ``jobs``. The decision overhead is measured afterwards, in
-this process, with nothing else running.
+The simulations are independent of each other (a simulation's result depends on its inputs only, whatever ran
+before it in the process), so ``jobs`` worker processes run them side by side; the report is the same for any
+``jobs``. The decision overhead is measured afterwards, in this process, with nothing else running.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class ReproduceConfig:
     overhead_iterations: iterations of the decision-overhead replay, at most the trace's (>= 1; default the whole
     trace: a run's typical iteration, its first iterations making the plans the later ones find); plan_imbalance: the
     imbalance the plans fixed before training are made for (>= 1; default the trace's highest ordinary rate);
-    jobs: worker processes for the simulations (>= 1; None: the CPUs this process may run on; 1: in this process)."""
+    jobs: worker processes for the simulations (>= 1; None: :func:`default_jobs`; 1: in this process)."""
 
     iterations: int = 1000
     seed: int = 0
@@ -166,12 +166,21 @@ def trace_for(config: ReproduceConfig, num_microbatches: int | None = None) -> t
     return paper_trace(config.iterations, seed=config.seed, num_microbatches=num_microbatches)
 
 
-def available_cpus() -> int:
-    """The CPUs this process may run on (its affinity where the platform reports one)."""
+WORKER_BYTES = 4 << 30  # a worker's peak memory is under this (about 1.7 GB measured for the defaults)
+
+
+def default_jobs() -> int:
+    """The CPUs this process may run on (its affinity where the platform reports one), at most one worker per
+    ``WORKER_BYTES`` of the memory available now."""
     try:
-        return len(os.sched_getaffinity(0))
+        cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+        cpus = os.cpu_count() or 1
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # no figure for it: the CPUs decide
+        return cpus
+    return max(1, min(cpus, available // WORKER_BYTES))
 
 
 def _simulate_one(key, hardware, trace, config: ReproduceConfig) -> SimResult:
@@ -207,7 +216,7 @@ def _runs(config: ReproduceConfig, step: Callable[[str], None]):
     hardware = presets.hardware(config.hardware)
     specs, ends = _specs(config)
     keys = list(dict.fromkeys(_key(m, p, policy, o) for _, m, p, policies, o in specs for policy in policies))
-    jobs = min(config.jobs or available_cpus(), len(keys))  # a configuration met twice is simulated once
+    jobs = min(config.jobs or default_jobs(), len(keys))  # a configuration met twice is simulated once
 
     def trace(key):
         return trace_for(config, key[1].num_microbatches)
