@@ -122,6 +122,19 @@ def test_worker_processes_change_nothing_but_the_wall_time():
     assert two.ablation.results["L4"].iterations == two.focus.results["flexible"].iterations
 
 
+def test_cli_reproduce_reports_a_dead_worker_in_one_line(tmp_path, monkeypatch):
+    import bagualu2.cli.reproduce_cmd as command
+    from bagualu2.sim.reproduce import WorkerDied
+
+    def dies(config, progress):
+        raise WorkerDied("one of 2 simulation worker processes died (killed, or out of memory?); run with fewer jobs")
+
+    monkeypatch.setattr(command, "reproduce", dies)
+    result = runner.invoke(app, ["reproduce", "--docs", str(tmp_path)])
+    assert result.exit_code == 2 and result.output.strip().startswith("error: --jobs: one of 2 simulation worker")
+    assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "reproduction.md").exists()
+
+
 def test_default_workers_are_the_usable_cpus_within_the_available_memory(monkeypatch):
     import bagualu2.sim.reproduce as module
 

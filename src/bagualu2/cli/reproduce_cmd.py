@@ -13,7 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from bagualu2.costmodel import presets
 from bagualu2.sim.figures import figures
 from bagualu2.sim.report import headline, markdown
-from bagualu2.sim.reproduce import ReproduceConfig, reproduce, steps
+from bagualu2.sim.reproduce import ReproduceConfig, WorkerDied, reproduce, steps
 
 from .common import JSON_HELP, CliError, blame, check_output_path, console, echo_json, handle_errors, write_output
 
@@ -69,7 +69,10 @@ def reproduce_cmd(
             progress.update(task, description=escape(label), completed=len(started))
             started.append(label)
 
-        report = reproduce(config, progress=advance)
+        try:
+            report = reproduce(config, progress=advance)
+        except WorkerDied as exc:
+            raise CliError(str(exc), "--jobs") from None
         progress.update(task, completed=len(started))
     for name, data in figures(report).items():
         write_output(image_paths[name], data, "--docs")

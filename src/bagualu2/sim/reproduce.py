@@ -34,6 +34,7 @@ import multiprocessing
 import os
 import statistics
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -166,6 +167,10 @@ def trace_for(config: ReproduceConfig, num_microbatches: int | None = None) -> t
     return paper_trace(config.iterations, seed=config.seed, num_microbatches=num_microbatches)
 
 
+class WorkerDied(RuntimeError):
+    """A worker process of :func:`reproduce` ended without a result (killed, e.g. out of memory)."""
+
+
 WORKER_BYTES = 4 << 30  # a worker's peak memory is under this (about 1.7 GB measured for the defaults)
 
 
@@ -228,7 +233,11 @@ def _runs(config: ReproduceConfig, step: Callable[[str], None]):
 
     def result(key) -> SimResult:
         if key in futures:
-            return futures[key].result()
+            try:
+                return futures[key].result()
+            except BrokenProcessPool:
+                raise WorkerDied(f"one of {jobs} simulation worker processes died (killed, or out of memory?); run "
+                                 "with fewer jobs (1: every simulation in this process)") from None
         if key not in done:
             done[key] = _simulate_one(key, hardware, trace(key), config)
         return done[key]
