@@ -108,6 +108,15 @@ def test_reproduce_reports_every_figure():
         assert result.mean_mfu <= real.mfu(policy) + 1e-12, policy
 
 
+@pytest.mark.slow
+def test_a_trace_without_spikes_reports_dashes_not_nan():
+    report = reproduce(ReproduceConfig(**{**SMALL, "iterations": 10, "overhead_iterations": 1}))
+    assert not report.spikes()
+    text = markdown(report)
+    assert "nan" not in text.lower() and "No iteration of this 10-iteration trace is a spike" in text
+    assert all(data.startswith(PNG) for data in figures(report).values())
+
+
 @pytest.mark.launch
 def test_worker_processes_change_nothing_but_the_wall_time():
     config = {**SMALL, "iterations": 35, "overhead_iterations": 1}  # one spike

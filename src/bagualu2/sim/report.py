@@ -18,6 +18,11 @@ PAPER = {  # the paper's numbers (§II-B, §VI), quoted beside ours; the simulat
 }
 
 
+def _shown(value: float, spec: str) -> str:
+    """``value`` formatted with ``spec``, or a dash where there is nothing to measure (NaN: no spike iteration)."""
+    return "—" if value != value else format(value, spec)
+
+
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(["---"] + ["---:"] * (len(header) - 1)) + " |"]
     return lines + ["| " + " | ".join(row) + " |" for row in rows]
@@ -85,9 +90,9 @@ def _spikes(report: Report) -> list[str]:
     for policy, (outside, bare, inside) in spike_drops(report).items():
         spike_mfus[policy] = bare
         drops[policy] = 1 - bare / outside
-        rows.append([policy, f"{outside:.3f}", f"{bare:.3f}", f"{1 - bare / outside:.1%}", f"{inside:.3f}",
-                     f"{1 - inside / outside:.1%}", str(run.results[policy].oom_events),
-                     str(run.results[policy].restarts)])
+        rows.append([policy, _shown(outside, ".3f"), _shown(bare, ".3f"), _shown(1 - bare / outside, ".1%"),
+                     _shown(inside, ".3f"), _shown(1 - inside / outside, ".1%"),
+                     str(run.results[policy].oom_events), str(run.results[policy].restarts)])
     best = max(spike_mfus[p] for p in BASELINES)
     lines = [f"## Fig. 9: {run.label} on {run.gpus} GPUs, MFU per iteration through spikes", "",
              "![Fig. 9](img/repro-fig9.png)", "",
@@ -100,6 +105,9 @@ def _spikes(report: Report) -> list[str]:
              ""]
     lines += _table(["policy", "MFU normal", "MFU spikes", "drop", "MFU spikes with restart",
                      "drop with restart", "OOM events", "restarts"], rows)
+    if not spikes:
+        return lines + ["", f"No iteration of this {len(report.trace)}-iteration trace is a spike (2.9% of them, "
+                            "rounded): a longer run (`--iterations`) has some to compare."]
     lines += ["", f"During spikes flexible is **{spike_mfus['flexible'] / best:.2f}x** the best baseline (paper "
               f"{PAPER['fig9_spike_speedup']}x); the baselines' MFU drops by {drops['kwai']:.1%} (kwai; paper "
               f"{PAPER['fig9_drop_kwai']:.1%}) and {drops['adapipe']:.1%} (adapipe; paper "
@@ -228,7 +236,7 @@ def _why(report: Report) -> list[str]:
             "their normal plans. The paper's baselines crash on the spikes and fall back (their 18-21% drops); "
             "the simulator does not assume it, so Fig. 9's drops and the spike speed-up come out far below the "
             "paper's, and so does Fig. 8's lead, which the paper attributes largely to them.",
-            f"* **A spike slows every policy a little** (ideal's MFU drops {1 - bare / outside:.1%} in spike "
+            f"* **A spike slows every policy a little** (ideal's MFU drops {_shown(1 - bare / outside, '.1%')} in spike "
             "iterations): the micro-batch the spike hits waits for its busiest expert-parallel rank, which computes "
             "r times the mean routed tokens, while MFU counts the model FLOPs of balanced load.",
             f"* **Restarts are charged in full** in the run's MFU: each OOM costs the lost iteration plus "
