@@ -276,3 +276,15 @@ def test_the_gradient_reduction_hides_behind_the_last_backward_on_every_stage():
              for s in range(parallel.pp)]
     assert min(spans) > 0
     assert spans == pytest.approx([spans[0]] * parallel.pp)
+
+
+def test_a_layout_with_no_room_for_activations_is_one_line_before_any_iteration():
+    model, parallel = presets.model(MODEL)
+    with pytest.raises(ValueError, match=r"hardware 'cpu' leaves 0\.00 GiB for activations on stage 0") as caught:
+        simulate(model, parallel, presets.hardware("cpu"), "flexible", (1.0,))
+    assert "\n" not in str(caught.value)
+    with pytest.raises(ValueError, match=r"the activation cap m_max_bytes=1048576, below the .* GiB its"):
+        simulate(model, parallel, HARDWARE, "static-over", (1.0,), m_max_bytes=1 << 20)
+    result = runner.invoke(app, ["simulate", "-m", MODEL, "-H", "cpu", "-n", "5"])
+    assert result.exit_code == 2 and "nothing fits" in result.output
+    assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output

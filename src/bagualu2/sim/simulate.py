@@ -211,6 +211,8 @@ class _Run:
         self.parallel, self.hardware, self.config = parallel, hardware, config
         self.stages = [StageContext(model, parallel, hardware, s, plan_hardware=plan_hardware, downgrade=downgrade,
                                     m_max_bytes=config.m_max_bytes) for s in range(parallel.pp)]
+        for ctx in self.stages:
+            ctx.check_room(capped=config.m_max_bytes is not None)
         self.overheads = [stage_overheads(model, parallel, hardware, s) for s in range(parallel.pp)]
         self.flops = sum(ctx.model_flops() + extra.head_flops
                          for ctx, extra in zip(self.stages, self.overheads)) / parallel.pp
