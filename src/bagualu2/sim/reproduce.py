@@ -171,7 +171,8 @@ class WorkerDied(RuntimeError):
     """A worker process of :func:`reproduce` ended without a result (killed, e.g. out of memory)."""
 
 
-WORKER_BYTES = 4 << 30  # a worker's peak memory is under this (about 1.7 GB measured for the defaults)
+WORKER_BYTES = 4 << 30  # above a worker's peak: 1.7 GB for a whole `-n 300` run in one process, 3.5 GB for the largest
+#                         process of a two-worker `-n 2000` run
 
 
 def default_jobs() -> int:
