@@ -195,23 +195,19 @@ def _simulate_one(key, hardware, trace, config: ReproduceConfig) -> SimResult:
                     plan_imbalance=config.plan_imbalance, overlap=overlap)
 
 
-def _specs(config: ReproduceConfig) -> tuple[list, tuple[int, ...]]:
-    """Every run as (label, model, parallel, policies, overlap), in the report's order, and where each part of the
-    report (scales, sparsity, lengths, ablation, released) ends in that list."""
-    specs = [(name, *presets.model(name), FIG8_POLICIES, "real") for name in config.models]
+def _parts(config: ReproduceConfig) -> tuple[list, ...]:
+    """The report's parts (scales, sparsity, lengths, ablation, released), each a list of its runs as
+    (label, model, parallel, policies, overlap), in the report's order."""
+    scales = [(name, *presets.model(name), FIG8_POLICIES, "real") for name in config.models]
     if config.focus not in config.models:
-        specs.append((config.focus, *presets.model(config.focus), FIG8_POLICIES, "real"))
-    ends = [len(specs)]
+        scales.append((config.focus, *presets.model(config.focus), FIG8_POLICIES, "real"))
     model, parallel = presets.model(config.focus)
-    specs += [(f"top-{k}", dataclasses.replace(model, top_k=k), parallel, SWEEP_POLICIES, "real")
-              for k in config.top_ks]
-    ends.append(len(specs))
-    specs += [(f"{n // 1024}K" if n % 1024 == 0 else str(n), dataclasses.replace(model, seq_length=n), parallel,
-               SWEEP_POLICIES, "real") for n in config.seq_lengths]
-    ends.append(len(specs))
-    specs.append(("ablation", model, parallel, ABLATION, "real"))
-    specs.append(("released", model, parallel, RELEASED_POLICIES, "released"))
-    return specs, (*ends, len(specs) - 1, len(specs))
+    sparsity = [(f"top-{k}", dataclasses.replace(model, top_k=k), parallel, SWEEP_POLICIES, "real")
+                for k in config.top_ks]
+    lengths = [(f"{n // 1024}K" if n % 1024 == 0 else str(n), dataclasses.replace(model, seq_length=n), parallel,
+                SWEEP_POLICIES, "real") for n in config.seq_lengths]
+    return (scales, sparsity, lengths, [("ablation", model, parallel, ABLATION, "real")],
+            [("released", model, parallel, RELEASED_POLICIES, "released")])
 
 
 def _key(model, parallel, policy: str, overlap: str) -> tuple:
@@ -220,7 +216,8 @@ def _key(model, parallel, policy: str, overlap: str) -> tuple:
 
 def _runs(config: ReproduceConfig, step: Callable[[str], None]):
     hardware = presets.hardware(config.hardware)
-    specs, ends = _specs(config)
+    parts = _parts(config)
+    specs = [spec for part in parts for spec in part]
     keys = list(dict.fromkeys(_key(m, p, policy, o) for _, m, p, policies, o in specs for policy in policies))
     jobs = min(config.jobs or default_jobs(), len(keys))  # a configuration met twice is simulated once
 
@@ -243,18 +240,18 @@ def _runs(config: ReproduceConfig, step: Callable[[str], None]):
             done[key] = _simulate_one(key, hardware, trace(key), config)
         return done[key]
 
-    runs = []
+    def run(label, model, parallel, policies, overlap) -> Run:
+        step(label)
+        found = {policy: result(_key(model, parallel, policy, overlap)) for policy in policies}
+        return Run(label, {p: r if r.policy == p else dataclasses.replace(r, policy=p) for p, r in found.items()},
+                   parallel.world_size)
+
     try:
-        for label, model, parallel, policies, overlap in specs:
-            step(label)
-            found = {policy: result(_key(model, parallel, policy, overlap)) for policy in policies}
-            runs.append(Run(label, {p: r if r.policy == p else dataclasses.replace(r, policy=p)
-                                    for p, r in found.items()}, parallel.world_size))
+        scales, sparsity, lengths, ablation, released = (tuple(run(*spec) for spec in part) for part in parts)
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)
-    scales, sparsity, lengths, ablation, released = (runs[a:b] for a, b in zip((0, *ends[:-1]), ends))
-    return tuple(scales), tuple(sparsity), tuple(lengths), ablation[0], released[0]
+    return scales, sparsity, lengths, ablation[0], released[0]
 
 
 def decision_ms(model_name: str, hardware_name: str, trace, iterations: int) -> float:
