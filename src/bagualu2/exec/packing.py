@@ -20,6 +20,7 @@ import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
+POS_INF_CODE, NEG_INF_CODE = 0x7F, 0xFF  # e4m3's NaN codes, which hold +inf and -inf here
 SCALE_BYTES = 4  # one FP32 scale per FP8 copy (not counted in device bytes, as in the cost model)
 
 
@@ -48,15 +49,25 @@ class View:
 
 
 def quantize_fp8(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(fp8, scale)`` with ``fp8 * scale ~= flat``; one per-tensor scale ``amax / 448`` (1 for all zeros)."""
+    """``(fp8, scale)`` with ``fp8 * scale ~= flat``; one per-tensor scale ``amax / 448`` over the finite values
+    (1 when there are none but zeros).
+
+    Infinities are kept exactly (an additive attention mask holds -inf): e4m3 has no infinity, so +inf and -inf are
+    stored in its two NaN codes, which finite values never take (they saturate at +-448). A NaN comes back as the
+    infinity of its sign bit: still not finite. All on the device, with no host synchronisation."""
     wide = flat.detach().to(torch.float32)
-    amax = wide.abs().max() if wide.numel() else torch.zeros((), device=wide.device)
+    magnitude = wide.abs().nan_to_num_(nan=0.0, posinf=0.0)
+    amax = magnitude.max() if magnitude.numel() else torch.zeros((), device=wide.device)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).to(torch.float32)
-    return (wide / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+    codes = (wide / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(torch.uint8)
+    codes.masked_fill_(torch.isposinf(wide), POS_INF_CODE).masked_fill_(torch.isneginf(wide), NEG_INF_CODE)
+    return codes.view(FP8_DTYPE), scale
 
 
 def dequantize_fp8(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (data.to(torch.float32) * scale).to(dtype)
+    codes = data.view(torch.uint8)
+    wide = (data.to(torch.float32) * scale).masked_fill_(codes == POS_INF_CODE, float("inf"))
+    return wide.masked_fill_(codes == NEG_INF_CODE, float("-inf")).to(dtype)
 
 
 class HostPool:

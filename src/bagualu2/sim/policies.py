@@ -238,29 +238,62 @@ class Kwai(Static):
 
 
 class AdaPipe(Static):
+    """AdaPipe's adaptive recomputation, RECOMPUTE only: repeatedly recompute the kept tensor with the most bytes
+    freed per added recompute-ns until the chunk fits (:func:`adapipe_plan`)."""
+
     name = "adapipe"
 
     def plan(self, chunk):
-        graph = self.design_graph(chunk)
-        target = self.ctx.per_chunk_bytes
-        plan, cost = NO_PLAN, evaluate(graph, NO_PLAN)
-        left = _tensor_savings(graph)
-        while cost.activation_bytes > target:
-            best = None
-            for tensor, keys in left.items():
-                candidate = Plan(plan.entries + tuple((k, Strategy.RECOMPUTE) for k in keys))
-                found = evaluate(graph, candidate)
+        return adapipe_plan(self.design_graph(chunk), self.ctx.per_chunk_bytes)
+
+
+def adapipe_plan(graph: OpGraph, target_bytes: int) -> Plan:
+    """The greedy of ``adapipe``: RECOMPUTE (every saving of) the kept tensor with the most bytes freed per added
+    recompute-ns (``evaluate``; the first of equals in graph order) until ``activation_bytes <= target_bytes``;
+    full recompute if nothing left frees bytes.
+
+    A tensor's score changes only when a tensor of one of its layers is chosen: a layer's re-runs stop at its
+    block input, which every plan keeps, so bytes and recompute time add up over layers. Only those candidates are
+    evaluated again after each choice (the same plan as scoring every candidate at every step, in a fraction of
+    the ``evaluate`` calls)."""
+    plan, cost = NO_PLAN, evaluate(graph, NO_PLAN)
+    left = _tensor_savings(graph)
+    layers = {tensor: _layers_of(graph, tensor, keys) for tensor, keys in left.items()}
+    scores: dict[str, float | None] = {}  # None: recomputing it frees nothing (or cannot run)
+
+    def recomputed(tensor: str) -> Plan:
+        return Plan(plan.entries + tuple((key, Strategy.RECOMPUTE) for key in left[tensor]))
+
+    while cost.activation_bytes > target_bytes:
+        best = None
+        for tensor in left:
+            if tensor not in scores:
+                found = evaluate(graph, recomputed(tensor))
                 freed = cost.activation_bytes - found.activation_bytes
-                if found.unavailable or freed <= 0:
-                    continue
-                score = freed / max(found.recompute_ns - cost.recompute_ns, 1)
-                if best is None or score > best[0]:
-                    best = (score, tensor, candidate, found)
-            if best is None:  # nothing left frees bytes: full recompute
-                return full_recompute(graph)
-            _, tensor, plan, cost = best
-            del left[tensor]
-        return plan
+                scores[tensor] = (None if found.unavailable or freed <= 0
+                                  else freed / max(found.recompute_ns - cost.recompute_ns, 1))
+            score = scores[tensor]
+            if score is not None and (best is None or score > best[0]):
+                best = (score, tensor)
+        if best is None:  # nothing left frees bytes: full recompute
+            return full_recompute(graph)
+        chosen = best[1]
+        plan = recomputed(chosen)
+        cost = evaluate(graph, plan)
+        del left[chosen], scores[chosen]
+        for tensor in left:  # only the chosen tensor's layers changed
+            if layers[tensor] & layers[chosen]:
+                scores.pop(tensor, None)
+    return plan
+
+
+def _layers_of(graph: OpGraph, tensor: str, keys: list[str]) -> frozenset[int]:
+    """The layers of ``tensor``'s producer and of the ops that save it."""
+    spec = graph.tensors[tensor]
+    layers = {graph.op(key.split("/", 1)[0]).layer for key in keys}
+    if spec.producer is not None:
+        layers.add(graph.op(spec.producer).layer)
+    return frozenset(layers)
 
 
 class LayerLevel(Static):
