@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 from bagualu2 import costmodel, fusion
 from bagualu2.cli import app
 from bagualu2.cli.common import CliError, atomic_write_bytes, load_hardware
+from bagualu2.cli.files import atomic_write_many
 from bagualu2.costmodel import Hardware
 from bagualu2.costmodel.config import HARDWARE_RANGES
 from bagualu2.mitigation import exact, greedy
@@ -45,6 +46,13 @@ def files(tmp_path_factory) -> Path:
             json.dumps(BASE_HW).replace('"peak_flops": 480000000000000.0', '"peak_flops": ' + "9" * 400)
         (root / f"{name}.json").write_text(text)
     (root / "deep.json").write_text("[" * 100_000)
+    tiny = json.loads(json.dumps({"model": costmodel.presets.model("tiny-moe")[0].__dict__,
+                                  "parallel": costmodel.presets.model("tiny-moe")[1].__dict__}))
+    for name, section, changes in (("layers", "model", {"num_layers": 10**7}), ("mbs", "parallel",
+                                   {"num_microbatches": 10**9}), ("chunk", "model", {"num_layers": 1024})):
+        (root / f"{name}.json").write_text(json.dumps({**tiny, section: {**tiny[section], **changes}}))
+    (root / "digits.json").write_text(json.dumps(tiny).replace('"num_layers": 4', '"num_layers": ' + "9" * 5000))
+    os.mkfifo(root / "fifo.jsonl")
     os.mkfifo(root / "fifo.json")
     os.mkfifo(root / "fifo.png")
     (root / "dir.png").mkdir()
@@ -109,6 +117,18 @@ BAD = [
     (["demo", "--stage", "99"], "--stage"),
     (["demo", "-s", "abc"], "--stage"),        # typer's parse error, one line through the group's main
     (["memory", "--bogus"], "--bogus"),
+    # sizes past any real model: one line at once, not a run that never ends
+    (["memory", "-m", "@layers.json"], "--model"),
+    (["budget", "-m", "@mbs.json"], "--model"),
+    (["plan", "-m", "@chunk.json"], "--model"),  # 512 layers in one chunk
+    (["memory", "-m", "@digits.json"], "--model"),
+    (["simulate", "--trace", "@fifo.jsonl"], "--trace"),  # never read (it would block)
+    (["simulate", "--restart-s", "1e300"], "--restart-s"),
+    (["reproduce", "-n", "99999999999999999999"], "--iterations"),
+    (["reproduce", "--seed", str(10**23)], "--seed"),
+    (["reproduce", "-j", "100000"], "--jobs"),
+    (["reproduce", "--docs", ""], "--docs"),
+    (["schedule", "--png", "/proc/x.png"], "--png"),  # os.access says yes to root: a file is made there first
 ]
 
 
@@ -117,6 +137,8 @@ def expand(args: list[str], files: Path) -> list[str]:
     def path(key: str) -> str:
         if key in HW_FILES or key == "deep":
             return str(files / f"{key}.json")
+        if key.endswith((".json", ".jsonl")):
+            return str(files / key)
         return str(files / ("x" * 296 + ".png")) if key == "long" else str(files / key)
     return [path(a[1:]) if a.startswith("@") else a for a in args]
 
@@ -261,3 +283,15 @@ def test_fuzz_hardware_json(changes: dict, drop: set, whole) -> None:
             assert load_hardware(str(path)) == hardware
         except CliError as exc:
             assert hardware is None and exc.option == "--hardware" and "\n" not in str(exc)
+
+
+def test_a_set_of_files_is_written_whole_or_not_at_all(tmp_path: Path) -> None:
+    """``atomic_write_many`` (reproduce's report and plots): a target it cannot write leaves every other target as
+    it was, and no temp file behind; the error names the target, not a temp file."""
+    (tmp_path / "a.png").write_bytes(b"old")
+    with pytest.raises(OSError) as caught:
+        atomic_write_many([(tmp_path / "a.png", b"new"), (tmp_path / "b.md", b"new"), (tmp_path / "gone" / "c.md", b"x")])
+    assert caught.value.filename == str(tmp_path / "gone" / "c.md")
+    assert (tmp_path / "a.png").read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["a.png"]
+    atomic_write_many([(tmp_path / "a.png", b"new"), (tmp_path / "b.md", b"new")])
+    assert (tmp_path / "a.png").read_bytes() == (tmp_path / "b.md").read_bytes() == b"new"

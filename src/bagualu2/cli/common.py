@@ -141,7 +141,10 @@ def read_json_file(value: str, option: str) -> str:
         if info.st_size > MAX_JSON_FILE_BYTES:
             raise CliError(f"{value!r} is {info.st_size} bytes; a JSON file of at most {MAX_JSON_FILE_BYTES} "
                            "bytes is allowed", option)
-        return Path(value).read_text(encoding="utf-8")
+        try:
+            return Path(value).read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise CliError(f"{value!r} is not UTF-8 text (a JSON file is expected)", option) from None
 
 
 def load_hardware(value: str) -> Hardware:

@@ -3,7 +3,8 @@
 :func:`check_output_path` refuses, with one line naming the option, a path whose folder is missing or not
 writable, whose name is too long, or that exists and is not a regular file (a directory, symlink, FIFO or device
 node is never replaced). :func:`atomic_write_bytes` writes a temp file in the same folder (short name, so any legal
-target name works), fsyncs it and ``os.replace``-s it onto the target: the target is the old file or the new one.
+target name works), fsyncs it and ``os.replace``-s it onto the target: the target is the old file or the new one;
+:func:`atomic_write_many` does that for a set of files, renaming only once every temp file is written.
 """
 
 from __future__ import annotations
@@ -44,6 +45,12 @@ def check_output_path(value: str, what: str = "file.png") -> Path:
         raise ValueError(f"folder {str(folder)!r} " + ("is not a folder" if folder.exists() else "does not exist"))
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ValueError(f"folder {str(folder)!r} is not writable")
+    try:  # os.access says yes to root everywhere: make (and remove) a file there before any work
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".bagualu2.", suffix=".tmp")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ValueError(f"folder {str(folder)!r} is not writable ({exc.strerror or exc})") from None
     limit = None
     with contextlib.suppress(OSError, ValueError):  # no such limit on this file system: the OS will say
         limit = os.pathconf(folder, "PC_NAME_MAX")
@@ -55,9 +62,37 @@ def check_output_path(value: str, what: str = "file.png") -> Path:
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     """Write ``data`` to ``path`` via a temp file in the same directory + ``os.replace`` (never half-written);
-    ``OSError`` when ``path`` exists and is not a regular file."""
-    target = Path(path)
-    _refuse_non_file(target)
+    ``OSError`` (naming ``path``, not the temp file) when it cannot, or when ``path`` exists and is not a regular
+    file."""
+    return atomic_write_many([(path, data)])[0]
+
+
+def atomic_write_many(items) -> list[Path]:
+    """Write each ``(path, data)`` of ``items`` like :func:`atomic_write_bytes`, as a set: every temp file is
+    written and fsynced before the first is renamed onto its target, so a failure (a full disk) leaves every target
+    as it was."""
+    temps: list[tuple[str, Path]] = []
+    try:
+        for path, data in items:
+            target = Path(path)
+            _refuse_non_file(target)
+            try:
+                temps.append((_write_temp(target, data), target))
+            except OSError as exc:  # name the user's path, not the temp file's
+                raise OSError(exc.errno, exc.strerror, str(target)) from None
+        for tmp, target in temps:
+            _refuse_non_file(target)  # made meanwhile? leave it alone
+            os.replace(tmp, target)
+    except BaseException:
+        for tmp, _ in temps:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        raise
+    return [target for _, target in temps]
+
+
+def _write_temp(target: Path, data: bytes) -> str:
+    """A fsynced temp file holding ``data`` beside ``target`` (short name, so any legal target name works)."""
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name[:TEMP_NAME_CHARS]}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as handle:
@@ -67,13 +102,11 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
-        _refuse_non_file(target)  # made meanwhile? leave it alone
-        os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    return target
+    return tmp
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str, *, encoding: str = "utf-8") -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -15,7 +16,8 @@ from bagualu2.sim.figures import figures
 from bagualu2.sim.report import headline, markdown
 from bagualu2.sim.reproduce import ReproduceConfig, WorkerDied, reproduce, steps
 
-from .common import JSON_HELP, CliError, blame, check_output_path, console, echo_json, handle_errors, write_output
+from .common import JSON_HELP, CliError, blame, check_output_path, console, echo_json, handle_errors
+from .files import atomic_write_many
 
 # config field -> option
 OPTIONS = {"iterations": "--iterations", "seed": "--seed", "restart_s": "--restart-s", "models": "--model",
@@ -24,10 +26,10 @@ OPTIONS = {"iterations": "--iterations", "seed": "--seed", "restart_s": "--resta
 
 @handle_errors
 def reproduce_cmd(
-    iterations: Annotated[int, typer.Option("--iterations", "-n", help="Paper-trace iterations per run (>= 10).")
+    iterations: Annotated[int, typer.Option("--iterations", "-n", help="Paper-trace iterations per run (in [10, 10**7]).")
                           ] = 1000,
-    seed: Annotated[int, typer.Option(help="Seed of the paper trace.")] = 0,
-    restart_s: Annotated[float, typer.Option("--restart-s", help="Seconds one OOM restart costs (>= 0).")] = 284.0,
+    seed: Annotated[int, typer.Option(help="Seed of the paper trace (an integer in [0, 2**63)).")] = 0,
+    restart_s: Annotated[float, typer.Option("--restart-s", help="Seconds one OOM restart costs (in [0, 1e9]).")] = 284.0,
     hardware: Annotated[str, typer.Option("--hardware", "-H", help="Hardware preset name.")] = "paper-gpu",
     model: Annotated[Optional[list[str]], typer.Option("--model", "-m", help="Fig. 8's Table II presets; "
                                                        "repeatable; default: all of them.")] = None,
@@ -35,7 +37,7 @@ def reproduce_cmd(
                                       "plots go to DIR/img, made when missing).")] = "docs",
     json_output: Annotated[bool, typer.Option("--json", help=JSON_HELP + " (the report's ratios beside the "
                                               "paper's, after writing the files)")] = False,
-    jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", help="Worker processes for the simulations (>= 1; "
+    jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", help="Worker processes for the simulations (in [1, 1024]; "
                                                 "default: the CPUs this process may use, at most one per 4 GiB of "
                                                 "available memory). The report is the same for any value.")] = None,
 ) -> None:
@@ -51,13 +53,16 @@ def reproduce_cmd(
                                  jobs=jobs, **({"models": tuple(dict.fromkeys(model))} if model else {}))
     except ValueError as exc:
         raise CliError(str(exc), next((o for f, o in OPTIONS.items() if str(exc).startswith(f)), None)) from None
+    if not docs:
+        raise CliError("must be a folder, got ''", "--docs")
     folder = Path(docs)
+    images = folder / "img"
+    names = ("repro-fig8.png", "repro-fig9.png", "repro-fig10.png", "repro-fig11.png")
     with blame("--docs"):
         report_path = check_output_path(str(folder / "reproduction.md"), "reproduction.md")
-        names = ("repro-fig8.png", "repro-fig9.png", "repro-fig10.png", "repro-fig11.png")
-        if not (folder / "img").exists() and not (folder / "img").is_symlink():
-            (folder / "img").mkdir()  # the plots' folder beside the report, made when missing
-        image_paths = {name: check_output_path(str(folder / "img" / name)) for name in names}
+        make_images = not images.exists() and not images.is_symlink()  # made after the run, when missing
+        image_paths = {name: (images / name) if make_images else check_output_path(str(images / name))
+                       for name in names}
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=Console(stderr=True), transient=True)
     with progress:
@@ -74,9 +79,17 @@ def reproduce_cmd(
         except WorkerDied as exc:
             raise CliError(str(exc), "--jobs") from None
         progress.update(task, completed=len(started))
-    for name, data in figures(report).items():
-        write_output(image_paths[name], data, "--docs")
-    write_output(report_path, markdown(report).encode(), "--docs")
+    files = [(image_paths[name], data) for name, data in figures(report).items()]
+    with blame("--docs"):
+        if make_images:
+            images.mkdir()
+        try:  # the report and its plots as one set: on a failure (a full disk) every file stays as it was
+            atomic_write_many([*files, (report_path, markdown(report).encode())])
+        except BaseException:
+            if make_images:
+                with contextlib.suppress(OSError):
+                    images.rmdir()
+            raise
     if json_output:
         echo_json(headline(report))
         return

@@ -63,7 +63,7 @@ def simulate_cmd(
     policy: Annotated[Optional[list[str]], typer.Option("--policy", "-p", help="Policy; repeatable; default: all "
                                                         f"of {', '.join(POLICIES)}; also the ablation levels "
                                                         f"{', '.join(ABLATION)} (Fig. 11).")] = None,
-    restart_s: Annotated[float, typer.Option("--restart-s", help="Seconds one OOM restart costs (>= 0).")] = 284.0,
+    restart_s: Annotated[float, typer.Option("--restart-s", help="Seconds one OOM restart costs (in [0, 1e9]).")] = 284.0,
     on_oom: Annotated[str, typer.Option("--on-oom", help="What a fixed plan restarts with after an OOM: fallback "
                                         "(static-over, the trainer's) or replan (the crashed iteration on its "
                                         "own plans re-made for its imbalance, then the normal plans again; the "
@@ -105,8 +105,8 @@ def simulate_cmd(
         raise CliError(f"must be an integer in [1, {MAX_ITERATIONS}], got {iterations}", "--iterations")
     if not 0 <= seed < SEED_LIMIT:
         raise CliError(f"must be an integer in [0, 2**63), got {seed}", "--seed")
-    if not restart_s >= 0 or restart_s == float("inf"):
-        raise CliError(f"must be a finite number >= 0, got {restart_s!r}", "--restart-s")
+    if not 0 <= restart_s <= 1e9:
+        raise CliError(f"must be a finite number in [0, 1e9] (seconds), got {restart_s!r}", "--restart-s")
     if overlap not in OVERLAP:
         raise CliError(f"must be one of {', '.join(OVERLAP)}, got {overlap!r}", "--overlap")
     if not 0 <= spike_microbatches <= parallel.num_microbatches:

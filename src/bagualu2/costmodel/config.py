@@ -30,6 +30,19 @@ HARDWARE_UNITS = {"peak_flops": "FLOP/s", "hbm_bytes": "bytes", "devices_per_nod
                   **{name: "bytes/s" for name in HARDWARE_RANGES if name.endswith("_bytes_per_s")}}
 
 
+# Upper bounds of the model and layout fields: far above any model or cluster trained today, low enough that the
+# per-chunk graphs, schedules and byte counts stay small and exact (a value past them is a typo, not a model).
+MODEL_MAX = {
+    "num_layers": 1 << 10, "hidden_size": 1 << 18, "num_attention_heads": 1 << 12, "num_query_groups": 1 << 12,
+    "head_dim": 1 << 12, "ffn_hidden_size": 1 << 20, "vocab_size": 1 << 24, "seq_length": 1 << 24,
+    "micro_batch_size": 1 << 16, "moe_ffn_hidden_size": 1 << 20, "num_experts": 1 << 16, "top_k": 1 << 16,
+    "num_shared_experts": 1 << 10, "num_dense_layers": 1 << 10,
+}
+MAX_CHUNK_LAYERS = 256  # a chunk's op graph is planned whole: the greedy takes about 20 s on 256 layers
+PARALLEL_MAX = {"dp": 1 << 20, "tp": 1 << 10, "ep": 1 << 16, "pp": 1 << 10, "vp": 1 << 8, "cp": 1 << 10,
+                "num_microbatches": 1 << 14}
+
+
 def _short(value: Any, limit: int = 80) -> str:
     """``repr(value)``, cut to ``limit`` characters (error messages stay one short line)."""
     try:
@@ -39,9 +52,9 @@ def _short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def _check_int(obj: Any, name: str, *, minimum: int = 1) -> None:
+def _check_int(obj: Any, name: str, *, minimum: int = 1, maximum: int | None = None) -> None:
     value = getattr(obj, name)
-    object.__setattr__(obj, name, require_int(name, value, minimum))  # numpy integers become plain ints
+    object.__setattr__(obj, name, require_int(name, value, minimum, maximum, high_open=False))  # numpy ints too
 
 
 def _check_choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:
@@ -103,10 +116,10 @@ class ModelConfig:
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                      "head_dim", "ffn_hidden_size", "vocab_size", "seq_length", "micro_batch_size"):
-            _check_int(self, name)
+            _check_int(self, name, maximum=MODEL_MAX[name])
         for name in ("moe_ffn_hidden_size", "num_experts", "top_k", "num_shared_experts",
                      "num_dense_layers"):
-            _check_int(self, name, minimum=0)
+            _check_int(self, name, minimum=0, maximum=MODEL_MAX[name])
         _check_choice(self, "dtype", ("bf16", "fp16", "fp32"))
         _check_choice(self, "activation", ACTIVATIONS)
         _check_choice(self, "normalization", NORMALIZATIONS)
@@ -179,7 +192,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "ep", "pp", "vp", "cp", "num_microbatches"):
-            _check_int(self, name)
+            _check_int(self, name, maximum=PARALLEL_MAX[name])
         for name in ("sequence_parallel", "distributed_optimizer", "paired"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -207,6 +220,9 @@ def check_compatible(model: ModelConfig, parallel: ParallelConfig) -> None:
     chunks = parallel.pp * parallel.vp
     if model.num_layers % chunks:
         raise ValueError(f"num_layers={model.num_layers} must be divisible by pp*vp={chunks}")
+    if model.num_layers // chunks > MAX_CHUNK_LAYERS:
+        raise ValueError(f"num_layers / (pp*vp) = {model.num_layers // chunks} layers per pipeline chunk; at most "
+                         f"{MAX_CHUNK_LAYERS} are planned: raise pp or vp")
     for name in ("num_attention_heads", "num_query_groups"):
         if getattr(model, name) % parallel.tp:
             raise ValueError(f"{name}={getattr(model, name)} must be divisible by tp={parallel.tp}")
@@ -306,6 +322,8 @@ class Hardware:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ValueError(f"hardware JSON is not valid JSON: {exc}") from None
+        except ValueError:  # an integer literal longer than Python converts (4300 digits)
+            raise ValueError("hardware JSON holds a number too long to be a size (over 4300 digits)") from None
         except RecursionError:
             raise ValueError("hardware JSON is nested too deeply (expected one object of Hardware fields)") from None
         if not isinstance(data, dict):

@@ -130,6 +130,8 @@ def model_from_json(text: str) -> tuple[ModelConfig, ParallelConfig]:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"model JSON is not valid JSON: {exc}") from None
+    except ValueError:  # an integer literal longer than Python converts (4300 digits)
+        raise ValueError("model JSON holds a number too long to be a size (over 4300 digits)") from None
     except RecursionError:
         raise ValueError("model JSON is nested too deeply (expected {\"model\": {...}, \"parallel\": {...}})") \
             from None

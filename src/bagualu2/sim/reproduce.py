@@ -49,6 +49,9 @@ from .traces import PaperTrace, paper_trace
 BASELINES = ("kwai", "adapipe")
 FIG8_POLICIES = ("flexible", "kwai", "adapipe", "static-under", "static-over", "ideal", "oracle")
 SWEEP_POLICIES = ("flexible", "kwai", "adapipe", "ideal", "oracle")
+MAX_ITERATIONS = 10_000_000  # a run's trace, as `bagualu2 simulate` allows
+MAX_JOBS = 1024
+MAX_RESTART_S = 1e9
 RELEASED_POLICIES = ("kwai", "adapipe", "static-under", "static-over", "L1", "L2", "L3")
 
 
@@ -63,13 +66,14 @@ def table_ii() -> tuple[str, ...]:
 
 @dataclass(frozen=True, kw_only=True)
 class ReproduceConfig:
-    """iterations: paper-trace iterations per run (>= 10); seed: its seed; restart_s: seconds an OOM restart
-    costs (the paper's 284); hardware: a hardware preset name; focus: the preset of Fig. 9-11 (the paper's
+    """iterations: paper-trace iterations per run (in [10, 10**7]); seed: its seed (in [0, 2**63)); restart_s:
+    seconds an OOM restart costs (the paper's 284; at most 1e9); hardware: a hardware preset name; focus: the preset of Fig. 9-11 (the paper's
     GLM-423B-A30B); top_ks: Fig. 10a's top-k values (each in [1, experts]); seq_lengths: Fig. 10b's;
     overhead_iterations: iterations of the decision-overhead replay, at most the trace's (>= 1; default the whole
     trace: a run's typical iteration, its first iterations making the plans the later ones find); plan_imbalance: the
     imbalance the plans fixed before training are made for (>= 1; default the trace's highest ordinary rate);
-    jobs: worker processes for the simulations (>= 1; None: :func:`default_jobs`; 1: in this process)."""
+    jobs: worker processes for the simulations (in [1, 1024], never more than the distinct runs; None:
+    :func:`default_jobs`; 1: in this process)."""
 
     iterations: int = 1000
     seed: int = 0
@@ -86,10 +90,11 @@ class ReproduceConfig:
     def __post_init__(self) -> None:
         check_imbalance(self.plan_imbalance)
         if self.jobs is not None:
-            require_int("jobs", self.jobs, 1)
-        require_int("iterations", self.iterations, 10)
-        PaperTrace(num_iterations=self.iterations, seed=self.seed)  # checks the seed
-        require_number("restart_s", self.restart_s, 0)
+            require_int("jobs", self.jobs, 1, MAX_JOBS, high_open=False)
+        require_int("iterations", self.iterations, 10, MAX_ITERATIONS, high_open=False)
+        require_int("seed", self.seed, 0, 2 ** 63)
+        PaperTrace(num_iterations=self.iterations, seed=self.seed)
+        require_number("restart_s", self.restart_s, 0, MAX_RESTART_S)
         require_int("overhead_iterations", self.overhead_iterations, 1)
         presets.hardware(self.hardware)
         highest = PaperTrace(num_iterations=1).spike_max

@@ -49,7 +49,7 @@ ON_OOM = ("fallback", "replan")
 
 @dataclass(frozen=True, kw_only=True)
 class SimConfig:
-    """restart_s: seconds an OOM restart costs (checkpoint reload, re-launch), a finite number >= 0.
+    """restart_s: seconds an OOM restart costs (checkpoint reload, re-launch), a finite number in [0, 1e9].
     plan_imbalance: the imbalance the plans fixed before training are made for (>= 1; default 1: balanced load).
     on_oom: what a policy with a fallback restarts with after an OOM: ``"fallback"`` (``FALLBACKS``, static-over)
     or ``"replan"`` (the crashed iteration re-run on its own plans re-made for that iteration's imbalance, then back
@@ -70,7 +70,7 @@ class SimConfig:
         check_overlap(self.overlap)
         if self.m_max_bytes is not None:
             require_int("m_max_bytes", self.m_max_bytes, 1)
-        require_number("restart_s", self.restart_s, 0)
+        require_number("restart_s", self.restart_s, 0, 1e9)
         check_imbalance(self.plan_imbalance)
         if self.on_oom not in ON_OOM:
             raise ValueError(f"on_oom must be one of {', '.join(ON_OOM)}, got {self.on_oom!r}")
@@ -152,9 +152,15 @@ def check_trace(trace, parallel: ParallelConfig) -> list:
                 continue
             if isinstance(entry, (str, bytes)) or not hasattr(entry, "__len__") or len(entry) != count:
                 raise ValueError(f"must be a rate or {count} per-micro-batch rates, got {entry!r:.60}")
-            keys.append(tuple(check_imbalance(r, ep=parallel.ep) for r in entry))
+            rates = []
+            for m, rate in enumerate(entry):
+                try:
+                    rates.append(check_imbalance(rate, ep=parallel.ep))
+                except ValueError as exc:
+                    raise ValueError(f"micro-batch {m}: {exc}") from None
+            keys.append(tuple(rates))
         except ValueError as exc:
-            raise ValueError(f"trace[{i}]: {exc}") from None
+            raise ValueError(f"trace[{i}] (iteration {i}): {exc}") from None
     return keys
 
 

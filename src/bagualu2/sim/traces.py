@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,15 +149,25 @@ def _metrics_rows(records: list[tuple[int, dict]], path) -> dict[int, dict[int, 
         if row.get("summary") or row.get("oom") or "microbatches" not in row:
             continue
         label = f"{path}: line {number}"
+        shape = ('expected the trainer\'s metrics record: "step" and "microbatches", a list of {"microbatch": m, '
+                 '"imbalance": [r, ...]}')
         try:
             step = require_int("step", row.get("step"), 0)
             per: dict[int, float] = {}
-            for entry in row["microbatches"]:
+            entries = row["microbatches"]
+            if not isinstance(entries, list) or not all(isinstance(entry, dict) and "microbatch" in entry
+                                                        for entry in entries):
+                raise ValueError(shape)
+            for entry in entries:
                 microbatch = require_int("microbatch", entry["microbatch"], 0)
-                rates = [require_number("imbalance", r, 0) for r in entry.get("imbalance") or ()]
+                measured = entry.get("imbalance") or ()
+                if not isinstance(measured, list):
+                    raise ValueError(f"micro-batch {microbatch}: imbalance must be a list of numbers, got "
+                                     f"{measured!r:.40}")
+                rates = [require_number("imbalance", r, 0) for r in measured]
                 mean = sum(rates) / len(rates) if rates else 1.0
                 per[microbatch] = max(per.get(microbatch, 1.0), mean)
-        except (ValueError, TypeError, KeyError) as exc:
+        except ValueError as exc:
             raise ValueError(f"{label}: {exc}") from None
         rows[step] = per
     return rows
@@ -170,14 +182,23 @@ def load_trace(path: str | Path) -> tuple[tuple[float, ...], ...]:
     rows: dict[int, dict[int, float]] = {}
     where = {}
     records = []
+    if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO or a device would block or never end
+        raise ValueError(f"{path}: not a regular file")
     with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
+        lines = enumerate(handle, 1)
+        while True:
+            try:
+                number, line = next(lines)
+            except StopIteration:
+                break
+            except UnicodeDecodeError:
+                raise ValueError(f"{path}: not UTF-8 text (a JSONL trace is expected)") from None
             if not line.strip():
                 continue
             label = f"{path}: line {number}"
             try:
                 row = json.loads(line)
-            except (json.JSONDecodeError, RecursionError):
+            except (ValueError, RecursionError):  # JSONDecodeError, or an integer too long to convert
                 raise ValueError(f"{label}: not valid JSON") from None
             if isinstance(row, dict) and ("microbatches" in row or "summary" in row or "oom" in row):
                 records.append((number, row))
@@ -207,8 +228,8 @@ def load_trace(path: str | Path) -> tuple[tuple[float, ...], ...]:
     trace = []
     for expected, iteration in enumerate(sorted(rows)):
         if iteration != expected:
-            raise ValueError(f"{path}: line {where[iteration]}: iteration {iteration} follows {expected - 1} "
-                             "(iterations must be numbered 0, 1, ... without gaps)")
+            raise ValueError(f"{path}: iteration {expected} is missing (iterations must be numbered 0, 1, ... "
+                             f"without gaps; the next is {iteration}, line {where[iteration]})")
         per = rows[iteration]
         if sorted(per) != list(range(count)):
             raise ValueError(f"{path}: line {where[iteration]}: iteration {iteration} has micro-batches "
