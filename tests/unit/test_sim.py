@@ -87,7 +87,7 @@ def test_load_trace_reads_the_trainers_log(tmp_path):
     (['{"iteration": 0, "microbatch": 0, "imbalance": 0.5}'], "line 1: imbalance"),
     (['{"iteration": 0, "microbatch": 0, "imbalance": 1}', '{"iteration": 0, "microbatch": 0, "imbalance": 1}'],
      "line 2: .*twice"),
-    (['{"iteration": 1, "microbatch": 0, "imbalance": 1}'], "line 1: iteration 1"),
+    (['{"iteration": 1, "microbatch": 0, "imbalance": 1}'], "iteration 0 is missing .* the next is 1, line 1"),
     ([""], "no trace rows"),
 ])
 def test_load_trace_names_the_bad_line(tmp_path, lines, match):
@@ -156,8 +156,8 @@ def test_per_microbatch_trace_equals_the_uniform_one():
 
 
 @pytest.mark.parametrize("kwargs, match", [({"policy": "megatron"}, "policy must be one of"),
-                                           ({"trace": (1.0, 0.5)}, r"trace\[1\]: imbalance"),
-                                           ({"trace": ((1.0, 1.1),)}, r"trace\[0\]: must be a rate or 64"),
+                                           ({"trace": (1.0, 0.5)}, r"trace\[1\] \(iteration 1\): imbalance"),
+                                           ({"trace": ((1.0, 1.1),)}, r"trace\[0\] \(iteration 0\): must be a rate or 64"),
                                            ({"trace": ()}, "at least one"),
                                            ({"restart_s": -1.0}, "restart_s"),
                                            ({"plan_imbalance": 0.9}, "imbalance")])
