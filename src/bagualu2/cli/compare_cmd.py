@@ -49,7 +49,7 @@ def compare_point(graph: OpGraph, hardware: Hardware, budget_bytes: int, time_li
     try:
         optimum = exact_schedule.solve(chains, time_limit_s=time_limit_s, hint=order)
     except RuntimeError as exc:  # no schedule within the time limit
-        raise CliError(str(exc), "--time-limit") from None
+        raise CliError(str(exc).replace("raise time_limit_s", "raise --time-limit"), "--time-limit") from None
     return {"budget_bytes": budget_bytes, "floor_bytes": graph.floor_bytes,
             "unmitigated_bytes": graph.unmitigated_bytes, "greedy_overhead_s": fast.cost.overhead_s,
             "exact_overhead_s": best.cost.overhead_s if best.ok else None, "exact_status": best.status.name,
@@ -66,12 +66,15 @@ def summary(values: list[float]) -> dict[str, float | None]:
     return {"median": float(np.median(data)), "p95": float(np.percentile(data, 95)), "max": float(data.max())}
 
 
-def _suite(models: list[str], imbalances: list[str], hardware: Hardware
+def _suite(models: list[str], imbalances: list[str] | None, hardware: Hardware
            ) -> list[tuple[str, ModelConfig, ParallelConfig, float]]:
+    """Every model at every imbalance; the default imbalances stop at each model's ``ep`` (the busiest of ``ep``
+    devices holds at most ``ep`` times the mean), a given one above it is an error."""
     suite = []
     for value in models:
         name, model, parallel = load_model(value)
-        for text in imbalances:
+        texts = imbalances or [text for text in DEFAULT_IMBALANCES if float(text) <= parallel.ep]
+        for text in texts:
             suite.append((name, model, parallel, parse_imbalance(text, parallel)))
     return suite
 
@@ -83,7 +86,7 @@ def compare(
     hardware: Annotated[str, typer.Option("--hardware", "-H", help=HARDWARE_HELP)] = "paper-gpu",
     imbalance: Annotated[Optional[list[str]], typer.Option("--imbalance", "-r", metavar="R", help="Imbalance "
                          "(max/mean device load, in [1, ep]); repeatable; default: "
-                         + ", ".join(DEFAULT_IMBALANCES) + ".")] = None,
+                         + ", ".join(DEFAULT_IMBALANCES) + " (those up to the model's ep).")] = None,
     budgets: Annotated[int, typer.Option("--budgets", metavar="N", help="Budgets per model and imbalance, evenly "
                        f"between the floor M0 and the unmitigated bytes (1 to {MAX_BUDGETS}).")] = 3,
     time_limit: Annotated[str, typer.Option("--time-limit", metavar="S", help="Seconds per CP-SAT solve "
@@ -100,7 +103,7 @@ def compare(
     with blame("--budgets"):
         count = require_int("budgets", budgets, 1, MAX_BUDGETS, high_open=False)
     limit = parse_number(time_limit, "--time-limit", minimum=0.0, strict=True, what=" (seconds)", maximum=600.0)
-    suite = _suite(list(model or DEFAULT_MODELS), list(imbalance or DEFAULT_IMBALANCES), hw)
+    suite = _suite(list(model or DEFAULT_MODELS), list(imbalance) if imbalance else None, hw)
     graphs = [(name, rate, check_graph(build_graph(m, p, hw, imbalance=rate))) for name, m, p, rate in suite]
     points: list[dict[str, Any]] = []
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
