@@ -93,8 +93,11 @@ def prepare(*, model: str, hardware: str, stage: int, seed: int, spike_rate: flo
         check_graph(build_graph(model_config, parallel, hw, imbalance=worst, stage=stage, chunk=chunk))
     memory = stage_memory(model_config, parallel, hw, stage=stage, imbalance=worst)
     if memory.m_max_bytes < memory.inflight_chunks * memory.m0_bytes:
-        raise CliError(f"{name} does not fit {hw.name} even under full recompute (static memory "
-                       f"{memory.static_bytes / GIB:.1f} GiB of {hw.hbm_bytes / GIB:.1f} GiB); pick a larger "
-                       "device or model parallelism", "--hardware")
+        raise CliError(f"{name} does not fit {hw.name} even under full recompute: {memory.m_max_bytes / GIB:.2f} GiB "
+                       f"left for activations on stage {stage} ({hw.hbm_bytes / GIB:.1f} GiB less "
+                       f"{memory.static_bytes / GIB:.1f} of weights, gradients and optimizer states and the reserve), "
+                       f"below the {memory.inflight_chunks * memory.m0_bytes / GIB:.2f} GiB its "
+                       f"{memory.inflight_chunks} in-flight chunks keep; use a larger hardware profile, more pipeline "
+                       "or tensor parallelism, or a smaller micro-batch", "--hardware")
     return Iteration(name=name, model=model_config, parallel=parallel, hardware=hw, stage=stage,
                      trace=tuple(trace), downgrade=mode)
