@@ -133,3 +133,14 @@ def test_load_trace_reads_the_trainers_metrics_file(tmp_path):
     bad.write_text(json.dumps({"step": 0, "loss": 1.0, "microbatches": [{"imbalance": [1.0]}]}) + "\n")
     with pytest.raises(ValueError, match="line 1"):
         load_trace(bad)
+
+
+def test_a_chunk_without_moe_layers_logs_no_rates_and_reads_as_balanced(tmp_path):
+    """The trainer logs ``"imbalance": []`` for a chunk with no MoE layer (a dense model): rate 1; a record with an
+    odd ``step`` outside the steps read is no traceback."""
+    path = tmp_path / "dense.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in (
+        {"step": 0, "microbatches": [{"stage": 0, "chunk": 0, "microbatch": 0, "imbalance": []}]},
+        {"step": 1, "microbatches": [{"stage": 0, "chunk": 0, "microbatch": 0}]},
+        {"step": [1], "summary": True, "microbatches": []})) + "\n")
+    assert load_trace(path) == ((1.0,), (1.0,))

@@ -45,18 +45,18 @@ def check_output_path(value: str, what: str = "file.png") -> Path:
         raise ValueError(f"folder {str(folder)!r} " + ("is not a folder" if folder.exists() else "does not exist"))
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ValueError(f"folder {str(folder)!r} is not writable")
-    try:  # os.access says yes to root everywhere: make (and remove) a file there before any work
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=".bagualu2.", suffix=".tmp")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        raise ValueError(f"folder {str(folder)!r} is not writable ({exc.strerror or exc})") from None
     limit = None
     with contextlib.suppress(OSError, ValueError):  # no such limit on this file system: the OS will say
         limit = os.pathconf(folder, "PC_NAME_MAX")
     if limit is not None and len(os.fsencode(target.name)) > limit:
         raise ValueError(f"file name is {len(os.fsencode(target.name))} bytes long; at most {limit} allowed")
     _refuse_non_file(target)
+    try:  # os.access says yes to root everywhere: make (and remove) a file there before any work
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".bagualu2.", suffix=".tmp")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ValueError(f"folder {str(folder)!r} is not writable ({exc.strerror or exc})") from None
     return target
 
 

@@ -82,7 +82,10 @@ def reproduce_cmd(
     files = [(image_paths[name], data) for name, data in figures(report).items()]
     with blame("--docs"):
         if make_images:
-            images.mkdir()
+            try:
+                images.mkdir()
+            except FileExistsError:  # made meanwhile (a run takes minutes): use it, never remove it
+                make_images = False
         try:  # the report and its plots as one set: on a failure (a full disk) every file stays as it was
             atomic_write_many([*files, (report_path, markdown(report).encode())])
         except BaseException:

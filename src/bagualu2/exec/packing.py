@@ -58,7 +58,9 @@ def quantize_fp8(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     wide = flat.detach().to(torch.float32)
     magnitude = wide.abs().nan_to_num_(nan=0.0, posinf=0.0)
     amax = magnitude.max() if magnitude.numel() else torch.zeros((), device=wide.device)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).to(torch.float32)
+    del magnitude  # one full-size temporary at a time
+    tiny = torch.finfo(torch.float32).tiny  # subnormal-only values: amax / 448 would underflow to 0
+    scale = torch.where(amax > 0, (amax / FP8_MAX).clamp_min(tiny), torch.ones_like(amax)).to(torch.float32)
     codes = (wide / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(torch.uint8)
     codes.masked_fill_(torch.isposinf(wide), POS_INF_CODE).masked_fill_(torch.isneginf(wide), NEG_INF_CODE)
     return codes.view(FP8_DTYPE), scale

@@ -252,8 +252,9 @@ def adapipe_plan(graph: OpGraph, target_bytes: int) -> Plan:
     recompute-ns (``evaluate``; the first of equals in graph order) until ``activation_bytes <= target_bytes``;
     full recompute if nothing left frees bytes.
 
-    A tensor's score changes only when a tensor of one of its layers is chosen: a layer's re-runs stop at its
-    block input, which every plan keeps, so bytes and recompute time add up over layers. Only those candidates are
+    A tensor's score changes only when a tensor of one of its layers is chosen: in the graphs of ``build_graph``
+    a layer's re-runs stop at its block input, which every plan keeps, so bytes and recompute time add up over
+    layers (a graph with other cross-layer edges is outside this argument). Only those candidates are
     evaluated again after each choice (the same plan as scoring every candidate at every step, in a fraction of
     the ``evaluate`` calls)."""
     plan, cost = NO_PLAN, evaluate(graph, NO_PLAN)

@@ -160,7 +160,8 @@ def _metrics_rows(records: list[tuple[int, dict]], path) -> dict[int, dict[int, 
                 raise ValueError(shape)
             for entry in entries:
                 microbatch = require_int("microbatch", entry["microbatch"], 0)
-                measured = entry.get("imbalance") or ()
+                measured = entry.get("imbalance")
+                measured = [] if measured is None else measured  # a chunk with no MoE layer logs none
                 if not isinstance(measured, list):
                     raise ValueError(f"micro-batch {microbatch}: imbalance must be a list of numbers, got "
                                      f"{measured!r:.40}")
@@ -221,7 +222,8 @@ def load_trace(path: str | Path) -> tuple[tuple[float, ...], ...]:
         if rows:
             raise ValueError(f"{path}: mixes trace rows with the trainer's metrics records")
         rows = _metrics_rows(records, path)
-        where = {row.get("step"): number for number, row in records if "microbatches" in row}
+        where = {row["step"]: number for number, row in records
+                 if "microbatches" in row and isinstance(row.get("step"), int)}
     if not rows:
         raise ValueError(f"{path}: no trace rows")
     count = len(rows[min(rows)])
