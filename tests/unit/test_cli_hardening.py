@@ -290,7 +290,8 @@ def test_a_set_of_files_is_written_whole_or_not_at_all(tmp_path: Path) -> None:
     it was, and no temp file behind; the error names the target, not a temp file."""
     (tmp_path / "a.png").write_bytes(b"old")
     with pytest.raises(OSError) as caught:
-        atomic_write_many([(tmp_path / "a.png", b"new"), (tmp_path / "b.md", b"new"), (tmp_path / "gone" / "c.md", b"x")])
+        atomic_write_many([(tmp_path / "a.png", b"new"), (tmp_path / "b.md", b"new"),
+                           (tmp_path / "gone" / "c.md", b"x")])
     assert caught.value.filename == str(tmp_path / "gone" / "c.md")
     assert (tmp_path / "a.png").read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["a.png"]
     atomic_write_many([(tmp_path / "a.png", b"new"), (tmp_path / "b.md", b"new")])

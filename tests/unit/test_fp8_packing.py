@@ -49,7 +49,8 @@ def test_nan_stays_non_finite_and_empty_and_zero_tensors_round_trip():
     assert roundtrip(torch.empty(0)).numel() == 0
     assert torch.equal(roundtrip(torch.zeros(5)), torch.zeros(5))
     data, scale = quantize_fp8(torch.full((3,), float("inf")))
-    assert float(scale) == 1.0 and torch.equal(dequantize_fp8(data, scale, torch.float32), torch.full((3,), float("inf")))
+    assert float(scale) == 1.0
+    assert torch.equal(dequantize_fp8(data, scale, torch.float32), torch.full((3,), float("inf")))
 
 
 def test_subnormal_values_keep_a_finite_scale():

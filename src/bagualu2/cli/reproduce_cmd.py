@@ -26,10 +26,11 @@ OPTIONS = {"iterations": "--iterations", "seed": "--seed", "restart_s": "--resta
 
 @handle_errors
 def reproduce_cmd(
-    iterations: Annotated[int, typer.Option("--iterations", "-n", help="Paper-trace iterations per run (in [10, 10**7]).")
-                          ] = 1000,
+    iterations: Annotated[int, typer.Option("--iterations", "-n", help="Paper-trace iterations per run (in [10, "
+                                            "10**7]).")] = 1000,
     seed: Annotated[int, typer.Option(help="Seed of the paper trace (an integer in [0, 2**63)).")] = 0,
-    restart_s: Annotated[float, typer.Option("--restart-s", help="Seconds one OOM restart costs (in [0, 1e9]).")] = 284.0,
+    restart_s: Annotated[float, typer.Option("--restart-s", help="Seconds one OOM restart costs (in [0, 1e9]).")
+                         ] = 284.0,
     hardware: Annotated[str, typer.Option("--hardware", "-H", help="Hardware preset name.")] = "paper-gpu",
     model: Annotated[Optional[list[str]], typer.Option("--model", "-m", help="Fig. 8's Table II presets; "
                                                        "repeatable; default: all of them.")] = None,
@@ -37,12 +38,13 @@ def reproduce_cmd(
                                       "plots go to DIR/img, made when missing).")] = "docs",
     json_output: Annotated[bool, typer.Option("--json", help=JSON_HELP + " (the report's ratios beside the "
                                               "paper's, after writing the files)")] = False,
-    jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", help="Worker processes for the simulations (in [1, 1024]; "
-                                                "default: the CPUs this process may use, at most one per 4 GiB of "
-                                                "available memory). The report is the same for any value.")] = None,
+    jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", help="Worker processes for the simulations (in "
+                                                "[1, 1024]; default: the CPUs this process may use, at most one per "
+                                                "4 GiB of available memory). The report is the same for any value.")
+                                 ] = None,
 ) -> None:
     """Run the paper's evaluation (§VI: Fig. 8-11, decision overhead) in the simulator and write
-    DIR/reproduction.md with its PNG plots (each written atomically); a progress bar runs on stderr."""
+    DIR/reproduction.md with its PNG plots (written as one set, atomically); a progress bar runs on stderr."""
     for name in model or ():
         with blame("--model"):
             presets.model(name)

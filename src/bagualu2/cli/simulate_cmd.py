@@ -63,7 +63,8 @@ def simulate_cmd(
     policy: Annotated[Optional[list[str]], typer.Option("--policy", "-p", help="Policy; repeatable; default: all "
                                                         f"of {', '.join(POLICIES)}; also the ablation levels "
                                                         f"{', '.join(ABLATION)} (Fig. 11).")] = None,
-    restart_s: Annotated[float, typer.Option("--restart-s", help="Seconds one OOM restart costs (in [0, 1e9]).")] = 284.0,
+    restart_s: Annotated[float, typer.Option("--restart-s", help="Seconds one OOM restart costs (in [0, 1e9]).")
+                         ] = 284.0,
     on_oom: Annotated[str, typer.Option("--on-oom", help="What a fixed plan restarts with after an OOM: fallback "
                                         "(static-over, the trainer's) or replan (the crashed iteration on its "
                                         "own plans re-made for its imbalance, then the normal plans again; the "
