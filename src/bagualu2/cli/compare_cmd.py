@@ -48,8 +48,9 @@ def compare_point(graph: OpGraph, hardware: Hardware, budget_bytes: int, time_li
     order = dp.solve(chains)
     try:
         optimum = exact_schedule.solve(chains, time_limit_s=time_limit_s, hint=order)
-    except RuntimeError as exc:  # no schedule within the time limit
-        raise CliError(str(exc).replace("raise time_limit_s", "raise --time-limit"), "--time-limit") from None
+    except RuntimeError:  # no schedule within the time limit
+        raise CliError(f"CP-SAT found no schedule within {time_limit_s:g} s; raise --time-limit",
+                       "--time-limit") from None
     return {"budget_bytes": budget_bytes, "floor_bytes": graph.floor_bytes,
             "unmitigated_bytes": graph.unmitigated_bytes, "greedy_overhead_s": fast.cost.overhead_s,
             "exact_overhead_s": best.cost.overhead_s if best.ok else None, "exact_status": best.status.name,

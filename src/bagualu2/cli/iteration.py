@@ -10,7 +10,7 @@ from bagualu2.costmodel import Hardware, ModelConfig, ParallelConfig, build_grap
 from bagualu2.costmodel.validate import require_int
 from bagualu2.runtime import DOWNGRADES, spike_trace
 
-from .common import GIB, CliError, blame, check_graph, check_index, check_rate, load_hardware, load_model
+from .common import CliError, blame, check_graph, check_index, check_rate, load_hardware, load_model
 
 DEFAULT_MODEL = "glm-1041b-a35b"
 DEFAULT_HARDWARE = "paper-gpu"
@@ -92,12 +92,7 @@ def prepare(*, model: str, hardware: str, stage: int, seed: int, spike_rate: flo
     for chunk in range(parallel.vp):  # durations grow with the imbalance: the worst micro-batch bounds them
         check_graph(build_graph(model_config, parallel, hw, imbalance=worst, stage=stage, chunk=chunk))
     memory = stage_memory(model_config, parallel, hw, stage=stage, imbalance=worst)
-    if memory.m_max_bytes < memory.inflight_chunks * memory.m0_bytes:
-        raise CliError(f"{name} does not fit {hw.name} even under full recompute: {memory.m_max_bytes / GIB:.2f} GiB "
-                       f"left for activations on stage {stage} ({hw.hbm_bytes / GIB:.1f} GiB less "
-                       f"{memory.static_bytes / GIB:.1f} of weights, gradients and optimizer states and the reserve), "
-                       f"below the {memory.inflight_chunks * memory.m0_bytes / GIB:.2f} GiB its "
-                       f"{memory.inflight_chunks} in-flight chunks keep; use a larger hardware profile, more pipeline "
-                       "or tensor parallelism, or a smaller micro-batch", "--hardware")
+    with blame("--hardware"):
+        memory.check_room(hw, stage)
     return Iteration(name=name, model=model_config, parallel=parallel, hardware=hw, stage=stage,
                      trace=tuple(trace), downgrade=mode)

@@ -30,8 +30,9 @@ def solve_orders(chains: Chains, time_limit_s: float) -> dict[str, Order]:
     dp_order = dp.solve(chains)
     try:
         exact_order = exact.solve(chains, time_limit_s=time_limit_s, hint=dp_order)
-    except RuntimeError as exc:  # only a search stopped by the time limit (an invalid model is a ValueError)
-        raise CliError(str(exc).replace("raise time_limit_s", "raise --time-limit"), "--time-limit") from None
+    except RuntimeError:  # only a search stopped by the time limit (an invalid model is a ValueError)
+        raise CliError(f"CP-SAT found no schedule within {time_limit_s:g} s; raise --time-limit",
+                       "--time-limit") from None
     orders = {"dp": dp_order, "exact": exact_order}
     orders.update((name, baseline(chains)) for name, baseline in BASELINES.items())
     return orders

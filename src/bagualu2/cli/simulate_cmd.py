@@ -12,13 +12,13 @@ from rich.table import Table
 
 from bagualu2.sim import (ABLATION, ON_OOM, OVERLAP, POLICIES, PaperTrace, SimResult, load_trace, paper_trace,
                           simulate)
+from bagualu2.sim.simulate import MAX_ITERATIONS, MAX_RESTART_S
 
 from .common import (HARDWARE_HELP, JSON_HELP, MODEL_HELP, CliError, blame, console, echo_json, handle_errors,
                      load_hardware, load_model, output_path, write_output)
 
 DEFAULT_MODEL = "glm-423b-a30b"
 DEFAULT_ITERATIONS = 200
-MAX_ITERATIONS = 10_000_000
 SEED_LIMIT = 2**63
 JSON_DOC = ("JSON (--json): a list, one object per policy: {policy, model, hardware, iterations, mfu (per-iteration MFU "
             "averaged, restarts included), tokens_per_s, oom_events, restarts, time_lost_s, total_time_s}.")
@@ -106,8 +106,9 @@ def simulate_cmd(
         raise CliError(f"must be an integer in [1, {MAX_ITERATIONS}], got {iterations}", "--iterations")
     if not 0 <= seed < SEED_LIMIT:
         raise CliError(f"must be an integer in [0, 2**63), got {seed}", "--seed")
-    if not 0 <= restart_s <= 1e9:
-        raise CliError(f"must be a finite number in [0, 1e9] (seconds), got {restart_s!r}", "--restart-s")
+    if not 0 <= restart_s <= MAX_RESTART_S:
+        raise CliError(f"must be a finite number in [0, {MAX_RESTART_S:.0e}] (seconds), got {restart_s!r}",
+                       "--restart-s")
     if overlap not in OVERLAP:
         raise CliError(f"must be one of {', '.join(OVERLAP)}, got {overlap!r}", "--overlap")
     if not 0 <= spike_microbatches <= parallel.num_microbatches:

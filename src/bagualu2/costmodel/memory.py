@@ -103,6 +103,25 @@ class StageMemory:
     def headroom_bytes(self) -> int:
         return self.capacity_bytes - self.peak_bytes
 
+    @property
+    def floor_bytes(self) -> int:
+        """What the in-flight chunks keep fully recomputed: below it no plan fits."""
+        return self.inflight_chunks * self.m0_bytes
+
+    def check_room(self, hardware: Hardware, stage: int, *, capped: bool = False) -> None:
+        """One-line ``ValueError`` when ``m_max_bytes`` (what ``hardware`` leaves for activations on ``stage``; with
+        ``capped``, a given cap) is below :attr:`floor_bytes`: nothing fits, not even under full recompute."""
+        if self.m_max_bytes >= self.floor_bytes:
+            return
+        gib = 2 ** 30
+        where = (f"the activation cap m_max_bytes={self.m_max_bytes}" if capped else
+                 f"hardware {hardware.name!r} leaves {self.m_max_bytes / gib:.2f} GiB for activations on stage "
+                 f"{stage} ({hardware.hbm_bytes / gib:.1f} GiB less {hardware.reserved_bytes / gib:.1f} reserved and "
+                 f"{self.static_bytes / gib:.2f} of weights, gradients and optimizer states)")
+        raise ValueError(f"{where}, below the {self.floor_bytes / gib:.2f} GiB its {self.inflight_chunks} in-flight "
+                         "chunks keep fully recomputed: nothing fits; use a larger hardware profile, more pipeline "
+                         "or tensor parallelism, a smaller micro-batch, or a larger cap")
+
 
 def _chunk_plan(plan: Plan | None, graph_ops: set[str]) -> Plan | None:
     if plan is None:

@@ -43,15 +43,13 @@ from ..costmodel.build import check_imbalance
 from ..costmodel.validate import require_int, require_number
 from ..runtime import DecisionPath, replay_iteration
 from .policies import ABLATION, FALLBACKS
-from .simulate import SimResult, simulate
+from .simulate import MAX_ITERATIONS, MAX_RESTART_S, SimResult, simulate
 from .traces import PaperTrace, paper_trace
 
 BASELINES = ("kwai", "adapipe")
 FIG8_POLICIES = ("flexible", "kwai", "adapipe", "static-under", "static-over", "ideal", "oracle")
 SWEEP_POLICIES = ("flexible", "kwai", "adapipe", "ideal", "oracle")
-MAX_ITERATIONS = 10_000_000  # a run's trace, as `bagualu2 simulate` allows
 MAX_JOBS = 1024
-MAX_RESTART_S = 1e9
 RELEASED_POLICIES = ("kwai", "adapipe", "static-under", "static-over", "L1", "L2", "L3")
 
 

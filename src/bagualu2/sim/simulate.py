@@ -45,6 +45,8 @@ from .policies import FALLBACKS, StagePolicy, check_policy, make_policy
 from .stage import StageContext
 
 ON_OOM = ("fallback", "replan")
+MAX_ITERATIONS = 10_000_000  # of a trace: far beyond any training run
+MAX_RESTART_S = 1e9
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,7 +72,7 @@ class SimConfig:
         check_overlap(self.overlap)
         if self.m_max_bytes is not None:
             require_int("m_max_bytes", self.m_max_bytes, 1)
-        require_number("restart_s", self.restart_s, 0, 1e9)
+        require_number("restart_s", self.restart_s, 0, MAX_RESTART_S)
         check_imbalance(self.plan_imbalance)
         if self.on_oom not in ON_OOM:
             raise ValueError(f"on_oom must be one of {', '.join(ON_OOM)}, got {self.on_oom!r}")

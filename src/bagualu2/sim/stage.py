@@ -86,21 +86,9 @@ class StageContext:
         return self.memory.m_max_bytes
 
     def check_room(self, *, capped: bool = False) -> None:
-        """One-line ``ValueError`` when this stage's activation capacity is below its in-flight chunks' floor
-        (every chunk fully recomputed): no plan fits, so no bounded policy can run an iteration. ``capped``: the
+        """One-line ``ValueError`` when no plan fits this stage (``StageMemory.check_room``); ``capped``: the
         capacity was given (``m_max_bytes``) rather than what the device leaves."""
-        memory, gib = self.memory, 2 ** 30
-        floor = memory.inflight_chunks * memory.m0_bytes
-        if memory.m_max_bytes >= floor:
-            return
-        where = (f"the activation cap m_max_bytes={memory.m_max_bytes}" if capped else
-                 f"hardware {self.hardware.name!r} leaves {memory.m_max_bytes / gib:.2f} GiB for activations on "
-                 f"stage {self.stage} ({self.hardware.hbm_bytes / gib:.1f} GiB less "
-                 f"{self.hardware.reserved_bytes / gib:.1f} reserved and {memory.static_bytes / gib:.2f} of "
-                 "weights, gradients and optimizer states)")
-        raise ValueError(f"{where}, below the {floor / gib:.2f} GiB its {memory.inflight_chunks} in-flight chunks "
-                         "keep fully recomputed: nothing fits; use a larger hardware profile, more pipeline or "
-                         "tensor parallelism, or a larger cap")
+        self.memory.check_room(self.hardware, self.stage, capped=capped)
 
     @property
     def inflight(self) -> int:
