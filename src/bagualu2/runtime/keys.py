@@ -1,8 +1,11 @@
 """The keys of the decision path's caches: the need grid of a decision and the planned imbalance of a chunk.
 
-* :class:`NeedGrid` — a decision's *need* is ``unmitigated bytes - budget``; its level rounds it *up* on a
-  geometric grid of ratio ``1 + step`` starting at ``quantum`` bytes, so a decision made for a level frees at least
-  what every request of that level needs: finely for small needs, coarsely for the large, rare ones of spikes.
+* :class:`NeedGrid` — a decision's *need* is ``unmitigated bytes - budget``; its level rounds the need *up* on a
+  geometric grid of ratio ``1 + step`` starting at ``quantum`` bytes, or — when that gives up less — the budget
+  *down* on a grid of the same ratio anchored at the stage's ``M_max``, so a decision made for a level frees at
+  least what every request of that level needs and gives up less than ``step`` times the smaller of the need and
+  the budget: finely for small needs, coarsely for the large, rare ones of spikes, never much of a tight budget,
+  and nothing of a budget of the whole ``M_max``.
 * :func:`chunk_aliases` — virtual chunks whose graphs are the same up to layer numbering share one set of caches.
 * :class:`PlannedImbalance` — the imbalance a chunk's pre-gate plan is made for: the smallest of the last
   ``window`` gate measurements, floored to the imbalance bucket grid (a low estimate: what is mitigated before the
@@ -20,26 +23,45 @@ from ..costmodel.validate import require_int, require_number
 from .buckets import floor_bucket
 
 
-class NeedGrid:
-    """Need levels: ``level(unmitigated, floor, budget) -> (key, budget the decision is made for)``."""
+BUDGET_KEYS = 1 << 62  # the budget grid's keys are j - BUDGET_KEYS: negative, rising with the need
 
-    def __init__(self, quantum: int, step: float, *, name: str = "need_step"):
+
+class NeedGrid:
+    """Need levels: ``level(unmitigated, floor, budget) -> (key, budget the decision is made for)``.
+
+    Two grids of ratio ``1 + step``: the need rounded up from ``quantum`` (key ``k >= 0``: the need
+    ``quantum * ratio**k``) and the budget rounded down from ``anchor_bytes`` (key ``j - BUDGET_KEYS < 0``: the
+    budget ``anchor_bytes / ratio**j``; budgets above the anchor use the need grid). A request takes the one whose decided
+    budget is larger, so it gives up less than ``step`` times the smaller of its need and its budget. Within each
+    grid a larger key is a larger need (what the stand-ins rely on); keys of the two grids never mix."""
+
+    def __init__(self, quantum: int, step: float, *, anchor_bytes: int, name: str = "need_step"):
         self.quantum = require_int("budget_quantum_bytes", quantum, 1)
         self.step = require_number(name, step, 0, 1, low_open=True)
+        self.anchor = require_int("anchor_bytes", anchor_bytes, 1)
         self.ratio = 1.0 + self.step
         self._log = math.log1p(self.step)
 
     def level(self, unmitigated_bytes: int, floor_bytes: int, budget_bytes: int) -> tuple:
-        """The key of a request and the budget its decision is made for (``unmitigated - rounded need``); a grid
-        point below ``floor_bytes`` (M0) is never shared: the key is then ``("exact", budget)``."""
+        """The key of a request and the budget its decision is made for; a decided budget below ``floor_bytes``
+        (M0) is never shared: the key is then ``("exact", budget)``."""
+        quantum, ratio = self.quantum, self.ratio
         need = unmitigated_bytes - budget_bytes
-        quantum = self.quantum
         level = 0 if need <= quantum else math.ceil(math.log(need / quantum) / self._log)
-        rounded = math.ceil(quantum * self.ratio ** level)
+        rounded = math.ceil(quantum * ratio ** level)
         if rounded < need:  # floating point at a grid point
             level += 1
-            rounded = math.ceil(quantum * self.ratio ** level)
+            rounded = math.ceil(quantum * ratio ** level)
         decided = unmitigated_bytes - rounded
+        if 0 < budget_bytes <= self.anchor and decided < budget_bytes:
+            j = max(math.floor(math.log(self.anchor / budget_bytes) / self._log), 0)
+            while j > 0 and math.floor(self.anchor / ratio ** (j - 1)) <= budget_bytes:  # floating point
+                j -= 1
+            while math.floor(self.anchor / ratio ** j) > budget_bytes:
+                j += 1
+            kept = math.floor(self.anchor / ratio ** j)
+            if kept > decided:
+                level, decided = j - BUDGET_KEYS, kept
         if decided < floor_bytes:
             return ("exact", budget_bytes), budget_bytes
         return level, decided

@@ -20,7 +20,8 @@ hit safe for every request of its key: measured imbalance -> its *ceiling* bucke
 ``spike_step`` above ``spike_threshold``) with the bucket's graph; pre-gate plans by (need level, planned bucket, chunk); gate decisions by (pre-gate plan, need level,
 imbalance bucket, chunk); orders by what the DP reads. The *need* of a decision is ``unmitigated bytes - budget``;
 its level rounds it *up* on a geometric grid (ratio ``1 + need_step`` from one ``budget_quantum_bytes``), so a
-decision frees at least what is needed, finely for small needs and coarsely for the large, rare needs of spikes.
+decision frees at least what is needed, finely for small needs and coarsely for the large, rare needs of spikes;
+a need larger than the budget rounds the budget *down* instead, on a grid anchored at ``M_max`` (:class:`NeedGrid`).
 Pre-gate plans use a coarser grid (``pregate_need_step``): what they free beyond the need is in part inside the
 MoE module, which the gate re-plans at the fine grid. On a miss, a gate decision of a nearby need level (up to
 ``reuse_levels`` away) stands in when it is as good: a smaller-need one that fits this budget at the measured
@@ -109,8 +110,10 @@ class DecisionPath:
         self.spike_step = require_number("spike_step", spike_step, 0, 10, low_open=True)
         if budget_quantum_bytes is None:
             budget_quantum_bytes = max(min(self.graph(c, 1.0).unmitigated_bytes for c in range(parallel.vp)) >> 10, 1)
-        self.needs = NeedGrid(budget_quantum_bytes, need_step)
-        self.pregate_needs = NeedGrid(budget_quantum_bytes, pregate_need_step, name="pregate_need_step")
+        anchor = max(engine.memory.m_max_bytes, 1)
+        self.needs = NeedGrid(budget_quantum_bytes, need_step, anchor_bytes=anchor)
+        self.pregate_needs = NeedGrid(budget_quantum_bytes, pregate_need_step, anchor_bytes=anchor,
+                                      name="pregate_need_step")
         self.reuse_levels = require_int("reuse_levels", reuse_levels, 0)
         self._alias = engine.aliases
         memo = engine.memo
@@ -363,17 +366,21 @@ class DecisionPath:
         the nearest smaller-need decision if it fits this budget at the measured imbalance, else the nearest
         larger-need one if it fits and costs at most ``1 + need_step`` times the smaller-need one — or, with no
         smaller-need decision made, if it is at most ``UNREFERENCED_LEVELS`` levels up (made for a need at most
-        ``(1 + need_step) ** UNREFERENCED_LEVELS`` times this one)."""
+        ``(1 + need_step) ** UNREFERENCED_LEVELS`` times this one, or a budget at most that much smaller). Only
+        levels of the request's grid are read (:class:`~.keys.NeedGrid`)."""
         outcomes, pid, bucket = self._outcomes, pre.id, row.bucket
         lower = None
-        for smaller in range(level - 1, max(level - 1 - self.reuse_levels, -1), -1):
+        # the need grid's keys are >= 0, the budget grid's < 0 (``NeedGrid``): a stand-in is on the request's grid
+        stop = level - 1 - self.reuse_levels
+        for smaller in range(level - 1, max(stop, -1) if level >= 0 else stop, -1):
             lower = outcomes.get((pid, smaller, bucket, chunk))
             if lower is not None:
                 if lower.fixed_bytes + lower.per_token_bytes * tokens <= budget_bytes:
                     return lower
                 break
         reach = self.reuse_levels if lower is not None else min(self.reuse_levels, UNREFERENCED_LEVELS)
-        for larger in range(level + 1, level + 1 + reach):
+        end = level + 1 + reach
+        for larger in range(level + 1, end if level >= 0 else min(end, 0)):
             higher = outcomes.get((pid, larger, bucket, chunk))
             if higher is not None:
                 if higher.fixed_bytes + higher.per_token_bytes * tokens > budget_bytes:

@@ -1,0 +1,64 @@
+"""The need grid of the decision path (``runtime.keys.NeedGrid``): a level decides a budget no larger than the
+request's, gives up less than ``step`` times the smaller of the need and the budget, maps one key to one decided
+budget, orders the keys of each grid by need, and decides a budget of the whole anchor exactly."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bagualu2.runtime.keys import NeedGrid
+
+steps = st.sampled_from([0.01, 0.05, 0.15, 0.5, 1.0])
+
+
+@st.composite
+def requests(draw):
+    quantum = draw(st.integers(1, 1 << 20))
+    anchor = draw(st.integers(1, 1 << 40))
+    unmitigated = draw(st.integers(1, 1 << 42))
+    budget = draw(st.integers(0, unmitigated))
+    floor = draw(st.integers(0, budget))
+    return quantum, anchor, unmitigated, floor, budget
+
+
+@settings(max_examples=400)
+@given(requests(), steps)
+def test_a_level_decides_at_most_the_budget_and_gives_up_little(request, step):
+    quantum, anchor, unmitigated, floor, budget = request
+    grid = NeedGrid(quantum, step, anchor_bytes=anchor)
+    key, decided = grid.level(unmitigated, floor, budget)
+    assert floor <= decided <= budget or key == ("exact", budget)
+    if key == ("exact", budget):
+        assert decided == budget
+        return
+    need = unmitigated - budget
+    given_up = budget - decided
+    bound = max(step * need, quantum) + 1  # the need grid: one step of the need (the first step: one quantum)
+    if budget <= anchor:  # and the budget grid: one step of the budget
+        bound = min(bound, step * budget + 1)
+    assert given_up <= bound
+
+
+@settings(max_examples=200)
+@given(requests(), steps, st.lists(st.integers(0, 1 << 42), min_size=2, max_size=30))
+def test_one_key_decides_one_budget_and_keys_order_needs_within_a_grid(request, step, budgets):
+    quantum, anchor, unmitigated, _, _ = request
+    grid = NeedGrid(quantum, step, anchor_bytes=anchor)
+    decided_by_key: dict = {}
+    for budget in budgets:
+        budget = min(budget, unmitigated)
+        key, decided = grid.level(unmitigated, 0, budget)
+        assert decided_by_key.setdefault(key, decided) == decided
+    ints = sorted(k for k in decided_by_key if type(k) is int)
+    for low, high in zip(ints, ints[1:]):
+        if (low >= 0) == (high >= 0):  # a larger key of one grid: a larger need, a smaller decided budget
+            assert decided_by_key[low] > decided_by_key[high]
+
+
+@settings(max_examples=200)
+@given(st.integers(1, 1 << 20), st.integers(1, 1 << 40), st.integers(0, 1 << 42), steps)
+def test_a_budget_of_the_whole_anchor_is_decided_exactly(quantum, anchor, extra, step):
+    grid = NeedGrid(quantum, step, anchor_bytes=anchor)
+    key, decided = grid.level(anchor + extra, 0, anchor)
+    assert decided == anchor
