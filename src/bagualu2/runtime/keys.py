@@ -31,9 +31,9 @@ class NeedGrid:
 
     Two grids of ratio ``1 + step``: the need rounded up from ``quantum`` (key ``k >= 0``: the need
     ``quantum * ratio**k``) and the budget rounded down from ``anchor_bytes`` (key ``j - BUDGET_KEYS < 0``: the
-    budget ``anchor_bytes / ratio**j``; budgets above the anchor use the need grid). A request takes the one whose decided
-    budget is larger, so it gives up less than ``step`` times the smaller of its need and its budget. Within each
-    grid a larger key is a larger need (what the stand-ins rely on); keys of the two grids never mix."""
+    budget ``anchor_bytes / ratio**j``; budgets above the anchor use the need grid). A request takes the one whose
+    decided budget is larger, so it gives up less than ``step`` times the smaller of its need and its budget.
+    Within each grid a larger key is a larger need (what the stand-ins rely on); keys of the two grids never mix."""
 
     def __init__(self, quantum: int, step: float, *, anchor_bytes: int, name: str = "need_step"):
         self.quantum = require_int("budget_quantum_bytes", quantum, 1)
