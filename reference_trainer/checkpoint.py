@@ -151,6 +151,8 @@ def _check(path: Path, step: int | None, hashes: bool) -> dict[str, Any]:
     """The manifest of the checkpoint at ``path`` after checking its files; raises _Refused with the reason."""
     if not path.is_dir():
         raise _Refused("missing or not a directory")
+    if (path / MANIFEST).exists() and not (path / MANIFEST).is_file():  # a FIFO would block the read
+        raise _Refused(f"{MANIFEST} is not a regular file")
     try:
         manifest = json.loads((path / MANIFEST).read_text())
     except FileNotFoundError:
@@ -176,6 +178,16 @@ def _check(path: Path, step: int | None, hashes: bool) -> dict[str, Any]:
         if _sha256(path / name) != record.get("sha256"):
             raise _Refused(f"file {name}: sha256 mismatch")
     return manifest
+
+
+def _complete(path: Path, step: int) -> bool:
+    """Whether ``path`` is a complete checkpoint of ``step`` (its manifest and file sizes check; what retention
+    counts, so a corrupt newer directory never pushes a valid checkpoint out)."""
+    try:
+        _check(path, step, hashes=False)
+    except _Refused:
+        return False
+    return True
 
 
 def _dcp():
@@ -307,7 +319,7 @@ def save(directory: str | os.PathLike[str], step: int, state: dict[str, Any], *,
         _fsync_dir(root)
         shutil.rmtree(old, ignore_errors=True)
         others = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.fullmatch(p.name))
-                        and p != final and not p.is_symlink() and (p / MANIFEST).is_file())
+                        and p != final and not p.is_symlink() and _complete(p, int(m.group(1))))
         for _, p in others[:max(0, len(others) - keep + 1)]:  # the one just written always stays
             shutil.rmtree(p)
         for p in root.glob(".tmp-*"):

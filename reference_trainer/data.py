@@ -30,6 +30,7 @@ import itertools
 import json
 import lzma
 import os
+import stat
 import tempfile
 import zipfile
 from collections.abc import Iterable, Sequence
@@ -168,7 +169,15 @@ class TokenCorpus:
 
 def read_text(file: Path) -> str:
     """The UTF-8 text of ``file``; ValueError naming the file and the problem for anything else (binary data,
-    another encoding). Invalid bytes are refused, never replaced: training on mojibake is silent corruption."""
+    another encoding). Invalid bytes are refused, never replaced: training on mojibake is silent corruption. Only a
+    regular file is read (after symlinks): a FIFO would block and a device never end."""
+    try:
+        regular = stat.S_ISREG(file.stat().st_mode)
+    except OSError as error:
+        raise ValueError(f"{file}: cannot read it ({error.strerror or error})") from None
+    if not regular:
+        raise ValueError(f"{file}: not a regular file (a pipe, device or socket); expected a .txt or .jsonl file "
+                         f"({_ALLOWED})")
     data = file.read_bytes()
     nul = data.find(b"\0")
     if nul >= 0:

@@ -12,6 +12,7 @@ writes one JSONL line. Gradients are scaled by 1/m after the backwards, as the p
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +52,31 @@ def prepare(config: TrainConfig) -> "Run":
         if not os.path.isdir(parent) or (os.path.exists(config.metrics_file)
                                          and not os.path.isfile(config.metrics_file)):
             raise ValueError(f"--metrics-file {config.metrics_file}: not a regular file in an existing directory")
+    check_state_dir(config)
     return Run(config=config, batches=batches, cap_bytes=cap, hardware=presets.hardware(config.hardware))
+
+
+def check_state_dir(config: TrainConfig) -> None:
+    """The directory of the run's state (``--checkpoint-dir``, else the metrics file's) exists or can be made,
+    takes new files, and its ``run_state.json`` is a regular file if it exists."""
+    from .restarts import STATE
+
+    if config.checkpoint_dir:
+        flag, directory = "--checkpoint-dir", config.checkpoint_dir
+    elif config.metrics_file:
+        flag, directory = "--metrics-file", os.path.dirname(os.path.abspath(config.metrics_file))
+    else:
+        return
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".bagualu2-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ValueError(f"{flag}: cannot write files in {directory} ({exc.strerror or exc})") from None
+    state = os.path.join(directory, STATE)
+    if os.path.lexists(state) and not os.path.isfile(state):
+        raise ValueError(f"{flag}: {state} exists and is not a regular file")
 
 
 @dataclass

@@ -37,9 +37,11 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 class RunState:
-    """The run's restart history in ``directory`` (None: nothing persisted, one launch only)."""
+    """The run's restart history in ``directory`` (None: nothing persisted, one launch only). ``fresh``: a new run
+    (the history starts over); ``first_launch``: torchrun's first start of this launch, whose markers can only be
+    left over from an earlier launch (a ``--resume`` after a kill), so they are removed."""
 
-    def __init__(self, directory: str | None, *, fresh: bool):
+    def __init__(self, directory: str | None, *, fresh: bool, first_launch: bool | None = None):
         self.dir = Path(directory) if directory else None
         self.launched_at = time.time()
         self.data: dict[str, Any] = {"started_at": self.launched_at, "oom_events": 0, "stalls": 0, "restarts": 0,
@@ -49,10 +51,10 @@ class RunState:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.dir / STATE
-        if fresh:
+        if fresh or first_launch:
             for marker in [*self.dir.glob("oom-rank*.json"), *self.dir.glob("fault-rank*.json")]:
                 marker.unlink(missing_ok=True)
-        elif path.is_file():
+        if not fresh and path.is_file():
             try:
                 self.data.update(json.loads(path.read_text()))
             except (OSError, ValueError):

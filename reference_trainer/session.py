@@ -79,7 +79,8 @@ class Session:
         self.resume = config.resume or (self.restarts > 0 and bool(config.checkpoint_dir))
         state_dir = config.checkpoint_dir or (os.path.dirname(os.path.abspath(config.metrics_file))
                                               if config.metrics_file else None)
-        self.run_state = RunState(state_dir, fresh=self.restarts == 0 and not config.resume)
+        self.run_state = RunState(state_dir, fresh=self.restarts == 0 and not config.resume,
+                                  first_launch=self.restarts == 0)
         self.incident = self.run_state.last_oom() if self.restarts > 0 else None
         self.guard = Guard(timeout_s=config.collective_timeout_s, rank=groups.rank, world_size=groups.world_size,
                            launch=self.restarts, run_state=self.run_state)
@@ -287,16 +288,26 @@ class Session:
         dist.gather_object(record, gathered, dst=0)
         return gathered
 
+    def _user_error(self, message: str) -> None:
+        """A user error every rank found alike after set-up: one line from rank 0, exit code 2 (the others wait a
+        moment first, so that torchrun does not stop rank 0 before it reports)."""
+        if self.groups.is_logger:
+            sys.stderr.write(f"error: {message}\n")
+            sys.stderr.flush()
+        else:
+            time.sleep(5.0)
+        os._exit(2)
+
     def train(self) -> dict:
         config, groups = self.config, self.groups
         if self.resume:
             try:
                 self._resume()
             except ValueError as exc:  # another world size, seed or corpus: every rank raises the same error
-                if groups.is_logger:
-                    sys.stderr.write(f"error: --resume: {' '.join(str(exc).split())}\n")
-                    sys.stderr.flush()
-                os._exit(2)
+                self._user_error(f"--resume: {' '.join(str(exc).split())}")
+            if self.start_step > config.steps:  # every rank loaded the same checkpoint
+                self._user_error(f"--steps {config.steps} is below step {self.start_step} of the checkpoint --resume "
+                                 "loads; --steps is the total, counting the steps already done")
         if self.restarts == 0 and not config.resume and groups.is_logger:
             self.run_state.data["policies"] = [config.policy]
             self.run_state.save()

@@ -1,0 +1,111 @@
+"""Inputs of the reference trainer that must end in one line, never block, and never lose a valid checkpoint: a
+pipe or device as data or as a checkpoint's manifest, an unusable run-state directory, a corrupt newer checkpoint
+beside valid ones, markers left by an earlier launch, ``--steps`` below the resumed checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from reference_trainer import checkpoint, train
+from reference_trainer.checkpoint import find_latest, save
+from reference_trainer.data import TokenCorpus, load_tokenizer
+from reference_trainer.loop import check_state_dir
+from reference_trainer.recipes import recipe
+from reference_trainer.restarts import STATE, RunState
+
+
+def test_a_pipe_or_a_device_as_data_is_refused_without_reading_it(tmp_path):
+    fifo = tmp_path / "fifo.txt"
+    os.mkfifo(fifo)  # reading it would block forever
+    device = tmp_path / "zero.txt"
+    device.symlink_to("/dev/zero")  # reading it would never end
+    for path in (fifo, device):
+        with pytest.raises(ValueError, match="not a regular file") as info:
+            TokenCorpus.from_path(str(path), load_tokenizer())
+        assert "\n" not in str(info.value) and str(path) in str(info.value)
+
+
+def test_a_pipe_as_manifest_is_refused_and_the_older_checkpoint_used(tmp_path, capsys):
+    old = save(tmp_path, 1, {"w": torch.arange(3.0)})
+    bad = tmp_path / "step-00000002"
+    bad.mkdir()
+    os.mkfifo(bad / checkpoint.MANIFEST)
+    assert find_latest(tmp_path) == (old, 1)
+    assert "manifest.json is not a regular file" in capsys.readouterr().err
+
+
+def test_a_corrupt_newer_checkpoint_never_pushes_a_valid_one_out(tmp_path):
+    save(tmp_path, 4, {"w": torch.arange(3.0)})
+    corrupt = tmp_path / "step-00000008"
+    corrupt.mkdir()
+    (corrupt / checkpoint.MANIFEST).write_text("{bad")
+    save(tmp_path, 5, {"w": torch.arange(4.0)})  # keep=2: step 4 and step 5 are the two complete ones
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004", "step-00000005", "step-00000008"]
+
+
+def _config(**changes):
+    return recipe("glm_moe_debug").with_overrides(pp=1, dp=1, ep=1, **changes)
+
+
+@pytest.mark.parametrize("case", ["parent_is_a_file", "state_is_a_dir", "metrics_dir_unwritable"])
+def test_an_unusable_run_state_directory_is_one_line(tmp_path, case):
+    if case == "parent_is_a_file":
+        (tmp_path / "afile").write_text("x")
+        config, fragment = _config(checkpoint_dir=str(tmp_path / "afile" / "ck")), "--checkpoint-dir: cannot write"
+    elif case == "state_is_a_dir":
+        (tmp_path / "ck" / STATE).mkdir(parents=True)
+        config, fragment = _config(checkpoint_dir=str(tmp_path / "ck")), "is not a regular file"
+    else:
+        if os.geteuid() == 0:  # root writes anywhere; /proc takes no new files even for root
+            config = _config(metrics_file="/proc/bagualu2-metrics.jsonl")
+        else:
+            locked = tmp_path / "locked"
+            locked.mkdir(mode=0o500)
+            config = _config(metrics_file=str(locked / "m.jsonl"))
+        fragment = "--metrics-file: cannot write"
+    with pytest.raises(ValueError, match=fragment) as info:
+        check_state_dir(config)
+    assert "\n" not in str(info.value)
+
+
+def test_markers_of_an_earlier_launch_are_removed_on_a_resumed_launch(tmp_path):
+    (tmp_path / "fault-rank0.json").write_text(json.dumps({"time": 1.0, "step": 3, "rank": 0, "kind": "stall",
+                                                           "message": "old"}))
+    (tmp_path / STATE).write_text(json.dumps({"restarts": 2, "stalls": 1}))
+    resumed = RunState(str(tmp_path), fresh=False, first_launch=True)
+    assert resumed.data["stalls"] == 1 and not list(tmp_path.glob("fault-rank*.json"))  # history kept, marker gone
+    (tmp_path / "fault-rank1.json").write_text(json.dumps({"time": 2.0, "step": 4, "rank": 1, "kind": "stall",
+                                                           "message": "this launch"}))
+    RunState(str(tmp_path), fresh=False, first_launch=False)  # a torchrun restart reads this launch's markers
+    assert list(tmp_path.glob("fault-rank*.json"))
+
+
+@pytest.mark.launch
+def test_steps_below_the_resumed_checkpoint_is_one_line(tmp_path):
+    base = [sys.executable, "-m", "reference_trainer.train", "--pp", "1", "--dp", "1", "--ep", "1",
+            "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "2"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    first = subprocess.run(base + ["--steps", "2"], capture_output=True, text=True, env=env, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = subprocess.run(base + ["--steps", "1", "--resume"], capture_output=True, text=True, env=env, timeout=300)
+    lines = [line for line in again.stderr.splitlines() if line.strip()]
+    assert again.returncode == 2 and lines == [lines[0]] and "--steps 1 is below step 2" in lines[0], again.stderr
+
+
+def test_a_user_error_on_a_later_node_is_reported_by_that_nodes_first_worker(capsys, monkeypatch):
+    for env, shown in (({"RANK": "3", "LOCAL_RANK": "0", "WORLD_SIZE": "4"}, True),
+                       ({"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}, False)):
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setattr(train.time, "sleep", lambda s: None)
+        with pytest.raises(SystemExit) as info:
+            train._fail("--lr must be a finite number")
+        err = capsys.readouterr().err
+        assert info.value.code == 2
+        assert (err == "error: rank 3: --lr must be a finite number\n") if shown else err == ""
