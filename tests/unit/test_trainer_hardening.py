@@ -31,6 +31,7 @@ def test_a_pipe_or_a_device_as_data_is_refused_without_reading_it(tmp_path):
         assert "\n" not in str(info.value) and str(path) in str(info.value)
 
 
+@pytest.mark.slow
 def test_a_pipe_as_manifest_is_refused_and_the_older_checkpoint_used(tmp_path, capsys):
     old = save(tmp_path, 1, {"w": torch.arange(3.0)})
     bad = tmp_path / "step-00000002"
