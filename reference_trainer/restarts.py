@@ -41,7 +41,7 @@ class RunState:
     (the history starts over); ``first_launch``: torchrun's first start of this launch, whose markers can only be
     left over from an earlier launch (a ``--resume`` after a kill), so they are removed."""
 
-    def __init__(self, directory: str | None, *, fresh: bool, first_launch: bool | None = None):
+    def __init__(self, directory: str | None, *, fresh: bool, first_launch: bool = False):
         self.dir = Path(directory) if directory else None
         self.launched_at = time.time()
         self.data: dict[str, Any] = {"started_at": self.launched_at, "oom_events": 0, "stalls": 0, "restarts": 0,
