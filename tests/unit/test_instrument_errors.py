@@ -148,9 +148,17 @@ def test_the_gate_runs_after_each_router_in_forward_only():
     assert len(seen) == 1
     executor.release("mb0")
     instrumented.remove()
-    with executor.micro_batch("mb1") as record:
-        model(x)
-    assert record.unknown_count > 0 and len(seen) == 1  # hooks off: nothing is attributed any more
+    model(x)
+    assert len(seen) == 1  # hooks off: the gate is not asked any more
+    with pytest.raises(ValueError, match="hooks were removed"):  # nor would the plan apply: refused, not ignored
+        with executor.micro_batch("mb1"):
+            model(x)
+    with pytest.raises(ValueError, match="hooks were removed"):
+        apply_plan(instrumented, "expert_act=RECOMPUTE")
+    again = instrument(model, OP_MAP, gate=gate)  # after remove() the model may be instrumented again
+    with pytest.raises(ValueError, match="instrumented already"):
+        instrument(model, OP_MAP)
+    again.remove()
 
 
 class _Counting(nn.Module):
@@ -193,3 +201,24 @@ def test_a_gate_report_that_is_not_a_count_is_one_line(bad):
         gate_report(bad)
     assert gate_report(7) == GateReport(7) and gate_report((7, None, None, 4)).sent == 4
     assert gate_report(torch.tensor(7)).received == 7
+
+
+def test_a_micro_batch_released_before_its_backward_keeps_its_host_copies():
+    """``release`` before the backward (a misuse) must not hand the host buffers of an OFFLOAD plan to the pool: a
+    later micro-batch would overwrite them and the backward read the wrong activations."""
+    plain, x = make()
+    plain(x).float().pow(2).mean().backward()
+    model, x = make()
+    instrumented = instrument(model, OP_MAP)
+    instrumented.trace_graph(x, hardware=HW)
+    executor = apply_plan(instrumented, "norm=OFFLOAD")
+    with executor.micro_batch("early") as record:
+        out = model(x)
+    assert record.host_bytes > 0
+    executor.release("early")
+    with executor.micro_batch("next"):
+        model(make(seed=1)[1])  # reuses whatever the pool holds
+    out.float().pow(2).mean().backward()
+    for mine, reference in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(mine.grad, reference.grad)
+    instrumented.remove()

@@ -49,8 +49,9 @@ class PlanExecutor:
 
     def __init__(self, graph: OpGraph, plan: Plan | str | None, *, tracker: ActivationTracker | None = None,
                  exclude: Iterable[torch.nn.Module] = (), deferred=None, engine: CopyEngine | None = None,
-                 namer: Callable | None = None, verify: bool = False):
+                 namer: Callable | None = None, verify: bool = False, instrumented=None):
         self.graph = graph
+        self.instrumented = instrumented  # the InstrumentedModel whose hooks name the savings (None: none)
         if not isinstance(verify, bool):
             raise ValueError(f"verify must be True or False, got {verify!r}")
         self.verify = verify
@@ -101,6 +102,9 @@ class PlanExecutor:
         records its own micro-batch, the executor's gate is picked up here (``FORWARD_GATE``)."""
         if name in self._records:
             raise ValueError(f"micro-batch {name!r} is already in flight")
+        if self.instrumented is not None and self.instrumented.removed:
+            raise ValueError("the instrumented model's hooks were removed (InstrumentedModel.remove()): the plan "
+                             "cannot apply; instrument the model again and make a new executor")
         if isinstance(plan, str):
             plan = Plan.from_str(plan)
         plan = self.plan if plan is None else plan
@@ -169,12 +173,14 @@ class PlanExecutor:
         return started
 
     def release(self, name: str) -> MicroBatchRecord:
-        """Forget micro-batch ``name`` (its backward ran); its host buffers go back to the pool."""
+        """Forget micro-batch ``name`` (its backward ran); its host buffers go back to the pool. A host copy that a
+        consumer has not read back yet (released before its backward, or never backwarded) stays with the autograd
+        graph that holds it: only copies every consumer read are reused."""
         record = self.record(name)
         del self._records[name]
         self.tracker.drop(name)
         for copy in record.host_copies:
-            if copy.host is not None:
+            if copy.host is not None and copy.users <= 0:
                 self.engine.pool.give(copy.host, copy.last_read)
         record.clear()
         return record
@@ -430,8 +436,12 @@ def apply_plan(target: "OpGraph | torch.nn.Module | InstrumentedModel", plan: Pl
     with checksums of what the forward produced, and a mismatch raises ``RuntimeError`` naming the op (a module
     with a side effect, such as a KV cache it updates, would otherwise give silently wrong gradients).
     """
-    namer = None
+    namer = instrumented = None
     if isinstance(target, InstrumentedModel):
+        if target.removed:
+            raise ValueError("the instrumented model's hooks were removed (InstrumentedModel.remove()); instrument "
+                             "the model again")
+        instrumented = target
         check_device(target.model)
         exclude = (*exclude, target.model)
         if graph is None:
@@ -446,7 +456,8 @@ def apply_plan(target: "OpGraph | torch.nn.Module | InstrumentedModel", plan: Pl
     else:
         raise ValueError(f"apply_plan needs an OpGraph or a model (an InstrumentedModel, or one with a config), "
                          f"got {type(target).__name__}")
-    return PlanExecutor(graph, plan, tracker=tracker, exclude=exclude, deferred=deferred, namer=namer, verify=verify)
+    return PlanExecutor(graph, plan, tracker=tracker, exclude=exclude, deferred=deferred, namer=namer, verify=verify,
+                        instrumented=instrumented)
 
 
 def graph_of(model: torch.nn.Module, imbalance: float = 1.0) -> OpGraph:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+import weakref
 from typing import Any, Callable, Mapping
 
 import torch
@@ -109,6 +110,10 @@ def check_device(model: torch.nn.Module) -> None:
                              f"{', '.join(SUPPORTED_DEVICES)}")
 
 
+# the models whose hooks are on (weakly held: a model dropped with its hooks leaves the set)
+_INSTRUMENTED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
 class InstrumentedModel:
     """A model with op-map hooks (see the module docstring). Call it like the model; :meth:`trace_graph` makes
     its :class:`OpGraph`; :func:`~bagualu2.exec.apply_plan` runs plans on it; :meth:`remove` takes the hooks
@@ -120,6 +125,8 @@ class InstrumentedModel:
         self.bindings = dict(bindings)
         self.gate = gate
         self.trace: TraceResult | None = None
+        self.removed = False
+        _INSTRUMENTED.add(model)
         modules = dict(model.named_modules())
         self._handles = []
         for path, binding in self.bindings.items():
@@ -146,6 +153,9 @@ class InstrumentedModel:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if not self.removed:
+            self.removed = True
+            _INSTRUMENTED.discard(self.model)
 
     # ---- tracing --------------------------------------------------------------------------------------------
     def trace_graph(self, *args, hardware: Hardware, timed: bool = False,
@@ -311,4 +321,6 @@ def instrument(model: torch.nn.Module, op_map: Mapping[str, str], *,
     if gate is not None and not callable(gate):
         raise ValueError(f"gate must be a callable (router_module, inputs, output) -> int, got {type(gate).__name__}")
     check_device(model)
+    if model in _INSTRUMENTED:  # a second set of hooks would open every op scope twice: no saving would be named
+        raise ValueError("model is instrumented already; call remove() on its InstrumentedModel first")
     return InstrumentedModel(model, bind(model, op_map), gate)
