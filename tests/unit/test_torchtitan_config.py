@@ -32,6 +32,9 @@ def test_the_module_imports_without_torchtitan():
     ("policy", "greedy", "bagualu2.policy must be one of flexible, static-over, static-under, off"),
     ("memory_cap_mib", -1, "bagualu2.memory_cap_mib must be a number >= 0"),
     ("memory_cap_mib", "8", "bagualu2.memory_cap_mib must be a number >= 0"),
+    ("memory_cap_mib", float("inf"), "bagualu2.memory_cap_mib must be a number >= 0 and <= 1073741824"),
+    ("memory_cap_mib", 1e305, "bagualu2.memory_cap_mib must be a number >= 0 and <= 1073741824"),
+    ("memory_cap_mib", float("nan"), "bagualu2.memory_cap_mib must be a number >= 0"),
     ("downgrade", "full", "bagualu2.downgrade must be graded or paper"),
     ("quantize", "no", "bagualu2.quantize must be true or false"),
     ("report_path", 3, "bagualu2.report_path must be a path string"),
@@ -108,14 +111,14 @@ def test_a_model_that_is_not_a_torchtitan_decoder():
     assert "has no ModuleDict 'layers'" in one_line(excinfo)
 
 
-def _converter(*, ep: int = 1, tp: int = 1):
+def _converter(*, ep: int = 1, tp: int = 1, report_path: str = "", schedule: str = "1F1B"):
     from types import SimpleNamespace
 
     from bagualu2.integrations.torchtitan import Bagualu2Converter
 
-    job = SimpleNamespace(bagualu2=Bagualu2Config(memory_cap_mib=8),
+    job = SimpleNamespace(bagualu2=Bagualu2Config(memory_cap_mib=8, report_path=report_path),
                           activation_checkpoint=SimpleNamespace(mode="none"),
-                          parallelism=SimpleNamespace(pipeline_parallel_schedule="1F1B",
+                          parallelism=SimpleNamespace(pipeline_parallel_schedule=schedule,
                                                       pipeline_parallel_microbatch_size=1),
                           training=SimpleNamespace(local_batch_size=4))
     dims = SimpleNamespace(tp_enabled=tp > 1, cp_enabled=False, ep_enabled=ep > 1, ep=ep, pp_enabled=True)
@@ -141,3 +144,35 @@ def test_tensor_parallelism_is_refused_in_one_line():
     with pytest.raises(ValueError) as excinfo:
         _converter(tp=2)
     assert "tensor_parallel_degree and context_parallel_degree must be 1" in one_line(excinfo)
+
+
+def test_report_paths_every_rank_can_write_are_checked_before_training(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError) as excinfo:  # two ranks would overwrite one file
+        _converter(report_path=str(tmp_path / "report.json"))
+    assert "must contain {rank} when 2 ranks run" in one_line(excinfo)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError) as excinfo:
+        _converter(report_path=str(tmp_path / "afile" / "r{rank}.json"))
+    assert "cannot write in" in one_line(excinfo)
+    (tmp_path / "r0.json").mkdir()
+    with pytest.raises(ValueError) as excinfo:
+        _converter(report_path=str(tmp_path / "r{rank}.json"))
+    assert "exists and is not a regular file" in one_line(excinfo)
+    _converter(report_path=str(tmp_path / "new" / "r{rank}.json"))  # a folder that can be made is fine
+    assert (tmp_path / "new").is_dir()
+    _converter(schedule="1f1b")  # torch matches schedule names in any case
+
+
+def test_a_report_never_replaces_a_link_and_is_written_with_the_umask(tmp_path):
+    from bagualu2.integrations.torchtitan_stage import _UMASK, _write_report
+
+    target = tmp_path / "elsewhere.json"
+    target.write_text("{}")
+    (tmp_path / "link.json").symlink_to(target)
+    with pytest.raises(ValueError) as excinfo:
+        _write_report(str(tmp_path / "link.json"), 0, [])
+    assert "exists and is not a regular file" in one_line(excinfo) and target.read_text() == "{}"
+    _write_report(str(tmp_path / "r.json"), 0, [[]])
+    assert (tmp_path / "r.json").stat().st_mode & 0o777 == 0o666 & ~_UMASK
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []

@@ -20,19 +20,30 @@ This module imports without torchtitan; the converter needs it (``pip install "b
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 import weakref
 
 import torch
 
 from .torchtitan_config import (MIB, POLICIES, SCHEDULES, Bagualu2Config, JobConfig, gate_report, op_map,
                                 padded_rows)
-from .torchtitan_stage import ACTIVE_FORWARD, ScheduleInfo, StageProvisioner, scheduled_forward
+from .torchtitan_stage import ACTIVE_FORWARD, ScheduleInfo, StageProvisioner, check_report_path, scheduled_forward
 
 
 #: the decoders :func:`op_map` reads: importing this module gives their train specs a metrics processor builder that
 #: hands torchtitan's metrics processor to the live converters (the spec is otherwise torchtitan's own)
 MODELS = ("deepseek_v3", "qwen3")
 _CONVERTERS: "weakref.WeakSet[Bagualu2Converter]" = weakref.WeakSet()
+
+
+def _warn(message: str) -> None:
+    """``message`` through torchtitan's logger (the ``bagualu2`` logger without torchtitan)."""
+    try:
+        from torchtitan.tools.logging import logger
+    except ImportError:
+        logger = logging.getLogger("bagualu2")
+    logger.warning(message)
 
 
 # ---- the converter --------------------------------------------------------------------------------------------------
@@ -44,6 +55,8 @@ class Bagualu2Converter:
     def __init__(self, job_config, parallel_dims):
         config = getattr(job_config, "bagualu2", None)
         if config is None:
+            _warn("bagualu2: the job config has no [bagualu2] section (set job.custom_config_module = "
+                           "\"bagualu2.integrations.torchtitan\"): running with its defaults, no memory cap")
             config = Bagualu2Config()
         elif not isinstance(config, Bagualu2Config):  # tyro gives back the dataclass; a dict from elsewhere
             config = Bagualu2Config(**(dataclasses.asdict(config) if dataclasses.is_dataclass(config)
@@ -62,9 +75,10 @@ class Bagualu2Converter:
             raise ValueError("parallelism.expert_parallel_comm_backend must be standard with the bagualu2 converter "
                              f"(its gate counts the rows torchtitan's all-to-all dispatch pads), got {backend!r}")
         pipelined = parallel_dims.pp_enabled
-        if pipelined and parallelism.pipeline_parallel_schedule not in SCHEDULES:
+        if pipelined and str(parallelism.pipeline_parallel_schedule).lower() not in {s.lower() for s in SCHEDULES}:
             raise ValueError(f"parallelism.pipeline_parallel_schedule must be one of {', '.join(SCHEDULES)} with "
                              f"the bagualu2 converter, got {parallelism.pipeline_parallel_schedule!r}")
+        check_report_path(config.report_path, int(os.environ.get("WORLD_SIZE", "1")))
         local = job_config.training.local_batch_size
         # without a pipeline each forward (one per gradient-accumulation micro-step) is backwarded before the next
         size = parallelism.pipeline_parallel_microbatch_size if pipelined else local

@@ -13,6 +13,7 @@ from bagualu2.exec import GateReport, routed
 POLICIES = ("flexible", "static-over", "static-under", "off")
 SCHEDULES = ("1F1B",)
 MIB = 1 << 20
+MAX_CAP_MIB = 1 << 30  # 1 PiB: far above any device's memory
 
 
 @dataclass(kw_only=True)
@@ -41,8 +42,8 @@ class Bagualu2Config:
         if self.policy not in POLICIES:
             raise ValueError(f"bagualu2.policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if isinstance(self.memory_cap_mib, bool) or not isinstance(self.memory_cap_mib, (int, float)) or not (
-                self.memory_cap_mib >= 0):
-            raise ValueError(f"bagualu2.memory_cap_mib must be a number >= 0 (MiB; 0: no cap), "
+                0 <= self.memory_cap_mib <= MAX_CAP_MIB):
+            raise ValueError(f"bagualu2.memory_cap_mib must be a number >= 0 and <= {MAX_CAP_MIB} (MiB; 0: no cap), "
                              f"got {self.memory_cap_mib!r}")
         if self.downgrade not in ("graded", "paper"):
             raise ValueError(f"bagualu2.downgrade must be graded or paper, got {self.downgrade!r}")

@@ -24,6 +24,7 @@ a forward outside the schedule (torch's shape inference) is not provisioned and 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import json
@@ -293,21 +294,64 @@ def _log(stage: int, step: int, rows: list[dict]) -> None:
                 f"{changed} re-planned at the gate")
 
 
-def _write_report(pattern: str, stage: int, history: list[list[dict]]) -> None:
-    rank = os.environ.get("RANK", "0")
-    path = pattern.replace("{rank}", rank).replace("{stage}", str(stage))
-    if os.path.lexists(path) and not os.path.isfile(path):
-        raise ValueError(f"bagualu2.report_path {path!r} exists and is not a regular file")
+def report_file(pattern: str, stage: int) -> str:
+    """This rank's report path for ``stage`` (``{rank}`` and ``{stage}`` replaced)."""
+    return pattern.replace("{rank}", os.environ.get("RANK", "0")).replace("{stage}", str(stage))
+
+
+def check_report_path(pattern: str, world_size: int) -> None:
+    """Before training: ``ValueError`` (one line) unless every rank can write its report: ``{rank}`` in the path
+    when several ranks run, its folder made or there and writable, and the file, if it exists, a regular file."""
+    if not pattern:
+        return
+    if world_size > 1 and "{rank}" not in pattern:
+        raise ValueError(f"bagualu2.report_path must contain {{rank}} when {world_size} ranks run (each writes its "
+                         f"own report), got {pattern!r}")
+    path = report_file(pattern, 0)
+    _refuse_non_file(path)
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=directory, prefix=".bagualu2-report-")
     try:
+        os.makedirs(directory, exist_ok=True)
+        handle, probe = tempfile.mkstemp(dir=directory, prefix=".bagualu2-report-")
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ValueError(f"bagualu2.report_path {path!r}: cannot write in {directory} ({exc.strerror or exc})"
+                         ) from None
+
+
+def _refuse_non_file(path: str) -> None:
+    if os.path.islink(path) or (os.path.lexists(path) and not os.path.isfile(path)):
+        raise ValueError(f"bagualu2.report_path {path!r} exists and is not a regular file")
+
+
+def _write_report(pattern: str, stage: int, history: list[list[dict]]) -> None:
+    path = report_file(pattern, stage)
+    _refuse_non_file(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    temporary = None
+    try:
+        os.makedirs(directory, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=directory, prefix=".bagualu2-report-")
+        os.chmod(temporary, 0o666 & ~_UMASK)  # as a file opened for writing would be
         with os.fdopen(handle, "w") as out:
             json.dump({"stage": stage, "steps": history}, out)
         os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
+    except OSError as exc:
+        if temporary is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+        raise ValueError(f"bagualu2.report_path {path!r}: cannot write it ({exc.strerror or exc})") from None
 
 
-__all__ = ["ACTIVE_FORWARD", "ScheduleInfo", "StageProvisioner", "scheduled_forward"]
+def _umask() -> int:
+    mask = os.umask(0o022)  # read it (at import, before any thread of the trainer runs)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _umask()
+
+
+__all__ = ["ACTIVE_FORWARD", "ScheduleInfo", "StageProvisioner", "check_report_path", "report_file",
+           "scheduled_forward"]
