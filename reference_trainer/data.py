@@ -176,8 +176,7 @@ def read_text(file: Path) -> str:
     except OSError as error:
         raise ValueError(f"{file}: cannot read it ({error.strerror or error})") from None
     if not regular:
-        raise ValueError(f"{file}: not a regular file (a pipe, device or socket); expected a .txt or .jsonl file "
-                         f"({_ALLOWED})")
+        raise ValueError(f"{file}: not a regular file (a pipe, device or socket); {_ALLOWED}")
     data = file.read_bytes()
     nul = data.find(b"\0")
     if nul >= 0:

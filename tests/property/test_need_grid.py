@@ -1,6 +1,6 @@
 """The need grid of the decision path (``runtime.keys.NeedGrid``): a level decides a budget no larger than the
 request's, gives up less than ``step`` times the smaller of the need and the budget, maps one key to one decided
-budget, orders the keys of each grid by need, and decides a budget of the whole anchor exactly."""
+budget, orders the keys of each grid by need, and decides a budget equal to the anchor exactly."""
 
 from __future__ import annotations
 
@@ -34,10 +34,8 @@ def test_a_level_decides_at_most_the_budget_and_gives_up_little(request, step):
         return
     need = unmitigated - budget
     given_up = budget - decided
-    bound = max(step * need, quantum) + 1  # the need grid: one step of the need (the first step: one quantum)
-    if budget <= anchor:  # and the budget grid: one step of the budget
-        bound = min(bound, step * budget + 1)
-    assert given_up <= bound
+    # the need grid: one step of the need (the first step: one quantum); the budget grid: one step of the budget
+    assert given_up <= min(max(step * need, quantum) + 1, step * budget + 1)
 
 
 @settings(max_examples=200)

@@ -174,8 +174,8 @@ class PlanExecutor:
 
     def release(self, name: str) -> MicroBatchRecord:
         """Forget micro-batch ``name`` (its backward ran); its host buffers go back to the pool. A host copy that a
-        consumer has not read back yet (released before its backward, or never backwarded) stays with the autograd
-        graph that holds it: only copies every consumer read are reused."""
+        saved-tensor handle has not read back yet (released before its backward, or never backwarded) stays with
+        the autograd graph that holds it: only copies every handle read are reused."""
         record = self.record(name)
         del self._records[name]
         self.tracker.drop(name)

@@ -74,7 +74,9 @@ class MicroBatchRecord:
         for replay in self.replays:
             replay.drop()
         for copy in self.host_copies:
-            copy.cached = copy.prefetched = copy.pending = None
+            copy.cached = copy.prefetched = None
+            if copy.users <= 0:  # a deferred offload a handle still reads keeps its device storage
+                copy.pending = None
         self.named.clear()
         self.producers.clear()
         self.provisional.clear()

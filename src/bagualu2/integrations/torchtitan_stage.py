@@ -310,6 +310,9 @@ def check_report_path(pattern: str, world_size: int) -> None:
     path = report_file(pattern, 0)
     _refuse_non_file(path)
     directory = os.path.dirname(os.path.abspath(path))
+    ranked = pattern.replace("{rank}", os.environ.get("RANK", "0"))
+    if "{stage}" in os.path.dirname(ranked):  # one folder per stage: check the folder above the first of them
+        directory = os.path.abspath(ranked[:ranked.index("{stage}")].rpartition(os.sep)[0] or ".")
     try:
         os.makedirs(directory, exist_ok=True)
         handle, probe = tempfile.mkstemp(dir=directory, prefix=".bagualu2-report-")
@@ -333,19 +336,21 @@ def _write_report(pattern: str, stage: int, history: list[list[dict]]) -> None:
     try:
         os.makedirs(directory, exist_ok=True)
         handle, temporary = tempfile.mkstemp(dir=directory, prefix=".bagualu2-report-")
-        os.chmod(temporary, 0o666 & ~_UMASK)  # as a file opened for writing would be
         with os.fdopen(handle, "w") as out:
+            os.fchmod(out.fileno(), 0o666 & ~_UMASK)  # as a file opened for writing would be
             json.dump({"stage": stage, "steps": history}, out)
         os.replace(temporary, path)
-    except OSError as exc:
+    except BaseException as exc:
         if temporary is not None:
             with contextlib.suppress(OSError):
                 os.unlink(temporary)
-        raise ValueError(f"bagualu2.report_path {path!r}: cannot write it ({exc.strerror or exc})") from None
+        if isinstance(exc, OSError):
+            raise ValueError(f"bagualu2.report_path {path!r}: cannot write it ({exc.strerror or exc})") from None
+        raise
 
 
 def _umask() -> int:
-    mask = os.umask(0o022)  # read it (at import, before any thread of the trainer runs)
+    mask = os.umask(0o022)  # read it: set and restored at import, before torchtitan's trainer starts threads
     os.umask(mask)
     return mask
 

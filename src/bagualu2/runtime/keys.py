@@ -4,8 +4,8 @@
   geometric grid of ratio ``1 + step`` starting at ``quantum`` bytes, or — when that gives up less — the budget
   *down* on a grid of the same ratio anchored at the stage's ``M_max``, so a decision made for a level frees at
   least what every request of that level needs and gives up less than ``step`` times the smaller of the need and
-  the budget: finely for small needs, coarsely for the large, rare ones of spikes, never much of a tight budget,
-  and nothing of a budget of the whole ``M_max``.
+  the budget (at most one ``quantum`` for a smaller need): finely for small needs, coarsely for the large, rare
+  ones of spikes, never much of a tight budget, and nothing of a budget of the whole ``M_max``.
 * :func:`chunk_aliases` — virtual chunks whose graphs are the same up to layer numbering share one set of caches.
 * :class:`PlannedImbalance` — the imbalance a chunk's pre-gate plan is made for: the smallest of the last
   ``window`` gate measurements, floored to the imbalance bucket grid (a low estimate: what is mitigated before the
@@ -30,17 +30,19 @@ class NeedGrid:
     """Need levels: ``level(unmitigated, floor, budget) -> (key, budget the decision is made for)``.
 
     Two grids of ratio ``1 + step``: the need rounded up from ``quantum`` (key ``k >= 0``: the need
-    ``quantum * ratio**k``) and the budget rounded down from ``anchor_bytes`` (key ``j - BUDGET_KEYS < 0``: the
-    budget ``anchor_bytes / ratio**j``; budgets above the anchor use the need grid). A request takes the one whose
-    decided budget is larger, so it gives up less than ``step`` times the smaller of its need and its budget.
-    Within each grid a larger key is a larger need (what the stand-ins rely on); keys of the two grids never mix."""
+    ``quantum * ratio**k``) and the budget rounded down on the points ``anchor_bytes / ratio**j`` (any integer
+    ``j``; key ``j - BUDGET_KEYS < 0``). A request takes the one whose decided budget is larger, so it gives up
+    less than ``step`` times the smaller of its need and its budget (a need below ``quantum``: at most
+    ``quantum``), and nothing of a budget equal to the anchor. Within each grid a larger key is a larger need (what
+    the stand-ins rely on); keys of the two grids never mix. The anchor is fixed per stage engine (its ``M_max``):
+    the engine's memo holds levels, so every path over one engine must map a budget to the same level."""
 
     def __init__(self, quantum: int, step: float, *, anchor_bytes: int, name: str = "need_step"):
         self.quantum = require_int("budget_quantum_bytes", quantum, 1)
         self.step = require_number(name, step, 0, 1, low_open=True)
         self.anchor = require_int("anchor_bytes", anchor_bytes, 1)
         self.ratio = 1.0 + self.step
-        self._log = math.log1p(self.step)
+        self._log = math.log(self.ratio)  # the grid's own ratio, as rounded
 
     def level(self, unmitigated_bytes: int, floor_bytes: int, budget_bytes: int) -> tuple:
         """The key of a request and the budget its decision is made for; a decided budget below ``floor_bytes``
@@ -53,9 +55,9 @@ class NeedGrid:
             level += 1
             rounded = math.ceil(quantum * ratio ** level)
         decided = unmitigated_bytes - rounded
-        if 0 < budget_bytes <= self.anchor and decided < budget_bytes:
-            j = max(math.floor(math.log(self.anchor / budget_bytes) / self._log), 0)
-            while j > 0 and math.floor(self.anchor / ratio ** (j - 1)) <= budget_bytes:  # floating point
+        if budget_bytes > 0 and decided < budget_bytes:
+            j = math.floor(math.log(self.anchor / budget_bytes) / self._log)
+            while math.floor(self.anchor / ratio ** (j - 1)) <= budget_bytes:  # floating point at a grid point
                 j -= 1
             while math.floor(self.anchor / ratio ** j) > budget_bytes:
                 j += 1
