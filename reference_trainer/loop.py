@@ -12,7 +12,6 @@ writes one JSONL line. Gradients are scaled by 1/m after the backwards, as the p
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +58,8 @@ def prepare(config: TrainConfig) -> "Run":
 def check_state_dir(config: TrainConfig) -> None:
     """The directory of the run's state (``--checkpoint-dir``, else the metrics file's) exists or can be made,
     takes new files, and its ``run_state.json`` is a regular file if it exists."""
+    from bagualu2.costmodel.validate import probe_folder
+
     from .restarts import STATE
 
     if config.checkpoint_dir:
@@ -68,10 +69,7 @@ def check_state_dir(config: TrainConfig) -> None:
     else:
         return
     try:
-        os.makedirs(directory, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=directory, prefix=".bagualu2-probe-")
-        os.close(fd)
-        os.unlink(probe)
+        probe_folder(directory)
     except OSError as exc:
         raise ValueError(f"{flag}: cannot write files in {directory} ({exc.strerror or exc})") from None
     state = os.path.join(directory, STATE)

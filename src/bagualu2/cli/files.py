@@ -16,6 +16,8 @@ import stat
 import tempfile
 from pathlib import Path
 
+from bagualu2.costmodel.validate import probe_folder
+
 TEMP_NAME_CHARS = 32  # of the target's name in the temp file's name
 
 
@@ -52,9 +54,7 @@ def check_output_path(value: str, what: str = "file.png") -> Path:
         raise ValueError(f"file name is {len(os.fsencode(target.name))} bytes long; at most {limit} allowed")
     _refuse_non_file(target)
     try:  # os.access says yes to root everywhere: make (and remove) a file there before any work
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=".bagualu2.", suffix=".tmp")
-        os.close(fd)
-        os.unlink(probe)
+        probe_folder(folder, make=False)
     except OSError as exc:
         raise ValueError(f"folder {str(folder)!r} is not writable ({exc.strerror or exc})") from None
     return target

@@ -1,11 +1,13 @@
 """The one validation helper of the project: integers and finite numbers with a range, one-line ``ValueError``s
 naming the field and what is allowed. ``bool`` is never a number here; numpy scalars are accepted and returned as
-plain Python values."""
+plain Python values. :func:`probe_folder`: can a folder take new files (made first if missing)."""
 
 from __future__ import annotations
 
 import math
 import numbers
+import os
+import tempfile
 from typing import Any
 
 
@@ -52,3 +54,13 @@ def check_solver_options(time_limit_s: Any, num_workers: Any, seed: Any) -> None
     require_number("time_limit_s", time_limit_s, 0, low_open=True)
     require_int("num_workers", num_workers, 1, 1024, high_open=False)
     require_int("seed", seed, 0, 2 ** 31)
+
+
+def probe_folder(directory: str | os.PathLike[str], *, make: bool = True) -> None:
+    """Make ``directory`` (with its parents, unless ``make`` is false) and create and remove a file in it: the only
+    check that holds for root, to which ``os.access`` says yes everywhere. ``OSError`` when it cannot."""
+    if make:
+        os.makedirs(directory, exist_ok=True)
+    fd, probe = tempfile.mkstemp(dir=directory, prefix=".bagualu2-probe-", suffix=".tmp")
+    os.close(fd)
+    os.unlink(probe)

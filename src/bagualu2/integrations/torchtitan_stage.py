@@ -37,6 +37,7 @@ import torch
 
 from bagualu2.budget import BudgetAssigner
 from bagualu2.costmodel import OpGraph, Plan, Resource, evaluate, presets
+from bagualu2.costmodel.validate import probe_folder
 from bagualu2.exec import (ActivationOutOfMemoryError, ActivationTracker, DeferredPlanner, apply_plan, instrument,
                            on_backward)
 from bagualu2.mitigation import greedy
@@ -314,10 +315,7 @@ def check_report_path(pattern: str, world_size: int) -> None:
     if "{stage}" in os.path.dirname(ranked):  # one folder per stage: check the folder above the first of them
         directory = os.path.abspath(ranked[:ranked.index("{stage}")].rpartition(os.sep)[0] or ".")
     try:
-        os.makedirs(directory, exist_ok=True)
-        handle, probe = tempfile.mkstemp(dir=directory, prefix=".bagualu2-report-")
-        os.close(handle)
-        os.unlink(probe)
+        probe_folder(directory)
     except OSError as exc:
         raise ValueError(f"bagualu2.report_path {path!r}: cannot write in {directory} ({exc.strerror or exc})"
                          ) from None
