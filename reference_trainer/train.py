@@ -43,12 +43,9 @@ def _rank() -> int:
 
 
 def _fail(message: str) -> NoReturn:
-    """One line on stderr and exit code 2; under torchrun rank 0 reports, and on a node of a several-node job the
-    node's first worker (its flags may differ from rank 0's: its own output is the only place the error shows);
-    the others exit quietly."""
-    rank = _rank()
-    if rank == 0 or os.environ.get("LOCAL_RANK") == "0":
-        sys.stderr.write(f"error: {'' if rank == 0 else f'rank {rank}: '}{' '.join(str(message).split())}\n")
+    """One line on stderr and exit code 2; under torchrun only rank 0 reports, the others exit quietly."""
+    if _rank() == 0:
+        sys.stderr.write(f"error: {' '.join(str(message).split())}\n")
         sys.stderr.flush()
     elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # let rank 0 report first: torchrun stops the other workers as soon as one exits with an error

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from reference_trainer import checkpoint, train
+from reference_trainer import checkpoint
 from reference_trainer.checkpoint import find_latest, save
 from reference_trainer.data import TokenCorpus, load_tokenizer
 from reference_trainer.loop import check_state_dir
@@ -97,16 +97,3 @@ def test_steps_below_the_resumed_checkpoint_is_one_line(tmp_path):
     again = subprocess.run(base + ["--steps", "1", "--resume"], capture_output=True, text=True, env=env, timeout=300)
     lines = [line for line in again.stderr.splitlines() if line.strip()]
     assert again.returncode == 2 and lines == [lines[0]] and "--steps 1 is below step 2" in lines[0], again.stderr
-
-
-def test_a_user_error_on_a_later_node_is_reported_by_that_nodes_first_worker(capsys, monkeypatch):
-    for env, shown in (({"RANK": "3", "LOCAL_RANK": "0", "WORLD_SIZE": "4"}, True),
-                       ({"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}, False)):
-        for name, value in env.items():
-            monkeypatch.setenv(name, value)
-        monkeypatch.setattr(train.time, "sleep", lambda s: None)
-        with pytest.raises(SystemExit) as info:
-            train._fail("--lr must be a finite number")
-        err = capsys.readouterr().err
-        assert info.value.code == 2
-        assert (err == "error: rank 3: --lr must be a finite number\n") if shown else err == ""
