@@ -78,7 +78,8 @@ class Provisioner:
         self.execution = execution            # fused points: the fusion DP's order or Megatron-Core's
         self.safety_net = fixed is None       # flexible: an overflow is re-run with full recompute, no restart
         self.prediction_scale = prediction_scale
-        self.engine = engine = Stage(model, parallel, hardware, stage=stage)  # shared by path, gates and orders
+        # shared by path, gates and orders; its M_max is the cap the budgets are given under
+        self.engine = engine = Stage(model, parallel, hardware, stage=stage, m_max_bytes=cap_bytes)
         self.path = DecisionPath.on(engine, downgrade=downgrade)
         self.cap_bytes = cap_bytes
         self._index = {(step.chunk, step.microbatch): (step.index, step.phase) for step in engine.steps

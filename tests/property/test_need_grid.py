@@ -60,3 +60,16 @@ def test_a_budget_of_the_whole_anchor_is_decided_exactly(quantum, anchor, extra,
     grid = NeedGrid(quantum, step, anchor_bytes=anchor)
     key, decided = grid.level(anchor + extra, 0, anchor)
     assert decided == anchor
+
+
+def test_a_stage_under_a_cap_anchors_its_paths_grids_at_the_cap():
+    from bagualu2.costmodel import presets
+    from bagualu2.runtime import DecisionPath, Stage
+
+    model, parallel = presets.model("tiny-moe")
+    hardware = presets.hardware("cpu")
+    cap = Stage(model, parallel, hardware).graph(0, 1.0).unmitigated_bytes // 3
+    engine = Stage(model, parallel, hardware, m_max_bytes=cap)
+    assert engine.memory.m_max_bytes == cap
+    path = DecisionPath.on(engine)
+    assert path.needs.level(cap * 5, 0, cap)[1] == cap == path.pregate_needs.level(cap * 5, 0, cap)[1]

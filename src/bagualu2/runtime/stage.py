@@ -19,6 +19,7 @@ A :class:`Stage` owns
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Hashable, NamedTuple
 
 from ..budget import BudgetPhase
@@ -188,15 +189,20 @@ class Stage(_Engine):
 
       cache         the memo on (default) or off (every result recomputed; for checks).
       max_entries   the most entries of one key type the memo holds.
+      m_max_bytes   the stage's activation capacity when a cap sets it (a trainer's ``--memory-cap``) instead of
+                    what the profile's memory leaves (default); the decision paths over the engine anchor their
+                    budget grid at it.
     """
 
     def __init__(self, model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, *, stage: int = 0,
-                 cache: bool = True, max_entries: int = MAX_ENTRIES):
+                 cache: bool = True, max_entries: int = MAX_ENTRIES, m_max_bytes: int | None = None):
         self.model, self.parallel, self.hardware = model, parallel, hardware
         self.stage = require_int("stage", stage, 0, parallel.pp)
         self.memo = Memo(enabled=cache, max_entries=max_entries)
         self._graphs: dict[tuple[int, float], OpGraph] = {}
         self.memory: StageMemory = stage_memory(model, parallel, hardware, stage=self.stage)
+        if m_max_bytes is not None:
+            self.memory = dataclasses.replace(self.memory, m_max_bytes=require_int("m_max_bytes", m_max_bytes, 1))
         self.steps: tuple[Step, ...] = self._steps()
         self.point_relation = point_relation(parallel, stage)  # the fusion DP's pipeline_degree at this stage
         self.aliases: dict[int, tuple[int, int]] = chunk_aliases({c: self.graph(c, 1.0) for c in range(parallel.vp)})
