@@ -58,7 +58,7 @@ def prepare(config: TrainConfig) -> "Run":
 def check_state_dir(config: TrainConfig) -> None:
     """The directory of the run's state (``--checkpoint-dir``, else the metrics file's) exists or can be made,
     takes new files, and its ``run_state.json`` is a regular file if it exists."""
-    from bagualu2.costmodel.validate import probe_folder
+    from bagualu2.costmodel.validate import probe_folder, refuse_non_file
 
     from .restarts import STATE
 
@@ -73,8 +73,10 @@ def check_state_dir(config: TrainConfig) -> None:
     except OSError as exc:
         raise ValueError(f"{flag}: cannot write files in {directory} ({exc.strerror or exc})") from None
     state = os.path.join(directory, STATE)
-    if os.path.lexists(state) and not os.path.isfile(state):
-        raise ValueError(f"{flag}: {state} exists and is not a regular file")
+    try:
+        refuse_non_file(state)
+    except OSError:
+        raise ValueError(f"{flag}: {state} exists and is not a regular file") from None
 
 
 @dataclass

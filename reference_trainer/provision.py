@@ -161,7 +161,7 @@ class Provisioner:
 
     # ---- iteration ----------------------------------------------------------------------------------------------
     def begin_step(self) -> None:
-        self.iteration = Iteration(self.engine, m_max_bytes=self.cap_bytes)
+        self.iteration = Iteration(self.engine)  # the engine's M_max is the cap
         self._prepared: dict[tuple[int, int], _Forward] = {}
         self._done: dict[tuple[int, int], _Forward] = {}
         self.log: list[dict] = []

@@ -10,30 +10,13 @@ target name works), fsyncs it and ``os.replace``-s it onto the target: the targe
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
-import stat
 import tempfile
 from pathlib import Path
 
-from bagualu2.costmodel.validate import probe_folder
+from bagualu2.costmodel.validate import probe_folder, refuse_non_file
 
 TEMP_NAME_CHARS = 32  # of the target's name in the temp file's name
-
-
-def _refuse_non_file(target: Path) -> None:
-    """``OSError`` if ``target`` exists (as a link or anything) and is not a regular file."""
-    try:
-        mode = os.lstat(target).st_mode
-    except FileNotFoundError:
-        return
-    if stat.S_ISREG(mode):
-        return
-    kind = ("a symlink" if stat.S_ISLNK(mode) else "a directory" if stat.S_ISDIR(mode) else
-            "a FIFO" if stat.S_ISFIFO(mode) else "a device node" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-            else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
-    raise OSError(errno.EEXIST, f"exists and is {kind}; give the path of a regular file (never replaced otherwise)",
-                  str(target))
 
 
 def check_output_path(value: str, what: str = "file.png") -> Path:
@@ -52,7 +35,7 @@ def check_output_path(value: str, what: str = "file.png") -> Path:
         limit = os.pathconf(folder, "PC_NAME_MAX")
     if limit is not None and len(os.fsencode(target.name)) > limit:
         raise ValueError(f"file name is {len(os.fsencode(target.name))} bytes long; at most {limit} allowed")
-    _refuse_non_file(target)
+    refuse_non_file(target)
     try:  # os.access says yes to root everywhere: make (and remove) a file there before any work
         probe_folder(folder, make=False)
     except OSError as exc:
@@ -75,13 +58,13 @@ def atomic_write_many(items) -> list[Path]:
     try:
         for path, data in items:
             target = Path(path)
-            _refuse_non_file(target)
+            refuse_non_file(target)
             try:
                 temps.append((_write_temp(target, data), target))
             except OSError as exc:  # name the user's path, not the temp file's
                 raise OSError(exc.errno, exc.strerror, str(target)) from None
         for tmp, target in temps:
-            _refuse_non_file(target)  # made meanwhile? leave it alone
+            refuse_non_file(target)  # made meanwhile? leave it alone
             os.replace(tmp, target)
     except BaseException:
         for tmp, _ in temps:

@@ -1,12 +1,15 @@
 """The one validation helper of the project: integers and finite numbers with a range, one-line ``ValueError``s
 naming the field and what is allowed. ``bool`` is never a number here; numpy scalars are accepted and returned as
-plain Python values. :func:`probe_folder`: can a folder take new files (made first if missing)."""
+plain Python values. :func:`probe_folder`: can a folder take new files (made first if missing);
+:func:`refuse_non_file`: a path that exists is a regular file (never replace anything else)."""
 
 from __future__ import annotations
 
+import errno
 import math
 import numbers
 import os
+import stat
 import tempfile
 from typing import Any
 
@@ -64,3 +67,18 @@ def probe_folder(directory: str | os.PathLike[str], *, make: bool = True) -> Non
     fd, probe = tempfile.mkstemp(dir=directory, prefix=".bagualu2-probe-", suffix=".tmp")
     os.close(fd)
     os.unlink(probe)
+
+
+def refuse_non_file(target: str | os.PathLike[str]) -> None:
+    """``OSError`` if ``target`` exists (as a link or anything) and is not a regular file."""
+    try:
+        mode = os.lstat(target).st_mode
+    except (FileNotFoundError, NotADirectoryError):  # not there (a parent may be a file: the writer will say)
+        return
+    if stat.S_ISREG(mode):
+        return
+    kind = ("a symlink" if stat.S_ISLNK(mode) else "a directory" if stat.S_ISDIR(mode) else
+            "a FIFO" if stat.S_ISFIFO(mode) else "a device node" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+    raise OSError(errno.EEXIST, f"exists and is {kind}; give the path of a regular file (never replaced otherwise)",
+                  str(target))

@@ -37,7 +37,7 @@ import torch
 
 from bagualu2.budget import BudgetAssigner
 from bagualu2.costmodel import OpGraph, Plan, Resource, evaluate, presets
-from bagualu2.costmodel.validate import probe_folder
+from bagualu2.costmodel.validate import probe_folder, refuse_non_file
 from bagualu2.exec import (ActivationOutOfMemoryError, ActivationTracker, DeferredPlanner, apply_plan, instrument,
                            on_backward)
 from bagualu2.mitigation import greedy
@@ -322,8 +322,10 @@ def check_report_path(pattern: str, world_size: int) -> None:
 
 
 def _refuse_non_file(path: str) -> None:
-    if os.path.islink(path) or (os.path.lexists(path) and not os.path.isfile(path)):
-        raise ValueError(f"bagualu2.report_path {path!r} exists and is not a regular file")
+    try:
+        refuse_non_file(path)
+    except OSError:
+        raise ValueError(f"bagualu2.report_path {path!r} exists and is not a regular file") from None
 
 
 def _write_report(pattern: str, stage: int, history: list[list[dict]]) -> None:
