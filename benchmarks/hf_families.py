@@ -3,6 +3,7 @@ instrumented by ``bagualu2.integrations.hf`` and traced for one micro-batch of 2
 
     python benchmarks/hf_families.py            # a markdown table on stdout, the first ten families
     python benchmarks/hf_families.py --all      # every family of hf.SUPPORTED_FAMILIES
+    python benchmarks/hf_families.py mixtral    # the families named
 
 Columns: the op kinds found in an MoE layer; the bytes that layer saves per token (traced), of which the routed
 experts' (fc1, activation, fc2, dispatch); the bytes saved outside every op (embedding, final norm, output layer,
@@ -36,8 +37,10 @@ def analytic_bytes_per_token(config) -> float:
     text = config.get_text_config()
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    experts = next(getattr(text, k) for k in ("num_experts", "n_routed_experts", "num_local_experts")
-                   if getattr(text, k, None))
+    experts = next(getattr(text, k) for k in ("num_experts", "n_routed_experts", "num_local_experts",
+                                              "moe_num_experts") if getattr(text, k, None))
+    top_k = next(getattr(text, k) for k in ("num_experts_per_tok", "moe_topk", "top_k_experts", "moe_k")
+                 if getattr(text, k, None))
     width = getattr(text, "moe_intermediate_size", None) or text.intermediate_size
     dense = getattr(text, "intermediate_size", None) or width
     groups = getattr(text, "num_key_value_heads", None) or heads
@@ -45,7 +48,7 @@ def analytic_bytes_per_token(config) -> float:
     model = ModelConfig(num_layers=1, hidden_size=text.hidden_size, num_attention_heads=heads,
                         num_query_groups=groups, head_dim=head_dim,
                         ffn_hidden_size=dense, moe_ffn_hidden_size=width, num_experts=experts,
-                        top_k=text.num_experts_per_tok, num_shared_experts=0, num_dense_layers=0,
+                        top_k=top_k, num_shared_experts=0, num_dense_layers=0,
                         vocab_size=text.vocab_size, seq_length=SEQ, micro_batch_size=BATCH, dtype="fp32",
                         flash_attention=False)
     graph = build_graph(model, ParallelConfig(num_microbatches=1), HW)
@@ -70,7 +73,14 @@ def row(family: str) -> str:
     floor = greedy.solve(graph, graph.floor_bytes).cost.activation_bytes / graph.unmitigated_bytes
     return (f"| {family} | {len(kinds)}: {', '.join(kinds)} | {saved(layer_ops) / tokens:.0f} | "
             f"{routed / tokens:.0f} | {unmapped / tokens:.0f} | {floor:.2f} | "
-            f"{analytic_bytes_per_token(model.config):.0f} | {exact(model, ids, instrumented, graph)} |")
+            f"{_analytic(model.config)} | {exact(model, ids, instrumented, graph)} |")
+
+
+def _analytic(config) -> str:
+    try:
+        return f"{analytic_bytes_per_token(config):.0f}"
+    except Exception:  # noqa: BLE001 (per-layer sizes, e.g. heads that vary by layer: no one GLM-style layer)
+        return "n/a"
 
 
 def exact(model, ids, instrumented, graph) -> str:
@@ -92,11 +102,13 @@ def main() -> None:
     print("| family | op kinds of an MoE layer | saved B/token/layer | routed experts' | outside the ops, "
           "B/token | floor / unmitigated | analytic GLM-style layer, B/token | exact |")
     print("|---|---|---:|---:|---:|---:|---:|---|")
-    for family in FAMILIES if "--all" in sys.argv[1:] else FAMILIES[:10]:
+    named = [a for a in sys.argv[1:] if not a.startswith("--")]
+    for family in named or (FAMILIES if "--all" in sys.argv[1:] else FAMILIES[:10]):
         try:
             print(row(family), flush=True)
         except Exception as error:  # noqa: BLE001 (a row per family: what failed, in one line)
-            print(f"| {family} | failed: {type(error).__name__}: {str(error).splitlines()[0][:120]} |", flush=True)
+            first = (str(error).splitlines() or [""])[0][:120]
+            print(f"| {family} | failed: {type(error).__name__}: {first} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,14 @@ EXTRA = {
     "zaya": ((), {"num_experts_per_tok": 1}),
     "flint": ((), {"mlp_only_layers": [0]}),
     "kimi_linear": ((), {"linear_head_dim": 16, "linear_num_heads": 4}),
+    "dots3_note_text": ((), {"num_key_value_heads": 4}),
+    "sarvam_mla": (MLA, {"first_k_dense_replace": 1}),
+    "sarvam_moe": ((), {"first_k_dense_replace": 1}),
+    "qwen4_exp_text": ((), {"layer_types": ["linear_attention", "indexed_attention"], "indexer_n_heads": 2,
+                            "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8,
+                            "indexer_compress_ratio": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                            "linear_num_key_heads": 2, "linear_num_value_heads": 2, "hc_lowrank": 8}),
+    "gemma4_text": ((), {"enable_moe_block": True, "top_k_experts": 2, "hidden_size_per_layer_input": 0}),
 }
 FAMILIES = hf.SUPPORTED_FAMILIES
 

@@ -15,11 +15,16 @@ from bagualu2.cli import train_cmd
 
 @pytest.mark.launch
 def test_dry_run_builds_the_torchrun_command():
-    result = CliRunner().invoke(app, ["train", "--nproc-per-node", "2", "--dry-run", "--json", "--", "--steps", "3"])
+    result = CliRunner().invoke(app, ["train", "--nproc-per-node", "2", "--dry-run", "--json", "--", "--steps", "3",
+                                      "--pp", "1", "--dp", "2"])
     assert result.exit_code == 0, result.output
     command = json.loads(result.stdout)["command"]
     assert command[:4] == ["torchrun", "--nnodes=1", "--nproc-per-node=2", "--standalone"]
-    assert command[-3:] == ["reference_trainer.train", "--steps", "3"]
+    assert command[-7:] == ["reference_trainer.train", "--steps", "3", "--pp", "1", "--dp", "2"]
+    wrong = CliRunner().invoke(app, ["train", "--nproc-per-node", "3", "--dry-run", "--", "--pp", "1", "--dp", "2"])
+    assert wrong.exit_code == 2
+    assert wrong.stderr.strip() == ("error: --nproc-per-node: the trainer's flags need 2 ranks (--pp x --dp), not "
+                                    "3 per node x 1 node(s)")
     nodes = CliRunner().invoke(app, ["train", "--nnodes", "2", "--node-rank", "1", "--master-port", "29511",
                                      "--dry-run", "--json"])
     assert "--rdzv-endpoint=127.0.0.1:29511" in json.loads(nodes.stdout)["command"]
@@ -27,10 +32,20 @@ def test_dry_run_builds_the_torchrun_command():
 
 @pytest.mark.parametrize("args, option", [(["--node-rank", "2"], "--node-rank"),
                                           (["--nproc-per-node", "0"], "--nproc-per-node"),
-                                          (["--master-port", "70000"], "--master-port")])
+                                          (["--master-port", "70000"], "--master-port"),
+                                          (["--nnodes", "2", "--master-addr", "a b"], "--master-addr"),
+                                          (["--nnodes", "2", "--master-addr", ""], "--master-addr")])
 def test_bad_launcher_options_are_one_line(args, option):
     result = CliRunner().invoke(app, ["train", *args, "--dry-run"])
     assert result.exit_code == 2 and option in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.launch
+def test_the_trainers_help_is_shown_once():
+    result = subprocess.run([sys.executable, "-m", "bagualu2.cli", "train", "--nproc-per-node", "2", "--", "--help"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("usage: python -m reference_trainer.train") == 1
 
 
 def test_missing_torch_is_one_line_naming_the_extra(monkeypatch):

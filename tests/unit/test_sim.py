@@ -203,6 +203,24 @@ def test_cli_errors_are_one_line(args, option):
     assert len(lines) == 1 and lines[0].startswith(f"error: {option}:"), result.stderr
 
 
+@pytest.mark.parametrize("flag", [["-n", "5"], ["--seed", "3"], ["--spike-microbatches", "2"]])
+def test_cli_paper_trace_flags_are_refused_with_a_trace_file(tmp_path, flag):
+    rows = [json.dumps({"iteration": 0, "microbatch": m, "imbalance": 1.1}) for m in range(64)]
+    result = runner.invoke(app, ["simulate", "-m", MODEL, "--trace", str(write(tmp_path, rows)), *flag])
+    assert result.exit_code == 2
+    option = {"-n": "--iterations"}.get(flag[0], flag[0])
+    assert result.stderr.strip().startswith(f"error: {option}: shapes the paper trace only"), result.stderr
+
+
+def test_cli_trace_rate_above_ep_names_the_file_iteration_and_micro_batch(tmp_path):
+    rows = [json.dumps({"iteration": 0, "microbatch": m, "imbalance": 1000.0 if m == 3 else 1.1}) for m in range(64)]
+    path = write(tmp_path, rows)
+    result = runner.invoke(app, ["simulate", "-m", MODEL, "--trace", str(path), "-p", "ideal"])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == (f"error: --trace: {path}: iteration 0, micro-batch 3: imbalance 1000 above "
+                                     f"{MODEL}'s ep=32 (one of ep ranks receives at most ep x the mean tokens)")
+
+
 def test_cli_malformed_trace(tmp_path):
     result = runner.invoke(app, ["simulate", "-m", MODEL, "--trace", str(write(tmp_path, ["{"]))])
     assert result.exit_code == 2

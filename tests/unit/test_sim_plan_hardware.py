@@ -45,3 +45,15 @@ def test_the_paper_gate_keeps_or_downgrades_and_bad_modes_say_so():
         simulate(MODEL, PARALLEL, PLAN, "flexible", TRACE, downgrade="full")
     with pytest.raises(ValueError, match="plan_hardware must be a Hardware"):
         simulate(MODEL, PARALLEL, PLAN, "flexible", TRACE, plan_hardware="cpu")
+    with pytest.raises(ValueError, match="hardware must be a Hardware, got str"):
+        simulate(MODEL, PARALLEL, "cpu", "flexible", TRACE)
+    with pytest.raises(ValueError, match="model must be a ModelConfig"):
+        simulate("glm", PARALLEL, PLAN, "flexible", TRACE)
+    with pytest.raises(ValueError, match="parallel must be a ParallelConfig"):
+        simulate(MODEL, "x", PLAN, "flexible", TRACE)
+    with pytest.raises(ValueError, match="progress must be a callable"):
+        simulate(MODEL, PARALLEL, PLAN, "flexible", TRACE, progress=5)
+    with pytest.raises(ValueError, match=r"plan_imbalance must be in \[1, ep="):
+        simulate(MODEL, PARALLEL, PLAN, "flexible", TRACE, plan_imbalance=PARALLEL.ep + 1)
+    with pytest.raises(ValueError, match="trace must be a sequence"):
+        simulate(MODEL, PARALLEL, PLAN, "flexible", set(TRACE))

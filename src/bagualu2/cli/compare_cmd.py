@@ -71,12 +71,15 @@ def _suite(models: list[str], imbalances: list[str] | None, hardware: Hardware
            ) -> list[tuple[str, ModelConfig, ParallelConfig, float]]:
     """Every model at every imbalance; the default imbalances stop at each model's ``ep`` (the busiest of ``ep``
     devices holds at most ``ep`` times the mean), a given one above it is an error."""
-    suite = []
+    suite, seen = [], set()
     for value in models:
         name, model, parallel = load_model(value)
         texts = imbalances or [text for text in DEFAULT_IMBALANCES if float(text) <= parallel.ep]
         for text in texts:
-            suite.append((name, model, parallel, parse_imbalance(text, parallel)))
+            rate = parse_imbalance(text, parallel)
+            if (name, rate) not in seen:  # a model or rate given twice (-r 1 -r 1.0) is one point
+                seen.add((name, rate))
+                suite.append((name, model, parallel, rate))
     return suite
 
 

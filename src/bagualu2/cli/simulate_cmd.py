@@ -55,6 +55,7 @@ def simulate_png(rates, results: list[SimResult], title: str) -> bytes:
 
 @handle_errors
 def simulate_cmd(
+    ctx: typer.Context,
     model: Annotated[str, typer.Option("--model", "-m", help=MODEL_HELP)] = DEFAULT_MODEL,
     hardware: Annotated[str, typer.Option("--hardware", "-H", help=HARDWARE_HELP)] = "paper-gpu",
     iterations: Annotated[int, typer.Option("--iterations", "-n", help="Iterations of the paper trace (>= 1).")
@@ -115,11 +116,22 @@ def simulate_cmd(
         raise CliError(f"must be an integer in [0, num_microbatches={parallel.num_microbatches}], got "
                        f"{spike_microbatches}", "--spike-microbatches")
     if trace is not None:
+        for param, flag in (("iterations", "--iterations"), ("seed", "--seed"),
+                            ("spike_microbatches", "--spike-microbatches")):
+            if getattr(ctx.get_parameter_source(param), "name", None) == "COMMANDLINE":  # typer's own click
+                raise CliError("shapes the paper trace only; --trace gives the iterations (drop one of the two)",
+                               flag)
         with blame("--trace"):
             rates = load_trace(trace)
             if len(rates[0]) != parallel.num_microbatches:
                 raise ValueError(f"{trace}: iterations have {len(rates[0])} micro-batches, {name} has "
                                  f"num_microbatches={parallel.num_microbatches}")
+            for i, rates_i in enumerate(rates):
+                for m, rate in enumerate(rates_i):
+                    if rate > parallel.ep:
+                        raise ValueError(f"{trace}: iteration {i}, micro-batch {m}: imbalance {rate:g} above "
+                                         f"{name}'s ep={parallel.ep} (one of ep ranks receives at most ep x the "
+                                         "mean tokens)")
         source = f"{escape(trace)} ({len(rates)} iterations)"
     else:
         highest = PaperTrace(num_iterations=1).spike_max

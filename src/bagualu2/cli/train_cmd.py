@@ -10,6 +10,7 @@ code is the trainer's; a failing trainer's one-line error is the only report (to
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 from typing import Annotated, Optional
@@ -70,16 +71,25 @@ def train(
     (``python -m reference_trainer.train --help`` lists them)."""
     if node_rank >= nnodes:
         raise CliError(f"must be below --nnodes={nnodes}, got {node_rank}", "--node-rank")
+    if not master_addr or master_addr.startswith("-") or any(c.isspace() or not c.isprintable() for c in master_addr):
+        raise CliError(f"must be a host name or address (no spaces, not starting with '-'), got {master_addr!r}",
+                       "--master-addr")
     trainer_args = list(ctx.args)
+    if "--help" in trainer_args or "-h" in trainer_args:  # the trainer's own help, once
+        require_extra("trainer")
+        raise typer.Exit(code=subprocess.run([sys.executable, "-m", TRAINER, "--help"]).returncode)
     if nproc_per_node is None:
         nproc_per_node = _world_size(trainer_args, nnodes)
+    elif dry_run and nproc_per_node * nnodes != (world := _world_size(trainer_args, 1)):
+        raise CliError(f"the trainer's flags need {world} ranks (--pp x --dp), not {nproc_per_node} per node x "
+                       f"{nnodes} node(s)", "--nproc-per-node")
     if as_json and not dry_run and "--json" not in trainer_args:
         trainer_args.append("--json")
     argv = command(trainer_args, nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
                    master_addr=master_addr, master_port=master_port)
     if dry_run:  # the equivalent torchrun command line
         shown = ["torchrun", *argv]
-        typer.echo(json.dumps({"command": shown}) if as_json else " ".join(shown))
+        typer.echo(json.dumps({"command": shown}) if as_json else shlex.join(shown))
         return
     # torchrun's main through bagualu2.cli.launch: a failed worker's one-line error is the only report
     raise typer.Exit(code=subprocess.run([sys.executable, "-m", "bagualu2.cli.launch", *argv],

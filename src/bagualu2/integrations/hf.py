@@ -38,12 +38,14 @@ from .hf_experts import GATE_ATTRIBUTE, PARTS, install, is_experts
 # every causal-LM MoE family (model_type) of transformers 5.24 whose routed experts its experts implementations run;
 # the tests build each from a tiny config with its defaults and check it exactly (docs/hf.md)
 SUPPORTED_FAMILIES = (
-    "afmoe", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v2", "deepseek_v3", "deepseek_v32",
-    "deepseek_v4", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "glm4_moe", "glm4_moe_lite",
-    "glm_moe_dsa", "gpt_oss", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared",
-    "hunyuan_v1_moe", "hy_v3", "hy_v4", "jamba", "kimi_linear", "kolibri1", "laguna", "lara_mini", "lfm2_moe",
-    "mellum", "mimo_v2_flash", "minimax", "minimax_m2", "mistral4", "mixtral", "nemotron_h", "olmoe", "phimoe",
-    "qwen2_moe", "qwen3_moe", "qwen3_next", "solar_open", "zaya")
+    "afmoe", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v2", "deepseek_v3",
+    "deepseek_v32", "deepseek_v4", "dots1", "dots3_note_text", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint",
+    "gemma4_text", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "gpt_oss", "granitemoe", "granitemoe_swa",
+    "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling2_loop_text",
+    "inkling2_text", "inkling_text", "jamba", "kimi_linear", "kolibri1", "laguna", "lara_mini", "lfm2_moe", "mellum",
+    "mimo_v2_flash", "minimax", "minimax_m2", "minimax_m3_vl_text", "mistral4", "mixtral", "nemotron_h", "olmoe",
+    "phimoe", "qwen2_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "qwen4_exp_text", "sarvam_mla",
+    "sarvam_moe", "solar_open", "zaya")
 ATTENTION_NAMES = ("self_attn", "self_attention", "attention", "attn")
 QKV_NAMES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
              "kv_proj", "Wqkv")
@@ -209,6 +211,12 @@ def instrument(model: torch.nn.Module, *, gate: bool = True) -> InstrumentedMode
         import transformers  # noqa: F401
     except ModuleNotFoundError:
         raise ValueError("bagualu2.integrations.hf needs transformers: pip install 'bagualu2[hf]'") from None
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module (a transformers model), got {type(model).__name__}")
+    if getattr(model, "is_activation_checkpointing", False) or getattr(model, "is_gradient_checkpointing", False):
+        raise ValueError(f"{type(model).__name__} has transformers' activation checkpointing on: its layers save "
+                         "nothing a plan could act on; call activation_checkpointing_disable() first (plans "
+                         "recompute per tensor)")
     install(model)
     labels: Mapping[str, str] = op_map(model)
     for config in _configs(model):

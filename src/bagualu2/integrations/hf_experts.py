@@ -49,17 +49,15 @@ def _local(weight: torch.Tensor | None) -> torch.Tensor | None:
 
 def _grouped(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, counts: list[int],
              transposed: bool) -> torch.Tensor:
-    """Each expert's rows of ``x`` times its weight (``[E, out, in]``, or ``[E, in, out]`` transposed)."""
+    """Each expert's rows of ``x`` times its weight (``[E, out, in]``, or ``[E, in, out]`` transposed). An expert
+    that received no rows runs on its empty rows too: every call then saves the same tensors in the same order
+    whatever the routing, so a plan traced on one batch names the savings of any other batch of its shape."""
     weight, bias = _local(weight), _local(bias)
     outputs = []
     for expert, rows in enumerate(torch.split(x, counts)):
-        if not counts[expert]:
-            continue
         w = weight[expert]
         y = rows @ w if transposed else torch.nn.functional.linear(rows, w)
         outputs.append(y if bias is None else y + bias[expert])
-    if not outputs:
-        return x.new_zeros((0, weight.shape[-1] if transposed else weight.shape[-2]))
     return torch.cat(outputs)
 
 

@@ -141,7 +141,7 @@ class SimResult:
 def check_trace(trace, parallel: ParallelConfig) -> list:
     """The trace's entries as memo keys: a float (every micro-batch at that rate) or a tuple of
     ``num_microbatches`` floats; each rate in [1, ep]. One-line ``ValueError`` naming the entry otherwise."""
-    if isinstance(trace, (str, bytes)) or not hasattr(trace, "__len__"):
+    if isinstance(trace, (str, bytes, set, frozenset, dict)) or not hasattr(trace, "__len__"):
         raise ValueError(f"trace must be a sequence of rates or of per-micro-batch rates, got {type(trace).__name__}")
     if len(trace) == 0:
         raise ValueError("trace must have at least one iteration")
@@ -264,11 +264,20 @@ def simulate(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, p
     configured profile on a machine ``hardware`` was fitted to). ``downgrade``: the gate of ``flexible``'s decision
     path, ``"graded"`` (default) or ``"paper"`` (keep or full MoE-module downgrade: what the trainer runs under
     expert parallelism). ``overlap``: the execution model (:class:`SimConfig`)."""
+    for name, value, kind in (("model", model, ModelConfig), ("parallel", parallel, ParallelConfig),
+                              ("hardware", hardware, Hardware)):
+        if not isinstance(value, kind):
+            raise ValueError(f"{name} must be a {kind.__name__}, got {type(value).__name__}")
     if plan_hardware is not None and not isinstance(plan_hardware, Hardware):
         raise ValueError(f"plan_hardware must be a Hardware profile or None, got {type(plan_hardware).__name__}")
+    if progress is not None and not callable(progress):
+        raise ValueError(f"progress must be a callable or None, got {type(progress).__name__}")
     config = SimConfig(restart_s=restart_s, plan_imbalance=plan_imbalance, on_oom=on_oom, m_max_bytes=m_max_bytes,
                        overlap=overlap)
     check_policy(policy)
+    if config.plan_imbalance > parallel.ep:
+        raise ValueError(f"plan_imbalance must be in [1, ep={parallel.ep}] (one of ep ranks receives at most ep x the "
+                         f"mean tokens), got {plan_imbalance!r}")
     keys = check_trace(trace, parallel)
     run = _Run(model, parallel, hardware, config, plan_hardware, check_downgrade(downgrade))
     results = []

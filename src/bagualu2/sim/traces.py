@@ -226,15 +226,19 @@ def load_trace(path: str | Path) -> tuple[tuple[float, ...], ...]:
                  if "microbatches" in row and isinstance(row.get("step"), int)}
     if not rows:
         raise ValueError(f"{path}: no trace rows")
-    count = len(rows[min(rows)])
+    count = max((max(per) + 1 for per in rows.values() if per), default=0)  # micro-batches: the highest seen
+    if not count:
+        raise ValueError(f"{path}: no micro-batch in any iteration")
     trace = []
     for expected, iteration in enumerate(sorted(rows)):
         if iteration != expected:
             raise ValueError(f"{path}: iteration {expected} is missing (iterations must be numbered 0, 1, ... "
                              f"without gaps; the next is {iteration}, line {where[iteration]})")
         per = rows[iteration]
-        if sorted(per) != list(range(count)):
-            raise ValueError(f"{path}: line {where[iteration]}: iteration {iteration} has micro-batches "
-                             f"{sorted(per)[:8]}..., expected 0..{count - 1}")
+        if len(per) != count:
+            missing = sorted(set(range(count)) - set(per))
+            shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
+            raise ValueError(f"{path}: line {where[iteration]}: iteration {iteration} lacks micro-batch(es) "
+                             f"{shown} (this trace numbers micro-batches 0..{count - 1})")
         trace.append(tuple(per[m] for m in range(count)))
     return tuple(trace)
