@@ -176,7 +176,7 @@ def check_rate(value: float, parallel: ParallelConfig | None, option: str = "--i
 def parse_imbalance(text: str, parallel: ParallelConfig | None = None, option: str = "--imbalance") -> float:
     """``--imbalance``: a finite number >= 1 (max/mean device load), at most ``parallel.ep`` when given."""
     try:
-        value = float(text)
+        value = float(text.replace("_", "x"))  # Python's 1_0 (ten) is no number on a command line
     except ValueError:
         raise CliError(f"must be a number >= 1 (max/mean device load), got {text!r}", option) from None
     return check_rate(value, parallel, option)
@@ -207,7 +207,7 @@ def parse_number(text: str, option: str, *, minimum: float, strict: bool = False
                  maximum: float = 1e15) -> float:
     """A finite number ``>= minimum`` (``> minimum`` if ``strict``) and ``<= maximum`` from ``option``'s text."""
     try:
-        value = float(text)
+        value = float(text.replace("_", "x"))  # Python's 1_0 (ten) is no number on a command line
     except ValueError:
         value = math.nan
     if not math.isfinite(value) or value < minimum or (strict and value == minimum) or value > maximum:

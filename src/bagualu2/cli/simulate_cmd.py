@@ -7,7 +7,9 @@ import math
 from typing import Annotated, Any, Optional
 
 import typer
+from rich.console import Console
 from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from bagualu2.sim import (ABLATION, ON_OOM, OVERLAP, POLICIES, PaperTrace, SimResult, load_trace, paper_trace,
@@ -144,10 +146,17 @@ def simulate_cmd(
                              spike_microbatches=spike_microbatches))
         source = f"paper trace, {iterations} iterations, seed {seed}"
     results = []
-    for value in policies:
-        with blame("--trace" if trace is not None else "--model"):
-            results.append(simulate(model_config, parallel, hw, value, rates, restart_s=restart_s, on_oom=on_oom,
-                                    plan_imbalance=plan_imbalance, overlap=overlap))
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=Console(stderr=True), transient=True, disable=json_output)
+    with progress:
+        task = progress.add_task("simulating", total=len(policies) * len(rates))
+        for k, value in enumerate(policies):
+            progress.update(task, description=escape(value))
+            with blame("--trace" if trace is not None else "--model"):
+                results.append(simulate(model_config, parallel, hw, value, rates, restart_s=restart_s,
+                                        on_oom=on_oom, plan_imbalance=plan_imbalance, overlap=overlap,
+                                        progress=lambda done, k=k: progress.update(
+                                            task, completed=k * len(rates) + done)))
     if png_path is not None:
         write_output(png_path, simulate_png(rates, results, f"{name} on {hw.name}: {source}"))
     if json_output:
