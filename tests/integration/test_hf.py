@@ -121,12 +121,18 @@ def test_op_map_names_the_unsupported_class():
 
 
 def test_a_model_under_transformers_activation_checkpointing_is_refused():
-    model, _ = tiny("mixtral")
+    model, ids = tiny("mixtral")
     model.activation_checkpointing_enable()
     with pytest.raises(ValueError, match="activation checkpointing on.*activation_checkpointing_disable"):
         hf.instrument(model)
     model.activation_checkpointing_disable()
-    assert hf.instrument(model).bindings
+    instrumented = hf.instrument(model)
+    instrumented.trace_graph(input_ids=ids, labels=ids, hardware=HW, loss=lambda out: out.loss)
+    model.activation_checkpointing_enable()  # after instrument: a plan would silently name nothing
+    executor = apply_plan(instrumented, "expert_act=RECOMPUTE")
+    with pytest.raises(ValueError, match="activation checkpointing is on"):
+        with executor.micro_batch("mb"):
+            pass
 
 
 def test_a_batch_routed_otherwise_than_the_traced_one_keeps_the_predicted_bytes():

@@ -213,7 +213,7 @@ def instrument(model: torch.nn.Module, *, gate: bool = True) -> InstrumentedMode
         raise ValueError("bagualu2.integrations.hf needs transformers: pip install 'bagualu2[hf]'") from None
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model must be a torch.nn.Module (a transformers model), got {type(model).__name__}")
-    if getattr(model, "is_activation_checkpointing", False) or getattr(model, "is_gradient_checkpointing", False):
+    if getattr(model, "is_activation_checkpointing", False):
         raise ValueError(f"{type(model).__name__} has transformers' activation checkpointing on: its layers save "
                          "nothing a plan could act on; call activation_checkpointing_disable() first (plans "
                          "recompute per tensor)")
