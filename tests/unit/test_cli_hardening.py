@@ -246,6 +246,11 @@ def test_deep_json_is_a_value_error() -> None:
         Hardware.from_json("[" * 100_000)
 
 
+def test_a_hardware_name_with_a_control_character_is_refused() -> None:
+    with pytest.raises(ValueError, match="name must be a non-empty string of at most 200 printable characters"):
+        Hardware.from_json(json.dumps({**BASE_HW, "name": "a\nb"}))
+
+
 def test_check_imbalance_ep_bound() -> None:
     assert costmodel.check_imbalance(128.0, ep=128) == 128.0
     with pytest.raises(ValueError, match="imbalance"):

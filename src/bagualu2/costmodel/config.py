@@ -285,8 +285,9 @@ class Hardware:
     reserved_bytes: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name or len(self.name) > 200:
-            raise ValueError(f"name must be a non-empty string of at most 200 characters, got {_short(self.name)}")
+        if not isinstance(self.name, str) or not self.name or len(self.name) > 200 or not self.name.isprintable():
+            raise ValueError("name must be a non-empty string of at most 200 printable characters, got "
+                             f"{_short(self.name)}")
         for name, (low, high) in HARDWARE_RANGES.items():
             value = getattr(self, name)
             try:
