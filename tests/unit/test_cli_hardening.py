@@ -301,3 +301,20 @@ def test_a_set_of_files_is_written_whole_or_not_at_all(tmp_path: Path) -> None:
     assert (tmp_path / "a.png").read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["a.png"]
     atomic_write_many([(tmp_path / "a.png", b"new"), (tmp_path / "b.md", b"new")])
     assert (tmp_path / "a.png").read_bytes() == (tmp_path / "b.md").read_bytes() == b"new"
+
+
+def test_an_image_to_standard_output_is_refused() -> None:
+    result = run("curve", "--png", "-")
+    assert result.exit_code == 2 and "standard output" in one_line_error(result.stderr, "--png")
+
+
+def test_a_plan_kind_the_model_lacks_is_refused() -> None:
+    result = run("memory", "-m", "tiny-dense", "-p", "expert_act=OFFLOAD")
+    assert result.exit_code == 2
+    assert "op kind(s) expert_act name no op of this model" in one_line_error(result.stderr, "--plan")
+    assert run("memory", "-m", "tiny-dense", "-p", "mlp_act=OFFLOAD").exit_code == 0
+
+
+def test_numbers_with_underscores_are_refused() -> None:
+    result = run("memory", "-r", "1_0")
+    assert result.exit_code == 2 and "'1_0'" in one_line_error(result.stderr, "--imbalance")

@@ -261,6 +261,8 @@ def output_path(value: str | None, option: str = "--png") -> Path | None:
     """Fail fast, before any work, when ``option``'s path cannot be written (see :func:`check_output_path`)."""
     if value is None:
         return None
+    if value == "-":
+        raise CliError("must be a file path (standard output is not supported for images)", option)
     with blame(option):
         return check_output_path(value)
 

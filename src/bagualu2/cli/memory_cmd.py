@@ -8,7 +8,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from bagualu2.costmodel import Hardware, ModelConfig, ParallelConfig, Plan, StageMemory, stage_memory
+from bagualu2.costmodel import Hardware, ModelConfig, ParallelConfig, Plan, StageMemory, build_graph, stage_memory
 
 from .common import (GIB, HARDWARE_HELP, IMBALANCE_HELP, JSON_HELP, MIB, MODEL_HELP, PLAN_HELP, CliError, blame,
                      console, echo_json, handle_errors, load_hardware, load_model, parse_imbalance, parse_plan)
@@ -19,8 +19,16 @@ DEFAULT_HARDWARE = "paper-gpu"
 
 def stage_rows(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, *, plan: Plan,
                imbalance: float, stages: list[int]) -> list[tuple[int, StageMemory]]:
-    """``(stage, StageMemory)`` for each of ``stages``; plan errors are blamed on ``--plan``."""
+    """``(stage, StageMemory)`` for each of ``stages``; plan errors are blamed on ``--plan``, and so is an op-kind
+    entry that names no op of the model (a kind of another model: it would silently change nothing)."""
     with blame("--plan"):
+        kinds = {key for key, _ in plan.entries if "/" not in key}
+        if kinds:
+            present = {op.kind for s in range(parallel.pp) for c in range(parallel.vp)
+                       for op in build_graph(model, parallel, hardware, imbalance=imbalance, stage=s, chunk=c).ops}
+            if kinds - present:
+                raise ValueError(f"op kind(s) {', '.join(sorted(kinds - present))} name no op of this model "
+                                 f"(its kinds: {', '.join(sorted(present))})")
         return [(s, stage_memory(model, parallel, hardware, plan=plan, stage=s, imbalance=imbalance))
                 for s in stages]
 
