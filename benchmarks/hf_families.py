@@ -79,7 +79,9 @@ def row(family: str) -> str:
 def _analytic(config) -> str:
     try:
         return f"{analytic_bytes_per_token(config):.0f}"
-    except Exception:  # noqa: BLE001 (per-layer sizes, e.g. heads that vary by layer: no one GLM-style layer)
+    except RuntimeError as error:  # per-layer sizes (transformers' AmbiguousGlobalPerLayerAttributeError): no one
+        if "per-layer" not in str(error):  # GLM-style layer to compare with
+            raise
         return "n/a"
 
 

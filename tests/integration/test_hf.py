@@ -129,6 +129,8 @@ def test_a_model_under_transformers_activation_checkpointing_is_refused():
     instrumented = hf.instrument(model)
     instrumented.trace_graph(input_ids=ids, labels=ids, hardware=HW, loss=lambda out: out.loss)
     model.activation_checkpointing_enable()  # after instrument: a plan would silently name nothing
+    with pytest.raises(ValueError, match="activation checkpointing is on"):
+        instrumented.trace_graph(input_ids=ids, labels=ids, hardware=HW, loss=lambda out: out.loss)
     executor = apply_plan(instrumented, "expert_act=RECOMPUTE")
     with pytest.raises(ValueError, match="activation checkpointing is on"):
         with executor.micro_batch("mb"):

@@ -77,8 +77,8 @@ def _suite(models: list[str], imbalances: list[str] | None, hardware: Hardware
         texts = imbalances or [text for text in DEFAULT_IMBALANCES if float(text) <= parallel.ep]
         for text in texts:
             rate = parse_imbalance(text, parallel)
-            if (name, rate) not in seen:  # a model or rate given twice (-r 1 -r 1.0) is one point
-                seen.add((name, rate))
+            if (model, parallel, rate) not in seen:  # a model or rate given twice (-r 1 -r 1.0) is one point
+                seen.add((model, parallel, rate))
                 suite.append((name, model, parallel, rate))
     return suite
 

@@ -49,6 +49,8 @@ def parse_spikes(values: list[str], parallel: ParallelConfig) -> dict[int, float
     for text in values:
         at, sep, rate = text.partition("=")
         try:
+            if "_" in text:  # Python's 1_0 (ten) is no number on a command line
+                raise ValueError(text)
             index, value = int(at), float(rate)
         except ValueError:
             raise CliError(f"must be AT=R with AT a micro-batch in [0, {count}) and R an imbalance in "

@@ -94,6 +94,12 @@ def simulate_cmd(
     on one micro-batch of its iteration); static-under restarts as static-over after its first OOM. docs/sim.md
     has the execution model and its constants.
     """
+    if trace is not None:
+        for param, flag in (("iterations", "--iterations"), ("seed", "--seed"),
+                            ("spike_microbatches", "--spike-microbatches")):
+            if getattr(ctx.get_parameter_source(param), "name", None) == "COMMANDLINE":  # typer's own click
+                raise CliError("shapes the paper trace only; --trace gives the iterations (drop one of the two)",
+                               flag)
     png_path = output_path(png)
     name, model_config, parallel = load_model(model)
     hw = load_hardware(hardware)
@@ -118,11 +124,6 @@ def simulate_cmd(
         raise CliError(f"must be an integer in [0, num_microbatches={parallel.num_microbatches}], got "
                        f"{spike_microbatches}", "--spike-microbatches")
     if trace is not None:
-        for param, flag in (("iterations", "--iterations"), ("seed", "--seed"),
-                            ("spike_microbatches", "--spike-microbatches")):
-            if getattr(ctx.get_parameter_source(param), "name", None) == "COMMANDLINE":  # typer's own click
-                raise CliError("shapes the paper trace only; --trace gives the iterations (drop one of the two)",
-                               flag)
         with blame("--trace"):
             rates = load_trace(trace)
             if len(rates[0]) != parallel.num_microbatches:

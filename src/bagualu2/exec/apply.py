@@ -45,11 +45,6 @@ from .recompute import Regenerated, Replay, Source, Stored, autocast_state, chec
 from .tracker import ActivationOutOfMemoryError, ActivationTracker, storage_key
 
 
-def _checkpointed(model) -> bool:
-    """Whether a transformers model runs its layers under its own activation checkpointing."""
-    state = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5.24; before: the old name
-    return bool(getattr(model, "is_gradient_checkpointing", False) if state is None else state)
-
 class PlanExecutor:
     """Saved-tensor hooks that apply ``plan`` to micro-batches of ``graph``'s ops (see the module docstring)."""
 
@@ -111,7 +106,7 @@ class PlanExecutor:
         if self.instrumented is not None and self.instrumented.removed:
             raise ValueError("the instrumented model's hooks were removed (InstrumentedModel.remove()): the plan "
                              "cannot apply; instrument the model again and make a new executor")
-        if self.instrumented is not None and _checkpointed(self.instrumented.model):
+        if self.instrumented is not None and self.instrumented.self_checkpointed:
             raise ValueError("the model's own activation checkpointing is on (turned on after instrument): its "
                              "layers save nothing the plan names; turn it off (activation_checkpointing_disable())")
         if isinstance(plan, str):

@@ -158,6 +158,12 @@ class InstrumentedModel:
             _INSTRUMENTED.discard(self.model)
 
     # ---- tracing --------------------------------------------------------------------------------------------
+    @property
+    def self_checkpointed(self) -> bool:
+        """Whether the model runs its layers under its own activation checkpointing (transformers'
+        ``activation_checkpointing_enable()``): then it saves nothing a plan names, and plans are refused."""
+        return bool(getattr(self.model, "is_activation_checkpointing", False))
+
     def trace_graph(self, *args, hardware: Hardware, timed: bool = False,
                     loss: Callable[[Any], torch.Tensor] | None = None, **kwargs) -> OpGraph:
         """One forward + backward of ``model(*args, **kwargs)`` recorded into an :class:`OpGraph`
@@ -165,6 +171,9 @@ class InstrumentedModel:
         ``timed``: Δt measured instead of the roofline of ``hardware``. Also kept as :attr:`trace`."""
         if not isinstance(timed, bool):
             raise ValueError(f"timed must be True or False, got {timed!r}")
+        if self.self_checkpointed:
+            raise ValueError("the model's own activation checkpointing is on: its layers save nothing a plan could "
+                             "name; turn it off (activation_checkpointing_disable())")
         if not isinstance(hardware, Hardware):
             raise ValueError(f"hardware must be a bagualu2 Hardware (e.g. presets.hardware('cpu')), "
                              f"got {type(hardware).__name__}")

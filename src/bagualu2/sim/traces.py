@@ -21,6 +21,7 @@ uniformly, and an ordinary rate drawn as for the other iterations on the rest.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -30,7 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..costmodel.build import check_imbalance
+from ..costmodel.config import PARALLEL_MAX
 from ..costmodel.validate import require_int, require_number
+
+MAX_MICROBATCHES = PARALLEL_MAX["num_microbatches"]  # a micro-batch number is below it
 
 DECIMALS = 2
 
@@ -159,7 +163,7 @@ def _metrics_rows(records: list[tuple[int, dict]], path) -> dict[int, dict[int, 
                                                         for entry in entries):
                 raise ValueError(shape)
             for entry in entries:
-                microbatch = require_int("microbatch", entry["microbatch"], 0)
+                microbatch = require_int("microbatch", entry["microbatch"], 0, MAX_MICROBATCHES)
                 measured = entry.get("imbalance")
                 measured = [] if measured is None else measured  # a chunk with no MoE layer logs none
                 if not isinstance(measured, list):
@@ -209,7 +213,7 @@ def load_trace(path: str | Path) -> tuple[tuple[float, ...], ...]:
                                  "record of the trainer's metrics file")
             try:
                 iteration = require_int("iteration", row["iteration"], 0)
-                microbatch = require_int("microbatch", row["microbatch"], 0)
+                microbatch = require_int("microbatch", row["microbatch"], 0, MAX_MICROBATCHES)
                 rate = check_imbalance(row["imbalance"])
             except ValueError as exc:
                 raise ValueError(f"{label}: {exc}") from None
@@ -235,8 +239,8 @@ def load_trace(path: str | Path) -> tuple[tuple[float, ...], ...]:
             raise ValueError(f"{path}: iteration {expected} is missing (iterations must be numbered 0, 1, ... "
                              f"without gaps; the next is {iteration}, line {where[iteration]})")
         per = rows[iteration]
-        if len(per) != count:
-            missing = sorted(set(range(count)) - set(per))
+        if len(per) != count:  # the first missing numbers, found in at most len(per) + 9 steps
+            missing = list(itertools.islice((m for m in range(count) if m not in per), 9))
             shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
             raise ValueError(f"{path}: line {where[iteration]}: iteration {iteration} lacks micro-batch(es) "
                              f"{shown} (this trace numbers micro-batches 0..{count - 1})")
