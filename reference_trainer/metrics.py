@@ -192,13 +192,20 @@ class MetricsWriter:
             raise ValueError(f"metrics writer for {self.path} is closed")
         if not isinstance(record, Mapping):
             raise TypeError(f"a metrics record must be a dict, got {type(record).__name__}")
-        self._file.write(json.dumps(jsonable(record), allow_nan=False) + "\n")
-        self._file.flush()
+        line = json.dumps(jsonable(record), allow_nan=False) + "\n"
+        try:
+            self._file.write(line)
+            self._file.flush()
+        except OSError as exc:  # a full or failing disk: the log stops, a healthy run does not
+            self._active = False
+            print(f"warning: metrics file {self.path}: {exc.strerror or exc}; no more records are written, "
+                  "training continues", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            file, self._file = self._file, None
+            with contextlib.suppress(OSError):  # what a full disk kept back was reported when it failed
+                file.close()
 
     def __enter__(self) -> "MetricsWriter":
         return self

@@ -56,17 +56,21 @@ class RunState:
                 marker.unlink(missing_ok=True)
         if not fresh and path.is_file():
             try:
-                self.data.update(json.loads(path.read_text()))
+                state = json.loads(path.read_text())
             except (OSError, ValueError):
-                pass
+                state = None
+            if isinstance(state, dict):  # anything else (null, a list, a torn file) is no state
+                self.data.update(state)
 
     def markers(self, pattern: str = "oom-rank*.json") -> list[dict]:
         found = []
         for marker in sorted(self.dir.glob(pattern)) if self.dir else ():
             try:
-                found.append(json.loads(marker.read_text()))
+                record = json.loads(marker.read_text())
             except (OSError, ValueError):
                 continue
+            if isinstance(record, dict) and isinstance(record.get("time"), (int, float)):
+                found.append(record)
         return found
 
     def last_oom(self) -> dict | None:

@@ -100,3 +100,26 @@ def test_reference_trainer_modules_reject_bad_flags_in_one_line(module, args, me
     out, err = capsys.readouterr()
     assert exited.value.code == 2 and out == ""
     assert err.startswith(message) and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.launch
+@pytest.mark.slow
+def test_a_stopped_launch_stops_its_workers(tmp_path):
+    """SIGTERM to ``bagualu2 train`` goes on to torchrun's agent, which stops the workers: none keeps training."""
+    import signal
+    import time
+
+    metrics = tmp_path / "run.jsonl"  # a unique path: how this launch's workers are found
+    launch = subprocess.Popen([sys.executable, "-m", "bagualu2.cli", "train", "--", "--pp", "1", "--dp", "2",
+                               "--ep", "2", "--steps", "200", "--metrics-file", str(metrics)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.5)  # until the first step is logged: the workers are training
+    launch.send_signal(signal.SIGTERM)
+    _, stderr = launch.communicate(timeout=120)
+    assert launch.returncode == 128 + signal.SIGTERM, stderr
+    assert "stopped by signal 15" in stderr and "Traceback" not in stderr
+    time.sleep(1)
+    left = subprocess.run(["pgrep", "-f", str(metrics)], capture_output=True, text=True).stdout.split()
+    assert not left, left

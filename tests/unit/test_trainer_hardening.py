@@ -97,3 +97,28 @@ def test_steps_below_the_resumed_checkpoint_is_one_line(tmp_path):
     again = subprocess.run(base + ["--steps", "1", "--resume"], capture_output=True, text=True, env=env, timeout=300)
     lines = [line for line in again.stderr.splitlines() if line.strip()]
     assert again.returncode == 2 and lines == [lines[0]] and "--steps 1 is below step 2" in lines[0], again.stderr
+
+
+def test_a_full_disk_stops_the_metrics_log_with_one_warning_not_the_run(tmp_path, capsys):
+    from reference_trainer.metrics import MetricsWriter
+
+    writer = MetricsWriter(tmp_path / "m.jsonl", rank=0)
+    writer.write({"step": 0})
+    writer._file.close()
+    writer._file = open("/dev/full", "w", encoding="utf-8")  # every flush: ENOSPC, as on a full disk
+    writer.write({"step": 1})
+    writer.write({"step": 2})  # no longer written, no second warning
+    writer.close()
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "no more records are written, training continues" in warnings[0]
+    assert (tmp_path / "m.jsonl").read_text() == '{"step": 0}\n'
+
+
+@pytest.mark.parametrize("text", ["null", "[1, 2]", "7", '"x"'])
+def test_a_run_state_that_is_not_an_object_is_no_state(tmp_path, text):
+    from reference_trainer.restarts import STATE, RunState
+
+    (tmp_path / STATE).write_text(text)
+    (tmp_path / "oom-rank0.json").write_text(text)
+    state = RunState(str(tmp_path), fresh=False)
+    assert state.data["restarts"] == 0 and state.markers() == [] and state.last_oom() is None

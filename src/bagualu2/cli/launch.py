@@ -18,6 +18,7 @@ class _NoWorkerFailure(logging.Filter):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
@@ -27,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     except ChildFailedError as exc:
         codes = [failure.exitcode for failure in exc.failures.values()]
         return next((code for code in codes if code > 0), 1)
+    except SignalException as exc:  # SIGTERM / SIGINT: torchrun has stopped the workers; no traceback
+        print(f"stopped by signal {int(exc.sigval)}; the workers were stopped", file=sys.stderr, flush=True)
+        return 128 + int(exc.sigval)
     return 0
 
 

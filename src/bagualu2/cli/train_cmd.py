@@ -9,8 +9,10 @@ code is the trainer's; a failing trainer's one-line error is the only report (to
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shlex
+import signal
 import subprocess
 import sys
 from typing import Annotated, Optional
@@ -92,5 +94,23 @@ def train(
         typer.echo(json.dumps({"command": shown}) if as_json else shlex.join(shown))
         return
     # torchrun's main through bagualu2.cli.launch: a failed worker's one-line error is the only report
-    raise typer.Exit(code=subprocess.run([sys.executable, "-m", "bagualu2.cli.launch", *argv],
-                                         env=one_thread_env()).returncode)
+    raise typer.Exit(code=_run_agent([sys.executable, "-m", "bagualu2.cli.launch", *argv]))
+
+
+def _run_agent(argv: list[str]) -> int:
+    """Run torchrun's agent until it ends; SIGTERM / SIGINT sent to this command go on to the agent, which stops
+    its workers (killed instead, it would leave them training on their own). Its exit code, 128 + the signal's
+    number when a signal ended it."""
+    agent = subprocess.Popen(argv, env=one_thread_env())
+
+    def forward(signum: int, _frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            agent.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code = agent.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 - code if code < 0 else code
