@@ -173,10 +173,18 @@ def check_rate(value: float, parallel: ParallelConfig | None, option: str = "--i
         raise CliError(f"must be a finite number {allowed}, got {value!r}", option) from None
 
 
+def parse_float(text: str) -> float:
+    """``float(text)``, but ``ValueError`` for Python's digit separators: ``1_0`` (ten) is no number on a command
+    line."""
+    if "_" in text:
+        raise ValueError(f"not a number: {text!r}")
+    return float(text)
+
+
 def parse_imbalance(text: str, parallel: ParallelConfig | None = None, option: str = "--imbalance") -> float:
     """``--imbalance``: a finite number >= 1 (max/mean device load), at most ``parallel.ep`` when given."""
     try:
-        value = float(text.replace("_", "x"))  # Python's 1_0 (ten) is no number on a command line
+        value = parse_float(text)
     except ValueError:
         raise CliError(f"must be a number >= 1 (max/mean device load), got {text!r}", option) from None
     return check_rate(value, parallel, option)
@@ -207,7 +215,7 @@ def parse_number(text: str, option: str, *, minimum: float, strict: bool = False
                  maximum: float = 1e15) -> float:
     """A finite number ``>= minimum`` (``> minimum`` if ``strict``) and ``<= maximum`` from ``option``'s text."""
     try:
-        value = float(text.replace("_", "x"))  # Python's 1_0 (ten) is no number on a command line
+        value = parse_float(text)
     except ValueError:
         value = math.nan
     if not math.isfinite(value) or value < minimum or (strict and value == minimum) or value > maximum:
