@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 
-from . import checkpoint
+from . import checkpoint, startup
 from .steps import finite, flops_per_token, lr_at, spikes_of
 from .metrics import MetricsWriter, Progress, mfu, print_summary
 from .chunks import ChunkModule
@@ -41,16 +41,6 @@ def card_bytes(config, stage: int, cap_bytes: int) -> int:
     return static_bytes(config.model, config.parallel, stage=stage) + cap_bytes + logits + WORKSPACE_BYTES
 
 
-def _store() -> dist.Store:
-    """torchrun's TCP store with a prefix per restart: a restarted worker group must not read the process-group
-    keys (peer addresses) its failed predecessor left in the agent's store."""
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=not agent and rank == 0, timeout=datetime.timedelta(minutes=10))
-    return dist.PrefixStore(f"bagualu2/restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
-
-
 def _out_of_memory_cause(exc: BaseException | None) -> BaseException | None:
     """The out-of-memory error (activation cap or CUDA allocator) behind ``exc``, if any."""
     return find_cause(exc, lambda e: isinstance(e, (ActivationOutOfMemoryError, torch.cuda.OutOfMemoryError)))
@@ -69,7 +59,7 @@ class Session:
             if config.device == "cuda":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=config.collective_timeout_s),
-                                    store=_store(), rank=int(os.environ["RANK"]),
+                                    store=startup.store(), rank=int(os.environ["RANK"]),
                                     world_size=int(os.environ["WORLD_SIZE"]))
         self.device = (torch.device("cuda", torch.cuda.current_device()) if config.device == "cuda"
                        else torch.device("cpu"))

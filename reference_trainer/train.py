@@ -16,11 +16,14 @@ import json
 import os
 import sys
 import time
+import traceback
 from typing import Any, NoReturn, Sequence
 
+from . import startup
 from .policies import POLICIES
 from .recipes import NONFINITE, RECIPES, SCHEDULES, TrainConfig, parse_bytes, recipe
 
+FLAG_NAMES: dict[str, str] = {}  # TrainConfig field -> the flag that sets it (filled below FLAGS)
 CHOICES = {"--schedule": SCHEDULES, "--policy": POLICIES, "--on-nonfinite": NONFINITE}
 
 FLAGS = {  # flag -> (TrainConfig field, type)
@@ -37,9 +40,23 @@ FLAGS = {  # flag -> (TrainConfig field, type)
     "--on-nonfinite": ("on_nonfinite", str),
 }
 
+FLAG_NAMES.update({field: flag for flag, (field, _) in FLAGS.items()})
+FLAG_NAMES.update({"resume": "--resume", "paired": "--paired", "model": "--recipe", "extra": "--recipe"})
+
+
+def _process_groups() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
 
 def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
+
+
+def _usage_error(message: str) -> NoReturn:
+    """argparse's error: a user error like any other (``main`` reports it, after the ranks agree)."""
+    raise ValueError(message)
 
 
 def _fail(message: str) -> NoReturn:
@@ -69,7 +86,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, argparse
     parser.add_argument("--json", action="store_true", help="print the summary record on stdout (rank 0)")
     parser.add_argument("--world-size", action="store_true",
                         help="print the world size (--pp x --dp) the flags need, and exit")
-    parser.error = _fail  # type: ignore[method-assign]
+    parser.error = _usage_error  # type: ignore[method-assign]
     args = parser.parse_args(argv)
     config = recipe(args.recipe)
     changes: dict[str, Any] = {}
@@ -89,6 +106,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, argparse
 
 def main(argv: Sequence[str] | None = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    startup.die_with_launcher()
+    config = None
     try:
         config, args = parse_args(argv)
         if args.world_size:
@@ -101,8 +120,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         from .loop import prepare
 
         run = prepare(config)  # everything that can fail on user input, before any collective
+        report = {"config": startup.fingerprint(config)}
     except ValueError as exc:
-        _fail(str(exc))
+        if not startup.launched():
+            _fail(str(exc))
+        report = {"error": " ".join(str(exc).split())}
+    if startup.launched():  # every rank's flags are good and the same, or one line from rank 0 and exit code 2
+        startup.agree(report, FLAG_NAMES, config.collective_timeout_s if config is not None else None)
     try:
         summary = run.train()
         run.close()  # its final barrier is a collective too
@@ -113,7 +137,13 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         failed = collective_failure(exc)
         if failed is None:
-            raise
+            if not _process_groups():
+                raise
+            # a defect, not a user error: its traceback, then exit 1 without interpreter teardown (destroying the
+            # process groups there can abort the process, "terminate called without an active exception")
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
         exit_after_failure(failed, f"error: rank {_rank()}: a collective failed ({type(failed).__name__}: "
                                    f"{' '.join(str(failed).split())[:300]}); exit code {STALL_EXIT_CODE}")
     if args.json and _rank() == 0:

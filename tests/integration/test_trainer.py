@@ -10,7 +10,9 @@
   the cost model predicts for its plan, and the loss falls;
 * (killed, stopped and corrupted runs: tests/integration/test_faults.py)
 * two torchrun launchers (``--nnodes=2``) rendezvous on 127.0.0.1 and train;
-* a bad flag: one line from rank 0, exit code 2, no traceback from the trainer.
+* a bad flag: one line from rank 0, exit code 2, no traceback from the trainer; nodes launched with different
+  flags, or with a bad flag on one node only: one line from rank 0 naming the rank and the flag;
+* ``kill -9`` of the launcher: its workers die with it.
 """
 
 from __future__ import annotations
@@ -122,6 +124,56 @@ def test_two_node_rendezvous_on_localhost(tmp_path):
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
     assert [s for s, _ in losses(metrics)] == [0, 1, 2]
     assert records(metrics)[-1]["layout"] == {"pp": 2, "dp": 1, "ep": 1, "vp": 1}
+
+
+def _two_nodes(flags: tuple[list[str], list[str]]) -> list[tuple[int, str]]:
+    """Two torchrun launchers of one rank each on 127.0.0.1, node ``i`` with ``flags[i]``: (exit code, stderr)."""
+    port = _free_port()
+    common = [str(TORCHRUN), "--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
+              f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=bagualu2-flags", "-m", "reference_trainer.train",
+              "--steps", "2", "--pp", "2", "--dp", "1", "--ep", "1"]
+    nodes = [subprocess.Popen(common[:1] + [f"--node-rank={rank}"] + common[1:] + flags[rank], cwd=ROOT, env=ENV,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    return [(node.returncode, err) for node, (_, err) in zip(nodes, [n.communicate(timeout=TIMEOUT_S) for n in nodes])]
+
+
+@pytest.mark.parametrize("flags, message", [
+    ((["--seed", "1"], ["--seed", "2"]), "error: the ranks were launched with different flags: --seed is 1 on rank 0 "
+                                         "and 2 on rank 1"),
+    (([], ["--memory-cap", "1KiB"]), "error: rank 1: --memory-cap must be at least"),
+])
+def test_nodes_launched_with_different_or_bad_flags_stop_in_one_line_from_rank_0(flags, message):
+    """Before any collective: every rank publishes its flags (or its error) in the launch's store and all agree."""
+    (code0, err0), (code1, err1) = _two_nodes(flags)
+    assert code0 != 0 and code1 != 0, err0[-3000:] + err1[-3000:]
+    lines = [line for line in (err0 + err1).splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and lines[0].startswith(message), err0[-3000:] + err1[-3000:]
+    assert "reference_trainer/" not in err0 + err1  # no traceback through the trainer's code
+
+
+def test_the_workers_of_a_killed_launcher_stop(tmp_path):
+    """``kill -9`` of torchrun's agent: its workers die with it (no orphan keeps training or waiting)."""
+    import time
+
+    metrics = tmp_path / "orphans.jsonl"  # a unique path: how this launch's processes are found
+    agent = subprocess.Popen([str(TORCHRUN), "--standalone", "--nproc_per_node=2", "-m", "reference_trainer.train",
+                              "--steps", "500", "--pp", "2", "--dp", "1", "--ep", "1", "--metrics-file", str(metrics)],
+                             cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def running() -> list[str]:
+        found = subprocess.run(["pgrep", "-f", str(metrics)], capture_output=True, text=True).stdout.split()
+        return [pid for pid in found if int(pid) != agent.pid]
+
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (metrics.exists() and metrics.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.5)  # until the first step is logged: the workers are training
+    assert len(running()) == 2
+    agent.kill()
+    agent.wait()
+    deadline = time.monotonic() + 30
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not running()
 
 
 def test_a_bad_flag_is_one_line_from_rank_0_and_the_others_exit_quietly():

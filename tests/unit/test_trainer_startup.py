@@ -1,0 +1,42 @@
+"""The ranks' agreement before the first collective (``reference_trainer.startup.verdict``); the launches themselves:
+tests/integration/test_trainer.py."""
+
+from __future__ import annotations
+
+from reference_trainer.recipes import recipe
+from reference_trainer.startup import fingerprint, verdict
+from reference_trainer.train import FLAG_NAMES, parse_args
+
+
+def test_ranks_with_the_same_flags_agree():
+    config = fingerprint(recipe("glm_moe_debug"))
+    assert verdict({0: {"config": config}, 1: {"config": config}}, FLAG_NAMES) is None
+
+
+def test_the_lowest_rank_with_an_error_is_reported_with_its_rank():
+    config = fingerprint(recipe("glm_moe_debug"))
+    reports = {0: {"config": config}, 1: {"error": "--lr must be > 0"}, 2: {"error": "--seed x"}}
+    assert verdict(reports, FLAG_NAMES) == "rank 1: --lr must be > 0"
+    assert verdict({0: {"error": "--lr must be > 0"}, 1: {"error": "--lr must be > 0"}}, FLAG_NAMES) == \
+        "--lr must be > 0"
+
+
+def test_different_flags_name_the_flag_and_both_values():
+    one, _ = parse_args(["--seed", "1", "--data", "a.txt"])
+    other, _ = parse_args(["--seed", "1", "--data", "b.txt"])
+    line = verdict({0: {"config": fingerprint(one)}, 1: {"config": fingerprint(one)},
+                    2: {"config": fingerprint(other)}}, FLAG_NAMES)
+    assert line.startswith('the ranks were launched with different flags: --data is "a.txt" on rank 0 and "b.txt" '
+                           "on rank 2"), line
+    bench, _ = parse_args(["--recipe", "glm_moe_bench"])
+    line = verdict({0: {"config": fingerprint(one)}, 1: {"config": fingerprint(bench)}}, FLAG_NAMES)
+    assert "--recipe" in line and "rank 1" in line
+
+
+def test_every_flag_of_the_trainer_has_a_name():
+    config = fingerprint(recipe("glm_moe_debug"))
+    unnamed = sorted(set(config) - set(FLAG_NAMES))
+    # fields no flag sets come from the recipe, and are named as the recipe's
+    for field in unnamed:
+        changed = {**config, field: "changed"}
+        assert f"the recipe's {field}" in verdict({0: {"config": config}, 1: {"config": changed}}, FLAG_NAMES)
