@@ -315,6 +315,13 @@ def test_a_plan_kind_the_model_lacks_is_refused() -> None:
     assert run("memory", "-m", "tiny-dense", "-p", "mlp_act=OFFLOAD").exit_code == 0
 
 
-def test_numbers_with_underscores_are_refused() -> None:
-    result = run("memory", "-r", "1_0")
-    assert result.exit_code == 2 and "'1_0'" in one_line_error(result.stderr, "--imbalance")
+@pytest.mark.parametrize("args, option", [
+    (["memory", "-r", "1_0"], "--imbalance"),
+    (["simulate", "--restart-s", "1_0"], "--restart-s"), (["simulate", "--plan-imbalance", "1_2"], "--plan-imbalance"),
+    (["reproduce", "--restart-s", "2_84"], "--restart-s"), (["budget", "--spike-rate", "0_1"], "--spike-rate"),
+    (["curve", "--max-imbalance", "1_5"], "--max-imbalance"), (["demo", "--max-imbalance", "2_0"], "--max-imbalance"),
+])
+def test_numbers_with_underscores_are_refused(args, option) -> None:
+    """Python reads ``1_0`` as ten; on a command line it is a typo, whether typer or the command parses the flag."""
+    result = run(*args)
+    assert result.exit_code == 2 and repr(args[-1]) in one_line_error(result.stderr, option)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 from functools import lru_cache
@@ -31,6 +33,19 @@ def small_report():
     labels = []
     report = reproduce(ReproduceConfig(**SMALL), progress=labels.append)
     return report, tuple(labels)
+
+
+def test_tokens_held_scales_the_microbatches_to_counts_the_schedule_takes():
+    from bagualu2.sim.reproduce import tokens_held
+
+    _, parallel = presets.model("glm-423b-a30b")  # pp 8, vp 2, 64 micro-batches
+    assert [tokens_held(parallel, 4096, n).num_microbatches for n in (2048, 4096, 8192, 16384, 65536)] == [
+        128, 64, 32, 16, 8]  # never below pp
+    plain = dataclasses.replace(parallel, vp=1, pp=4, num_microbatches=10)
+    assert tokens_held(plain, 4096, 12288).num_microbatches == 4  # 3.3 rounds to 3, below pp = 4
+    assert tokens_held(plain, 4096, 6144).num_microbatches == 7  # not interleaved: any count >= pp
+    interleaved = dataclasses.replace(parallel, pp=4, num_microbatches=24)
+    assert tokens_held(interleaved, 4096, 6144).num_microbatches == 16  # 16 of 24: the multiple of 4 nearest
 
 
 def test_layer_level_plan_recomputes_whole_layers_until_the_chunk_fits():
@@ -125,7 +140,7 @@ def test_worker_processes_change_nothing_but_the_wall_time():
                 for jobs in (1, 2))
     assert steps_seen[1] == steps_seen[2]  # the same progress steps, in the report's order
     assert len(one.spikes()) == 1
-    for part in ("scales", "sparsity", "seq_length", "ablation", "released"):
+    for part in ("scales", "sparsity", "seq_length", "seq_length_tokens", "ablation", "released"):
         assert getattr(two, part) == getattr(one, part), part
     assert two.ablation.results["L4"].policy == "L4"
     assert two.ablation.results["L4"].iterations == two.focus.results["flexible"].iterations
@@ -180,7 +195,8 @@ def test_cli_reproduce_writes_the_report_and_plots_atomically(tmp_path, monkeypa
     policies = set(report.focus.results)
     assert set(data["fig8"]["mean_mfu"]) == policies and set(data["fig9"]["drops"]) == policies
     assert all(0 < mfu < 1 for mfu in data["fig8"]["mean_mfu"].values())
-    for key, runs in (("fig10a_mfu", report.sparsity), ("fig10b_mfu", report.seq_length)):
+    for key, runs in (("fig10a_mfu", report.sparsity), ("fig10b_mfu", report.seq_length),
+                      ("fig10b_tokens_mfu", report.seq_length_tokens)):
         assert data[key] == {run.label: {p: run.mfu(p) for p in run.results} for run in runs}
     assert data["sec2b"]["ratio"] == pytest.approx(data["sec2b"]["over_mfu"] / data["sec2b"]["under_mfu"])
     assert data["released"]["real"]["sec2b"] == pytest.approx(data["sec2b"]["ratio"])

@@ -181,6 +181,17 @@ def parse_float(text: str) -> float:
     return float(text)
 
 
+def number_option(text) -> float:
+    """typer's parser of the float options (``typer.Option(parser=number_option)``): :func:`parse_float`, one
+    ``BadParameter`` line otherwise (the option's default comes in as a float)."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    try:
+        return parse_float(text)
+    except ValueError:
+        raise typer.BadParameter(f"must be a number, got {text!r}") from None
+
+
 def parse_imbalance(text: str, parallel: ParallelConfig | None = None, option: str = "--imbalance") -> float:
     """``--imbalance``: a finite number >= 1 (max/mean device load), at most ``parallel.ep`` when given."""
     try:

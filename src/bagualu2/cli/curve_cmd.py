@@ -17,7 +17,7 @@ from rich.markup import escape
 from bagualu2.runtime import DecisionPath, replay_iteration
 
 from .common import (GIB, HARDWARE_HELP, JSON_HELP, MODEL_HELP, CliError, console, echo_json, handle_errors,
-                     output_path, write_output)
+                     number_option, output_path, write_output)
 from .iteration import (DEFAULT_HARDWARE, DEFAULT_MODEL, DOWNGRADE_HELP, MAX_IMBALANCE_HELP, SEED_HELP, SPIKE_HELP,
                         SPIKE_RATE_HELP, STAGE_HELP, Iteration, prepare)
 
@@ -109,8 +109,8 @@ def curve(
     hardware: Annotated[str, typer.Option("--hardware", "-H", help=HARDWARE_HELP)] = DEFAULT_HARDWARE,
     stage: Annotated[int, typer.Option("--stage", "-s", help=STAGE_HELP)] = 0,
     seed: Annotated[int, typer.Option(help=SEED_HELP)] = 0,
-    spike_rate: Annotated[float, typer.Option(help=SPIKE_RATE_HELP)] = 0.05,
-    max_imbalance: Annotated[Optional[float], typer.Option(help=MAX_IMBALANCE_HELP)] = None,
+    spike_rate: Annotated[float, typer.Option(parser=number_option, help=SPIKE_RATE_HELP)] = 0.05,
+    max_imbalance: Annotated[Optional[float], typer.Option(parser=number_option, help=MAX_IMBALANCE_HELP)] = None,
     spike: Annotated[Optional[list[str]], typer.Option("--spike", metavar="AT=R", help=SPIKE_HELP)] = None,
     downgrade: Annotated[str, typer.Option(metavar="graded|paper", help=DOWNGRADE_HELP)] = "graded",
     policy: Annotated[Optional[list[str]], typer.Option("--policy", metavar="NAME", help="flexible (the runtime "

@@ -23,7 +23,7 @@ from bagualu2.costmodel import stage_memory
 from bagualu2.runtime import replay_iteration
 
 from .common import (GIB, HARDWARE_HELP, JSON_HELP, MIB, MODEL_HELP, CliError, console, echo_json, handle_errors,
-                     one_thread_env, require_extra)
+                     number_option, one_thread_env, require_extra)
 from .iteration import MAX_IMBALANCE_HELP, SEED_HELP, SPIKE_RATE_HELP, prepare
 
 
@@ -32,8 +32,8 @@ def demo(
     model: Annotated[str, typer.Option("--model", "-m", help=MODEL_HELP)] = "glm-1041b-a35b",
     hardware: Annotated[str, typer.Option("--hardware", "-H", help=HARDWARE_HELP)] = "paper-gpu",
     stage: Annotated[int, typer.Option("--stage", "-s", help="Pipeline stage (0-based).")] = 0,
-    spike_rate: Annotated[float, typer.Option(help=SPIKE_RATE_HELP)] = 0.05,
-    max_imbalance: Annotated[Optional[float], typer.Option(help=MAX_IMBALANCE_HELP)] = None,
+    spike_rate: Annotated[float, typer.Option(parser=number_option, help=SPIKE_RATE_HELP)] = 0.05,
+    max_imbalance: Annotated[Optional[float], typer.Option(parser=number_option, help=MAX_IMBALANCE_HELP)] = None,
     seed: Annotated[int, typer.Option(help=SEED_HELP)] = 0,
     train_steps: Annotated[int, typer.Option("--train-steps", min=0, max=10_000, help="Steps of the tiny CPU "
                            "training run after the planning (0: skip it).")] = 20,

@@ -16,7 +16,8 @@ from bagualu2.sim.figures import figures
 from bagualu2.sim.report import headline, markdown
 from bagualu2.sim.reproduce import ReproduceConfig, WorkerDied, reproduce, steps
 
-from .common import JSON_HELP, CliError, blame, check_output_path, console, echo_json, handle_errors
+from .common import (JSON_HELP, CliError, blame, check_output_path, console, echo_json, handle_errors,
+                     number_option)
 from .files import atomic_write_many
 
 # config field -> option
@@ -29,7 +30,8 @@ def reproduce_cmd(
     iterations: Annotated[int, typer.Option("--iterations", "-n", help="Paper-trace iterations per run (in [10, "
                                             "10**7]).")] = 1000,
     seed: Annotated[int, typer.Option(help="Seed of the paper trace (an integer in [0, 2**63)).")] = 0,
-    restart_s: Annotated[float, typer.Option("--restart-s", help="Seconds one OOM restart costs (in [0, 1e9]).")
+    restart_s: Annotated[float, typer.Option("--restart-s", parser=number_option,
+                                              help="Seconds one OOM restart costs (in [0, 1e9]).")
                          ] = 284.0,
     hardware: Annotated[str, typer.Option("--hardware", "-H", help="Hardware preset name.")] = "paper-gpu",
     model: Annotated[Optional[list[str]], typer.Option("--model", "-m", help="Fig. 8's Table II presets; "

@@ -14,7 +14,10 @@ trainer's fallback).
 
 * Fig. 8   every Table II scale: throughput (total TFLOP/s) and MFU per policy.
 * Fig. 9   GLM-423B-A30B on 512 GPUs: MFU per iteration beside the imbalance; MFU during spikes.
-* Fig. 10  (a) sparsity: the same experts (same total parameters), top-k varied; (b) sequence length.
+* Fig. 10  (a) sparsity: the same experts (same total parameters), top-k varied; (b) sequence length, read two
+           ways (the paper does not say which it ran): the micro-batches per iteration held (Megatron's
+           ``--global-batch-size`` counts sequences), and the tokens per iteration held (fewer micro-batches of
+           longer sequences: :func:`tokens_held`).
 * Fig. 11  the ablation L1 -> L4 (:data:`~.policies.ABLATION`).
 * released the focus model's baselines, static policies and L1-L3 once more under ``overlap="released"``
            (:mod:`.execution`: without Megatron-Core's all-to-all overlap, as the baselines' 2024 releases ran): the
@@ -38,7 +41,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..costmodel import presets
+from ..costmodel import ParallelConfig, presets
 from ..costmodel.build import check_imbalance
 from ..costmodel.validate import require_int, require_number
 from ..runtime import DecisionPath, replay_iteration
@@ -117,6 +120,7 @@ class Run:
     label: str
     results: dict[str, SimResult]
     gpus: int
+    num_microbatches: int   # per iteration
 
     def mfu(self, policy: str) -> float:
         return self.results[policy].mean_mfu
@@ -135,7 +139,8 @@ class Report:
     trace: tuple[float, ...]            # each iteration's highest rate
     scales: tuple[Run, ...]              # Fig. 8
     sparsity: tuple[Run, ...]            # Fig. 10a
-    seq_length: tuple[Run, ...]          # Fig. 10b
+    seq_length: tuple[Run, ...]          # Fig. 10b, the micro-batches per iteration held
+    seq_length_tokens: tuple[Run, ...]   # Fig. 10b, the tokens per iteration held
     ablation: Run                        # Fig. 11
     released: Run                        # the focus model under overlap="released" (RELEASED_POLICIES)
     overhead: tuple[tuple[str, float, float], ...]   # (model, decision ms per iteration, simulated iteration s)
@@ -198,18 +203,34 @@ def _simulate_one(key, hardware, trace, config: ReproduceConfig) -> SimResult:
                     plan_imbalance=config.plan_imbalance, overlap=overlap)
 
 
+def tokens_held(parallel: ParallelConfig, base_length: int, length: int) -> ParallelConfig:
+    """``parallel`` with the micro-batches per iteration scaled by ``base_length / length`` (rounded to the nearest
+    count the schedule takes: at least ``pp``, a multiple of ``pp`` when interleaved), so that sequences of
+    ``length`` tokens fill about the tokens per iteration ``base_length`` ones did."""
+    step = parallel.pp if parallel.vp > 1 else 1
+    wanted = parallel.num_microbatches * base_length / length
+    count = max(parallel.pp, step * max(1, round(wanted / step)))
+    return dataclasses.replace(parallel, num_microbatches=count)
+
+
+def _label(length: int) -> str:
+    return f"{length // 1024}K" if length % 1024 == 0 else str(length)
+
+
 def _parts(config: ReproduceConfig) -> tuple[list, ...]:
-    """The report's parts (scales, sparsity, lengths, ablation, released), each a list of its runs as
-    (label, model, parallel, policies, overlap), in the report's order."""
+    """The report's parts (scales, sparsity, lengths with micro-batches held, lengths with tokens held, ablation,
+    released), each a list of its runs as (label, model, parallel, policies, overlap), in the report's order."""
     scales = [(name, *presets.model(name), FIG8_POLICIES, "real") for name in config.models]
     if config.focus not in config.models:
         scales.append((config.focus, *presets.model(config.focus), FIG8_POLICIES, "real"))
     model, parallel = presets.model(config.focus)
     sparsity = [(f"top-{k}", dataclasses.replace(model, top_k=k), parallel, SWEEP_POLICIES, "real")
                 for k in config.top_ks]
-    lengths = [(f"{n // 1024}K" if n % 1024 == 0 else str(n), dataclasses.replace(model, seq_length=n), parallel,
-                SWEEP_POLICIES, "real") for n in config.seq_lengths]
-    return (scales, sparsity, lengths, [("ablation", model, parallel, ABLATION, "real")],
+    lengths = [(_label(n), dataclasses.replace(model, seq_length=n), parallel, SWEEP_POLICIES, "real")
+               for n in config.seq_lengths]
+    tokens = [(_label(n), dataclasses.replace(model, seq_length=n), tokens_held(parallel, model.seq_length, n),
+               SWEEP_POLICIES, "real") for n in config.seq_lengths]
+    return (scales, sparsity, lengths, tokens, [("ablation", model, parallel, ABLATION, "real")],
             [("released", model, parallel, RELEASED_POLICIES, "released")])
 
 
@@ -247,14 +268,14 @@ def _runs(config: ReproduceConfig, step: Callable[[str], None]):
         step(label)
         found = {policy: result(_key(model, parallel, policy, overlap)) for policy in policies}
         return Run(label, {p: r if r.policy == p else dataclasses.replace(r, policy=p) for p, r in found.items()},
-                   parallel.world_size)
+                   parallel.world_size, parallel.num_microbatches)
 
     try:
-        scales, sparsity, lengths, ablation, released = (tuple(run(*spec) for spec in part) for part in parts)
+        scales, sparsity, lengths, tokens, ablation, released = (tuple(run(*spec) for spec in part) for part in parts)
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)
-    return scales, sparsity, lengths, ablation[0], released[0]
+    return scales, sparsity, lengths, tokens, ablation[0], released[0]
 
 
 def decision_ms(model_name: str, hardware_name: str, trace, iterations: int) -> float:
@@ -273,7 +294,7 @@ def decision_ms(model_name: str, hardware_name: str, trace, iterations: int) -> 
 def steps(config: ReproduceConfig) -> int:
     """How many progress steps :func:`reproduce` reports."""
     models = len(config.models) + (config.focus not in config.models)
-    return models + len(config.top_ks) + len(config.seq_lengths) + 2 + len(config.models)
+    return models + len(config.top_ks) + 2 * len(config.seq_lengths) + 2 + len(config.models)
 
 
 def reproduce(config: ReproduceConfig | None = None, *, progress: Callable[[str], None] | None = None) -> Report:
@@ -282,7 +303,7 @@ def reproduce(config: ReproduceConfig | None = None, *, progress: Callable[[str]
     config = config or ReproduceConfig()
     step = progress or (lambda label: None)
     trace = trace_for(config)
-    scales, sparsity, lengths, ablation, released = _runs(config, step)
+    scales, sparsity, lengths, tokens, ablation, released = _runs(config, step)
     overhead = []
     for run in scales:
         if run.label not in config.models:
@@ -291,4 +312,4 @@ def reproduce(config: ReproduceConfig | None = None, *, progress: Callable[[str]
         flexible = run.results["flexible"]
         overhead.append((run.label, decision_ms(run.label, config.hardware, trace, config.overhead_iterations),
                          flexible.total_time_s / len(flexible.iterations)))
-    return Report(config, tuple(trace), scales, sparsity, lengths, ablation, released, tuple(overhead))
+    return Report(config, tuple(trace), scales, sparsity, lengths, tokens, ablation, released, tuple(overhead))
