@@ -55,6 +55,19 @@ def test_budget_json_matches_replay_iteration() -> None:
     assert spiked and all(row["imbalance"] == 2.6 and row["action"] in ("replan", "downgrade") for row in spiked)
 
 
+def test_replay_reports_its_progress_per_forward_and_decides_the_same() -> None:
+    model, parallel = costmodel.presets.model(MODEL)
+    hw = costmodel.presets.hardware(HARDWARE)
+    trace = expected_trace(3, {30: 2.6})
+    seen: list[tuple[int, int]] = []
+    counted = replay_iteration(model, parallel, hw, trace, stage=0, progress=lambda *args: seen.append(args))
+    total = parallel.num_microbatches * parallel.vp
+    assert seen == [(k, total) for k in range(1, total + 1)]
+    assert counted.decisions == replay_iteration(model, parallel, hw, trace, stage=0).decisions
+    with pytest.raises(ValueError, match="progress must be a callable"):
+        replay_iteration(model, parallel, hw, trace, stage=0, progress=3)
+
+
 @pytest.mark.slow
 def test_budget_compact_view_and_all() -> None:
     compact = run("budget", "--spike", "30=2.6", "--stage", "1")  # stage 0 mitigates every forward

@@ -12,7 +12,8 @@ from rich.table import Table
 from bagualu2.costmodel import Plan
 from bagualu2.runtime import ForwardDecision, IterationReplay, replay_iteration
 
-from .common import GIB, HARDWARE_HELP, JSON_HELP, MODEL_HELP, console, echo_json, handle_errors, number_option
+from .common import (GIB, HARDWARE_HELP, JSON_HELP, MODEL_HELP, console, echo_json, handle_errors, number_option,
+                     progress_bar)
 from .iteration import (DEFAULT_HARDWARE, DEFAULT_MODEL, DOWNGRADE_HELP, MAX_IMBALANCE_HELP, SEED_HELP, SPIKE_HELP,
                         SPIKE_RATE_HELP, STAGE_HELP, Iteration, prepare)
 
@@ -82,8 +83,10 @@ def budget(
     run = prepare(model=model, hardware=hardware, stage=stage, seed=seed, spike_rate=spike_rate,
                   max_imbalance=max_imbalance, spikes=spike, downgrade=downgrade)
     spikes = {i: r for i, r in enumerate(run.trace) if r > min(run.trace)}
-    replay = replay_iteration(run.model, run.parallel, run.hardware, run.trace, stage=run.stage,
-                              downgrade=run.downgrade)
+    with progress_bar(disable=json_output) as bar:
+        task = bar.add_task("deciding", total=run.parallel.num_microbatches * run.parallel.vp)
+        replay = replay_iteration(run.model, run.parallel, run.hardware, run.trace, stage=run.stage,
+                                  downgrade=run.downgrade, progress=lambda done, _: bar.update(task, completed=done))
     if json_output:
         echo_json(budget_json(run, replay, spikes))
         return

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from bagualu2.costmodel import Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, presets
 from bagualu2.costmodel.build import check_imbalance
@@ -256,6 +257,12 @@ def console() -> Console:
     """A stdout console; wide (160 columns) when stdout is not a terminal and COLUMNS is unset."""
     wide = not sys.stdout.isatty() and "COLUMNS" not in os.environ
     return Console(width=160 if wide else None, highlight=False)
+
+
+def progress_bar(*, disable: bool = False) -> Progress:
+    """The commands' progress bar: on stderr (stdout stays the result), gone when done, off with ``disable``."""
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=Console(stderr=True), transient=True, disable=disable)
 
 
 def echo_json(obj: Any) -> None:

@@ -13,9 +13,7 @@ from typing import Annotated, Any, Optional
 
 import numpy as np
 import typer
-from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from bagualu2.costmodel import Hardware, ModelConfig, OpGraph, ParallelConfig, build_graph
@@ -24,7 +22,7 @@ from bagualu2.fusion import build_chains, dp, exact as exact_schedule
 from bagualu2.mitigation import exact, greedy
 
 from .common import (HARDWARE_HELP, JSON_HELP, CliError, blame, check_graph, console, echo_json, handle_errors,
-                     load_hardware, load_model, parse_imbalance, parse_number)
+                     load_hardware, load_model, parse_imbalance, parse_number, progress_bar)
 
 DEFAULT_MODELS = ("glm-188b-a20b", "glm-1041b-a35b")
 DEFAULT_IMBALANCES = ("1.0", "2.0")
@@ -110,8 +108,7 @@ def compare(
     suite = _suite(list(model or DEFAULT_MODELS), list(imbalance) if imbalance else None, hw)
     graphs = [(name, rate, check_graph(build_graph(m, p, hw, imbalance=rate))) for name, m, p, rate in suite]
     points: list[dict[str, Any]] = []
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=Console(stderr=True), transient=True, disable=json_output)
+    progress = progress_bar(disable=json_output)
     with progress:
         task = progress.add_task("comparing", total=len(graphs) * count)
         for name, rate, graph in graphs:

@@ -17,7 +17,7 @@ from rich.markup import escape
 from bagualu2.runtime import DecisionPath, replay_iteration
 
 from .common import (GIB, HARDWARE_HELP, JSON_HELP, MODEL_HELP, CliError, console, echo_json, handle_errors,
-                     number_option, output_path, write_output)
+                     number_option, output_path, progress_bar, write_output)
 from .iteration import (DEFAULT_HARDWARE, DEFAULT_MODEL, DOWNGRADE_HELP, MAX_IMBALANCE_HELP, SEED_HELP, SPIKE_HELP,
                         SPIKE_RATE_HELP, STAGE_HELP, Iteration, prepare)
 
@@ -28,13 +28,15 @@ JSON_DOC = ("JSON (--json): {model, hardware, stage, trace, capacity_bytes (M_ma
             "[{policy, in_flight_bytes: [bytes after each schedule step], peak_bytes, exceeds_capacity}]}.")
 
 
-def curves(run: Iteration, policies: list[str]) -> tuple[int, dict[str, list[int]]]:
-    """``(capacity_bytes, {policy: in-flight bytes after each schedule step})``."""
+def curves(run: Iteration, policies: list[str], progress=None) -> tuple[int, dict[str, list[int]]]:
+    """``(capacity_bytes, {policy: in-flight bytes after each schedule step})``; ``progress``: called with (forwards
+    decided, forwards in all) by the flexible replay."""
     path = DecisionPath(run.model, run.parallel, run.hardware, stage=run.stage, downgrade=run.downgrade)
     memory, steps = path.stage_plan()
     kept_by: dict[str, list[int]] = {}
     if "flexible" in policies:
-        replay = replay_iteration(run.model, run.parallel, run.hardware, run.trace, stage=run.stage, path=path)
+        replay = replay_iteration(run.model, run.parallel, run.hardware, run.trace, stage=run.stage, path=path,
+                                  progress=progress)
         kept_by["flexible"] = [d.kept_bytes for d in replay.decisions]
     forwards = [(mb, chunk) for is_forward, _, mb, chunk, _ in steps if is_forward]
     if "static-over" in policies:
@@ -133,7 +135,9 @@ def curve(
     png_path = output_path(png)
     run = prepare(model=model, hardware=hardware, stage=stage, seed=seed, spike_rate=spike_rate,
                   max_imbalance=max_imbalance, spikes=spike, downgrade=downgrade)
-    capacity, result = curves(run, chosen)
+    with progress_bar(disable=json_output) as bar:
+        task = bar.add_task("deciding", total=run.parallel.num_microbatches * run.parallel.vp)
+        capacity, result = curves(run, chosen, progress=lambda done, _: bar.update(task, completed=done))
     if png_path is not None:
         title = (f"{run.name} on {run.hardware.name}, stage {run.stage}: in-flight activations, "
                  f"spikes up to {max(run.trace):g}x")

@@ -7,17 +7,15 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from bagualu2.costmodel import presets
 from bagualu2.sim.figures import figures
 from bagualu2.sim.report import headline, markdown
 from bagualu2.sim.reproduce import ReproduceConfig, WorkerDied, reproduce, steps
 
-from .common import (JSON_HELP, CliError, blame, check_output_path, console, echo_json, handle_errors,
-                     number_option)
+from .common import (JSON_HELP, CliError, blame, check_output_path, console, echo_json, handle_errors, number_option,
+                     progress_bar)
 from .files import atomic_write_many
 
 # config field -> option
@@ -67,8 +65,7 @@ def reproduce_cmd(
         make_images = not images.exists() and not images.is_symlink()  # made after the run, when missing
         image_paths = {name: (images / name) if make_images else check_output_path(str(images / name))
                        for name in names}
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=Console(stderr=True), transient=True)
+    progress = progress_bar()
     with progress:
         task = progress.add_task("reproducing", total=steps(config))
 

@@ -7,9 +7,7 @@ import math
 from typing import Annotated, Any, Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from bagualu2.sim import (ABLATION, ON_OOM, OVERLAP, POLICIES, PaperTrace, SimResult, load_trace, paper_trace,
@@ -17,7 +15,7 @@ from bagualu2.sim import (ABLATION, ON_OOM, OVERLAP, POLICIES, PaperTrace, SimRe
 from bagualu2.sim.simulate import MAX_ITERATIONS, MAX_RESTART_S
 
 from .common import (HARDWARE_HELP, JSON_HELP, MODEL_HELP, CliError, blame, console, echo_json, handle_errors,
-                     load_hardware, load_model, number_option, output_path, write_output)
+                     load_hardware, load_model, number_option, output_path, progress_bar, write_output)
 
 DEFAULT_MODEL = "glm-423b-a30b"
 DEFAULT_ITERATIONS = 200
@@ -149,8 +147,7 @@ def simulate_cmd(
                              spike_microbatches=spike_microbatches))
         source = f"paper trace, {iterations} iterations, seed {seed}"
     results = []
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=Console(stderr=True), transient=True, disable=json_output)
+    progress = progress_bar(disable=json_output)
     with progress:
         task = progress.add_task("simulating", total=len(policies) * len(rates))
         for k, value in enumerate(policies):

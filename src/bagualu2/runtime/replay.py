@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Callable
 
 from ..costmodel import Hardware, ModelConfig, ParallelConfig
 from ..costmodel.build import check_imbalance
@@ -81,12 +82,13 @@ class IterationReplay:
 
 
 def replay_iteration(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, imbalances, *,
-                     stage: int = 0, path: DecisionPath | None = None, downgrade: str = "graded"
-                     ) -> IterationReplay:
+                     stage: int = 0, path: DecisionPath | None = None, downgrade: str = "graded",
+                     progress: Callable[[int, int], None] | None = None) -> IterationReplay:
     """Run the decision path for every forward of ``stage``; ``imbalances[m]`` is micro-batch m's measured rate.
 
     Pass the same ``path`` to consecutive calls to replay a trace of iterations with warm caches (``downgrade``
     only applies to a path made here). The loop is :func:`~.iteration.run_iteration` over the path's engine.
+    ``progress``, optional, is called with (forwards decided, forwards in all) after each forward.
     """
     if len(imbalances) != parallel.num_microbatches:
         raise ValueError(f"imbalances must have num_microbatches={parallel.num_microbatches} entries, "
@@ -94,8 +96,17 @@ def replay_iteration(model: ModelConfig, parallel: ParallelConfig, hardware: Har
     for value in imbalances:
         check_imbalance(value)
     path = path if path is not None else DecisionPath(model, parallel, hardware, stage=stage, downgrade=downgrade)
+    if progress is not None and not callable(progress):
+        raise ValueError(f"progress must be a callable or None, got {type(progress).__name__}")
     hits, misses = path.hits, path.misses
-    run = run_iteration(path.engine, path.decide, imbalances)
+    total, done = parallel.num_microbatches * parallel.vp, [0]
+
+    def counted(step, imbalance, budget_bytes, limit_bytes):
+        decision = path.decide(step, imbalance, budget_bytes, limit_bytes)
+        done[0] += 1
+        progress(done[0], total)
+        return decision
+    run = run_iteration(path.engine, path.decide if progress is None else counted, imbalances)
     decisions = tuple(ForwardDecision(i, f.step.microbatch, f.step.chunk, f.step.phase, f.imbalance, f.budget_bytes,
                                       d.kept_bytes, d.overhead_s, len(d.plan), d.downgraded, f.held_bytes,
                                       d.order.makespan_s, d.action.value, str(d.plan))
