@@ -16,6 +16,8 @@ non-finite gradient, a collective issued differently.
   eacces    the same with ``PermissionError(EACCES)`` (a directory that cannot be written).
   diverge   at the end of the step every rank issues one all-reduce on the world, this rank with another reduce op
             than the others: a collective-order divergence that completes (for the checker).
+  raise     a ``RuntimeError`` from this rank's forward, at the same points as ``kill`` (a defect in the step): the
+            rank prints its traceback and exits with code 1.
 
 Example: ``BAGUALU2_FAULTS=kill@3:rank=1,nan@5`` (docs/trainer.md "Faults and recovery").
 """
@@ -29,7 +31,7 @@ import subprocess
 from dataclasses import dataclass
 
 ENV = "BAGUALU2_FAULTS"
-KINDS = ("kill", "stop", "nan", "enospc", "eacces", "diverge")
+KINDS = ("kill", "stop", "nan", "enospc", "eacces", "diverge", "raise")
 POINTS = ("forward", "checkpoint")
 
 
@@ -97,6 +99,8 @@ class Faults:
         return bool(self._matching(kind, step, at))
 
     def _signal(self, step: int, at: str) -> None:
+        if self._mine("raise", step, at):
+            raise RuntimeError(f"{ENV}: raise@{step} at {at} on rank {self.rank}")
         if self._mine("kill", step, at):
             os.kill(os.getpid(), signal.SIGKILL)
         for fault in self._matching("stop", step, at):

@@ -7,7 +7,8 @@ each run compared with an uninterrupted run of the same seed: after recovery the
   ``--collective-timeout``, torchrun restarts it, it resumes from the last complete checkpoint;
 * a diverged collective order is caught by ``BAGUALU2_CHECK_COLLECTIVES`` in one line;
 * a non-finite gradient: ``--on-nonfinite stop`` (one line, the last good checkpoint intact) and ``skip``;
-* a checkpoint write that fails (ENOSPC, EACCES): one warning line naming the path and the cause, training goes on.
+* a checkpoint write that fails (ENOSPC, EACCES): one warning line naming the path and the cause, training goes on;
+* a defect (an exception from a forward): its traceback and exit code 1, never an abort.
 """
 
 from __future__ import annotations
@@ -157,6 +158,15 @@ def test_checkpoint_write_failures_are_one_warning_and_the_previous_checkpoint_i
     assert all("training continues" in line for line in warnings)
     assert sorted(p.name for p in ckpt.iterdir()) == ["run_state.json", "step-00000001", "step-00000004"]
     assert records(metrics)[-1]["checkpoint_failures"] == 2
+
+
+def test_a_defect_in_a_step_is_its_traceback_and_exit_code_1_not_an_abort():
+    """An exception that is no user error and no failed collective (``raise``: from a forward of a fused point)."""
+    proc = launch(2, *COMMON, faults="raise@1:rank=0")
+    assert proc.returncode != 0
+    assert "RuntimeError: BAGUALU2_FAULTS: raise@1 at forward on rank 0" in proc.stderr, proc.stderr[-4000:]
+    assert "exitcode  : 1 " in proc.stderr and "terminate called" not in proc.stderr, proc.stderr[-4000:]
+    assert "SIGABRT" not in proc.stderr
 
 
 def test_a_small_chaos_subset_finishes_and_prints_its_table():
