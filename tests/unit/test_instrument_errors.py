@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from bagualu2.costmodel import presets
+from bagualu2.costmodel import Plan, evaluate, presets
 from bagualu2.exec import apply_plan, instrument
 from byom_model import OP_MAP, make
 
@@ -87,6 +87,36 @@ def test_recompute_of_a_non_deterministic_module():
     assert not instrumented.trace.random_ops
     apply_plan(instrumented, "mlp_act=RECOMPUTE")
     assert graph.ops
+
+
+def test_a_container_whose_mapped_child_draws_random_numbers_is_not_re_run():
+    """Re-running a container re-runs its mapped children: a dropout inside makes the container random too."""
+    def run(plan):
+        model.zero_grad(set_to_none=True)
+        executor = apply_plan(instrumented, plan)
+        torch.manual_seed(123)
+        with executor.micro_batch("m") as record:
+            out = model(x)
+        out.pow(2).mean().backward()
+        executor.release("m")
+        return record, [p.grad.clone() for p in model.parameters()]
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Dropping())
+    instrumented = instrument(model, {"0": "core_attn", "0.drop": "dropout:mlp_act"})
+    x = torch.randn(4, 8)
+    graph = instrumented.trace_graph(x, hardware=HW)
+    assert instrumented.trace.random_ops == {"L0.core_attn", "L0.dropout"}
+    made = [f"{op.name}/{s.tensor}" for op, s in graph.savings if graph.tensors[s.tensor].producer is None
+            and s.tensor.startswith("L0.core_attn.")]
+    assert made  # what the container makes is never regenerated
+    with pytest.raises(ValueError) as excinfo:
+        apply_plan(instrumented, ",".join(f"{t}=RECOMPUTE" for t in made))
+    assert "draws random numbers" in one_line(excinfo)
+    _, plain = run(None)
+    record, mitigated = run("core_attn=RECOMPUTE")  # the kind policy re-runs what it can: nothing here
+    assert record.device_bytes == evaluate(graph, Plan.from_str("core_attn=RECOMPUTE")).activation_bytes
+    assert all(torch.equal(a, b) for a, b in zip(mitigated, plain))
 
 
 def test_recompute_of_a_graph_input_and_routing_from_fp8():

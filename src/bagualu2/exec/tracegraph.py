@@ -38,7 +38,12 @@ def build_graph_of(recorder: TraceRecorder, model: torch.nn.Module, hardware: Ha
     backward_s = _backward_times(recorder)
     params = {name: _param_bytes(model, {c.binding.path for c in calls}) for name, calls in by_op.items()}
     tensors: dict[str, TensorSpec] = {}
-    fixed = _not_regenerable(recorder, by_op)
+    random_ops = _enclosing(by_op, {name for name, calls in by_op.items() if any(c.random for c in calls)})
+    stateful = {name: next(c.stateful for c in calls if c.stateful) for name, calls in by_op.items()
+                if any(c.stateful for c in calls)}
+    stateful = {name: stateful.get(name) or next(stateful[inner] for inner in stateful if inner in inside)
+                for name, inside in _nested(by_op).items() if name in stateful or inside & stateful.keys()}
+    fixed = _not_regenerable(recorder, random_ops | stateful.keys())
     marked = any(info.routed for info in recorder.storages.values())
     ops = []
     for name, calls in by_op.items():
@@ -82,12 +87,21 @@ def build_graph_of(recorder: TraceRecorder, model: torch.nn.Module, hardware: Ha
     saved = sum(recorder.storages[k].nbytes for k in mapped) + sum(outside.values())
     slots = {(path, call, slot): (names[key], dtype) for path, call, slot, key, dtype in recorder.slots}
     modules = {name: _unique(c.binding.path for c in calls) for name, calls in by_op.items()}
-    random_ops = frozenset(name for name, calls in by_op.items() if any(c.random for c in calls))
-    dependent = frozenset(name for name, calls in by_op.items() if any(c.value_dependent for c in calls))
-    stateful = {name: next(c.stateful for c in calls if c.stateful) for name, calls in by_op.items()
-                if any(c.stateful for c in calls)}
-    return TraceResult(graph, slots, saved, sum(outside.values()), recorder.num_unmapped, random_ops, dependent,
-                       modules, stateful)
+    dependent = _enclosing(by_op, {name for name, calls in by_op.items() if any(c.value_dependent for c in calls)})
+    return TraceResult(graph, slots, saved, sum(outside.values()), recorder.num_unmapped, frozenset(random_ops),
+                       frozenset(dependent), modules, stateful)
+
+
+def _nested(by_op: dict) -> dict[str, set]:
+    """Per op, the ops whose modules sit inside one of its modules (a re-run of the op re-runs them too)."""
+    paths = {name: {c.binding.path for c in calls} for name, calls in by_op.items()}
+    return {outer: {inner for inner, inner_paths in paths.items() if inner != outer and any(
+        p.startswith(f"{q}.") for p in inner_paths for q in outer_paths)} for outer, outer_paths in paths.items()}
+
+
+def _enclosing(by_op: dict, flagged: set) -> set:
+    """``flagged`` ops and every op with a flagged op inside its modules (whose re-run re-runs the flagged one)."""
+    return {name for name, inside in _nested(by_op).items() if name in flagged or inside & flagged}
 
 
 def _is_routed(info, by_op: dict, marked: bool) -> bool:
@@ -146,12 +160,11 @@ def _unmapped_op(recorder: TraceRecorder, names: dict, tensors: dict, taken: set
     return Op(name, "residual", 0, Resource.COMPUTE, (), outputs, tuple(dict.fromkeys(saves)), 0, 0, 0, 0)
 
 
-def _not_regenerable(recorder: TraceRecorder, by_op: dict) -> set:
+def _not_regenerable(recorder: TraceRecorder, unrepeatable: set) -> set:
     """Storages no re-run may regenerate: those made by an op that drew random numbers or took an object with
-    state (it is never re-run), and those an op saved without returning them that another op reads (a re-run
-    regenerates its own savings, not another op's inputs). They stay graph tensors: kept, offloaded or
-    quantised."""
-    unrepeatable = {name for name, calls in by_op.items() if any(c.random or c.stateful for c in calls)}
+    state, itself or a mapped module inside it (it is never re-run: ``unrepeatable``), and those an op saved
+    without returning them that another op reads (a re-run regenerates its own savings, not another op's inputs).
+    They stay graph tensors: kept, offloaded or quantised."""
     read_elsewhere = {k for c in recorder.calls for k in c.inputs
                       if recorder.storages[k].role == "saved" and recorder.storages[k].producer != c.binding.op}
     return {k for k, info in recorder.storages.items() if info.producer in unrepeatable} | read_elsewhere
