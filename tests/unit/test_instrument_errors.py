@@ -119,6 +119,35 @@ def test_a_container_whose_mapped_child_draws_random_numbers_is_not_re_run():
     assert all(torch.equal(a, b) for a, b in zip(mitigated, plain))
 
 
+def test_an_interrupt_inside_a_mapped_module_leaves_no_scope_open():
+    """torch closes a module's always-call hooks for ``Exception`` only: a ``KeyboardInterrupt`` (Ctrl-C) in a mapped
+    module's forward must not leave its op scope set for the traces and micro-batches after it."""
+    from bagualu2.exec.scope import FRAME
+
+    model, x = make()
+    instrumented = instrument(model, OP_MAP)
+    reference = instrumented.trace_graph(x, hardware=HW)
+    attn = model.layers[1].attn
+    interrupt = attn.register_forward_pre_hook(lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))  # in its scope
+    with pytest.raises(KeyboardInterrupt):
+        instrumented.trace_graph(x, hardware=HW)
+    assert FRAME.get() is None
+    executor = apply_plan(instrumented, "norm=OFFLOAD")
+    with pytest.raises(KeyboardInterrupt):
+        with executor.micro_batch("interrupted"):
+            model(x)
+    assert FRAME.get() is None and "interrupted" not in executor
+    interrupt.remove()
+    again = instrumented.trace_graph(x, hardware=HW)
+    assert again.unmitigated_bytes == reference.unmitigated_bytes and again.savings == reference.savings
+    executor = apply_plan(instrumented, "norm=OFFLOAD")
+    with executor.micro_batch("m") as record:
+        out = model(x)
+    assert record.device_bytes == evaluate(again, Plan.from_str("norm=OFFLOAD")).activation_bytes
+    out.float().pow(2).mean().backward()
+    instrumented.remove()
+
+
 def test_recompute_of_a_graph_input_and_routing_from_fp8():
     model, x = make()
     instrumented = instrument(model, OP_MAP)

@@ -35,7 +35,7 @@ from bagualu2.costmodel.graph import ITEM_BYTES, OpGraph
 from bagualu2.costmodel.plan import Plan
 from bagualu2.costmodel.strategy import Strategy
 
-from .instrument import InstrumentedModel, check_device
+from .instrument import InstrumentedModel, check_device, restored_scope
 from .plancheck import check_replayable
 from .ops import ACTIVE, FORWARD_GATE, OP_HINTS, OP_SCOPE
 from .provisional import Provisional, settle, standby_ops
@@ -118,7 +118,7 @@ class PlanExecutor:
         record.forward_gate = FORWARD_GATE.get()
         token = ACTIVE.set((self, record))
         try:
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(record, t), unpack):
+            with restored_scope(), torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(record, t), unpack):
                 yield record
                 self._settle(record, None)  # layers whose gate was never reported: the plan in force
         except BaseException:

@@ -25,10 +25,11 @@ into the traced graph (``OpGraph.mean_routed_tokens``, ``layer_routed_tokens``).
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import re
 import weakref
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -100,6 +101,20 @@ def bind(model: torch.nn.Module, op_map: Mapping[str, str]) -> dict[str, OpBindi
             bindings[path] = OpBinding(path, pattern, label, kind, layer or 0,
                                        label if layer is None else f"L{layer}.{label}")
     return bindings
+
+
+@contextlib.contextmanager
+def restored_scope() -> Iterator[None]:
+    """The op scope as it was before the block, however the block ends: torch runs the forward hooks that close a
+    mapped module's scope for an ``Exception`` only, so a ``KeyboardInterrupt`` inside a mapped module would leave
+    its scope open for every later trace and micro-batch."""
+    saved = FRAME.get(), OP_SCOPE.get(), OP_WEIGHTS.get()
+    try:
+        yield
+    finally:
+        for var, value in zip((FRAME, OP_SCOPE, OP_WEIGHTS), saved):
+            if var.get() is not value:
+                var.set(value)
 
 
 def check_device(model: torch.nn.Module) -> None:
@@ -182,7 +197,8 @@ class InstrumentedModel:
         recorder = TraceRecorder(excluded, timed=timed)
         token = TRACER.set(recorder)
         try:
-            run_trace(self.model, recorder, args, kwargs, loss)
+            with restored_scope():
+                run_trace(self.model, recorder, args, kwargs, loss)
         finally:
             TRACER.reset(token)
         self.trace = build_graph_of(recorder, self.model, hardware, activation_dtype=self._activation_dtype())
