@@ -148,6 +148,46 @@ def test_an_interrupt_inside_a_mapped_module_leaves_no_scope_open():
     instrumented.remove()
 
 
+def test_misuse_of_executors_is_one_line():
+    from bagualu2.exec import ActivationTracker
+
+    model, x = make()
+    instrumented = instrument(model, OP_MAP)
+    instrumented.trace_graph(x, hardware=HW)
+    for keyword, value, message in (("tracker", "x", "tracker must be an ActivationTracker"),
+                                    ("exclude", 3, "exclude must be an iterable of torch modules"),
+                                    ("exclude", model, "exclude must be an iterable of torch modules"),
+                                    ("deferred", "x", "deferred must be a DeferredPlanner"),
+                                    ("graph", "x", "graph must be an OpGraph")):
+        with pytest.raises(ValueError) as excinfo:
+            apply_plan(instrumented, None, **{keyword: value})
+        assert message in one_line(excinfo)
+    executor, other = apply_plan(instrumented, "norm=OFFLOAD"), apply_plan(instrumented, None)
+    for name in (None, ["a"], True):
+        with pytest.raises(ValueError, match="names are strings or integers"):
+            with executor.micro_batch(name):
+                pass
+    for outer, inner in ((executor, executor), (executor, other)):  # saved-tensor hooks do not nest
+        with pytest.raises(ValueError) as excinfo:
+            with outer.micro_batch("outer"):
+                with inner.micro_batch("inner"):
+                    model(x)
+        assert "do not nest" in one_line(excinfo) and "outer" not in executor and "inner" not in inner
+    tracker = ActivationTracker(exclude=[model])
+    with pytest.raises(ValueError, match="do not nest"):
+        with executor.micro_batch("outer"):
+            with tracker.micro_batch("inner"):
+                pass
+    instrumented.trace_graph(x * 2, hardware=HW)  # traced again: the executors name savings of the earlier trace
+    with pytest.raises(ValueError) as excinfo:
+        with executor.micro_batch("stale"):
+            pass
+    assert "traced again" in one_line(excinfo)
+    with apply_plan(instrumented, "norm=OFFLOAD").micro_batch(0):  # a new one runs
+        model(x)
+    instrumented.remove()
+
+
 def test_recompute_of_a_graph_input_and_routing_from_fp8():
     model, x = make()
     instrumented = instrument(model, OP_MAP)

@@ -42,7 +42,7 @@ from .provisional import Provisional, settle, standby_ops
 from .packing import CopyEngine, HostCopy, Offloaded, Quantized, View, flat_storage, quantize_fp8, unpack
 from .record import TORCH_TO_NAME, MicroBatchRecord
 from .recompute import Regenerated, Replay, Source, Stored, autocast_state, checksums
-from .tracker import ActivationOutOfMemoryError, ActivationTracker, storage_key
+from .tracker import ActivationOutOfMemoryError, ActivationTracker, recording, storage_key
 
 
 class PlanExecutor:
@@ -53,6 +53,7 @@ class PlanExecutor:
                  namer: Callable | None = None, verify: bool = False, instrumented=None):
         self.graph = graph
         self.instrumented = instrumented  # the InstrumentedModel whose hooks name the savings (None: none)
+        self.traced = None  # the trace whose slots name the savings (apply_plan on an InstrumentedModel's graph)
         if not isinstance(verify, bool):
             raise ValueError(f"verify must be True or False, got {verify!r}")
         self.verify = verify
@@ -101,8 +102,13 @@ class PlanExecutor:
         ``plan`` (default: the executor's) is this micro-batch's plan before its gates; ``budget_bytes`` (default:
         the deferred planner's) the budget its gates decide against. Under a dual-batch executor whose forward
         records its own micro-batch, the executor's gate is picked up here (``FORWARD_GATE``)."""
+        if not isinstance(name, (str, int)) or isinstance(name, bool):
+            raise ValueError(f"micro-batch names are strings or integers, got {type(name).__name__}")
         if name in self._records:
             raise ValueError(f"micro-batch {name!r} is already in flight")
+        if self.traced is not None and self.instrumented.trace is not self.traced:
+            raise ValueError("the model was traced again (trace_graph) after this executor was made: its plan names "
+                             "the savings of the earlier trace; make a new executor (apply_plan)")
         if self.instrumented is not None and self.instrumented.removed:
             raise ValueError("the instrumented model's hooks were removed (InstrumentedModel.remove()): the plan "
                              "cannot apply; instrument the model again and make a new executor")
@@ -118,7 +124,8 @@ class PlanExecutor:
         record.forward_gate = FORWARD_GATE.get()
         token = ACTIVE.set((self, record))
         try:
-            with restored_scope(), torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(record, t), unpack):
+            with recording(name), restored_scope(), torch.autograd.graph.saved_tensors_hooks(
+                    lambda t: self._pack(record, t), unpack):
                 yield record
                 self._settle(record, None)  # layers whose gate was never reported: the plan in force
         except BaseException:
@@ -440,6 +447,7 @@ def apply_plan(target: "OpGraph | torch.nn.Module | InstrumentedModel", plan: Pl
     with checksums of what the forward produced, and a mismatch raises ``RuntimeError`` naming the op (a module
     with a side effect, such as a KV cache it updates, would otherwise give silently wrong gradients).
     """
+    exclude = _check_arguments(tracker, exclude, deferred, graph)
     namer = instrumented = None
     if isinstance(target, InstrumentedModel):
         if target.removed:
@@ -460,8 +468,29 @@ def apply_plan(target: "OpGraph | torch.nn.Module | InstrumentedModel", plan: Pl
     else:
         raise ValueError(f"apply_plan needs an OpGraph or a model (an InstrumentedModel, or one with a config), "
                          f"got {type(target).__name__}")
-    return PlanExecutor(graph, plan, tracker=tracker, exclude=exclude, deferred=deferred, namer=namer, verify=verify,
-                        instrumented=instrumented)
+    executor = PlanExecutor(graph, plan, tracker=tracker, exclude=exclude, deferred=deferred, namer=namer,
+                            verify=verify, instrumented=instrumented)
+    if namer is not None:
+        executor.traced = instrumented.trace
+    return executor
+
+
+def _check_arguments(tracker, exclude, deferred, graph) -> tuple:
+    """:func:`apply_plan`'s keywords, one ``ValueError`` each (before anything is built on them); returns
+    ``exclude`` as a tuple."""
+    if tracker is not None and not isinstance(tracker, ActivationTracker):
+        raise ValueError(f"tracker must be an ActivationTracker or None, got {type(tracker).__name__}")
+    modules = None
+    if not isinstance(exclude, (torch.nn.Module, str, bytes)) and isinstance(exclude, Iterable):
+        modules = tuple(exclude)
+    if modules is None or not all(isinstance(module, torch.nn.Module) for module in modules):
+        raise ValueError(f"exclude must be an iterable of torch modules (e.g. [model]), got {type(exclude).__name__}")
+    if deferred is not None and not all(callable(getattr(deferred, name, None)) for name in ("after_gate",
+                                                                                              "downgrade")):
+        raise ValueError(f"deferred must be a DeferredPlanner or None, got {type(deferred).__name__}")
+    if graph is not None and not isinstance(graph, OpGraph):
+        raise ValueError(f"graph must be an OpGraph or None, got {type(graph).__name__}")
+    return modules
 
 
 def graph_of(model: torch.nn.Module, imbalance: float = 1.0) -> OpGraph:

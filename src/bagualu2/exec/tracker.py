@@ -103,7 +103,7 @@ class ActivationTracker:
         record = self.open(name)
         previous, self._current = self._current, record
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+            with recording(name), torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
                 yield self
         except BaseException:
             self._in_flight.pop(name, None)
@@ -160,6 +160,25 @@ def weight_keys(module: torch.nn.Module) -> set[tuple[str, int]]:
 #: Storage keys of the parameters of the instrumented op modules running now, read when each op starts (after a
 #: wrapper such as FSDP has gathered them into storages of their own for the forward).
 OP_WEIGHTS: ContextVar[frozenset] = ContextVar("bagualu2_op_weights", default=frozenset())
+#: The micro-batch whose forward records in this thread (a tracker's or an executor's block), None outside.
+RECORDING: ContextVar[object] = ContextVar("bagualu2_recording", default=None)
+
+
+@contextlib.contextmanager
+def recording(name: object) -> Iterator[None]:
+    """Mark this thread's forward as recording micro-batch ``name``; ``ValueError`` inside another's block: autograd's
+    saved-tensor hooks do not nest (the inner block's would take every saving, the outer's plan none)."""
+    if not isinstance(name, (str, int)) or isinstance(name, bool):
+        raise ValueError(f"micro-batch names are strings or integers, got {type(name).__name__}")
+    outer = RECORDING.get()
+    if outer is not None:
+        raise ValueError(f"micro-batch {name!r} begins inside micro-batch {outer!r}'s block: blocks do not nest "
+                         "(autograd's saved-tensor hooks take the innermost only); end one block before the next")
+    token = RECORDING.set(name)
+    try:
+        yield
+    finally:
+        RECORDING.reset(token)
 
 
 def is_parameter(tensor: torch.Tensor) -> bool:
