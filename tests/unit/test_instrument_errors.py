@@ -211,6 +211,17 @@ def test_recompute_of_a_graph_input_and_routing_from_fp8():
 def test_trace_graph_checks_its_arguments():
     model, x = make()
     instrumented = instrument(model, OP_MAP)
+    for loss, message in ((3, "loss must be a callable"), (lambda out: out.sum(-1), "one-element tensor"),
+                          (lambda out: 1.0, "one-element tensor")):
+        with pytest.raises(ValueError) as excinfo:
+            instrumented.trace_graph(x, hardware=HW, loss=loss)
+        assert message in one_line(excinfo)
+    with torch.no_grad(), pytest.raises(ValueError) as excinfo:
+        instrumented.trace_graph(x, hardware=HW)
+    assert "outside torch.no_grad()" in one_line(excinfo)
+    model.requires_grad_(False)  # a frozen model traced through its input: gradients computed, not accumulated
+    instrumented.trace_graph(x, hardware=HW)
+    assert x.grad is None
     with pytest.raises(ValueError) as excinfo:
         instrumented.trace_graph(x, hardware="cpu")
     assert "hardware" in one_line(excinfo)
@@ -221,6 +232,10 @@ def test_trace_graph_checks_its_arguments():
         instrument(model, OP_MAP, gate=3)
     with pytest.raises(ValueError):
         instrument(model, {})
+    instrumented.remove()
+    with pytest.raises(ValueError) as excinfo:
+        instrumented.trace_graph(x, hardware=HW)
+    assert "hooks were removed" in one_line(excinfo)
 
 
 @pytest.mark.slow

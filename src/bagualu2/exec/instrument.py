@@ -186,6 +186,9 @@ class InstrumentedModel:
         ``timed``: Δt measured instead of the roofline of ``hardware``. Also kept as :attr:`trace`."""
         if not isinstance(timed, bool):
             raise ValueError(f"timed must be True or False, got {timed!r}")
+        if self.removed:
+            raise ValueError("the instrumented model's hooks were removed (InstrumentedModel.remove()): nothing can "
+                             "be traced; instrument the model again")
         if self.self_checkpointed:
             raise ValueError("the model's own activation checkpointing is on: its layers save nothing a plan could "
                              "name; turn it off (activation_checkpointing_disable())")

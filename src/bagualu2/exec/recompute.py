@@ -38,6 +38,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .packing import HostCopy, View, dequantize_fp8, flat_storage
 
+# what usually makes a regeneration fail at run time (a plan that could not regenerate is refused before it runs)
+RELEASED_HINT = " (was its micro-batch released, PlanExecutor.release, before its backward ran?)"
+
 
 @dataclass
 class Stored:
@@ -160,7 +163,7 @@ class Source:
             flat = None if found is None else flat_as(found, self.view.dtype)
         if flat is None:
             raise RuntimeError(f"cannot regenerate {self.stored.name or 'an input'}: it is neither stored nor "
-                               "produced by an op the plan re-runs")
+                               f"produced by an op the plan re-runs{RELEASED_HINT}")
         tensor = self.view.rebuild(flat).detach()
         return (tensor.requires_grad_(self.requires_grad) if self.requires_grad else tensor), exact
 
@@ -300,7 +303,7 @@ class Regenerated:
             flat = None if found is None else flat_as(found, self.view.dtype)
         if flat is None:
             raise RuntimeError(f"cannot regenerate {self.stored.name}: it is not stored and the plan does not "
-                               "re-run its producer")
+                               f"re-run its producer{RELEASED_HINT}")
         if self.replay is not None:
             self.replay.done_with()
         self.stored.unhold()

@@ -234,19 +234,30 @@ def run_trace(model: torch.nn.Module, recorder: TraceRecorder, args: tuple, kwar
               loss: Callable[[Any], torch.Tensor] | None) -> None:
     """``model(*args, **kwargs)`` under the recorder's pack hook and the counter, then backward (gradients are
     computed, not accumulated into ``.grad``)."""
+    if loss is not None and not callable(loss):
+        raise ValueError(f"trace_graph: loss must be a callable (output -> scalar tensor), got {type(loss).__name__}")
+    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        raise ValueError("trace_graph runs a forward and a backward: call it outside torch.no_grad() and "
+                         "torch.inference_mode()")
     with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
         with _Counter():
             output = model(*args, **kwargs)
     if loss is not None:
         value = loss(output)
+        if not (isinstance(value, torch.Tensor) and value.numel() == 1 and value.requires_grad):
+            raise ValueError("trace_graph: loss(output) must be a one-element tensor that needs grad, got "
+                             + (f"a tensor of shape {tuple(value.shape)} (requires_grad={value.requires_grad})"
+                                if isinstance(value, torch.Tensor) else type(value).__name__))
     else:
         parts = [t.float().sum() for t in tensors_of(output) if t.requires_grad]
         if not parts:
-            raise ValueError("trace_graph: the model's output needs grad for the backward; pass loss=...")
+            raise ValueError("trace_graph: the model's output needs grad for the backward (no parameter and no "
+                             "input requires grad?); pass loss=...")
         value = torch.stack(parts).sum()
-    params = [p for p in model.parameters() if p.requires_grad]
-    if params:
-        torch.autograd.grad(value, params, allow_unused=True)
-    else:
+    leaves = [p for p in model.parameters() if p.requires_grad] + [
+        t for t in nested_tensors((args, kwargs)) if t.requires_grad and t.is_leaf]
+    if leaves:  # computed, not accumulated into .grad
+        torch.autograd.grad(value.reshape(()), leaves, allow_unused=True)
+    else:  # only leaves made inside the forward need grad: nothing the caller holds accumulates
         value.backward()
     recorder.events.append((time.perf_counter(), ""))  # the end of backward
