@@ -185,6 +185,11 @@ def test_misuse_of_executors_is_one_line():
     assert "traced again" in one_line(excinfo)
     with apply_plan(instrumented, "norm=OFFLOAD").micro_batch(0):  # a new one runs
         model(x)
+    model.to(torch.bfloat16)  # cast after the trace: the plan's savings are not what the model saves now
+    with pytest.raises(ValueError) as excinfo:
+        with apply_plan(instrumented, "norm=OFFLOAD").micro_batch(1):
+            model(x.detach().to(torch.bfloat16))
+    assert "dtype changed since trace_graph" in one_line(excinfo)
     instrumented.remove()
 
 

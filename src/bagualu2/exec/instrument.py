@@ -224,8 +224,12 @@ class InstrumentedModel:
         slot = frame.slot
         frame.slot += 1
         found = self.trace.slots.get((frame.binding.path, frame.call, slot))
-        if found is None or found[1] != dtype:
+        if found is None:
             return None
+        if found[1] != dtype:  # never a matter of routing: the model (or its autocast) changed since the trace
+            raise ValueError(f"module {frame.binding.path} saved a {dtype} tensor where its trace saved "
+                             f"{found[1]} ({found[0]}): the model's dtype changed since trace_graph; trace it again "
+                             "and make a new executor")
         name = found[0]
         if entry.name is None:
             entry.name = name
