@@ -31,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integrat
 
 from test_torchtitan import MICROBATCHES, launch, make_assets  # noqa: E402
 
+from bagualu2.integrations.torchtitan_stage import read_report  # noqa: E402
+
 SPIKE = {"BAGUALU2_PROBE_GROUPED_MM": "1", "BAGUALU2_PROBE_BIAS": "10"}
 CALM = {"BAGUALU2_PROBE_GROUPED_MM": "1"}
 NUM_PROCESSES = 4
@@ -50,11 +52,11 @@ def summary(out: Path, output: str, plain: list | None, seconds: float) -> dict:
     finished = min(len(s) for s in steps)
     row = {"finished_steps": finished, "oom": "ActivationOutOfMemoryError" in output, "wall_s": round(seconds, 1),
            "gradients_bitwise": None if plain is None or finished < len(plain[0]) else steps == plain}
-    reports = [out / f"report.{rank}.json" for rank in range(NUM_PROCESSES)]
+    reports = [out / f"report.{rank}.jsonl" for rank in range(NUM_PROCESSES)]
     if all(path.exists() for path in reports):
         held, replanned, exact = {}, 0, True
         for path in reports:
-            report = json.loads(path.read_text())
+            report = read_report(path)
             stage, in_flight = report["stage"], 2 - report["stage"]
             for rows in report["steps"]:
                 kept = [r["kept_bytes"] for r in rows]
@@ -90,7 +92,7 @@ def main() -> None:
     results, plain = {}, None
     for index, (name, env, steps, flags) in enumerate(runs):
         out = root / f"run{index}"
-        report = ("--bagualu2.report_path", str(out / "report.{rank}.json")) if "bagualu2,probe" in flags else ()
+        report = ("--bagualu2.report_path", str(out / "report.{rank}.jsonl")) if "bagualu2,probe" in flags else ()
         print(f"[{index + 1}/{len(runs)}] {name}: {steps} steps ...", flush=True)
         start = time.perf_counter()
         output = launch(out, tokenizer, data, NUM_PROCESSES, layout(steps), *flags, *report, env=env, ok=None)

@@ -36,6 +36,8 @@ from pathlib import Path
 
 import pytest
 
+from bagualu2.integrations.torchtitan_stage import read_report
+
 # find_spec, not an import: torchtitan 0.2.2 imports triton at import time, which a CPU machine lacks (the harness
 # stands in for it in its own processes)
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="needs torchtitan")
@@ -116,10 +118,10 @@ def _pair(root: Path, assets: Path, data: Path, name: str, nproc: int, layout: t
     launch(root / f"{name}-plain", assets, data, nproc, layout, "--model.converters", "probe")
     launch(root / f"{name}-planned", assets, data, nproc, layout, "--model.converters", "bagualu2,probe",
          "--bagualu2.memory_cap_mib", str(cap_mib), "--bagualu2.no-quantize", "--bagualu2.report_path",
-         str(root / f"{name}-planned" / "report.{rank}.json"), *planned)
+         str(root / f"{name}-planned" / "report.{rank}.jsonl"), *planned)
     grads = {kind: [json.loads((root / f"{name}-{kind}" / f"grads.{rank}.json").read_text()) for rank in range(nproc)]
              for kind in ("plain", "planned")}
-    reports = [json.loads((root / f"{name}-planned" / f"report.{rank}.json").read_text()) for rank in range(nproc)]
+    reports = [read_report(root / f"{name}-planned" / f"report.{rank}.jsonl") for rank in range(nproc)]
     return grads, reports, (root / f"{name}-planned" / "log.txt").read_text()
 
 
@@ -219,13 +221,13 @@ def expert_parallel(assets):
     root, tokenizer, data = assets
     launch(root / "ep-plain", tokenizer, data, 4, EXPERT_PARALLEL, "--model.converters", "probe", env=SPIKE)
     launch(root / "ep-flexible", tokenizer, data, 4, EXPERT_PARALLEL, "--model.converters", "bagualu2,probe",
-         *EP_PLANNED, "--bagualu2.report_path", str(root / "ep-flexible" / "report.{rank}.json"), env=SPIKE)
+         *EP_PLANNED, "--bagualu2.report_path", str(root / "ep-flexible" / "report.{rank}.jsonl"), env=SPIKE)
     under = ("--model.converters", "bagualu2,probe", "--bagualu2.policy", "static-under", *EP_PLANNED)
     launch(root / "ep-under-calm", tokenizer, data, 4, EXPERT_PARALLEL, *under, env=CALM)
     spiked = launch(root / "ep-under-spike", tokenizer, data, 4, EXPERT_PARALLEL, *under, env=SPIKE, ok=False)
     grads = {kind: [json.loads((root / f"ep-{kind}" / f"grads.{rank}.json").read_text()) for rank in range(4)]
              for kind in ("plain", "flexible")}
-    reports = [json.loads((root / "ep-flexible" / f"report.{rank}.json").read_text()) for rank in range(4)]
+    reports = [read_report(root / "ep-flexible" / f"report.{rank}.jsonl") for rank in range(4)]
     return grads, reports, spiked
 
 
@@ -249,3 +251,52 @@ def test_expert_parallel_flexible_fits_a_spike_that_static_under_does_not(expert
     assert min(row["imbalance"] for row in spiked_rows) > 1.5  # EP rank 0 receives every pick after step 1
     assert any(row["downgraded_layers"] for rank in (0, 1) for rows in reports[rank]["steps"][1:] for row in rows)
 
+
+MISUSE = """
+import copy, sys
+sys.path.insert(0, "tests/integration")
+import torchtitan_harness as harness
+harness._shims(); harness._flavor()
+import torch
+from torchtitan.config import ConfigManager
+from torchtitan.distributed import ParallelDims
+from torchtitan.models.deepseek_v3 import DeepSeekV3Model, deepseekv3_args
+import bagualu2.integrations.torchtitan as titan
+
+def model_and_converter(*flags):
+    job = ConfigManager().parse_args(["--job.custom_config_module", "bagualu2.integrations.torchtitan",
+                                      "--activation_checkpoint.mode", "none", "--training.seq_len", "64", *flags])
+    args = copy.deepcopy(deepseekv3_args["debugmodel_4l"]); args.update_from_config(job)
+    torch.manual_seed(0); model = DeepSeekV3Model(args)
+    with torch.no_grad(): model.init_weights(buffer_device=torch.device("cpu"))
+    converter = titan.Bagualu2Converter(job, ParallelDims(1, 1, 1, 1, 1, 1, 1, 1))
+    converter.convert(model)
+    return model, converter, torch.randint(0, args.vocab_size, (2, 64))
+
+model, converter, tokens = model_and_converter("--bagualu2.memory_cap_mib", "20", "--bagualu2.no-quantize")
+try:
+    converter.convert(model)
+except ValueError as exc:
+    print("twice:", exc)
+try:
+    (model(tokens).float().pow(2).mean() + model(tokens).float().pow(2).mean()).backward()
+except ValueError as exc:
+    print("two forwards:", exc)
+model, converter, tokens = model_and_converter("--bagualu2.policy", "off")
+model(tokens).float().pow(2).mean().backward()
+converter.post_optimizer_hook([model])
+print("off measures:", sorted(converter.step_metrics()))
+"""
+
+
+@pytest.mark.launch
+def test_misuse_of_the_converter_is_one_line_and_off_measures():
+    """In a process of its own (the harness's CPU stand-ins for torchtitan's GPU kernels): a model converted twice,
+    two forwards before a backward without a pipeline, and ``policy = "off"``, which measures without a cap."""
+    proc = subprocess.run([sys.executable, "-c", MISUSE], cwd=ROOT, capture_output=True, text=True,
+                          timeout=TIMEOUT_S, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = dict(line.split(": ", 1) for line in proc.stdout.splitlines() if ": " in line)
+    assert "converted by bagualu2 already" in lines["twice"]
+    assert "each forward's backward must run before the next forward" in lines["two forwards"]
+    assert "bagualu2/stage0/kept_mib/mb0" in lines["off measures"]

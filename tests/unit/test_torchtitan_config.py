@@ -111,7 +111,7 @@ def test_a_model_that_is_not_a_torchtitan_decoder():
     assert "has no ModuleDict 'layers'" in one_line(excinfo)
 
 
-def _converter(*, ep: int = 1, tp: int = 1, report_path: str = "", schedule: str = "1F1B"):
+def _converter(*, ep: int = 1, tp: int = 1, report_path: str = "", schedule: str = "1F1B", csv: str = ""):
     from types import SimpleNamespace
 
     from bagualu2.integrations.torchtitan import Bagualu2Converter
@@ -119,6 +119,7 @@ def _converter(*, ep: int = 1, tp: int = 1, report_path: str = "", schedule: str
     job = SimpleNamespace(bagualu2=Bagualu2Config(memory_cap_mib=8, report_path=report_path),
                           activation_checkpoint=SimpleNamespace(mode="none"),
                           parallelism=SimpleNamespace(pipeline_parallel_schedule=schedule,
+                                                      pipeline_parallel_schedule_csv=csv,
                                                       pipeline_parallel_microbatch_size=1),
                           training=SimpleNamespace(local_batch_size=4))
     dims = SimpleNamespace(tp_enabled=tp > 1, cp_enabled=False, ep_enabled=ep > 1, ep=ep, pp_enabled=True)
@@ -165,14 +166,42 @@ def test_report_paths_every_rank_can_write_are_checked_before_training(tmp_path,
 
 
 def test_a_report_never_replaces_a_link_and_is_written_with_the_umask(tmp_path):
-    from bagualu2.integrations.torchtitan_stage import _UMASK, _write_report
+    from bagualu2.integrations.torchtitan_stage import _UMASK, _write_report, read_report
 
-    target = tmp_path / "elsewhere.json"
+    target = tmp_path / "elsewhere.jsonl"
     target.write_text("{}")
-    (tmp_path / "link.json").symlink_to(target)
+    (tmp_path / "link.jsonl").symlink_to(target)
     with pytest.raises(ValueError) as excinfo:
-        _write_report(str(tmp_path / "link.json"), 0, [])
+        _write_report(str(tmp_path / "link.jsonl"), 0, 1, [], fresh=True)
     assert "exists and is not a regular file" in one_line(excinfo) and target.read_text() == "{}"
-    _write_report(str(tmp_path / "r.json"), 0, [[]])
-    assert (tmp_path / "r.json").stat().st_mode & 0o777 == 0o666 & ~_UMASK
+    report = tmp_path / "r.jsonl"
+    report.write_text("an earlier run's report\n")
+    _write_report(str(report), 0, 1, [{"forward": 0}], fresh=True)  # the run's first step replaces it
+    assert report.stat().st_mode & 0o777 == 0o666 & ~_UMASK
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    _write_report(str(report), 0, 2, [{"forward": 0}, {"forward": 1}], fresh=False)  # then one line per step
+    assert len(report.read_text().splitlines()) == 2
+    with open(report, "a") as out:
+        out.write('{"stage": 0, "st')  # a run stopped mid-write
+    assert read_report(report) == {"stage": 0, "steps": [[{"forward": 0}], [{"forward": 0}, {"forward": 1}]],
+                                   "step_numbers": [1, 2]}
+    report.write_text("not json\n" + report.read_text())
+    with pytest.raises(ValueError, match="line 1: not a report line"):
+        read_report(report)
+
+
+def test_a_report_path_naming_a_folder_and_a_schedule_from_a_file_are_refused(tmp_path):
+    with pytest.raises(ValueError) as excinfo:
+        _converter(report_path=str(tmp_path) + "/")
+    assert "must name a file" in one_line(excinfo)
+    with pytest.raises(ValueError) as excinfo:
+        _converter(csv=str(tmp_path / "schedule.csv"))
+    assert "pipeline_parallel_schedule_csv must be empty" in one_line(excinfo)
+
+
+def test_a_model_converted_twice_is_refused():
+    converter, model = _converter(), _decoder(grouped=False)
+    converter.convert(model)
+    with pytest.raises(ValueError) as excinfo:
+        _converter().convert(model)
+    assert "converted by bagualu2 already" in one_line(excinfo)

@@ -28,13 +28,15 @@ import torch
 
 from .torchtitan_config import (MIB, POLICIES, SCHEDULES, Bagualu2Config, JobConfig, gate_report, op_map,
                                 padded_rows)
-from .torchtitan_stage import ACTIVE_FORWARD, ScheduleInfo, StageProvisioner, check_report_path, scheduled_forward
+from .torchtitan_stage import (ACTIVE_FORWARD, ScheduleInfo, StageProvisioner, check_report_path, read_report,
+                               scheduled_forward)
 
 
 #: the decoders :func:`op_map` reads: importing this module gives their train specs a metrics processor builder that
 #: hands torchtitan's metrics processor to the live converters (the spec is otherwise torchtitan's own)
 MODELS = ("deepseek_v3", "qwen3")
 _CONVERTERS: "weakref.WeakSet[Bagualu2Converter]" = weakref.WeakSet()
+_CONVERTED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # the models a converter put its hooks on
 
 
 def _warn(message: str) -> None:
@@ -63,9 +65,10 @@ class Bagualu2Converter:
                                        else dict(config)))
         self.config = config
         parallelism = job_config.parallelism
-        if getattr(job_config.activation_checkpoint, "mode", "none") != "none":
+        mode = getattr(job_config.activation_checkpoint, "mode", "none")
+        if mode != "none":
             raise ValueError("activation_checkpoint.mode must be none with the bagualu2 converter: it decides what "
-                             "each micro-batch recomputes")
+                             f"each micro-batch recomputes; got {mode!r}")
         if parallel_dims.tp_enabled or parallel_dims.cp_enabled:
             raise ValueError("the bagualu2 converter supports pipeline, data and expert parallelism; "
                              "tensor_parallel_degree and context_parallel_degree must be 1")
@@ -78,6 +81,10 @@ class Bagualu2Converter:
         if pipelined and str(parallelism.pipeline_parallel_schedule).lower() not in {s.lower() for s in SCHEDULES}:
             raise ValueError(f"parallelism.pipeline_parallel_schedule must be one of {', '.join(SCHEDULES)} with "
                              f"the bagualu2 converter, got {parallelism.pipeline_parallel_schedule!r}")
+        if pipelined and getattr(parallelism, "pipeline_parallel_schedule_csv", None):
+            raise ValueError("parallelism.pipeline_parallel_schedule_csv must be empty with the bagualu2 converter "
+                             "(a schedule from a file replaces 1F1B, whose in-flight micro-batches the budgets "
+                             f"assume), got {parallelism.pipeline_parallel_schedule_csv!r}")
         check_report_path(config.report_path, int(os.environ.get("WORLD_SIZE", "1")))
         local = job_config.training.local_batch_size
         # without a pipeline each forward (one per gradient-accumulation micro-step) is backwarded before the next
@@ -99,8 +106,10 @@ class Bagualu2Converter:
             raise ValueError("expert_parallel_degree > 1 with the bagualu2 converter needs torchtitan's grouped-GEMM "
                              "experts (moe_args.use_grouped_mm, torchtitan's choice on GPUs of compute capability "
                              "9.0 and later), not the per-expert loop")
-        if self.config.policy == "off" and self.config.cap_bytes is None and not self.config.report_path:
-            return
+        if model in _CONVERTED:  # two converters on one model would put two sets of hooks on it
+            raise ValueError(f"{type(model).__name__} is converted by bagualu2 already (is bagualu2 listed twice in "
+                             "model.converters?)")
+        _CONVERTED.add(model)
         # plain functions (closures): the pipeline split deep-copies the model with its hooks, and a bound method
         # would be copied with its converter; a function is not copied
         def before(part, args, kwargs):
@@ -156,7 +165,7 @@ class Bagualu2Converter:
         ``bagualu2/stage{s}/kept_mib/mb{m}``, ``.../budget_mib/mb{m}``, and ``bagualu2/stage{s}/replanned``."""
         out: dict[str, float] = {}
         for stage, provisioner in sorted(self.provisioners.items()):
-            rows = provisioner.history[-1] if provisioner.history else []
+            rows = provisioner.last_rows
             for row in rows:
                 key = f"mb{row['forward']}"
                 out[f"bagualu2/stage{stage}/kept_mib/{key}"] = row["kept_bytes"] / MIB
@@ -201,4 +210,4 @@ def _register() -> None:
 _register()
 
 __all__ = ["MODELS", "POLICIES", "Bagualu2Config", "Bagualu2Converter", "JobConfig", "StageProvisioner",
-           "gate_report", "op_map", "padded_rows"]
+           "gate_report", "op_map", "padded_rows", "read_report"]

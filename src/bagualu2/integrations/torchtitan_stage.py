@@ -120,7 +120,7 @@ def planned_graph(graph: OpGraph, *, quantize: bool = True, expert_parallel: boo
 
 class StageProvisioner:
     """Budgets, plans and kept bytes of one pipeline stage's part (module docstring). ``rows`` holds this step's
-    micro-batches; ``history`` every finished step's."""
+    micro-batches; ``last_rows`` the last finished step's."""
 
     def __init__(self, part: torch.nn.Module, args: tuple, *, config: Bagualu2Config, stage_index: int,
                  num_stages: int, num_microbatches: int, expert_parallel_degree: int = 1, step: int = 0):
@@ -140,7 +140,7 @@ class StageProvisioner:
         floor = self.graph.floor_bytes
         if cap is not None and cap < self.in_flight * floor:
             raise ValueError(f"bagualu2.memory_cap_mib={config.memory_cap_mib} is below what pipeline stage "
-                             f"{stage_index} needs: {self.in_flight} micro-batches in flight x {floor} bytes each "
+                             f"{stage_index} needs: {self.in_flight} micro-batch(es) in flight x {floor} bytes each "
                              f"at least (full recompute) = {self.in_flight * floor / 2**20:.2f} MiB")
         routed = bool(self.graph.mean_routed_tokens)
         self.engine = TracedStage(self.graph) if routed else None
@@ -164,7 +164,8 @@ class StageProvisioner:
         self._pre: dict[int, Plan] = {}
         first = next(layer for layer in part.layers.values() if layer is not None)
         first.register_forward_pre_hook(self._first_layer)
-        self.history: list[list[dict]] = []
+        self.last_rows: list[dict] = []  # the last finished step's (the report file has every step's)
+        self._report_started = False
         self._begin_step(step)
 
     # ---- plans ------------------------------------------------------------------------------------------------
@@ -200,12 +201,17 @@ class StageProvisioner:
                                         num_microbatches=self.num_microbatches, num_warmup=self.in_flight)
                          if self.policy == "flexible" else None)
         self._names: dict[int, str] = {}
+        self._awaiting: set[str] = set()  # micro-batches whose backward has not reached the first layer yet
 
     def begin(self, microbatch: int | None) -> None:
         """The part's forward of ``microbatch`` starts (None: without a pipeline schedule, where each forward's
         backward runs before the next forward: every forward is micro-batch 0 of a round of its own)."""
         if microbatch is None:
             microbatch = 0
+            if self._names.get(0) in self._awaiting:
+                raise ValueError("without a pipeline each forward's backward must run before the next forward (the "
+                                 "converter numbers them as one micro-batch each); the previous forward's backward "
+                                 "has not run")
         if microbatch in self._names:  # the schedule runs again within the step (gradient accumulation)
             self._release_all()
             self._begin_round()
@@ -225,6 +231,8 @@ class StageProvisioner:
         if current is None or not args or not isinstance(args[0], torch.Tensor):
             return None
         microbatch, name = current[0], current[1]
+        if args[0].requires_grad:  # its backward will report: the next forward without a pipeline must wait for it
+            self._awaiting.add(name)
         return (on_backward(args[0], lambda: self.release(microbatch, name)), *args[1:])
 
     def end(self, *, failed: bool) -> None:
@@ -260,6 +268,7 @@ class StageProvisioner:
 
     def release(self, microbatch: int, name: str) -> None:
         """The backward of the part's first layer ran for ``microbatch``: its activations are free."""
+        self._awaiting.discard(name)
         if name in self.executor:
             self.executor.release(name)
             if self.assigner is not None:
@@ -273,11 +282,11 @@ class StageProvisioner:
     def end_step(self, step: int) -> None:
         """After the optimizer step: log and report the step's micro-batches, start the next step's budgets."""
         self._release_all()
-        rows = sorted(self.rows, key=lambda row: row["forward"])
-        self.history.append(rows)
+        rows = self.last_rows = sorted(self.rows, key=lambda row: row["forward"])
         _log(self.stage_index, step, rows)
         if self.config.report_path:
-            _write_report(self.config.report_path, self.stage_index, self.history)
+            self._report_started = _write_report(self.config.report_path, self.stage_index, step, rows,
+                                                 fresh=not self._report_started)
         self._begin_step(step)
 
 
@@ -309,6 +318,8 @@ def check_report_path(pattern: str, world_size: int) -> None:
         raise ValueError(f"bagualu2.report_path must contain {{rank}} when {world_size} ranks run (each writes its "
                          f"own report), got {pattern!r}")
     path = report_file(pattern, 0)
+    if pattern.endswith(("/", os.sep)) or os.path.basename(path) in ("", ".", ".."):
+        raise ValueError(f"bagualu2.report_path must name a file, got {pattern!r}")
     _refuse_non_file(path)
     directory = os.path.dirname(os.path.abspath(path))
     ranked = pattern.replace("{rank}", os.environ.get("RANK", "0"))
@@ -328,18 +339,26 @@ def _refuse_non_file(path: str) -> None:
         raise ValueError(f"bagualu2.report_path {path!r} exists and is not a regular file") from None
 
 
-def _write_report(pattern: str, stage: int, history: list[list[dict]]) -> None:
+def _write_report(pattern: str, stage: int, step: int, rows: list[dict], *, fresh: bool) -> bool:
+    """One JSON line ``{"stage", "step", "rows"}`` for the finished ``step``: appended, or (``fresh``: the run's first)
+    as a new file written to a temporary file and renamed over any earlier run's. Returns True."""
     path = report_file(pattern, stage)
     _refuse_non_file(path)
+    line = json.dumps({"stage": stage, "step": step, "rows": rows}) + "\n"
     directory = os.path.dirname(os.path.abspath(path))
     temporary = None
     try:
+        if not fresh:
+            with open(path, "a") as out:
+                out.write(line)
+            return True
         os.makedirs(directory, exist_ok=True)
         handle, temporary = tempfile.mkstemp(dir=directory, prefix=".bagualu2-report-")
         with os.fdopen(handle, "w") as out:
             os.fchmod(out.fileno(), 0o666 & ~_UMASK)  # as a file opened for writing would be
-            json.dump({"stage": stage, "steps": history}, out)
+            out.write(line)
         os.replace(temporary, path)
+        return True
     except BaseException as exc:
         if temporary is not None:
             with contextlib.suppress(OSError):
@@ -347,6 +366,26 @@ def _write_report(pattern: str, stage: int, history: list[list[dict]]) -> None:
         if isinstance(exc, OSError):
             raise ValueError(f"bagualu2.report_path {path!r}: cannot write it ({exc.strerror or exc})") from None
         raise
+
+
+def read_report(path: str | os.PathLike[str]) -> dict:
+    """A report file as ``{"stage", "steps": [rows of each step], "step_numbers"}``; a last line cut short (a run
+    stopped mid-write) is left out, any other malformed line is a ``ValueError`` naming it."""
+    lines = [line for line in open(path).read().split("\n") if line.strip()]
+    stage, steps, numbers = None, [], []
+    for index, line in enumerate(lines, 1):
+        try:
+            entry = json.loads(line)
+            stage = entry["stage"] if stage is None else stage
+            if entry["stage"] != stage:
+                raise ValueError(f"stage {entry['stage']} after stage {stage}")
+            steps.append(entry["rows"])
+            numbers.append(entry["step"])
+        except (ValueError, KeyError, TypeError) as exc:
+            if index == len(lines) and isinstance(exc, json.JSONDecodeError):
+                break
+            raise ValueError(f"{path}: line {index}: not a report line ({exc})") from None
+    return {"stage": stage, "steps": steps, "step_numbers": numbers}
 
 
 def _umask() -> int:
@@ -358,5 +397,5 @@ def _umask() -> int:
 _UMASK = _umask()
 
 
-__all__ = ["ACTIVE_FORWARD", "ScheduleInfo", "StageProvisioner", "check_report_path", "report_file",
+__all__ = ["ACTIVE_FORWARD", "ScheduleInfo", "StageProvisioner", "check_report_path", "read_report", "report_file",
            "scheduled_forward"]
