@@ -2,10 +2,11 @@
 
 Under a launcher (``MASTER_ADDR`` / ``MASTER_PORT`` set, ``WORLD_SIZE`` > 1) each rank publishes, in the launch's
 TCP store, either its parsed configuration or its user error (:func:`agree`). Every rank then reads all of them and
-reaches the same verdict: a rank's bad flags, or ranks launched with different flags (``--seed`` on one node only),
-are one line from rank 0 (naming the rank and the flag) and exit code 2 on every rank, before any process group
-exists. A rank that does not report within the collective timeout ends the launch with
-``watchdog.STALL_EXIT_CODE`` (rank 0 names it).
+reaches the same verdict: a rank's bad flags, or ranks launched with different flags (``--seed`` on one node only;
+paths too: every rank must be given the same ones), are one line from rank 0 (naming the rank and the flag) and
+exit code 2 on every rank, before any process group exists. A rank that does not report within
+``max(--collective-timeout, DEFAULT_TIMEOUT_S)`` ends the launch with ``watchdog.STALL_EXIT_CODE`` (rank 0 names
+it).
 
 :func:`die_with_launcher` asks Linux to kill this worker when its launcher (torchrun's agent) dies, even by
 ``SIGKILL``: otherwise the workers of a killed launch would keep training, or waiting, as orphans.
@@ -104,7 +105,9 @@ def agree(report: dict, flags: Mapping[str, str], timeout_s: float | None) -> No
     from .watchdog import STALL_EXIT_CODE
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    timeout = datetime.timedelta(seconds=timeout_s if timeout_s is not None else DEFAULT_TIMEOUT_S)
+    # at least the store's own wait: ranks load their data at their own pace before they report (the collective
+    # timeout bounds a step, often a few seconds)
+    timeout = datetime.timedelta(seconds=max(timeout_s or 0.0, DEFAULT_TIMEOUT_S))
     try:
         shared = store()
     except (dist.DistError, RuntimeError) as exc:
@@ -117,10 +120,16 @@ def agree(report: dict, flags: Mapping[str, str], timeout_s: float | None) -> No
     try:
         shared.wait(keys, timeout)
     except (dist.DistError, RuntimeError):
-        missing = [r for r, key in enumerate(keys) if not shared.check([key])]
-        _exit(rank, f"rank(s) {', '.join(map(str, missing))} did not start within {timeout.total_seconds():g} s "
-              "(--collective-timeout)", STALL_EXIT_CODE)
-    reports = {r: json.loads(shared.get(key)) for r, key in enumerate(keys)}
+        try:
+            missing = [r for r, key in enumerate(keys) if not shared.check([key])]
+        except (dist.DistError, RuntimeError):  # the store's host (rank 0) is gone: it reported, or nobody can
+            raise SystemExit(STALL_EXIT_CODE) from None
+        _exit(rank, f"rank(s) {', '.join(map(str, missing))} did not report their flags within "
+              f"{timeout.total_seconds():g} s", STALL_EXIT_CODE)
+    try:
+        reports = {r: json.loads(shared.get(key)) for r, key in enumerate(keys)}
+    except (dist.DistError, RuntimeError):  # the store's host (rank 0) exited after its verdict: this rank's is the same
+        raise SystemExit(2) from None
     line = verdict(reports, flags)
     if line is not None:
         _exit(rank, line, 2)

@@ -23,7 +23,6 @@ from . import startup
 from .policies import POLICIES
 from .recipes import NONFINITE, RECIPES, SCHEDULES, TrainConfig, parse_bytes, recipe
 
-FLAG_NAMES: dict[str, str] = {}  # TrainConfig field -> the flag that sets it (filled below FLAGS)
 CHOICES = {"--schedule": SCHEDULES, "--policy": POLICIES, "--on-nonfinite": NONFINITE}
 
 FLAGS = {  # flag -> (TrainConfig field, type)
@@ -39,9 +38,9 @@ FLAGS = {  # flag -> (TrainConfig field, type)
     "--prediction-scale": ("prediction_scale", float), "--collective-timeout": ("collective_timeout_s", float),
     "--on-nonfinite": ("on_nonfinite", str),
 }
-
-FLAG_NAMES.update({field: flag for flag, (field, _) in FLAGS.items()})
-FLAG_NAMES.update({"resume": "--resume", "paired": "--paired", "model": "--recipe", "extra": "--recipe"})
+# TrainConfig field -> the flag that sets it (the fields no flag sets come from the recipe)
+FLAG_NAMES = {**{field: flag for flag, (field, _) in FLAGS.items()},
+              "resume": "--resume", "paired": "--paired", "model": "--recipe", "extra": "--recipe"}
 
 
 def _process_groups() -> bool:
@@ -142,6 +141,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             # a defect, not a user error: its traceback, then exit 1 without interpreter teardown (destroying the
             # process groups there can abort the process, "terminate called without an active exception")
             traceback.print_exc()
+            sys.stdout.flush()
             sys.stderr.flush()
             os._exit(1)
         exit_after_failure(failed, f"error: rank {_rank()}: a collective failed ({type(failed).__name__}: "

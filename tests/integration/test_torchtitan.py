@@ -256,7 +256,7 @@ MISUSE = """
 import copy, sys
 sys.path.insert(0, "tests/integration")
 import torchtitan_harness as harness
-harness._shims(); harness._flavor()
+harness.setup()
 import torch
 from torchtitan.config import ConfigManager
 from torchtitan.distributed import ParallelDims

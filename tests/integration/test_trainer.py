@@ -164,16 +164,21 @@ def test_the_workers_of_a_killed_launcher_stop(tmp_path):
         found = subprocess.run(["pgrep", "-f", str(metrics)], capture_output=True, text=True).stdout.split()
         return [pid for pid in found if int(pid) != agent.pid]
 
-    deadline = time.monotonic() + TIMEOUT_S
-    while not (metrics.exists() and metrics.read_text()) and time.monotonic() < deadline:
-        time.sleep(0.5)  # until the first step is logged: the workers are training
-    assert len(running()) == 2
-    agent.kill()
-    agent.wait()
-    deadline = time.monotonic() + 30
-    while running() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not running()
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not (metrics.exists() and metrics.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.5)  # until the first step is logged: the workers are training
+        assert len(running()) == 2
+        agent.kill()
+        agent.wait()
+        deadline = time.monotonic() + 30
+        while running() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not running()
+    finally:  # a failure leaves no process of this launch on the machine
+        agent.kill()
+        for pid in running():
+            subprocess.run(["kill", "-9", pid], capture_output=True)
 
 
 def test_a_bad_flag_is_one_line_from_rank_0_and_the_others_exit_quietly():

@@ -182,10 +182,15 @@ class Probe:
             json.dump(self.steps, out)
 
 
-def main() -> None:
-    torch.set_num_threads(1)
+def setup() -> None:
+    """torchtitan importable and runnable on a CPU in this process: the kernels' and devices' stand-ins, the flavors."""
     _shims()
     _flavor()
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    setup()
     from torchtitan.protocols.model_converter import register_model_converter
     from torchtitan.train import Trainer, main as train
 

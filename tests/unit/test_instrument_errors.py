@@ -189,7 +189,7 @@ def test_misuse_of_executors_is_one_line():
     with pytest.raises(ValueError) as excinfo:
         with apply_plan(instrumented, "norm=OFFLOAD").micro_batch(1):
             model(x.detach().to(torch.bfloat16))
-    assert "dtype changed since trace_graph" in one_line(excinfo)
+    assert "were torch.float32 when it was traced" in one_line(excinfo)
     instrumented.remove()
 
 

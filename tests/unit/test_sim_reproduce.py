@@ -45,7 +45,8 @@ def test_tokens_held_scales_the_microbatches_to_counts_the_schedule_takes():
     assert tokens_held(plain, 4096, 12288).num_microbatches == 4  # 3.3 rounds to 3, below pp = 4
     assert tokens_held(plain, 4096, 6144).num_microbatches == 7  # not interleaved: any count >= pp
     interleaved = dataclasses.replace(parallel, pp=4, num_microbatches=24)
-    assert tokens_held(interleaved, 4096, 6144).num_microbatches == 16  # 16 of 24: the multiple of 4 nearest
+    assert tokens_held(interleaved, 4096, 6144).num_microbatches == 16  # exactly 16
+    assert tokens_held(interleaved, 4096, 5120).num_microbatches == 20  # 19.2: the multiple of 4 nearest
 
 
 def test_layer_level_plan_recomputes_whole_layers_until_the_chunk_fits():

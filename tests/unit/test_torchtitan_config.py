@@ -166,20 +166,20 @@ def test_report_paths_every_rank_can_write_are_checked_before_training(tmp_path,
 
 
 def test_a_report_never_replaces_a_link_and_is_written_with_the_umask(tmp_path):
-    from bagualu2.integrations.torchtitan_stage import _UMASK, _write_report, read_report
+    from bagualu2.integrations.torchtitan_stage import UMASK, read_report, write_report
 
     target = tmp_path / "elsewhere.jsonl"
     target.write_text("{}")
     (tmp_path / "link.jsonl").symlink_to(target)
     with pytest.raises(ValueError) as excinfo:
-        _write_report(str(tmp_path / "link.jsonl"), 0, 1, [], fresh=True)
+        write_report(str(tmp_path / "link.jsonl"), 0, 1, [], fresh=True)
     assert "exists and is not a regular file" in one_line(excinfo) and target.read_text() == "{}"
     report = tmp_path / "r.jsonl"
     report.write_text("an earlier run's report\n")
-    _write_report(str(report), 0, 1, [{"forward": 0}], fresh=True)  # the run's first step replaces it
-    assert report.stat().st_mode & 0o777 == 0o666 & ~_UMASK
+    write_report(str(report), 0, 1, [{"forward": 0}], fresh=True)  # the run's first step replaces it
+    assert report.stat().st_mode & 0o777 == 0o666 & ~UMASK
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
-    _write_report(str(report), 0, 2, [{"forward": 0}, {"forward": 1}], fresh=False)  # then one line per step
+    write_report(str(report), 0, 2, [{"forward": 0}, {"forward": 1}], fresh=False)  # then one line per step
     assert len(report.read_text().splitlines()) == 2
     with open(report, "a") as out:
         out.write('{"stage": 0, "st')  # a run stopped mid-write

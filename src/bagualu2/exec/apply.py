@@ -106,9 +106,11 @@ class PlanExecutor:
             raise ValueError(f"micro-batch names are strings or integers, got {type(name).__name__}")
         if name in self._records:
             raise ValueError(f"micro-batch {name!r} is already in flight")
-        if self.traced is not None and self.instrumented.trace is not self.traced:
-            raise ValueError("the model was traced again (trace_graph) after this executor was made: its plan names "
-                             "the savings of the earlier trace; make a new executor (apply_plan)")
+        if self.traced is not None:
+            if self.instrumented.trace is not self.traced:
+                raise ValueError("the model was traced again (trace_graph) after this executor was made: its plan "
+                                 "names the savings of the earlier trace; make a new executor (apply_plan)")
+            self.instrumented.check_traced_dtype()
         if self.instrumented is not None and self.instrumented.removed:
             raise ValueError("the instrumented model's hooks were removed (InstrumentedModel.remove()): the plan "
                              "cannot apply; instrument the model again and make a new executor")

@@ -117,6 +117,10 @@ def restored_scope() -> Iterator[None]:
                 var.set(value)
 
 
+def _first_float_dtype(model: torch.nn.Module) -> torch.dtype | None:
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+
+
 def check_device(model: torch.nn.Module) -> None:
     """``ValueError`` unless every parameter and buffer is on a device the executor supports."""
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
@@ -140,6 +144,7 @@ class InstrumentedModel:
         self.bindings = dict(bindings)
         self.gate = gate
         self.trace: TraceResult | None = None
+        self.traced_dtype: torch.dtype | None = None  # the first floating parameter's dtype when traced
         self.removed = False
         _INSTRUMENTED.add(model)
         modules = dict(model.named_modules())
@@ -205,7 +210,16 @@ class InstrumentedModel:
         finally:
             TRACER.reset(token)
         self.trace = build_graph_of(recorder, self.model, hardware, activation_dtype=self._activation_dtype())
+        self.traced_dtype = _first_float_dtype(self.model)
         return self.trace.graph
+
+    def check_traced_dtype(self) -> None:
+        """``ValueError`` when the model was cast (``model.to(dtype)``) since :meth:`trace_graph`: its savings are
+        no longer the traced ones, and a plan would silently not apply."""
+        now = _first_float_dtype(self.model)
+        if self.trace is not None and now != self.traced_dtype:
+            raise ValueError(f"the model's parameters are {now} but were {self.traced_dtype} when it was traced: "
+                             "trace it again (trace_graph) and make a new executor")
 
     def _activation_dtype(self) -> str:
         counts: dict[torch.dtype, int] = {}
@@ -224,12 +238,8 @@ class InstrumentedModel:
         slot = frame.slot
         frame.slot += 1
         found = self.trace.slots.get((frame.binding.path, frame.call, slot))
-        if found is None:
+        if found is None or found[1] != dtype:
             return None
-        if found[1] != dtype:  # never a matter of routing: the model (or its autocast) changed since the trace
-            raise ValueError(f"module {frame.binding.path} saved a {dtype} tensor where its trace saved "
-                             f"{found[1]} ({found[0]}): the model's dtype changed since trace_graph; trace it again "
-                             "and make a new executor")
         name = found[0]
         if entry.name is None:
             entry.name = name

@@ -254,10 +254,10 @@ def run_trace(model: torch.nn.Module, recorder: TraceRecorder, args: tuple, kwar
             raise ValueError("trace_graph: the model's output needs grad for the backward (no parameter and no "
                              "input requires grad?); pass loss=...")
         value = torch.stack(parts).sum()
-    leaves = [p for p in model.parameters() if p.requires_grad] + [
-        t for t in nested_tensors((args, kwargs)) if t.requires_grad and t.is_leaf]
-    if leaves:  # computed, not accumulated into .grad
-        torch.autograd.grad(value.reshape(()), leaves, allow_unused=True)
-    else:  # only leaves made inside the forward need grad: nothing the caller holds accumulates
+    targets = list({id(t): t for t in (*model.parameters(), *nested_tensors((args, kwargs)))
+                    if t.requires_grad}.values())
+    if targets:  # computed, not accumulated into any .grad (an input made upstream stops the backward there)
+        torch.autograd.grad(value.reshape(()), targets, allow_unused=True)
+    else:  # only tensors made inside the forward need grad
         value.backward()
     recorder.events.append((time.perf_counter(), ""))  # the end of backward

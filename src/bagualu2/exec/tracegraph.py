@@ -38,11 +38,12 @@ def build_graph_of(recorder: TraceRecorder, model: torch.nn.Module, hardware: Ha
     backward_s = _backward_times(recorder)
     params = {name: _param_bytes(model, {c.binding.path for c in calls}) for name, calls in by_op.items()}
     tensors: dict[str, TensorSpec] = {}
-    random_ops = _enclosing(by_op, {name for name, calls in by_op.items() if any(c.random for c in calls)})
-    stateful = {name: next(c.stateful for c in calls if c.stateful) for name, calls in by_op.items()
-                if any(c.stateful for c in calls)}
-    stateful = {name: stateful.get(name) or next(stateful[inner] for inner in stateful if inner in inside)
-                for name, inside in _nested(by_op).items() if name in stateful or inside & stateful.keys()}
+    enclosing = _enclosing_ops(by_op)
+    random_ops = _flag_enclosing(enclosing, {name for name, calls in by_op.items() if any(c.random for c in calls)})
+    own_state = {name: next(c.stateful for c in calls if c.stateful) for name, calls in by_op.items()
+                 if any(c.stateful for c in calls)}
+    stateful = {outer: kind for inner, kind in own_state.items() for outer in (inner, *enclosing[inner])}
+    stateful.update(own_state)  # an op's own argument type before a child's
     fixed = _not_regenerable(recorder, random_ops | stateful.keys())
     marked = any(info.routed for info in recorder.storages.values())
     ops = []
@@ -87,21 +88,29 @@ def build_graph_of(recorder: TraceRecorder, model: torch.nn.Module, hardware: Ha
     saved = sum(recorder.storages[k].nbytes for k in mapped) + sum(outside.values())
     slots = {(path, call, slot): (names[key], dtype) for path, call, slot, key, dtype in recorder.slots}
     modules = {name: _unique(c.binding.path for c in calls) for name, calls in by_op.items()}
-    dependent = _enclosing(by_op, {name for name, calls in by_op.items() if any(c.value_dependent for c in calls)})
+    dependent = _flag_enclosing(enclosing, {name for name, calls in by_op.items()
+                                            if any(c.value_dependent for c in calls)})
     return TraceResult(graph, slots, saved, sum(outside.values()), recorder.num_unmapped, frozenset(random_ops),
                        frozenset(dependent), modules, stateful)
 
 
-def _nested(by_op: dict) -> dict[str, set]:
-    """Per op, the ops whose modules sit inside one of its modules (a re-run of the op re-runs them too)."""
-    paths = {name: {c.binding.path for c in calls} for name, calls in by_op.items()}
-    return {outer: {inner for inner, inner_paths in paths.items() if inner != outer and any(
-        p.startswith(f"{q}.") for p in inner_paths for q in outer_paths)} for outer, outer_paths in paths.items()}
+def _enclosing_ops(by_op: dict) -> dict[str, set]:
+    """Per op, the other ops one of whose modules encloses one of its modules (a re-run of such an op re-runs this
+    one too): each module path's dotted ancestors looked up among the mapped paths."""
+    op_of_path = {c.binding.path: name for name, calls in by_op.items() for c in calls}
+    out: dict[str, set] = {name: set() for name in by_op}
+    for path, name in op_of_path.items():
+        parts = path.split(".")
+        for depth in range(1, len(parts)):
+            outer = op_of_path.get(".".join(parts[:depth]))
+            if outer is not None and outer != name:
+                out[name].add(outer)
+    return out
 
 
-def _enclosing(by_op: dict, flagged: set) -> set:
-    """``flagged`` ops and every op with a flagged op inside its modules (whose re-run re-runs the flagged one)."""
-    return {name for name, inside in _nested(by_op).items() if name in flagged or inside & flagged}
+def _flag_enclosing(enclosing: dict[str, set], flagged: set) -> set:
+    """``flagged`` ops and every op enclosing one of them (whose re-run re-runs the flagged one)."""
+    return set(flagged).union(*(enclosing[name] for name in flagged))
 
 
 def _is_routed(info, by_op: dict, marked: bool) -> bool:

@@ -109,7 +109,6 @@ class Bagualu2Converter:
         if model in _CONVERTED:  # two converters on one model would put two sets of hooks on it
             raise ValueError(f"{type(model).__name__} is converted by bagualu2 already (is bagualu2 listed twice in "
                              "model.converters?)")
-        _CONVERTED.add(model)
         # plain functions (closures): the pipeline split deep-copies the model with its hooks, and a bound method
         # would be copied with its converter; a function is not copied
         def before(part, args, kwargs):
@@ -120,6 +119,7 @@ class Bagualu2Converter:
 
         model.register_forward_pre_hook(before, with_kwargs=True)
         model.register_forward_hook(after, with_kwargs=True, always_call=True)
+        _CONVERTED.add(model)
 
     def _provisioner(self, part: torch.nn.Module, args):
         where = scheduled_forward(self.schedule)

@@ -208,7 +208,7 @@ class StageProvisioner:
         backward runs before the next forward: every forward is micro-batch 0 of a round of its own)."""
         if microbatch is None:
             microbatch = 0
-            if self._names.get(0) in self._awaiting:
+            if self._awaiting:
                 raise ValueError("without a pipeline each forward's backward must run before the next forward (the "
                                  "converter numbers them as one micro-batch each); the previous forward's backward "
                                  "has not run")
@@ -241,6 +241,7 @@ class StageProvisioner:
         self._current = None
         ACTIVE_FORWARD.reset(token)
         if failed:
+            self._awaiting.discard(name)  # no backward will come for it
             context.__exit__(RuntimeError, RuntimeError("forward failed"), None)
             return
         context.__exit__(None, None, None)
@@ -251,6 +252,7 @@ class StageProvisioner:
         if self.assigner is not None:
             held = self.assigner.record_forward(microbatch, kept)
             if held > self.cap_bytes:
+                self._awaiting.discard(name)  # the step is lost: no backward will come for it
                 raise ActivationOutOfMemoryError(
                     f"pipeline stage {self.stage_index}: activations in flight reach {held} bytes after micro-batch "
                     f"{microbatch} (budget {budget}, kept {kept}, predicted {predicted}), over the cap of "
@@ -285,7 +287,7 @@ class StageProvisioner:
         rows = self.last_rows = sorted(self.rows, key=lambda row: row["forward"])
         _log(self.stage_index, step, rows)
         if self.config.report_path:
-            self._report_started = _write_report(self.config.report_path, self.stage_index, step, rows,
+            self._report_started = write_report(self.config.report_path, self.stage_index, step, rows,
                                                  fresh=not self._report_started)
         self._begin_step(step)
 
@@ -339,7 +341,7 @@ def _refuse_non_file(path: str) -> None:
         raise ValueError(f"bagualu2.report_path {path!r} exists and is not a regular file") from None
 
 
-def _write_report(pattern: str, stage: int, step: int, rows: list[dict], *, fresh: bool) -> bool:
+def write_report(pattern: str, stage: int, step: int, rows: list[dict], *, fresh: bool) -> bool:
     """One JSON line ``{"stage", "step", "rows"}`` for the finished ``step``: appended, or (``fresh``: the run's first)
     as a new file written to a temporary file and renamed over any earlier run's. Returns True."""
     path = report_file(pattern, stage)
@@ -355,7 +357,7 @@ def _write_report(pattern: str, stage: int, step: int, rows: list[dict], *, fres
         os.makedirs(directory, exist_ok=True)
         handle, temporary = tempfile.mkstemp(dir=directory, prefix=".bagualu2-report-")
         with os.fdopen(handle, "w") as out:
-            os.fchmod(out.fileno(), 0o666 & ~_UMASK)  # as a file opened for writing would be
+            os.fchmod(out.fileno(), 0o666 & ~UMASK)  # as a file opened for writing would be
             out.write(line)
         os.replace(temporary, path)
         return True
@@ -371,7 +373,8 @@ def _write_report(pattern: str, stage: int, step: int, rows: list[dict], *, fres
 def read_report(path: str | os.PathLike[str]) -> dict:
     """A report file as ``{"stage", "steps": [rows of each step], "step_numbers"}``; a last line cut short (a run
     stopped mid-write) is left out, any other malformed line is a ``ValueError`` naming it."""
-    lines = [line for line in open(path).read().split("\n") if line.strip()]
+    with open(path) as handle:
+        lines = [line for line in handle.read().split("\n") if line.strip()]
     stage, steps, numbers = None, [], []
     for index, line in enumerate(lines, 1):
         try:
@@ -394,8 +397,8 @@ def _umask() -> int:
     return mask
 
 
-_UMASK = _umask()
+UMASK = _umask()  # the process's umask: a report's mode follows it, as a file opened for writing would
 
 
 __all__ = ["ACTIVE_FORWARD", "ScheduleInfo", "StageProvisioner", "check_report_path", "read_report", "report_file",
-           "scheduled_forward"]
+           "scheduled_forward", "write_report"]

@@ -189,7 +189,7 @@ def _released(report: Report) -> list[str]:
 
 
 def _degradation(runs: tuple[Run, ...]) -> dict[str, float]:
-    """Per policy, 1 - MFU at the longest length / MFU at the first (the first is the shortest in the default)."""
+    """Per policy, 1 - MFU at the last length given / MFU at the first."""
     return {p: 1 - runs[-1].mfu(p) / runs[0].mfu(p) for p in runs[0].results}
 
 
@@ -203,6 +203,24 @@ def _lengths(report: Report) -> list[str]:
                      + ", ".join(f"{p} {v:.1%}" for p, v in loss.items()) + ".")
     return ["Fig. 10b's shape under the two readings (the paper: every system highest at 4K, flexible degrading "
             "least):", ""] + lines
+
+
+def _length_shapes(report: Report) -> str:
+    """Fig. 10b's two readings in words, from the runs (the first and the last length as given)."""
+    held, tokens = report.seq_length, report.seq_length_tokens
+    if len(held) < 2:
+        return "Fig. 10b has one sequence length here: no shape to compare."
+    first, last = held[0], held[-1]
+
+    def trend(runs) -> str:
+        change = runs[-1].mfu("ideal") / runs[0].mfu("ideal") - 1
+        return f"ideal's MFU {'rises' if change > 0 else 'falls'} {abs(change):.1%}"
+
+    return (f"From {first.label} to {last.label} with the micro-batches per iteration held {trend(held)} (attention's "
+            "FLOPs per token grow with the length, the all-to-all bytes per token do not); with the tokens per "
+            f"iteration held {trend(tokens)} (fewer micro-batches, a longer pipeline bubble). The paper attributes "
+            "its fall to activation reduction; here the memory pressure of the longest sequences costs flexible "
+            f"{1 - last.mfu('flexible') / last.mfu('ideal'):.1%} against ideal ({last.label}, micro-batches held).")
 
 
 def _overhead(report: Report) -> list[str]:
@@ -269,13 +287,8 @@ def _why(report: Report) -> list[str]:
             + f"{max(abs(1 - _ratios(r)[1]) for r in report.sparsity):.1%} of ideal throughout and the best "
             "baseline within "
             + f"{max(1 - r.mfu(r.best_baseline()) / r.mfu('ideal') for r in report.sparsity):.1%}: the stage "
-            "memory absorbs the routed activations more experts per token add with little mitigation. With "
-            "the micro-batches per iteration held, MFU rises with the sequence length (attention's FLOPs per token "
-            "grow with the length, the all-to-all bytes per token do not); with the tokens per iteration held, "
-            "fewer micro-batches lengthen the pipeline bubble and every policy falls (Fig. 10b and b' above). The "
-            "paper attributes its fall to activation reduction; here the memory pressure of long sequences costs "
-            f"flexible {1 - report.seq_length[-1].mfu('flexible') / report.seq_length[-1].mfu('ideal'):.1%} against "
-            f"ideal at {report.seq_length[-1].label}.",
+            "memory absorbs the routed activations more experts per token add with little mitigation. "
+            + _length_shapes(report),
             "* **Memory pressure is what the cost model says it is**: where the stage memory left after weights, "
             "optimizer states and the reserve covers most micro-batches unmitigated, flexible is close to ideal "
             "and the static plans lose little; the paper does not give the memory its baselines had, so the gap to "
