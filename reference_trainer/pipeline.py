@@ -21,6 +21,7 @@ Private pipelining APIs used (pinned torch range in pyproject.toml): ``_Action``
 
 from __future__ import annotations
 
+import logging
 
 import torch
 from torch.distributed.pipelining import PipelineStage
@@ -33,6 +34,10 @@ from bagualu2.costmodel.build import chunk_layers
 from .chunks import ChunkModule
 from .model import GLMMoEModel
 from .provision import Provisioner
+
+# A failed action makes torch's schedule log the whole action table (about 20 lines) on every rank before it
+# re-raises; the trainer reports each failure in one line of its own (a defect: its traceback).
+logging.getLogger(S.__name__).setLevel(logging.CRITICAL)
 
 
 def runtime_actions(parallel: ParallelConfig) -> dict[int, list[S._Action]]:

@@ -53,12 +53,13 @@ def collective_failure(exc: BaseException | None) -> BaseException | None:
 
 def exit_after_failure(failed: BaseException, line: str) -> None:
     """Print ``line`` and exit with :data:`STALL_EXIT_CODE`. When the peer closed the connection, the cause is the
-    peer's (an out-of-memory exit, a kill): wait ``PEER_GONE_GRACE_S`` first, so that torchrun records the peer's exit
-    as the job's first failure (it stops this rank meanwhile)."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
+    peer's (an out-of-memory exit with its own line, a kill): wait ``PEER_GONE_GRACE_S`` first, so that torchrun
+    records the peer's exit as the job's first failure and stops this rank meanwhile — the launch then ends in the
+    peer's line alone; a rank still running after the grace prints its own."""
     if any(mark in str(failed) for mark in PEER_GONE):
         time.sleep(PEER_GONE_GRACE_S)
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
     os._exit(STALL_EXIT_CODE)
 
 
