@@ -57,6 +57,7 @@ MAX_DECISIONS = 1 << 16  # gate decisions remembered per need level (the stand-i
 UNREFERENCED_LEVELS = 2  # with no smaller-need decision made, a larger-need one this many levels up stands in
 STAY_ON_DEVICE = (Strategy.KEEP, Strategy.RECOMPUTE)  # strategies that add no forward cast and no copy
 WARMUP = BudgetPhase.WARMUP.value
+PHASES = tuple(phase.value for phase in BudgetPhase)
 COVERED, ABSORBED = "covered", "absorbed"  # decision keys of the two outcomes that keep the plan in force
 
 
@@ -115,6 +116,13 @@ class DecisionPath:
         self.pregate_needs = NeedGrid(budget_quantum_bytes, pregate_need_step, anchor_bytes=anchor,
                                       name="pregate_need_step")
         self.reuse_levels = require_int("reuse_levels", reuse_levels, 0)
+        grid = (self.step, self.spike_threshold, self.spike_step, self.needs.ratio, self.pregate_needs.ratio,
+                budget_quantum_bytes)
+        if engine.memo.enabled and engine.path_grid not in (None, grid):
+            raise ValueError("engine: another decision path over this Stage uses other grid options (imbalance_step, "
+                             "spike_threshold, spike_step, need_step, pregate_need_step, budget_quantum_bytes), and "
+                             "the Stage's memo holds its decisions; use the same options or another Stage")
+        engine.path_grid = grid
         self._alias = engine.aliases
         memo = engine.memo
         self._cached = memo.enabled
@@ -192,7 +200,13 @@ class DecisionPath:
         """Decision for a forward of ``chunk`` with ``budget_bytes`` whose gate measured ``imbalance``.
 
         ``phase`` is the forward's budget phase; in ``"warmup"`` an overrun up to ``limit_bytes`` (the caller's
-        ``BudgetAssigner.absorb_limit_bytes()``) is absorbed instead of re-planned."""
+        ``BudgetAssigner.absorb_limit_bytes()``) is absorbed instead of re-planned. ``phase``: ``"warmup"``,
+        ``"steady"`` or a :class:`~bagualu2.budget.BudgetPhase`."""
+        phase = getattr(phase, "value", phase)
+        if phase not in PHASES:
+            raise ValueError(f"phase must be one of {', '.join(PHASES)} (or a BudgetPhase), got {phase!r}")
+        if limit_bytes is not None:
+            limit_bytes = require_int("limit_bytes", limit_bytes, 0)
         return self.decide(_At(phase, chunk), imbalance, budget_bytes, limit_bytes)
 
     def decide(self, step: Step, imbalance: float, budget_bytes: int, limit_bytes: int | None) -> Decision:

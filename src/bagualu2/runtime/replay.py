@@ -82,20 +82,27 @@ class IterationReplay:
 
 
 def replay_iteration(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, imbalances, *,
-                     stage: int = 0, path: DecisionPath | None = None, downgrade: str = "graded",
+                     stage: int | None = None, path: DecisionPath | None = None, downgrade: str = "graded",
                      progress: Callable[[int, int], None] | None = None) -> IterationReplay:
     """Run the decision path for every forward of ``stage``; ``imbalances[m]`` is micro-batch m's measured rate.
 
     Pass the same ``path`` to consecutive calls to replay a trace of iterations with warm caches (``downgrade``
-    only applies to a path made here). The loop is :func:`~.iteration.run_iteration` over the path's engine.
+    only applies to a path made here; ``stage``, default 0 or the path's, must be the path's). The loop is :func:`~.iteration.run_iteration` over the path's engine.
     ``progress``, optional, is called with (forwards decided, forwards in all) after each forward.
     """
+    if not isinstance(imbalances, (list, tuple)):
+        raise ValueError(f"imbalances must be a list or tuple of rates, got {type(imbalances).__name__}")
+    if path is not None and not isinstance(path, DecisionPath):
+        raise ValueError(f"path must be a DecisionPath or None, got {type(path).__name__}")
+    if path is not None and ((path.model, path.parallel, path.hardware) != (model, parallel, hardware)
+                             or stage not in (None, path.stage)):
+        raise ValueError("path must be a DecisionPath of the same model, parallel config, hardware and stage")
     if len(imbalances) != parallel.num_microbatches:
         raise ValueError(f"imbalances must have num_microbatches={parallel.num_microbatches} entries, "
                          f"got {len(imbalances)}")
     for value in imbalances:
         check_imbalance(value)
-    path = path if path is not None else DecisionPath(model, parallel, hardware, stage=stage, downgrade=downgrade)
+    path = path if path is not None else DecisionPath(model, parallel, hardware, stage=stage or 0, downgrade=downgrade)
     if progress is not None and not callable(progress):
         raise ValueError(f"progress must be a callable or None, got {type(progress).__name__}")
     hits, misses = path.hits, path.misses

@@ -198,6 +198,8 @@ class Stage(_Engine):
                  cache: bool = True, max_entries: int = MAX_ENTRIES, m_max_bytes: int | None = None):
         self.model, self.parallel, self.hardware = model, parallel, hardware
         self.stage = require_int("stage", stage, 0, parallel.pp)
+        if not isinstance(cache, bool):
+            raise ValueError(f"cache must be True or False, got {cache!r}")
         self.memo = Memo(enabled=cache, max_entries=max_entries)
         self._graphs: dict[tuple[int, float], OpGraph] = {}
         self.memory: StageMemory = stage_memory(model, parallel, hardware, stage=self.stage)
@@ -212,6 +214,9 @@ class Stage(_Engine):
         # the ids of the pre-gate plans decision paths made on this engine: one numbering for every path over it,
         # so the memo entries keyed by an id mean one plan whichever path stored them (never cleared)
         self.plan_ids: dict[tuple, int] = {(): 0}
+        # the grid options of the decision paths over this engine: its memo is keyed by what they decide on those
+        # grids, so every path over it must use the same (set by the first path)
+        self.path_grid: tuple | None = None
 
     @property
     def num_forwards(self) -> int:
