@@ -1,11 +1,12 @@
-"""Bad inputs to the runtime's public entry points: one ValueError naming the argument, never a silent default."""
+"""Bad inputs to the public entry points of the runtime, the solvers and the plan and order types: one ValueError
+naming the argument, never a silent default or a text form that does not read back."""
 
 from __future__ import annotations
 
 import pytest
 
 from bagualu2.budget import BudgetPhase
-from bagualu2.costmodel import presets
+from bagualu2.costmodel import Plan, Strategy, presets
 from bagualu2.runtime import DecisionPath, Stage, replay_iteration
 
 MODEL, PARALLEL = presets.model("tiny-moe")
@@ -49,3 +50,43 @@ def test_a_replay_runs_on_its_paths_stage_and_model():
         replay_iteration(dense, dense_parallel, HW, trace, path=path)
     with pytest.raises(ValueError, match="list or tuple"):
         replay_iteration(MODEL, PARALLEL, HW, (r for r in trace))
+
+
+def test_plan_text_is_taken_wherever_a_plan_is_and_free_is_checked():
+    from bagualu2.costmodel import build_graph, stage_memory
+    from bagualu2.mitigation import greedy
+    from bagualu2.mitigation.conflicts import check_conflicts
+    from bagualu2.runtime import after_gate
+
+    graph = build_graph(MODEL, PARALLEL, HW)
+    budget = graph.unmitigated_bytes // 2
+    by_text = greedy.solve(graph, budget, fixed="norm=OFFLOAD", free={"L1.dispatched"})
+    assert by_text.plan == greedy.solve(graph, budget, fixed=Plan.from_str("norm=OFFLOAD"), free={"L1.dispatched"}).plan
+    assert check_conflicts(graph, "norm=OFFLOAD") == []
+    assert stage_memory(MODEL, PARALLEL, HW, plan="norm=OFFLOAD") == stage_memory(
+        MODEL, PARALLEL, HW, plan=Plan.from_str("norm=OFFLOAD"))
+    assert after_gate(graph, "norm=OFFLOAD", budget) == after_gate(graph, Plan.from_str("norm=OFFLOAD"), budget)
+    for bad in (3, ["norm=OFFLOAD"]):
+        with pytest.raises(ValueError, match="plan must be a Plan, its text form or None"):
+            greedy.solve(graph, budget, fixed=bad)
+    with pytest.raises(ValueError, match="free must be a collection of tensor names"):
+        greedy.solve(graph, budget, free="L1.expert_fc1_out")
+    with pytest.raises(ValueError, match="free names tensors the graph does not have: nope"):
+        greedy.solve(graph, budget, free={"nope"})
+
+
+@pytest.mark.parametrize("key", ["L0.qkv/x\r", "L0.qkv/x\xa0", 'L0.qkv/"x', "L0.qkv/x'", "L0.qkv/a b", "L0.qkv/x\x1e"])
+def test_a_plan_key_every_text_form_could_not_read_back_is_refused(key):
+    with pytest.raises(ValueError, match="plan key must be"):
+        Plan(((key, Strategy.OFFLOAD),))
+
+
+def test_an_order_reads_back_from_its_text():
+    from bagualu2.fusion import Order
+
+    empty = Order((), barriers=False)
+    assert Order.from_str(repr(empty)) == empty and Order.from_str(str(empty)) == empty
+    with pytest.raises(ValueError, match="integer index"):
+        Order(((("F", 1.7),),))
+    with pytest.raises(ValueError, match="solver must be a name"):
+        Order(((("F", 0),),), solver="dp,v2")

@@ -122,10 +122,7 @@ def resolve(graph: OpGraph, plan: Plan | None) -> dict[tuple[str, str], Strategy
     ``OP/TENSOR`` entries override kind policies.
     """
     resolved = dict.fromkeys(_savings_of(graph)[0], Strategy.KEEP)
-    if isinstance(plan, str):
-        plan = Plan.from_str(plan)
-    elif plan is not None and not isinstance(plan, Plan):
-        raise ValueError(f"plan must be a Plan, its text form or None, got {type(plan).__name__}")
+    plan = Plan.coerce(plan)
     if plan is None or not plan.entries:
         return resolved
     kinds = plan.kind_policies()

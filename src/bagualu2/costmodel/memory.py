@@ -140,6 +140,7 @@ def stage_memory(model: ModelConfig, parallel: ParallelConfig, hardware: Hardwar
     """
     check_compatible(model, parallel)
     check_imbalance(imbalance)
+    plan = Plan.coerce(plan)
     graphs = [build_graph(model, parallel, hardware, imbalance=imbalance, stage=stage, chunk=c)
               for c in range(parallel.vp)]
     if plan is not None:

@@ -24,8 +24,9 @@ NONE_TEXT = "none"
 
 
 def _check_key(key: str) -> str:
-    if not isinstance(key, str) or not key or any(c in key for c in ",= \n\t"):
-        raise ValueError(f"plan key must be an op kind or OP/TENSOR without ',', '=' or spaces, got {key!r}")
+    if not isinstance(key, str) or not key or any(c in ",='\"" or c.isspace() or not c.isprintable() for c in key):
+        raise ValueError("plan key must be an op kind or OP/TENSOR without ',', '=', quotes, whitespace or control "
+                         f"characters (so that every text form reads it back), got {key!r}")
     if "/" in key:
         op, _, tensor = key.partition("/")
         if not op or not tensor or "/" in tensor:
@@ -77,6 +78,15 @@ class Plan:
         object.__setattr__(plan, "entries", tuple(sorted(
             (f"{op}/{tensor}", s) for (op, tensor), s in decisions.items() if s is not Strategy.KEEP)))
         return plan
+
+    @classmethod
+    def coerce(cls, plan: "Plan | str | None") -> "Plan | None":
+        """``plan`` as a :class:`Plan` (its text form parsed; None stays None); ``ValueError`` for anything else."""
+        if plan is None or isinstance(plan, Plan):
+            return plan
+        if isinstance(plan, str):
+            return cls.from_str(plan)
+        raise ValueError(f"plan must be a Plan, its text form or None, got {type(plan).__name__}")
 
     @classmethod
     def from_str(cls, text: str) -> "Plan":

@@ -33,6 +33,15 @@ class Order:
     solver: str = ""
 
     def __post_init__(self) -> None:
+        for group in self.groups:
+            for ref in group:
+                if len(ref) != 2 or not isinstance(ref[1], int) or isinstance(ref[1], bool):
+                    raise ValueError(f"a stage is (chain kind, integer index), got {ref!r}")
+        if not isinstance(self.solver, str) or any(c in ",='\"" or not c.isprintable() for c in self.solver):
+            raise ValueError(f"solver must be a name without ',', '=', quotes or control characters (its text form "
+                             f"reads it back), got {self.solver!r}")
+        if not self.groups:  # the empty order has one text form: with barriers
+            object.__setattr__(self, "barriers", True)
         groups = tuple(tuple((str(k), int(i)) for k, i in group) for group in self.groups)
         for group in groups:
             if not group:

@@ -48,6 +48,7 @@ def check_conflicts(graph: OpGraph, plan: Plan | None) -> list[Violation]:
     """All violations of ``plan`` on ``graph`` (see the module docstring for the rules)."""
     violations: list[Violation] = []
     strategies = {(op.name, s.tensor): Strategy.KEEP for op, s in graph.savings}
+    plan = Plan.coerce(plan)
     if plan is not None:
         for key, strategy in plan.entries:
             single = Plan(((key, strategy),))

@@ -23,6 +23,7 @@ import heapq
 import time
 import weakref
 from dataclasses import dataclass
+from typing import Iterable
 
 from ..costmodel import OpGraph, Plan, Strategy, resolve
 from ..costmodel.evaluate import recompute_closure
@@ -188,6 +189,14 @@ def solve(graph: OpGraph, budget_bytes: int, *, config: GreedyConfig | None = No
     """
     started = time.perf_counter()
     budget_bytes = check_budget(budget_bytes)
+    fixed = Plan.coerce(fixed)
+    if free is not None:
+        if isinstance(free, str) or not isinstance(free, Iterable):
+            raise ValueError(f"free must be a collection of tensor names, got {type(free).__name__}")
+        free = frozenset(free)
+        unknown = sorted(str(t) for t in free if t not in graph.tensors)
+        if unknown:
+            raise ValueError(f"free names tensors the graph does not have: {', '.join(unknown[:3])}")
     config = config or GreedyConfig()
     name = f"greedy-{config.variant}"
     if budget_bytes < graph.floor_bytes:

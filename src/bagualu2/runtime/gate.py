@@ -151,6 +151,9 @@ def after_gate(graph: OpGraph, plan: Plan | None, budget_bytes: int, *, limit_by
     optional,
     a memo of ``evaluate(graph, ·)`` (the runtime's cache; it must return exactly what ``evaluate`` does).
     """
+    if not isinstance(graph, OpGraph):
+        raise ValueError(f"graph must be an OpGraph, got {type(graph).__name__}")
+    plan = Plan.coerce(plan)
     budget_bytes = require_int("budget_bytes", budget_bytes, 0)
     if limit_bytes is not None:
         limit_bytes = require_int("limit_bytes", limit_bytes, 0)

@@ -145,7 +145,8 @@ class DecisionPath:
     @classmethod
     def on(cls, engine: Stage, **options) -> "DecisionPath":
         """A decision path over ``engine`` (``options``: the keywords of the constructor). Paths that share an engine
-        share its memo, which is keyed by what is decided, not by the options: give them the same options."""
+        share its memo, which is keyed by what is decided, not by the grid options: a path with other grid options
+        than the first over the engine is refused (``ValueError``)."""
         if not isinstance(engine, Stage):
             raise ValueError(f"engine must be a Stage, got {type(engine).__name__}")
         return cls(engine.model, engine.parallel, engine.hardware, stage=engine.stage, engine=engine, **options)
