@@ -90,3 +90,13 @@ def test_an_order_reads_back_from_its_text():
         Order(((("F", 1.7),),))
     with pytest.raises(ValueError, match="solver must be a name"):
         Order(((("F", 0),),), solver="dp,v2")
+
+
+def test_build_graph_names_an_argument_that_is_not_its_config():
+    from bagualu2.costmodel import build_graph
+
+    for args, message in (((None, PARALLEL, HW), "model must be a ModelConfig"),
+                          ((MODEL, "pp=2", HW), "parallel must be a ParallelConfig"),
+                          ((MODEL, PARALLEL, None), "hardware must be a Hardware profile")):
+        with pytest.raises(ValueError, match=message):
+            build_graph(*args)

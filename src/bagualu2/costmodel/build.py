@@ -248,6 +248,8 @@ def build_graph(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware
     load (physically at most ``ep``); dense parts do not depend on it.
     """
     check_compatible(model, parallel)
+    if not isinstance(hardware, Hardware):
+        raise ValueError(f"hardware must be a Hardware profile, got {type(hardware).__name__}")
     imbalance = check_imbalance(imbalance)
     builder = _Builder(model, parallel, hardware, imbalance)
     layers = chunk_layers(model, parallel, stage=stage, chunk=chunk)

@@ -216,7 +216,10 @@ class ParallelConfig:
 
 
 def check_compatible(model: ModelConfig, parallel: ParallelConfig) -> None:
-    """Raise ``ValueError`` when ``model`` cannot be laid out with ``parallel``."""
+    """Raise ``ValueError`` when ``model`` cannot be laid out with ``parallel`` (or they are not the configs)."""
+    for name, value, kind in (("model", model, ModelConfig), ("parallel", parallel, ParallelConfig)):
+        if not isinstance(value, kind):
+            raise ValueError(f"{name} must be a {kind.__name__}, got {type(value).__name__}")
     chunks = parallel.pp * parallel.vp
     if model.num_layers % chunks:
         raise ValueError(f"num_layers={model.num_layers} must be divisible by pp*vp={chunks}")
