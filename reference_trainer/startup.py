@@ -128,7 +128,7 @@ def agree(report: dict, flags: Mapping[str, str], timeout_s: float | None) -> No
               f"{timeout.total_seconds():g} s", STALL_EXIT_CODE)
     try:
         reports = {r: json.loads(shared.get(key)) for r, key in enumerate(keys)}
-    except (dist.DistError, RuntimeError):  # the store's host (rank 0) exited after its verdict: this rank's is the same
+    except (dist.DistError, RuntimeError):  # the store's host (rank 0) exited after its verdict, this rank's too
         raise SystemExit(2) from None
     line = verdict(reports, flags)
     if line is not None:

@@ -87,7 +87,8 @@ def replay_iteration(model: ModelConfig, parallel: ParallelConfig, hardware: Har
     """Run the decision path for every forward of ``stage``; ``imbalances[m]`` is micro-batch m's measured rate.
 
     Pass the same ``path`` to consecutive calls to replay a trace of iterations with warm caches (``downgrade``
-    only applies to a path made here; ``stage``, default 0 or the path's, must be the path's). The loop is :func:`~.iteration.run_iteration` over the path's engine.
+    only applies to a path made here; ``stage``, default 0 or the path's, must be the path's). The loop is
+    :func:`~.iteration.run_iteration` over the path's engine.
     ``progress``, optional, is called with (forwards decided, forwards in all) after each forward.
     """
     if not isinstance(imbalances, (list, tuple)):
