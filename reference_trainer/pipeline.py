@@ -35,9 +35,16 @@ from .chunks import ChunkModule
 from .model import GLMMoEModel
 from .provision import Provisioner
 
-# A failed action makes torch's schedule log the whole action table (about 20 lines) on every rank before it
-# re-raises; the trainer reports each failure in one line of its own (a defect: its traceback).
-logging.getLogger(S.__name__).setLevel(logging.CRITICAL)
+
+
+def _not_the_failure_table(record: logging.LogRecord) -> bool:
+    """A failed action makes torch's schedule log the whole action table (about 20 lines) on every rank before it
+    re-raises; the trainer reports each failure in one line of its own (a defect: its traceback). Its other
+    records pass."""
+    return not (record.levelno >= logging.ERROR and record.funcName == "_step_microbatches")
+
+
+logging.getLogger(S.__name__).addFilter(_not_the_failure_table)
 
 
 def runtime_actions(parallel: ParallelConfig) -> dict[int, list[S._Action]]:

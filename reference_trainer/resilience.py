@@ -96,6 +96,7 @@ class Guard:
                 f"({type(failed).__name__}: {message}); exit code {STALL_EXIT_CODE} (torchrun --max-restarts "
                 "restarts from the last complete checkpoint)")
         self.run_state.record_fault(rank=self.rank, step=step, kind="collective", message=line)
+        self.watchdog.stop()  # its limit may pass while exit_after_failure waits for torchrun: one line, not two
         exit_after_failure(failed, line)
 
     def nonfinite(self, step: int, loss_sum: float, params) -> list[int]:

@@ -128,8 +128,8 @@ def agree(report: dict, flags: Mapping[str, str], timeout_s: float | None) -> No
               f"{timeout.total_seconds():g} s", STALL_EXIT_CODE)
     try:
         reports = {r: json.loads(shared.get(key)) for r, key in enumerate(keys)}
-    except (dist.DistError, RuntimeError):  # the store's host (rank 0) exited after its verdict, this rank's too
-        raise SystemExit(2) from None
+    except (dist.DistError, RuntimeError):  # the store's host (rank 0) is gone: its own exit tells why
+        raise SystemExit(STALL_EXIT_CODE) from None
     line = verdict(reports, flags)
     if line is not None:
         _exit(rank, line, 2)

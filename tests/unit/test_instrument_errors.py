@@ -185,11 +185,15 @@ def test_misuse_of_executors_is_one_line():
     assert "traced again" in one_line(excinfo)
     with apply_plan(instrumented, "norm=OFFLOAD").micro_batch(0):  # a new one runs
         model(x)
+    with pytest.raises(ValueError) as excinfo:  # another autocast than the trace's: the savings' dtypes differ
+        with apply_plan(instrumented, "norm=OFFLOAD").micro_batch(1), torch.autocast("cpu", dtype=torch.bfloat16):
+            model(x)
+    assert "runs under autocast cpu torch.bfloat16, but the model was traced under autocast off" in one_line(excinfo)
     model.to(torch.bfloat16)  # cast after the trace: the plan's savings are not what the model saves now
     with pytest.raises(ValueError) as excinfo:
-        with apply_plan(instrumented, "norm=OFFLOAD").micro_batch(1):
+        with apply_plan(instrumented, "norm=OFFLOAD").micro_batch(2):
             model(x.detach().to(torch.bfloat16))
-    assert "were torch.float32 when it was traced" in one_line(excinfo)
+    assert "other dtypes than their traced slots" in one_line(excinfo)
     instrumented.remove()
 
 

@@ -48,7 +48,7 @@ def test_a_replay_runs_on_its_paths_stage_and_model():
     dense, dense_parallel = presets.model("tiny-dense")
     with pytest.raises(ValueError, match="same model"):
         replay_iteration(dense, dense_parallel, HW, trace, path=path)
-    with pytest.raises(ValueError, match="list or tuple"):
+    with pytest.raises(ValueError, match="a sequence of rates"):
         replay_iteration(MODEL, PARALLEL, HW, (r for r in trace))
 
 

@@ -110,7 +110,7 @@ class PlanExecutor:
             if self.instrumented.trace is not self.traced:
                 raise ValueError("the model was traced again (trace_graph) after this executor was made: its plan "
                                  "names the savings of the earlier trace; make a new executor (apply_plan)")
-            self.instrumented.check_traced_dtype()
+
         if self.instrumented is not None and self.instrumented.removed:
             raise ValueError("the instrumented model's hooks were removed (InstrumentedModel.remove()): the plan "
                              "cannot apply; instrument the model again and make a new executor")
@@ -129,6 +129,8 @@ class PlanExecutor:
             with recording(name), restored_scope(), torch.autograd.graph.saved_tensors_hooks(
                     lambda t: self._pack(record, t), unpack):
                 yield record
+                if self.traced is not None:
+                    self.instrumented.check_slot_dtypes(record)
                 self._settle(record, None)  # layers whose gate was never reported: the plan in force
         except BaseException:
             self._records.pop(name, None)

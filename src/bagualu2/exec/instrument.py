@@ -39,7 +39,7 @@ from bagualu2.costmodel.graph import OP_KINDS, OpGraph
 from .callargs import stateful_type
 from .ops import ACTIVE, OP_SCOPE, after_gate, gate_report, hook_outputs
 from .scope import FRAME, REPLAYING, TRACER, Frame, OpBinding
-from .trace import TraceRecorder, TraceResult, run_trace
+from .trace import TraceRecorder, TraceResult, autocast_of_forward, run_trace
 from .tracegraph import build_graph_of
 from .tracker import OP_WEIGHTS, storage_key, weight_keys
 
@@ -117,10 +117,6 @@ def restored_scope() -> Iterator[None]:
                 var.set(value)
 
 
-def _first_float_dtype(model: torch.nn.Module) -> torch.dtype | None:
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
-
-
 def check_device(model: torch.nn.Module) -> None:
     """``ValueError`` unless every parameter and buffer is on a device the executor supports."""
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
@@ -144,7 +140,7 @@ class InstrumentedModel:
         self.bindings = dict(bindings)
         self.gate = gate
         self.trace: TraceResult | None = None
-        self.traced_dtype: torch.dtype | None = None  # the first floating parameter's dtype when traced
+        self.traced_autocast: tuple | None = None  # the autocast state the traced forward ran under
         self.removed = False
         _INSTRUMENTED.add(model)
         modules = dict(model.named_modules())
@@ -210,16 +206,30 @@ class InstrumentedModel:
         finally:
             TRACER.reset(token)
         self.trace = build_graph_of(recorder, self.model, hardware, activation_dtype=self._activation_dtype())
-        self.traced_dtype = _first_float_dtype(self.model)
+        self.traced_autocast = recorder.autocast
         return self.trace.graph
 
-    def check_traced_dtype(self) -> None:
-        """``ValueError`` when the model was cast (``model.to(dtype)``) since :meth:`trace_graph`: its savings are
-        no longer the traced ones, and a plan would silently not apply."""
-        now = _first_float_dtype(self.model)
-        if self.trace is not None and now != self.traced_dtype:
-            raise ValueError(f"the model's parameters are {now} but were {self.traced_dtype} when it was traced: "
-                             "trace it again (trace_graph) and make a new executor")
+    def _check_autocast(self, record) -> None:
+        """The first mapped module of a micro-batch: ``ValueError`` when the forward runs under another autocast
+        state than the traced one (its savings have other dtypes than the traced slots: the plan would not
+        apply)."""
+        record.autocast_checked = True
+        now = autocast_of_forward()
+        if now != self.traced_autocast:
+            on = ", ".join(f"{device} {dtype}" for device, dtype in now if dtype is not None) or "off"
+            then = ", ".join(f"{device} {dtype}" for device, dtype in self.traced_autocast or () if dtype is not None)
+            raise ValueError(f"micro-batch {record.name!r} runs under autocast {on}, but the model was traced under "
+                             f"autocast {then or 'off'}: trace it as it runs (trace_graph inside the same autocast)")
+
+    def check_slot_dtypes(self, record) -> None:
+        """After a micro-batch's forward: ``ValueError`` when most of its savings met their traced slot with
+        another dtype — the model was cast (``model.to(dtype)``) since :meth:`trace_graph`, and the plan did not
+        apply. (A few may differ where routing shifts the slots of a module whose calls save per expert; a
+        wrapper such as FSDP2 that casts parameters for the forward casts them in the trace too.)"""
+        if record.slot_dtype_misses > record.slot_hits:
+            raise ValueError(f"micro-batch {record.name!r}: {record.slot_dtype_misses} savings have other dtypes than "
+                             f"their traced slots ({record.slot_hits} match): the model was cast since trace_graph; "
+                             "trace it again and make a new executor")
 
     def _activation_dtype(self) -> str:
         counts: dict[torch.dtype, int] = {}
@@ -238,8 +248,12 @@ class InstrumentedModel:
         slot = frame.slot
         frame.slot += 1
         found = self.trace.slots.get((frame.binding.path, frame.call, slot))
-        if found is None or found[1] != dtype:
+        if found is None:
             return None
+        if found[1] != dtype:
+            record.slot_dtype_misses += 1
+            return None
+        record.slot_hits += 1
         name = found[0]
         if entry.name is None:
             entry.name = name
@@ -265,9 +279,13 @@ class InstrumentedModel:
             frame.tokens = (FRAME.set(frame), OP_SCOPE.set(binding.op),
                             OP_WEIGHTS.set(OP_WEIGHTS.get() | weight_keys(module)))
             if tracer is not None:
+                if tracer.autocast is None:
+                    tracer.autocast = autocast_of_forward()
                 tracer.enter(frame, args, kwargs)
             if active is not None:
                 executor, record = active
+                if not record.autocast_checked and executor.traced is not None:
+                    self._check_autocast(record)
                 if record.forward_gate is not None:
                     record.forward_gate(binding.op)  # the dual-batch executor lets this op's stage run
                 standby = binding.op in executor.standby

@@ -50,6 +50,9 @@ class MicroBatchRecord:
     received_tokens: dict[int, int] = field(default_factory=dict)  # MoE layer -> routed copies received here
     group_max_tokens: dict[int, int] = field(default_factory=dict)  # MoE layer -> the most any EP rank received
     calls: dict[str, int] = field(default_factory=dict)  # instrumented module path -> calls so far (slot naming)
+    autocast_checked: bool = False  # its forward's autocast state was compared with the trace's
+    slot_hits: int = 0              # savings named by their traced slot
+    slot_dtype_misses: int = 0      # savings whose traced slot has another dtype (left unnamed)
 
     def hold_name(self, name: str | None, dtype: torch.dtype) -> None:
         """Backward will look ``name`` up for a reader of ``dtype``: hold its copies in *other* precisions (the

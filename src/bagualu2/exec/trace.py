@@ -145,6 +145,7 @@ class TraceRecorder:
         self.sent: dict[int, int] = {}      # MoE layer -> routed copies this rank's router sent
         self.reports: dict[int, int] = {}   # MoE layer -> gate reports (router calls)
         self.weight_copies: set[tuple] = set()  # storages made by casting or copying a parameter
+        self.autocast: tuple | None = None  # the autocast state the forward ran under (autocast_of_forward)
 
     def routed_tokens(self, layer: int, received: int, sent: int) -> None:
         """The gate's report after MoE layer ``layer``'s router (a layer seen twice: the counts add up, and the
@@ -228,6 +229,12 @@ class TraceRecorder:
         self.slots.append((binding.path, frame.call, frame.slot, key, dtype))
         frame.slot += 1
         return tensor.detach()
+
+
+def autocast_of_forward() -> tuple:
+    """The autocast state a forward runs under now: per device type, its autocast dtype or None when off."""
+    return tuple((device, torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None)
+                 for device in ("cpu", "cuda"))
 
 
 def run_trace(model: torch.nn.Module, recorder: TraceRecorder, args: tuple, kwargs: dict,

@@ -42,8 +42,11 @@ def build_graph_of(recorder: TraceRecorder, model: torch.nn.Module, hardware: Ha
     random_ops = _flag_enclosing(enclosing, {name for name, calls in by_op.items() if any(c.random for c in calls)})
     own_state = {name: next(c.stateful for c in calls if c.stateful) for name, calls in by_op.items()
                  if any(c.stateful for c in calls)}
-    stateful = {outer: kind for inner, kind in own_state.items() for outer in (inner, *enclosing[inner])}
-    stateful.update(own_state)  # an op's own argument type before a child's
+    stateful: dict[str, str] = {}
+    for inner, kind in own_state.items():  # an op's own argument type, else its first child's
+        for outer in (inner, *enclosing[inner]):
+            stateful.setdefault(outer, kind)
+    stateful.update(own_state)
     fixed = _not_regenerable(recorder, random_ops | stateful.keys())
     marked = any(info.routed for info in recorder.storages.values())
     ops = []

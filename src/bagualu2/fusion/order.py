@@ -10,6 +10,7 @@ order without barriers.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 from .chains import CHAIN_KINDS
@@ -35,7 +36,8 @@ class Order:
     def __post_init__(self) -> None:
         for group in self.groups:
             for ref in group:
-                if len(ref) != 2 or not isinstance(ref[1], int) or isinstance(ref[1], bool):
+                if not (isinstance(ref, (tuple, list)) and len(ref) == 2 and isinstance(ref[1], numbers.Integral)
+                        and not isinstance(ref[1], bool)):
                     raise ValueError(f"a stage is (chain kind, integer index), got {ref!r}")
         if not isinstance(self.solver, str) or any(c in ",='\"" or not c.isprintable() for c in self.solver):
             raise ValueError(f"solver must be a name without ',', '=', quotes or control characters (its text form "

@@ -57,7 +57,7 @@ MAX_DECISIONS = 1 << 16  # gate decisions remembered per need level (the stand-i
 UNREFERENCED_LEVELS = 2  # with no smaller-need decision made, a larger-need one this many levels up stands in
 STAY_ON_DEVICE = (Strategy.KEEP, Strategy.RECOMPUTE)  # strategies that add no forward cast and no copy
 WARMUP = BudgetPhase.WARMUP.value
-PHASES = tuple(phase.value for phase in BudgetPhase)
+PHASES = (BudgetPhase.WARMUP.value, BudgetPhase.STEADY.value)  # the phases a forward runs in
 COVERED, ABSORBED = "covered", "absorbed"  # decision keys of the two outcomes that keep the plan in force
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from ..costmodel import Hardware, ModelConfig, ParallelConfig
 from ..costmodel.build import check_imbalance
@@ -91,8 +91,8 @@ def replay_iteration(model: ModelConfig, parallel: ParallelConfig, hardware: Har
     :func:`~.iteration.run_iteration` over the path's engine.
     ``progress``, optional, is called with (forwards decided, forwards in all) after each forward.
     """
-    if not isinstance(imbalances, (list, tuple)):
-        raise ValueError(f"imbalances must be a list or tuple of rates, got {type(imbalances).__name__}")
+    if isinstance(imbalances, (str, bytes)) or not isinstance(imbalances, Sequence):
+        raise ValueError(f"imbalances must be a sequence of rates (one per micro-batch), got {type(imbalances).__name__}")
     if path is not None and not isinstance(path, DecisionPath):
         raise ValueError(f"path must be a DecisionPath or None, got {type(path).__name__}")
     if path is not None and ((path.model, path.parallel, path.hardware) != (model, parallel, hardware)

@@ -214,12 +214,12 @@ def _length_shapes(report: Report) -> str:
 
     def trend(runs) -> str:
         change = runs[-1].mfu("ideal") / runs[0].mfu("ideal") - 1
-        return f"ideal's MFU {'rises' if change > 0 else 'falls'} {abs(change):.1%}"
+        return f"ideal's MFU {'rises' if change > 0 else 'falls' if change < 0 else 'stays'} {abs(change):.1%}"
 
     return (f"From {first.label} to {last.label} with the micro-batches per iteration held {trend(held)} (attention's "
             "FLOPs per token grow with the length, the all-to-all bytes per token do not); with the tokens per "
             f"iteration held {trend(tokens)} (fewer micro-batches, a longer pipeline bubble). The paper attributes "
-            "its fall to activation reduction; here the memory pressure of the longest sequences costs flexible "
+            f"its fall to activation reduction; here the memory pressure of the {last.label} sequences costs flexible "
             f"{1 - last.mfu('flexible') / last.mfu('ideal'):.1%} against ideal ({last.label}, micro-batches held).")
 
 
