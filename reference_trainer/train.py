@@ -132,8 +132,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     except KeyboardInterrupt:
         raise SystemExit(130) from None
     except Exception as exc:  # a collective that failed outside the step loop (set-up, resume): one line
-        from .watchdog import STALL_EXIT_CODE, collective_failure, exit_after_failure
+        from .watchdog import STALL_EXIT_CODE, collective_failure, exit_after_failure, termination_signal
 
+        signum = termination_signal(exc)
+        if signum is not None:  # the launcher stops this rank (a peer failed first and reported it): exit quietly
+            sys.stdout.flush()
+            os._exit(128 + signum)
         failed = collective_failure(exc)
         if failed is None:
             if not _process_groups():

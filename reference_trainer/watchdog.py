@@ -51,6 +51,13 @@ def collective_failure(exc: BaseException | None) -> BaseException | None:
     return find_cause(exc, _is_collective_failure)
 
 
+def termination_signal(exc: BaseException | None) -> int | None:
+    """The signal number behind ``exc`` when the launcher stopped this process by a signal that a handler turned into
+    an exception (torchrun's agent raises one carrying ``sigval`` in the processes it forks), else ``None``."""
+    found = find_cause(exc, lambda e: isinstance(getattr(e, "sigval", None), int))
+    return None if found is None else int(found.sigval)
+
+
 def exit_after_failure(failed: BaseException, line: str) -> None:
     """Print ``line`` and exit with :data:`STALL_EXIT_CODE`. When the peer closed the connection, the cause is the
     peer's (an out-of-memory exit with its own line, a kill): wait ``PEER_GONE_GRACE_S`` first, so that torchrun

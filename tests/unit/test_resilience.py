@@ -4,6 +4,7 @@ one-line report, the watchdog (in a child process: it exits), the new flags' val
 from __future__ import annotations
 
 import errno
+import signal
 import subprocess
 import sys
 import textwrap
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 from reference_trainer import collectives, faults, train
 from reference_trainer.checkpoint import CheckpointError, save
 from reference_trainer.resilience import all_finite, sums_finite
-from reference_trainer.watchdog import STALL_EXIT_CODE, Watchdog, collective_failure
+from reference_trainer.watchdog import STALL_EXIT_CODE, Watchdog, collective_failure, termination_signal
 
 
 def test_fault_specs_parse_and_bad_ones_are_one_line():
@@ -111,6 +112,19 @@ def test_collective_failures_are_recognised_in_a_chain():
     except ValueError as outer:
         assert collective_failure(outer) is inner
     assert collective_failure(ValueError("a bug")) is None
+
+
+def test_a_launcher_signal_is_found_behind_the_pipeline_error_it_caused():
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    try:
+        try:
+            raise SignalException("Process 1 got signal: 15", sigval=signal.SIGTERM)
+        except SignalException as exc:
+            raise RuntimeError("[Stage 1] failed to run forward") from exc
+    except RuntimeError as outer:
+        assert termination_signal(outer) == signal.SIGTERM
+    assert termination_signal(RuntimeError("Timed out waiting 4000ms for recv")) is None
 
 
 @pytest.mark.parametrize("args, fragment", [
