@@ -46,7 +46,10 @@ def parse_bytes(text: str, option: str = "--memory-cap") -> int:
     value = float(match.group(1)) * _UNITS[unit]
     if not 1 <= value < 2**62:
         raise ValueError(f"{option} must be between 1 byte and 4 EiB, got {text!r}")
-    return int(value)
+    if _UNITS[unit] == 1 and value != int(value):
+        raise ValueError(f"{option} must be a whole number of bytes (or a number with a unit, e.g. 1.5MiB), "
+                         f"got {text!r}")
+    return round(value)  # with a unit: the nearest byte
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,6 +143,9 @@ class TrainConfig:
         require_number("--spike-rate", self.spike_rate, 0, 1)
         require_number("--bias-update-rate", self.bias_update_rate, 0, 1)
         require_number("--prediction-scale", self.prediction_scale, 0, 1, low_open=True)
+        if self.prediction_scale != 1.0 and self.policy != "flexible":
+            raise ValueError(f"--prediction-scale applies to --policy flexible only (a fixed policy plans before "
+                             f"training, from no prediction), got --policy {self.policy}")
         require_number("--collective-timeout", self.collective_timeout_s, 0, 1e7, low_open=True)
         for option, value, allowed in (("--schedule", self.schedule, SCHEDULES), ("--policy", self.policy, POLICIES),
                                        ("--device", self.device, DEVICES), ("--downgrade", self.downgrade, DOWNGRADES),

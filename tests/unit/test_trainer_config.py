@@ -23,6 +23,8 @@ from reference_trainer.train import main, parse_args
     (["--ep", "3"], "--ep=3 must divide --dp=2"),
     (["--memory-cap", "lots"], "--memory-cap must be a byte count"),
     (["--memory-cap=-5MiB"], "--memory-cap must be a byte count"),
+    (["--memory-cap", "1.5"], "--memory-cap must be a whole number of bytes"),
+    (["--policy", "kwai", "--prediction-scale", "0.6"], "--prediction-scale applies to --policy flexible only"),
     (["--spike-rate", "0.1", "--spike-max", "0.5"], "--spike-max"),
     (["--spike-rate", "0.1", "--ep", "1"], "--spike-rate > 0 needs --ep >= 2"),
     (["--resume"], "--resume needs --checkpoint-dir"),
@@ -69,7 +71,7 @@ def test_other_ranks_exit_quietly(capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("text, value", [("48MiB", 48 << 20), ("1.5GiB", 3 << 29), ("500000", 500000),
-                                         ("2 kb", 2000), ("1e6", 10**6)])
+                                         ("2 kb", 2000), ("1e6", 10**6), ("0.1KiB", 102), ("1.5e3", 1500)])
 def test_parse_bytes(text, value):
     assert parse_bytes(text) == value
 
