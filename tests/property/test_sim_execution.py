@@ -159,6 +159,20 @@ def test_flexible_is_never_behind_a_static_policy_on_a_trace_its_plans_were_made
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name, hardware", [("glm-319b-a30b", "h100"), ("glm-835b-a30b", "h200")])
+def test_flexible_is_never_behind_a_static_policy_on_other_presets_and_hardware(name, hardware):
+    model, parallel = presets.model(name)
+    hw = presets.hardware(hardware)
+    trace = (1.0, 1.2, 1.13)
+    flexible = simulate(model, parallel, hw, "flexible", trace, plan_imbalance=1.2)
+    for policy in ("static-under", "static-over", "kwai", "adapipe", "L1", "L2"):
+        static = simulate(model, parallel, hw, policy, trace, plan_imbalance=1.2)
+        assert static.oom_events == 0
+        for fast, slow in zip(flexible.iterations, static.iterations):
+            assert fast.time_s <= slow.time_s * (1 + 1e-9), policy
+
+
+@pytest.mark.slow
 @settings(max_examples=scaled(2), deadline=None)
 @given(st.lists(ordinary, min_size=8, max_size=8).map(tuple))
 def test_flexible_keeps_up_with_a_static_plan_on_a_stage_without_a_pipeline(trace):
