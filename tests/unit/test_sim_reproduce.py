@@ -212,6 +212,10 @@ def test_cli_reproduce_writes_the_report_and_plots_atomically(tmp_path, monkeypa
     (tmp_path / "other" / "img").write_text("a file where the plots' folder goes")
     clash = runner.invoke(app, ["reproduce", "--docs", str(tmp_path / "other")])
     assert clash.exit_code == 2 and "is not a folder" in clash.output and len(clash.output.strip().splitlines()) == 1
+    made = runner.invoke(app, ["reproduce", "--docs", str(tmp_path / "fresh")])  # a missing folder is made
+    assert made.exit_code == 0, made.output
+    assert (tmp_path / "fresh" / "reproduction.md").read_text() == markdown(report)
+    assert sorted(p.name for p in (tmp_path / "fresh" / "img").iterdir()) == sorted(figures(report))
 
 
 @pytest.mark.parametrize("args, option", [(["-n", "3"], "--iterations"), (["--restart-s", "-1"], "--restart-s"),

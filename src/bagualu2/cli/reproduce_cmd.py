@@ -34,8 +34,8 @@ def reproduce_cmd(
     hardware: Annotated[str, typer.Option("--hardware", "-H", help="Hardware preset name.")] = "paper-gpu",
     model: Annotated[Optional[list[str]], typer.Option("--model", "-m", help="Fig. 8's Table II presets; "
                                                        "repeatable; default: all of them.")] = None,
-    docs: Annotated[str, typer.Option("--docs", metavar="DIR", help="Folder to write reproduction.md into (its "
-                                      "plots go to DIR/img, made when missing).")] = "docs",
+    docs: Annotated[str, typer.Option("--docs", metavar="DIR", help="Folder to write reproduction.md into, made "
+                                      "when missing (its plots go to DIR/img).")] = "docs",
     json_output: Annotated[bool, typer.Option("--json", help=JSON_HELP + " (the report's ratios beside the "
                                               "paper's, after writing the files)")] = False,
     jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", help="Worker processes for the simulations (in "
@@ -61,8 +61,13 @@ def reproduce_cmd(
     images = folder / "img"
     names = ("repro-fig8.png", "repro-fig9.png", "repro-fig10.png", "repro-fig11.png")
     with blame("--docs"):
-        report_path = check_output_path(str(folder / "reproduction.md"), "reproduction.md")
-        make_images = not images.exists() and not images.is_symlink()  # made after the run, when missing
+        make_folder = not folder.exists() and not folder.is_symlink()  # made after the run, when missing
+        if make_folder:
+            check_output_path(str(folder), "docs")  # its parent exists and takes a new entry
+            report_path = folder / "reproduction.md"
+        else:
+            report_path = check_output_path(str(folder / "reproduction.md"), "reproduction.md")
+        make_images = make_folder or (not images.exists() and not images.is_symlink())
         image_paths = {name: (images / name) if make_images else check_output_path(str(images / name))
                        for name in names}
     progress = progress_bar()
@@ -82,20 +87,27 @@ def reproduce_cmd(
         progress.update(task, completed=len(started))
     files = [(image_paths[name], data) for name, data in figures(report).items()]
     with blame("--docs"):
-        if make_images:
-            try:
-                images.mkdir()
-            except FileExistsError:  # made meanwhile (a run takes minutes): use it, never remove it
-                make_images = False
+        made = [path for path, wanted in ((folder, make_folder), (images, make_images)) if wanted and _made(path)]
         try:  # the report and its plots as one set: on a failure (a full disk) every file stays as it was
             atomic_write_many([*files, (report_path, markdown(report).encode())])
         except BaseException:
-            if make_images:
+            for path in reversed(made):
                 with contextlib.suppress(OSError):
-                    images.rmdir()
+                    path.rmdir()
             raise
     if json_output:
         echo_json(headline(report))
         return
     console().print(f"wrote {escape(str(report_path))} and {len(image_paths)} plots in "
                     f"{escape(str(folder / 'img'))}", soft_wrap=True)
+
+
+def _made(path: Path) -> bool:
+    """Make folder ``path``; False when it was made meanwhile (a run takes minutes): used, never removed."""
+    try:
+        path.mkdir()
+    except FileExistsError:
+        if not path.is_dir():
+            raise
+        return False
+    return True
