@@ -15,6 +15,11 @@ one op makes regenerating its other outputs free; dropping a tensor makes regene
                        A candidate freeing more than is still needed is not applied but remembered as a way to
                        finish (min-knapsack style); the cheapest ending wins, then moves the budget does not
                        need are dropped.
+
+``copy_window_ns`` (both variants; default 0, the paper's pricing) prices offload copies by what they leave
+exposed: the copy engines run beside the scheduling point's compute, so the plan's device->host and host->device
+copies add no time up to ``copy_window_ns`` in all, and each copy nanosecond beyond it counts in full. An offload's
+cost is then the growth of the exposed copy time (lazily re-evaluated as copies accumulate).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Iterable
 
 from ..costmodel import OpGraph, Plan, Strategy, resolve
 from ..costmodel.evaluate import recompute_closure
+from ..costmodel.validate import require_int
 from .solution import Solution, SolveStatus, check_budget, infeasible, make_solution
 from .space import Space, TensorChoice, decision_space
 
@@ -41,16 +47,19 @@ Delta = tuple[int, int, frozenset]  # (bytes freed, ns added, ops newly re-run i
 
 @dataclass(frozen=True, kw_only=True)
 class GreedyConfig:
-    """variant: ``improved`` or ``paper`` (see module docstring); prune: drop unneeded moves at the end."""
+    """variant: ``improved`` or ``paper`` (see module docstring); prune: drop unneeded moves at the end;
+    copy_window_ns: offload copy time (both directions, in all) hidden beside compute (module docstring; >= 0)."""
 
     variant: str = "improved"
     prune: bool = True
+    copy_window_ns: int = 0
 
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
             raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {self.variant!r}")
         if not isinstance(self.prune, bool):
             raise ValueError(f"prune must be true or false, got {self.prune!r}")
+        require_int("copy_window_ns", self.copy_window_ns, 0)
 
 
 def _bytes(choice: TensorChoice, strategy: Strategy) -> int:
@@ -65,18 +74,39 @@ def _standalone_ns(choice: TensorChoice, strategy: Strategy) -> int:
     return choice.quantize_ns if strategy is QUANTIZE else 0
 
 
+def _copy_ns(choice: TensorChoice, strategy: Strategy) -> int:
+    return choice.offload_ns if strategy is OFFLOAD else 0
+
+
+def _cast_ns(choice: TensorChoice, strategy: Strategy) -> int:
+    return choice.quantize_ns if strategy is QUANTIZE else 0
+
+
 class _State:
     """Tensor-level assignment with its freed bytes, overhead and the ops re-run in backward. ``movable``: the
     tensors the solver may change (None: all)."""
 
-    def __init__(self, space: Space, movable: frozenset | None = None):
+    def __init__(self, space: Space, movable: frozenset | None = None, window_ns: int = 0):
         self.space = space
         self.movable = movable
+        self.window_ns = window_ns  # copy time hidden beside compute (GreedyConfig.copy_window_ns)
         self.chosen: dict[str, Strategy] = {}
         self.rerun: set[str] = set()
         self.freed = 0
         self.overhead_ns = 0
+        self.copy_ns = 0  # the copies of the offloaded tensors, both directions
         self.start_key = None  # what identifies the start state (its candidates are cached by it)
+
+    def exposed_ns(self, copy_ns: int) -> int:
+        """What ``copy_ns`` of copies add to the point's time."""
+        return copy_ns - min(copy_ns, self.window_ns)
+
+    def copy_delta_ns(self, choice: TensorChoice, current: Strategy, strategy: Strategy) -> int:
+        """Added time of the copies when ``choice`` moves from ``current`` to ``strategy``."""
+        if not self.window_ns:
+            return _copy_ns(choice, strategy) - _copy_ns(choice, current)
+        after = self.copy_ns + _copy_ns(choice, strategy) - _copy_ns(choice, current)
+        return self.exposed_ns(after) - self.exposed_ns(self.copy_ns)
 
     def stored(self, tensor: str) -> bool:
         space = self.space
@@ -94,7 +124,8 @@ class _State:
         conflicts (a recompute that cannot be regenerated)."""
         current = self.chosen.get(choice.tensor, KEEP)
         freed = _bytes(choice, current) - _bytes(choice, strategy)
-        added = _standalone_ns(choice, strategy) - _standalone_ns(choice, current)
+        added = (_cast_ns(choice, strategy) - _cast_ns(choice, current)
+                 + self.copy_delta_ns(choice, current, strategy))
         if strategy is not RECOMPUTE:
             return freed, added, EMPTY
         ops = self.recompute_ops(choice.tensor)
@@ -110,6 +141,7 @@ class _State:
         return recompute_closure(missing, self.stored, space.producer.__getitem__, space.inputs.__getitem__)[0]
 
     def apply(self, choice: TensorChoice, strategy: Strategy, delta: Delta) -> None:
+        self.copy_ns += _copy_ns(choice, strategy) - _copy_ns(choice, self.chosen.get(choice.tensor, KEEP))
         self.chosen[choice.tensor] = strategy
         self.freed += delta[0]
         self.overhead_ns += delta[1]
@@ -142,26 +174,30 @@ def tensor_strategies(graph: OpGraph, plan: Plan | None) -> dict[str, Strategy]:
 _STARTS: "weakref.WeakKeyDictionary[Space, dict]" = weakref.WeakKeyDictionary()
 
 
-def _start(space: Space, graph: OpGraph, fixed: Plan | None, free) -> _State:
+def _start(space: Space, graph: OpGraph, fixed: Plan | None, free, window_ns: int = 0) -> _State:
     """The state the solver starts from: ``fixed``'s strategies on the tensors outside ``free``, KEEP elsewhere
-    (built once per space and start; each solve works on a copy)."""
+    (built once per space, start and copy window; each solve works on a copy)."""
     if fixed is None and free is None:
-        return _State(space)
+        state = _State(space, window_ns=window_ns)
+        state.start_key = (None, None, window_ns) if window_ns else None
+        return state
     movable = None if free is None else frozenset(free)
-    key = (None if fixed is None else fixed.entries, movable)
+    key = (None if fixed is None else fixed.entries, movable, window_ns)
     memo = _STARTS.setdefault(space, {})
     found = memo.get(key)
     if found is None:
-        found = memo[key] = _fixed_start(space, graph, fixed, movable)
+        found = memo[key] = _fixed_start(space, graph, fixed, movable, window_ns)
         found.start_key = key
-    state = _State(space, found.movable)
+    state = _State(space, found.movable, window_ns)
     state.chosen, state.rerun = dict(found.chosen), set(found.rerun)
     state.freed, state.overhead_ns, state.start_key = found.freed, found.overhead_ns, key
+    state.copy_ns = found.copy_ns
     return state
 
 
-def _fixed_start(space: Space, graph: OpGraph, fixed: Plan | None, movable: frozenset | None) -> _State:
-    state = _State(space, movable)
+def _fixed_start(space: Space, graph: OpGraph, fixed: Plan | None, movable: frozenset | None,
+                 window_ns: int = 0) -> _State:
+    state = _State(space, movable, window_ns)
     if fixed is None:
         return state
     strategies = tensor_strategies(graph, fixed)
@@ -171,9 +207,10 @@ def _fixed_start(space: Space, graph: OpGraph, fixed: Plan | None, movable: froz
             continue
         state.chosen[choice.tensor] = strategy
         state.freed += choice.keep_bytes - _bytes(choice, strategy)
-        state.overhead_ns += _standalone_ns(choice, strategy)
+        state.overhead_ns += _cast_ns(choice, strategy)
+        state.copy_ns += _copy_ns(choice, strategy)
     state.rerun = state.closure()
-    state.overhead_ns += sum(space.forward_ns[o] for o in state.rerun)
+    state.overhead_ns += sum(space.forward_ns[o] for o in state.rerun) + state.exposed_ns(state.copy_ns)
     if movable is None:
         state.movable = frozenset()  # everything is fixed
     return state
@@ -203,7 +240,7 @@ def solve(graph: OpGraph, budget_bytes: int, *, config: GreedyConfig | None = No
         return infeasible(graph, budget_bytes, name, started, time.perf_counter())
     space = decision_space(graph)
     need = graph.unmitigated_bytes - budget_bytes
-    state = _start(space, graph, fixed, free)
+    state = _start(space, graph, fixed, free, config.copy_window_ns)
     if need > state.freed:
         state = _paper(state, space, need) if config.variant == "paper" else _improved(state, space, need)
         if config.prune and state.freed >= need:
@@ -238,7 +275,7 @@ def _improved(state: _State, space: Space, need: int) -> _State:
             return
         counter += 1
         heappush(heap, (-delta[0] / max(delta[1], 1), -delta[0], counter, choice, strategy,
-                        version[choice.tensor], epoch, delta))
+                        version[choice.tensor], epoch, state.copy_ns, delta))
 
     starts = _INITIAL.setdefault(space, {})
     initial = starts.get(state.start_key)
@@ -258,9 +295,12 @@ def _improved(state: _State, space: Space, need: int) -> _State:
     while state.freed < need and heap:
         if best_end is not None and state.overhead_ns - refundable_ns > best_end[0]:
             break  # the ending below is taken whatever else is popped (same result as draining the heap)
-        _, _, _, choice, strategy, seen_version, seen_epoch, delta = heappop(heap)
+        _, _, _, choice, strategy, seen_version, seen_epoch, seen_copy_ns, delta = heappop(heap)
         if seen_version != version[choice.tensor]:
             continue  # the tensor moved since
+        if strategy is OFFLOAD and state.window_ns and seen_copy_ns != state.copy_ns:
+            push(choice, strategy)  # the copies since left less of the window: re-evaluate lazily
+            continue
         if strategy is RECOMPUTE and seen_epoch != epoch and \
                 any(delta[2] & changed for changed in dirty[seen_epoch:]):
             push(choice, strategy)  # its regeneration cost changed: re-evaluate lazily
@@ -298,11 +338,13 @@ def _improved(state: _State, space: Space, need: int) -> _State:
 
 def _restart(state: _State, history: list) -> _State:
     """``state`` as it was before its first move (movable tensors start at KEEP; the fixed ones never move)."""
-    fresh = _State(state.space, state.movable)
+    fresh = _State(state.space, state.movable, state.window_ns)
     moved = {choice.tensor for choice, _, _ in history}
     fresh.chosen = {t: s for t, s in state.chosen.items() if t not in moved}
     fresh.freed = state.freed - sum(d[0] for _, _, d in history)
     fresh.overhead_ns = state.overhead_ns - sum(d[1] for _, _, d in history)
+    by_name = {c.tensor: c for c in state.space.choices}
+    fresh.copy_ns = sum(_copy_ns(by_name[t], s) for t, s in fresh.chosen.items())
     fresh.rerun = fresh.closure()
     return fresh
 
@@ -350,7 +392,8 @@ def _prune(state: _State, space: Space, need: int) -> None:
             continue
         if strategy is not RECOMPUTE:  # stored either way: the re-run set does not change
             state.freed -= freed
-            state.overhead_ns -= _standalone_ns(choice, strategy)
+            state.overhead_ns -= _cast_ns(choice, strategy) - state.copy_delta_ns(choice, strategy, KEEP)
+            state.copy_ns -= _copy_ns(choice, strategy)
             del state.chosen[tensor]
             continue
         producer = space.producer[tensor]

@@ -141,7 +141,8 @@ def downgrade_plan(graph: OpGraph, plan: Plan | None = None, *, layers=None) -> 
 
 
 def after_gate(graph: OpGraph, plan: Plan | None, budget_bytes: int, *, limit_bytes: int | None = None,
-               downgrade: str = "graded", layers=None, downgrade_layers=None, cost=None) -> GateDecision:
+               downgrade: str = "graded", layers=None, downgrade_layers=None, cost=None,
+               copy_window_ns: int = 0, duration=None) -> GateDecision:
     """The plan to run once the gate has routed this micro-batch (see the module docstring).
 
     ``graph`` is built at the measured imbalance; ``plan`` is the plan in force; ``budget_bytes`` the micro-batch's
@@ -149,7 +150,10 @@ def after_gate(graph: OpGraph, plan: Plan | None, budget_bytes: int, *, limit_by
     re-plan may change (default all: the gate of the chunk's first MoE layer); ``downgrade_layers`` those the full
     downgrade covers (default ``layers``; the running model downgrades only the module whose gate fired); ``cost``,
     optional,
-    a memo of ``evaluate(graph, ·)`` (the runtime's cache; it must return exactly what ``evaluate`` does).
+    a memo of ``evaluate(graph, ·)`` (the runtime's cache; it must return exactly what ``evaluate`` does);
+    ``copy_window_ns`` > 0: the re-plan is also made with copies priced by what they leave exposed beyond that
+    much copy time (``greedy.GreedyConfig.copy_window_ns``); ``duration``, optional: the time of a plan's step
+    (e.g. its scheduling point's fused order), which then ranks the options instead of their overhead.
     """
     if not isinstance(graph, OpGraph):
         raise ValueError(f"graph must be an OpGraph, got {type(graph).__name__}")
@@ -158,6 +162,7 @@ def after_gate(graph: OpGraph, plan: Plan | None, budget_bytes: int, *, limit_by
     if limit_bytes is not None:
         limit_bytes = require_int("limit_bytes", limit_bytes, 0)
     check_downgrade(downgrade)
+    window_ns = require_int("copy_window_ns", copy_window_ns, 0)
     plan = plan if plan is not None else Plan()
     cost = cost if cost is not None else (lambda candidate: evaluate(graph, candidate))
     in_force = cost(plan)
@@ -176,12 +181,15 @@ def after_gate(graph: OpGraph, plan: Plan | None, budget_bytes: int, *, limit_by
     if downgraded.cost.unavailable:  # a re-run would need a tensor nothing regenerates (a traced random router)
         downgraded = keep
     options = [downgraded]
-    try:
-        replanned = greedy.solve(graph, budget_bytes, fixed=plan, free=gate_free_tensors(graph, layers))
-    except ValueError:  # the plan in force is not one strategy per tensor: only the full downgrade applies
-        replanned = None
-    if replanned is not None and replanned.ok and not replanned.cost.unavailable:
-        options.append(GateDecision(replanned.plan, GateAction.REPLAN, replanned.cost))
+    for window in ((0, window_ns) if window_ns else (0,)):
+        try:
+            replanned = greedy.solve(graph, budget_bytes, fixed=plan, free=gate_free_tensors(graph, layers),
+                                     config=greedy.GreedyConfig(copy_window_ns=window) if window else None)
+        except ValueError:  # the plan in force is not one strategy per tensor: only the full downgrade applies
+            break
+        if replanned.ok and not replanned.cost.unavailable and (
+                not window or all(replanned.plan.entries != o.plan.entries for o in options)):
+            options.append(GateDecision(replanned.plan, GateAction.REPLAN, replanned.cost))
     if fits and downgraded is not keep:
         options.append(keep)
     fitting = [o for o in options if o.cost.activation_bytes <= budget_bytes]
@@ -189,4 +197,6 @@ def after_gate(graph: OpGraph, plan: Plan | None, budget_bytes: int, *, limit_by
         return options[0]
     # cheapest first; on a tie prefer keeping, then the re-plan, then the downgrade
     rank = {GateAction.KEEP: 0, GateAction.REPLAN: 1, GateAction.DOWNGRADE: 2}
+    if duration is not None:
+        return min(fitting, key=lambda o: (duration(o.plan), o.cost.overhead_ns, rank[o.action]))
     return min(fitting, key=lambda o: (o.cost.overhead_ns, rank[o.action]))

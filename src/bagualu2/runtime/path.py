@@ -84,6 +84,12 @@ class DecisionPath:
       need_step             ratio - 1 of the need grid of gate decisions (in (0, 1]).
       pregate_need_step     ratio - 1 of the need grid of pre-gate plans (in (0, 1]).
       reuse_levels          how many need levels away a decision made may stand in (>= 0).
+      hidden_copies         also plan with copies priced by what they leave exposed (``greedy.GreedyConfig``'s
+                            ``copy_window_ns`` = the steady point's time under the plan priced in full: in the
+                            fused order the copy engines run beside it) and keep, before and after the gate, the
+                            plan whose scheduling point is shorter (``Stage.point_order``); False (default):
+                            Algorithm 2's pricing alone, every copy in full (right where copies do not overlap
+                            compute, e.g. on a CPU).
       engine                the stage's :class:`~.stage.Stage` (default: a new one); shared with the other
                             users of the stage (``DecisionPath.on(engine)``).
 
@@ -94,7 +100,8 @@ class DecisionPath:
                  downgrade: str = "graded", planned_imbalance: float | None = None, window: int = 16,
                  budget_quantum_bytes: int | None = None, imbalance_step: float = 0.02,
                  spike_threshold: float = 1.2, spike_step: float = 0.2, need_step: float = 0.05,
-                 pregate_need_step: float = 0.15, reuse_levels: int = 16, engine: Stage | None = None):
+                 pregate_need_step: float = 0.15, reuse_levels: int = 16, hidden_copies: bool = False,
+                 engine: Stage | None = None):
         self.model, self.parallel, self.hardware = model, parallel, hardware
         self.stage = require_int("stage", stage, 0, parallel.pp)
         if engine is None:
@@ -116,11 +123,15 @@ class DecisionPath:
         self.pregate_needs = NeedGrid(budget_quantum_bytes, pregate_need_step, anchor_bytes=anchor,
                                       name="pregate_need_step")
         self.reuse_levels = require_int("reuse_levels", reuse_levels, 0)
+        if not isinstance(hidden_copies, bool):
+            raise ValueError(f"hidden_copies must be true or false, got {hidden_copies!r}")
+        self.hidden_copies = hidden_copies
         grid = (self.step, self.spike_threshold, self.spike_step, self.needs.ratio, self.pregate_needs.ratio,
-                budget_quantum_bytes)
+                budget_quantum_bytes, hidden_copies)
         if engine.memo.enabled and engine.path_grid not in (None, grid):
             raise ValueError("engine: another decision path over this Stage uses other grid options (imbalance_step, "
-                             "spike_threshold, spike_step, need_step, pregate_need_step, budget_quantum_bytes), and "
+                             "spike_threshold, spike_step, need_step, pregate_need_step, budget_quantum_bytes, "
+                             "hidden_copies), and "
                              "the Stage's memo holds its decisions; use the same options or another Stage")
         engine.path_grid = grid
         self._alias = engine.aliases
@@ -331,6 +342,9 @@ class DecisionPath:
         found = self._pregate.get(key)  # no stand-ins: what runs before the gate cannot be undone
         if found is None:
             solution = greedy.solve(graph, decided)
+            if solution.ok and self.hidden_copies:
+                solution = self._faster(solution, greedy.solve(graph, decided, config=greedy.GreedyConfig(
+                    copy_window_ns=self._point_ns(solution.plan, planned, chunk))), planned, chunk)
             if not solution.ok:  # below M0 nothing fits: the least the micro-batch can keep (full recompute)
                 solution = greedy.solve(graph, graph.floor_bytes)
             plan = solution.plan
@@ -359,7 +373,11 @@ class DecisionPath:
             plan, action = pre.plan, GateAction.KEEP if level == COVERED else GateAction.ABSORB
         else:
             gate = after_gate(row.graph, pre.plan, decided, downgrade=self.downgrade,
-                              cost=lambda plan: engine.cost(plan, row.bucket, chunk))
+                              cost=lambda plan: engine.cost(plan, row.bucket, chunk),
+                              copy_window_ns=self._point_ns(pre.plan, row.bucket, chunk) if self.hidden_copies
+                              else 0,
+                              duration=(lambda plan: self._point_ns(plan, row.bucket, chunk)) if self.hidden_copies
+                              else None)
             plan, action = gate.plan, gate.action
             engine.remember_cost(plan, row.bucket, chunk, gate.cost)  # the evaluator's, once
         cost = engine.cost(plan, row.bucket, chunk)
@@ -375,6 +393,17 @@ class DecisionPath:
         found = outcomes[key] = Outcome(plan, action, action in (GateAction.REPLAN, GateAction.DOWNGRADE),
                                          cost.overhead_s, fixed, per_token, row.graph, cost.activation_bytes)
         return found, None
+
+    def _point_ns(self, plan: Plan, imbalance: float, chunk: int) -> int:
+        """The time of a steady scheduling point running ``plan`` on the graph of (chunk, imbalance)."""
+        return self.engine.point_order(plan, imbalance, chunk).makespan_ns
+
+    def _faster(self, full, hidden, imbalance: float, chunk: int):
+        """Of two solutions for one budget, the one whose steady point is shorter (``full`` on a tie)."""
+        if not hidden.ok or hidden.plan.entries == full.plan.entries:
+            return full
+        return hidden if self._point_ns(hidden.plan, imbalance, chunk) < self._point_ns(full.plan, imbalance,
+                                                                                        chunk) else full
 
     def _nearby(self, pre: PreGate, level: int, row: Row, chunk: int, budget_bytes: int, tokens: int):
         """A decision made for a nearby need level that is as good here (the greedy's cost grows with the need):

@@ -69,7 +69,7 @@ def _run(model, parallel, hardware, run: Measured, m_max_bytes, *, restart_s: fl
          plan_hardware: Hardware | None = None, downgrade: str = "graded") -> SimResult:
     return simulate(model, parallel, hardware, run.policy, run.trace, m_max_bytes=m_max_bytes,
                     restart_s=run.restart_s if restart_s is None else restart_s, plan_hardware=plan_hardware,
-                    downgrade=downgrade, overlap=CPU_OVERLAP)
+                    downgrade=downgrade, overlap=CPU_OVERLAP, hidden_copies=False)
 
 
 def _mean_s(result: SimResult) -> float:

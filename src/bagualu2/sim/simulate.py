@@ -60,16 +60,22 @@ class SimConfig:
     ``--memory-cap``); None: ``stage_memory``'s ``M_max``.
     overlap: the execution model (``execution.OVERLAP``): ``"real"`` (every policy the overlap of its real
     system), ``"released"`` (the same without Megatron-Core's all-to-all overlap for the baselines),
-    ``"fused-only"`` (only the fused policies' steady pairs overlap) or ``"none"`` (all serial)."""
+    ``"fused-only"`` (only the fused policies' steady pairs overlap) or ``"none"`` (all serial).
+    hidden_copies: the flexible policies' decision path prices offload copies by what they leave exposed beside
+    compute (``runtime.DecisionPath``'s ``hidden_copies``; default True, as on a GPU whose copy engines run beside
+    compute) or, False, in full (Algorithm 2's pricing; the CPU trainer's decisions)."""
 
     restart_s: float = 284.0
     plan_imbalance: float = 1.0
     on_oom: str = "fallback"
     m_max_bytes: int | None = None
     overlap: str = "real"
+    hidden_copies: bool = True
 
     def __post_init__(self) -> None:
         check_overlap(self.overlap)
+        if not isinstance(self.hidden_copies, bool):
+            raise ValueError(f"hidden_copies must be true or false, got {self.hidden_copies!r}")
         if self.m_max_bytes is not None:
             require_int("m_max_bytes", self.m_max_bytes, 1)
         require_number("restart_s", self.restart_s, 0, MAX_RESTART_S)
@@ -218,7 +224,8 @@ class _Run:
                  plan_hardware: Hardware | None = None, downgrade: str = "graded"):
         self.parallel, self.hardware, self.config = parallel, hardware, config
         self.stages = [StageContext(model, parallel, hardware, s, plan_hardware=plan_hardware, downgrade=downgrade,
-                                    m_max_bytes=config.m_max_bytes) for s in range(parallel.pp)]
+                                    m_max_bytes=config.m_max_bytes, hidden_copies=config.hidden_copies)
+                       for s in range(parallel.pp)]
         for ctx in self.stages:
             ctx.check_room(capped=config.m_max_bytes is not None)
         self.overheads = [stage_overheads(model, parallel, hardware, s) for s in range(parallel.pp)]
@@ -256,14 +263,15 @@ class _Run:
 def simulate(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, policy: str, trace, *,
              restart_s: float = 284.0, plan_imbalance: float = 1.0, on_oom: str = "fallback",
              m_max_bytes: int | None = None, progress=None, plan_hardware: Hardware | None = None,
-             downgrade: str = "graded", overlap: str = "real") -> SimResult:
+             downgrade: str = "graded", overlap: str = "real", hidden_copies: bool = True) -> SimResult:
     """Simulate ``trace`` (one entry per iteration: a rate, or one rate per micro-batch) under ``policy`` (one of
     ``POLICIES`` or ``ABLATION``); see the module docstring for what is modelled. ``progress``, optional, is
     called with the number of iterations done after each one. ``plan_hardware`` (default ``hardware``): the
     profile the policies plan with, when that is not the profile that times them (a trainer planning with its
     configured profile on a machine ``hardware`` was fitted to). ``downgrade``: the gate of ``flexible``'s decision
     path, ``"graded"`` (default) or ``"paper"`` (keep or full MoE-module downgrade: what the trainer runs under
-    expert parallelism). ``overlap``: the execution model (:class:`SimConfig`)."""
+    expert parallelism). ``overlap``: the execution model; ``hidden_copies``: flexible's pricing of copies
+    (:class:`SimConfig`)."""
     for name, value, kind in (("model", model, ModelConfig), ("parallel", parallel, ParallelConfig),
                               ("hardware", hardware, Hardware)):
         if not isinstance(value, kind):
@@ -273,7 +281,7 @@ def simulate(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, p
     if progress is not None and not callable(progress):
         raise ValueError(f"progress must be a callable or None, got {type(progress).__name__}")
     config = SimConfig(restart_s=restart_s, plan_imbalance=plan_imbalance, on_oom=on_oom, m_max_bytes=m_max_bytes,
-                       overlap=overlap)
+                       overlap=overlap, hidden_copies=hidden_copies)
     check_policy(policy)
     if config.plan_imbalance > parallel.ep:
         raise ValueError(f"plan_imbalance must be in [1, ep={parallel.ep}] (one of ep ranks receives at most ep x the "

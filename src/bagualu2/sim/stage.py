@@ -40,10 +40,11 @@ class ChoiceKey(NamedTuple):
 
 @lru_cache(maxsize=64)
 def shared_engine(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, stage: int,
-                  downgrade: str) -> Stage:
+                  downgrade: str, hidden_copies: bool = True) -> Stage:
     """One memoised :class:`~bagualu2.runtime.Stage` per (model, layout, profile, stage, gate) for every simulation
     of it: its graphs, costs, orders and choices are pure functions of their keys, so the policies of a run share
-    them (a :class:`~bagualu2.runtime.DecisionPath`'s own state stays per simulation)."""
+    them (a :class:`~bagualu2.runtime.DecisionPath`'s own state stays per simulation; paths that price copies
+    differently decide differently, so each pricing has its own engine)."""
     return Stage(model, parallel, hardware, stage=stage)
 
 
@@ -56,22 +57,22 @@ class StageContext:
     its time is that of the machine (``hardware``, e.g. fitted to it); plans are timed (``cost``, ``choice``) on the
     graphs of ``timing``, the engine of ``hardware`` (the planning engine when both profiles
     are one). ``m_max_bytes``: the stage's activation capacity (default its ``M_max``); ``cache``: the engines'
-    memo on or off (``runtime.Stage``)."""
+    memo on or off (``runtime.Stage``); ``hidden_copies``: the path's pricing of copies (``runtime.DecisionPath``)."""
 
     def __init__(self, model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, stage: int, *,
                  plan_hardware: Hardware | None = None, downgrade: str = "graded", m_max_bytes: int | None = None,
-                 cache: bool = True):
+                 cache: bool = True, hidden_copies: bool = True):
         self.model, self.parallel, self.hardware, self.stage = model, parallel, hardware, stage
         self.plan_hardware = hardware if plan_hardware is None else plan_hardware
         self.separate_timing = self.plan_hardware != hardware  # are plans timed on another profile?
         if cache:
-            self.engine = shared_engine(model, parallel, self.plan_hardware, stage, downgrade)
-            self.timing = shared_engine(model, parallel, hardware, stage, downgrade)
+            self.engine = shared_engine(model, parallel, self.plan_hardware, stage, downgrade, hidden_copies)
+            self.timing = shared_engine(model, parallel, hardware, stage, downgrade, hidden_copies)
         else:
             self.engine = Stage(model, parallel, self.plan_hardware, stage=stage, cache=False)
             self.timing = (Stage(model, parallel, hardware, stage=stage, cache=False) if self.separate_timing
                            else self.engine)
-        self.path = DecisionPath.on(self.engine, downgrade=downgrade)
+        self.path = DecisionPath.on(self.engine, downgrade=downgrade, hidden_copies=hidden_copies)
         self.memory: StageMemory = self.engine.memory
         if m_max_bytes is not None:
             self.memory = dataclasses.replace(self.memory, m_max_bytes=require_int("m_max_bytes", m_max_bytes, 1))

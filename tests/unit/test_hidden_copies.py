@@ -1,0 +1,40 @@
+"""``DecisionPath(hidden_copies=True)``: plans also made with copies priced by what they leave exposed, the shorter
+scheduling point kept, before and after the gate."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from bagualu2.costmodel import presets
+from bagualu2.runtime import DecisionPath, Stage
+
+MODEL, BASE = presets.model("glm-319b-a30b")
+# deep memory pressure: a chunk of stage 0 may keep about a ninth of its activations
+PARALLEL = dataclasses.replace(BASE, pp=2, vp=4, dp=BASE.dp * BASE.pp // 2, num_microbatches=16)
+HW = presets.hardware("paper-gpu")
+
+
+def test_hidden_copies_never_lengthen_a_point_and_shorten_one_under_deep_pressure():
+    plain = DecisionPath(MODEL, PARALLEL, HW)
+    hidden = DecisionPath(MODEL, PARALLEL, HW, hidden_copies=True)
+    memory = plain.engine.memory
+    per_chunk = memory.m_max_bytes // memory.inflight_chunks
+    shorter = 0
+    for imbalance in (1.0, 1.1, 1.2, 1.6):
+        for budget in (per_chunk, per_chunk * 3 // 2, per_chunk * 3):
+            full, copied = (path.forward(budget, imbalance, "steady", 0) for path in (plain, hidden))
+            assert copied.kept_bytes <= max(budget, full.kept_bytes)
+            assert copied.order.makespan_ns <= full.order.makespan_ns
+            shorter += copied.order.makespan_ns < full.order.makespan_ns
+    assert shorter
+
+
+def test_paths_that_price_copies_differently_do_not_share_a_stage():
+    engine = Stage(MODEL, PARALLEL, HW)
+    DecisionPath.on(engine)
+    with pytest.raises(ValueError, match="hidden_copies"):
+        DecisionPath.on(engine, hidden_copies=True)
+    with pytest.raises(ValueError, match="hidden_copies must be true or false"):
+        DecisionPath(MODEL, PARALLEL, HW, hidden_copies=1)
