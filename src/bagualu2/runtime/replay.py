@@ -92,7 +92,8 @@ def replay_iteration(model: ModelConfig, parallel: ParallelConfig, hardware: Har
     ``progress``, optional, is called with (forwards decided, forwards in all) after each forward.
     """
     if isinstance(imbalances, (str, bytes)) or not isinstance(imbalances, Sequence):
-        raise ValueError(f"imbalances must be a sequence of rates (one per micro-batch), got {type(imbalances).__name__}")
+        raise ValueError(f"imbalances must be a sequence of rates (one per micro-batch), "
+                         f"got {type(imbalances).__name__}")
     if path is not None and not isinstance(path, DecisionPath):
         raise ValueError(f"path must be a DecisionPath or None, got {type(path).__name__}")
     if path is not None and ((path.model, path.parallel, path.hardware) != (model, parallel, hardware)
