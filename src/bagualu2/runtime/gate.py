@@ -153,7 +153,8 @@ def after_gate(graph: OpGraph, plan: Plan | None, budget_bytes: int, *, limit_by
     a memo of ``evaluate(graph, ·)`` (the runtime's cache; it must return exactly what ``evaluate`` does);
     ``copy_window_ns`` > 0: the re-plan is also made with copies priced by what they leave exposed beyond that
     much copy time (``greedy.GreedyConfig.copy_window_ns``); ``duration``, optional: the time of a plan's step
-    (e.g. its scheduling point's fused order), which then ranks the options instead of their overhead.
+    (e.g. its scheduling point's fused order), which then ranks the options instead of their overhead when one of
+    them offloads (without copies the overhead ranks them, as without ``duration``).
     """
     if not isinstance(graph, OpGraph):
         raise ValueError(f"graph must be an OpGraph, got {type(graph).__name__}")
@@ -197,6 +198,6 @@ def after_gate(graph: OpGraph, plan: Plan | None, budget_bytes: int, *, limit_by
         return options[0]
     # cheapest first; on a tie prefer keeping, then the re-plan, then the downgrade
     rank = {GateAction.KEEP: 0, GateAction.REPLAN: 1, GateAction.DOWNGRADE: 2}
-    if duration is not None:
+    if duration is not None and any(o.cost.offload_ns for o in fitting):  # copies: their overhead misprices them
         return min(fitting, key=lambda o: (duration(o.plan), o.cost.overhead_ns, rank[o.action]))
     return min(fitting, key=lambda o: (o.cost.overhead_ns, rank[o.action]))
