@@ -233,3 +233,15 @@ def test_cli_simulate_takes_ablation_levels_and_the_restart_rule():
     assert result.exit_code == 0, result.output
     bad = runner.invoke(app, ["simulate", "-m", MODEL, "-n", "5", "--on-oom", "never"])
     assert bad.exit_code == 2 and "--on-oom" in bad.output
+
+
+@pytest.mark.parametrize("flag, hidden", [("--full-copies", False), ("--hidden-copies", True)])
+def test_cli_simulate_prices_copies_as_asked(flag, hidden):
+    from bagualu2.sim import paper_trace
+
+    result = runner.invoke(app, ["simulate", "-m", MODEL, "-n", "3", "-p", "flexible", flag, "--json"])
+    assert result.exit_code == 0, result.output
+    model, parallel = presets.model(MODEL)
+    trace = paper_trace(3, seed=0, num_microbatches=parallel.num_microbatches)
+    expected = simulate(model, parallel, presets.hardware("paper-gpu"), "flexible", trace, hidden_copies=hidden)
+    assert json.loads(result.output)[0]["mfu"] == pytest.approx(expected.mean_mfu, rel=1e-12)

@@ -84,6 +84,10 @@ def simulate_cmd(
                                          "real system), released (the baselines without Megatron-Core's "
                                          "all-to-all overlap, as their 2024 releases ran), fused-only (only "
                                          "flexible's fused pairs overlap) or none (all serial).")] = "real",
+    hidden_copies: Annotated[bool, typer.Option("--hidden-copies/--full-copies", help="Flexible also plans with "
+                                                "offload copies priced by what they leave exposed beside compute "
+                                                "(default), or prices every copy in full (Algorithm 2 alone).")
+                             ] = True,
     png: Annotated[Optional[str], typer.Option("--png", metavar="PATH", help="Also plot the imbalance and every "
                                                "policy's MFU per iteration (PNG, written atomically).")] = None,
     json_output: Annotated[bool, typer.Option("--json", help=JSON_HELP + " " + JSON_DOC)] = False,
@@ -155,7 +159,7 @@ def simulate_cmd(
             with blame("--trace" if trace is not None else "--model"):
                 results.append(simulate(model_config, parallel, hw, value, rates, restart_s=restart_s,
                                         on_oom=on_oom, plan_imbalance=plan_imbalance, overlap=overlap,
-                                        progress=lambda done, k=k: progress.update(
+                                        hidden_copies=hidden_copies, progress=lambda done, k=k: progress.update(
                                             task, completed=k * len(rates) + done)))
     if png_path is not None:
         write_output(png_path, simulate_png(rates, results, f"{name} on {hw.name}: {source}"))

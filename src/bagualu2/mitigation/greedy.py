@@ -380,10 +380,15 @@ def _paper(state: _State, space: Space, need: int) -> _State:
 
 
 def _prune(state: _State, space: Space, need: int) -> None:
-    """Revert moves (most expensive first) while the budget still holds and the overhead drops."""
+    """Revert moves (the largest saving first) while the budget still holds and the overhead drops."""
     by_name = {c.tensor: c for c in space.choices}
-    order = sorted((t for t in state.chosen if state.may_move(t)),
-                   key=lambda t: -_standalone_ns(by_name[t], state.chosen[t]))
+
+    def saving(tensor: str) -> tuple[int, int]:  # what reverting saves (a hidden copy: nothing), then its full cost
+        choice, strategy = by_name[tensor], state.chosen[tensor]
+        return (state.copy_delta_ns(choice, strategy, KEEP) - _cast_ns(choice, strategy),
+                -_standalone_ns(choice, strategy))
+
+    order = sorted((t for t in state.chosen if state.may_move(t)), key=saving)
     closures_left = MAX_PRUNE_CLOSURES
     for tensor in order:
         choice, strategy = by_name[tensor], state.chosen[tensor]

@@ -374,8 +374,8 @@ class DecisionPath:
         else:
             gate = after_gate(row.graph, pre.plan, decided, downgrade=self.downgrade,
                               cost=lambda plan: engine.cost(plan, row.bucket, chunk),
-                              copy_window_ns=self._point_ns(pre.plan, row.bucket, chunk) if self.hidden_copies
-                              else 0,
+                              copy_window_ns=self._point_ns(pre.plan, row.bucket, chunk)
+                              if self.hidden_copies and self.downgrade == "graded" else 0,
                               duration=(lambda plan: self._point_ns(plan, row.bucket, chunk)) if self.hidden_copies
                               else None)
             plan, action = gate.plan, gate.action

@@ -282,10 +282,11 @@ def decision_ms(model_name: str, hardware_name: str, trace, iterations: int) -> 
     """Median CPU milliseconds per iteration of the runtime decision path (budget, plan, gate, order) for every
     forward of stage 0, over the first ``iterations`` of ``trace`` (each micro-batch at its iteration's rate). The
     median: the first iterations of a run pay for the plans they make (the trainer makes most of them before its
-    first step), the rest find them."""
+    first step), the rest find them. The path prices copies as the simulated flexible policy does (hidden beside
+    compute, ``hidden_copies=True``)."""
     model, parallel = presets.model(model_name)
     hardware = presets.hardware(hardware_name)
-    path = DecisionPath(model, parallel, hardware)
+    path = DecisionPath(model, parallel, hardware, hidden_copies=True)
     seconds = [replay_iteration(model, parallel, hardware, (rate,) * parallel.num_microbatches, path=path
                                 ).decision_time_s for rate in trace[:iterations]]
     return 1e3 * statistics.median(seconds)
