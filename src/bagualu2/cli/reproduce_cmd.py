@@ -87,7 +87,10 @@ def reproduce_cmd(
         progress.update(task, completed=len(started))
     files = [(image_paths[name], data) for name, data in figures(report).items()]
     with blame("--docs"):
-        made = [path for path, wanted in ((folder, make_folder), (images, make_images)) if wanted and _made(path)]
+        made = []  # the folders this run made: removed again if the write fails
+        for path, wanted in ((folder, make_folder), (images, make_images)):
+            if wanted and _made(path):
+                made.append(path)
         try:  # the report and its plots as one set: on a failure (a full disk) every file stays as it was
             atomic_write_many([*files, (report_path, markdown(report).encode())])
         except BaseException:

@@ -103,8 +103,6 @@ class _State:
 
     def copy_delta_ns(self, choice: TensorChoice, current: Strategy, strategy: Strategy) -> int:
         """Added time of the copies when ``choice`` moves from ``current`` to ``strategy``."""
-        if not self.window_ns:
-            return _copy_ns(choice, strategy) - _copy_ns(choice, current)
         after = self.copy_ns + _copy_ns(choice, strategy) - _copy_ns(choice, current)
         return self.exposed_ns(after) - self.exposed_ns(self.copy_ns)
 

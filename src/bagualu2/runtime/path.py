@@ -372,12 +372,11 @@ class DecisionPath:
         if level == COVERED or level == ABSORBED:
             plan, action = pre.plan, GateAction.KEEP if level == COVERED else GateAction.ABSORB
         else:
+            hidden = self.hidden_copies and self.downgrade == "graded"  # the paper's gate neither re-plans nor ranks
             gate = after_gate(row.graph, pre.plan, decided, downgrade=self.downgrade,
                               cost=lambda plan: engine.cost(plan, row.bucket, chunk),
-                              copy_window_ns=self._point_ns(pre.plan, row.bucket, chunk)
-                              if self.hidden_copies and self.downgrade == "graded" else 0,
-                              duration=(lambda plan: self._point_ns(plan, row.bucket, chunk)) if self.hidden_copies
-                              else None)
+                              copy_window_ns=self._point_ns(pre.plan, row.bucket, chunk) if hidden else 0,
+                              duration=(lambda plan: self._point_ns(plan, row.bucket, chunk)) if hidden else None)
             plan, action = gate.plan, gate.action
             engine.remember_cost(plan, row.bucket, chunk, gate.cost)  # the evaluator's, once
         cost = engine.cost(plan, row.bucket, chunk)

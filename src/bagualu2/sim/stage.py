@@ -67,7 +67,9 @@ class StageContext:
         self.separate_timing = self.plan_hardware != hardware  # are plans timed on another profile?
         if cache:
             self.engine = shared_engine(model, parallel, self.plan_hardware, stage, downgrade, hidden_copies)
-            self.timing = shared_engine(model, parallel, hardware, stage, downgrade, hidden_copies)
+            # the timing engine decides nothing: one per profile whatever the pricing of the planning path
+            self.timing = (shared_engine(model, parallel, hardware, stage, downgrade) if self.separate_timing
+                           else self.engine)
         else:
             self.engine = Stage(model, parallel, self.plan_hardware, stage=stage, cache=False)
             self.timing = (Stage(model, parallel, hardware, stage=stage, cache=False) if self.separate_timing
