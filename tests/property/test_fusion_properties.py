@@ -131,18 +131,36 @@ def test_bad_inputs_raise():
         Order.from_str("X3")
 
 
-def test_at_pipeline_degree_one_f_and_b_interleave_and_copies_run_after():
-    """x - y = 1 (combined 1F1B without a pipeline): F and B are ordered by the DP, no warning; a plan's own
-    copies (O and R would be of the micro-batches F and B run) run after them, one stage at a time."""
+def test_at_pipeline_degree_one_the_copies_run_beside_their_own_forward_and_backward():
+    """x - y = 1 (combined 1F1B without a pipeline): F and B are ordered by the DP, no warning; the copies are F's
+    and B's own and run beside them on the copy engines."""
     chains = Chains(Chain("F", (Stage("a", Resource.COMPUTE, 5),)), Chain("B", (Stage("b", Resource.COMM, 5),)))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         order = dp.solve(chains, pipeline_degree=1)
     assert order.makespan_ns == 5 == dp.solve(chains, pipeline_degree=4).makespan_ns
     copies = Chains(chains.forward, chains.backward, Chain("O", (Stage("o", Resource.D2H, 3),)),
-                    Chain("R", (Stage("r", Resource.H2D, 2),)))
+                    Chain("R", (Stage("r", Resource.H2D, 2), Stage("re", Resource.COMPUTE, 4))))
     order = dp.solve(copies, pipeline_degree=1)
-    assert order.groups[-2:] == ((("O", 0),), (("R", 0),)) and order.makespan_ns == 5 + 3 + 2
+    assert str(order) == "F0+B0+O0+R0|R1" and order.makespan_ns == 5 + 4  # the recompute after: B needs it
+
+
+@given(random_chains())
+def test_at_pipeline_degree_one_the_order_is_no_slower_than_megatron_or_copies_after(chains):
+    """Degree 1's order keeps every chain's order, is timed as the simulator times it, and is no slower than
+    Megatron-Core's execution of the same chains (paired or not) or the DP's F and B with the copies after them."""
+    order = dp.solve(chains, pipeline_degree=1)
+    _order_keeps_chains(order, chains)
+    assert simulate(order, chains).makespan_ns == order.makespan_ns <= chains.sequential_ns
+    if chains.offload is None and chains.recovery is None:
+        assert order == dp.solve(chains)
+        return
+    for pair in (True, False):
+        assert order.makespan_ns <= baselines.megatron_overlapped(chains, pair=pair).makespan_ns
+    core = dp.solve(Chains(chains.forward, chains.backward)).groups if chains.forward or chains.backward else ()
+    after = Order(core + tuple(((c.kind, i),) for c in (chains.offload, chains.recovery) if c is not None
+                               for i in range(len(c))))
+    assert order.makespan_ns <= simulate(after, chains).makespan_ns
 
 
 @given(random_chains())

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from bagualu2.budget import BudgetAssigner
 from bagualu2.costmodel import Plan, build_graph, evaluate, presets
 from bagualu2.mitigation import greedy
+from bagualu2.runtime.buckets import ceil_bucket
 from bagualu2.runtime import (DecisionPath, GateAction, after_gate, downgrade_plan, gate_free_tensors,
                               replay_iteration)
 
@@ -70,6 +71,42 @@ def test_kept_bytes_are_exact_at_the_measured_imbalance_and_fit(name, chunk, imb
     decision = path(name, 0).forward(budget, imbalance, phase, chunk)
     assert decision.kept_bytes == evaluate(exact, decision.plan).activation_bytes
     assert decision.kept_bytes <= budget  # without a limit there is no absorption: it fits
+
+
+@lru_cache(maxsize=None)
+def fixed_path(name: str, downgrade: str, hidden_copies: bool) -> DecisionPath:
+    model, parallel = presets.model(name)
+    return DecisionPath(model, parallel, HW, downgrade=downgrade, planned_imbalance=1.0, hidden_copies=hidden_copies)
+
+
+@settings(max_examples=scaled(40))
+@given(name=st.sampled_from(PRESETS), chunk=st.integers(0, 1), imbalance=imbalances, share=st.floats(0.0, 1.0),
+       downgrade=st.sampled_from(["graded", "paper"]), hidden_copies=st.booleans())
+def test_the_gate_can_keep_a_pre_gate_plan_that_fits_at_the_measured_imbalance(name, chunk, imbalance, share,
+                                                                               downgrade, hidden_copies):
+    """Keeping the plan in force is an option whenever it fits the budget at the measured imbalance, whatever the
+    need level rounds the budget to: the gate keeps it or takes something no costlier (by overhead, with copies
+    priced in full; the paper's gate keeps it), and keeps it only when it fits (steady phase: no absorption)."""
+    model, parallel = presets.model(name)
+    chunk = min(chunk, parallel.vp - 1)
+    exact = graph_at(name, 0, chunk, imbalance)
+    balanced = graph_at(name, 0, chunk, 1.0)
+    budget = exact.floor_bytes + int(share * (balanced.unmitigated_bytes - exact.floor_bytes))
+    runtime = fixed_path(name, downgrade, hidden_copies)
+    decision = runtime.forward(budget, imbalance, "steady", chunk)
+    if budget >= exact.unmitigated_bytes:
+        return
+    pre = runtime.pre_gate(budget, chunk)
+    fits = evaluate(exact, pre).activation_bytes <= budget
+    if decision.action is GateAction.KEEP:
+        assert fits and decision.plan == pre
+    elif fits and downgrade == "paper":
+        pytest.fail("the paper's gate keeps a plan that fits")
+    elif fits and not hidden_copies:
+        step = runtime.step if imbalance <= runtime.spike_threshold else runtime.spike_step
+        bucket = runtime.graph(chunk, ceil_bucket(imbalance, step))
+        assert decision.overhead_s <= evaluate(bucket, pre).overhead_s + 1e-12
+    assert decision.kept_bytes <= budget
 
 
 @settings(max_examples=scaled(30))

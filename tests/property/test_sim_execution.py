@@ -171,6 +171,16 @@ def test_flexible_is_never_behind_a_static_policy_on_other_presets_and_hardware(
 
 
 @pytest.mark.slow
+def test_flexible_is_never_behind_a_static_policy_under_deep_pressure_off_the_table_ii_layout():
+    """pp = 2 with vp = 4: a chunk may keep about a ninth of its activations and the last stage's points are of
+    relation 1, where the copies run beside their own micro-batches' forward and backward (Megatron-Kwai's
+    offloading beside compute is no faster there)."""
+    model, parallel = presets.model("glm-319b-a30b")
+    parallel = dataclasses.replace(parallel, pp=2, vp=4, dp=64, num_microbatches=16)
+    assert_flexible_never_behind(model, parallel, presets.hardware("paper-gpu"), (1.0, 1.1, 1.2))
+
+
+@pytest.mark.slow
 @settings(max_examples=scaled(2), deadline=None)
 @given(st.lists(ordinary, min_size=8, max_size=8).map(tuple))
 def test_flexible_keeps_up_with_a_static_plan_on_a_stage_without_a_pipeline(trace):

@@ -5,6 +5,8 @@ no option."""
 
 from __future__ import annotations
 
+import pytest
+
 from bagualu2.costmodel import Op, OpGraph, Plan, Resource, Saving, TensorSpec, evaluate, presets
 from bagualu2.runtime import GateAction, after_gate, after_router_tensors, downgrade_plan, gate_free_tensors
 
@@ -52,3 +54,17 @@ def test_a_downgrade_nothing_can_regenerate_is_no_option():
         assert not decision.cost.unavailable
         assert decision.action in (GateAction.KEEP, GateAction.REPLAN)
     assert after_gate(g, Plan(), tight, downgrade="paper").plan == Plan()  # kept: an overrun the caller records
+
+
+def test_keep_fits_is_the_callers_exact_answer_for_the_plan_in_force():
+    g = graph()
+    unmitigated = evaluate(g, Plan()).activation_bytes
+    tight = unmitigated - 1  # the plan in force overruns this budget by one byte
+    for mode in ("paper", "graded"):
+        assert after_gate(g, Plan(), tight, downgrade=mode).action is not GateAction.KEEP
+        kept = after_gate(g, Plan(), tight, downgrade=mode, keep_fits=True)  # it fits the caller's own budget
+        assert kept.action is GateAction.KEEP and kept.plan == Plan()
+        refused = after_gate(g, Plan(), unmitigated, downgrade=mode, keep_fits=False)
+        assert refused.action is not GateAction.KEEP
+    with pytest.raises(ValueError, match="keep_fits must be true, false or None"):
+        after_gate(g, Plan(), tight, keep_fits=1)

@@ -38,3 +38,27 @@ def test_paths_that_price_copies_differently_do_not_share_a_stage():
         DecisionPath.on(engine, hidden_copies=True)
     with pytest.raises(ValueError, match="hidden_copies must be true or false"):
         DecisionPath(MODEL, PARALLEL, HW, hidden_copies=1)
+
+
+@pytest.mark.parametrize("hidden_copies", [False, True])
+def test_a_pre_gate_plan_that_fits_is_never_replaced_by_a_costlier_one(hidden_copies):
+    """The pre-gate plan is made on the coarser pre-gate grid, so it can fit the budget at the measured imbalance
+    and still keep more than the gate's need level decides for; the gate then still has it as an option: what it
+    runs is no costlier (by overhead with copies priced in full, by the point's time with hidden copies)."""
+    path = DecisionPath(MODEL, PARALLEL, HW, stage=1, planned_imbalance=1.0, hidden_copies=hidden_copies)
+    engine = path.engine
+    graph = path.graph(0, 1.0)
+    checked = 0
+    for share in [i / 40 for i in range(1, 40)]:
+        budget = graph.floor_bytes + int(share * (graph.unmitigated_bytes - graph.floor_bytes))
+        decision = path.forward(budget, 1.0, "steady", 0)
+        pre = path.pre_gate(budget, 0)
+        kept = engine.cost(pre, 1.0, 0)
+        if kept.activation_bytes > budget:
+            continue
+        checked += 1
+        if hidden_copies:
+            assert decision.order.makespan_ns <= engine.point_order(pre, 1.0, 0).makespan_ns
+        else:
+            assert decision.overhead_s <= kept.overhead_s + 1e-12
+    assert checked

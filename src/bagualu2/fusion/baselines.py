@@ -67,12 +67,25 @@ def megatron_overlapped_groups(chains: Chains, *, pair: bool = True) -> tuple[tu
     method or layer count, and a recomputed ``moe`` module (``TransformerConfig``'s checks), so F and B run one
     after the other, each still joined by the copies. ``pair=False``: never paired (a Megatron release before
     that overlap, Megatron-Core 0.14), the copies still beside compute."""
+    groups = (_singles(chains, "F") + _singles(chains, "B") if not pair or reruns_all_to_all(chains)
+              else _pair_f_b(chains))
+    return with_copies(groups, chains)
+
+
+def combined_1f1b_groups(chains: Chains) -> tuple[tuple[StageRef, ...], ...]:
+    """Megatron-Core's combined-1F1B groups of F and B alone (each forward stage beside a backward stage on the
+    other stream where it can be)."""
+    return tuple(_pair_f_b(chains))
+
+
+def with_copies(groups, chains: Chains) -> tuple[tuple[StageRef, ...], ...]:
+    """``groups`` (an order of F and B) with the copies on copy streams beside them: each group in turn joined by
+    the next device->host copy of O and the next host->device reload at the head of R; what is left of O, then
+    the rest of R (dequantise casts, recomputed ops) one stage at a time after."""
     reloads = 0
     if chains.recovery:
         while reloads < len(chains.recovery) and chains.recovery.stages[reloads].resource is Resource.H2D:
             reloads += 1
-    groups = (_singles(chains, "F") + _singles(chains, "B") if not pair or reruns_all_to_all(chains)
-              else _pair_f_b(chains))
     return tuple(_join([list(group) for group in groups], chains, reloads))
 
 

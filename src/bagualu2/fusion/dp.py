@@ -11,8 +11,8 @@ the level by 1 to 4) with numpy, one vector step per level. The transfer points 
 the last state, each state's first minimising transition is recomputed from the table of best times.
 
 At pipeline degree 2 the offload and the recovery copy the same micro-batch: the DP orders F and B, and O and R
-run at the point's edges (:func:`with_edges`). At degree 1 (no pipeline, F_(y+1) beside B_y) the DP orders F and
-B and any copies run after them.
+run at the point's edges (:func:`with_edges`). At degree 1 (no pipeline, F_(y+1) beside B_y) the copies are the
+micro-batches' own and run beside their own F and B (:func:`with_own_copies`).
 """
 
 from __future__ import annotations
@@ -102,19 +102,13 @@ def solve(chains: Chains, *, pipeline_degree: int | None = None) -> Order:
     ``pipeline_degree`` 2 means x - y = 2: the offload's micro-batch (x-1) is the recovery's (y+1), whose copies
     out must end before its copies back begin. F and B are still independent and ordered by the DP; O and R run at
     the point's edges (:func:`with_edges`). ``pipeline_degree`` 1 means x - y = 1 (no pipeline, Megatron-Core's
-    combined 1F1B: F_(y+1) beside B_y): the DP orders F and B; O's micro-batch would be B's and R's F's, so copies
-    given with them (a plan's own) run one stage at a time after F and B. Durations are in the chains.
+    combined 1F1B: F_(y+1) beside B_y): x-1 is y and y+1 is x, so copies given with them are F's and B's own
+    (F's tensors copied out as it runs, B's reloaded ahead of it) and join F and B's groups (:func:`with_own_copies`). Durations are in the chains.
     """
     if pipeline_degree is not None:
         degree = require_int("pipeline_degree", pipeline_degree, 1)
         if degree == 1 and (chains.offload is not None or chains.recovery is not None):
-            from .simulate import simulate
-
-            core = solve(Chains(chains.forward, chains.backward)).groups if chains.forward or chains.backward else ()
-            copies = tuple(((chain.kind, i),) for chain in (chains.offload, chains.recovery) if chain is not None
-                           for i in range(len(chain)))
-            ordered = Order(core + copies, barriers=True)
-            return Order(ordered.groups, barriers=True, makespan_ns=simulate(ordered, chains).makespan_ns, solver="dp")
+            return with_own_copies(chains)
         if degree == 2 and chains.offload is not None and chains.recovery is not None:
             if chains.forward is None and chains.backward is None:
                 from .baselines import sequential
@@ -154,6 +148,32 @@ def _rebuild(best: list[int], times: np.ndarray, masks: tuple[int, ...], shape: 
         groups.append(tuple((kind, at[c] - 1) for c, kind in enumerate(CHAIN_KINDS) if (mask >> c) & 1))
         position = before[m]
     return tuple(reversed(groups))
+
+
+def with_own_copies(chains: Chains) -> Order:
+    """The order of a point of pipeline degree 1, whose copies are those of its own micro-batches (F's tensors
+    copied out as its forward produces them, B's reloaded ahead of the backward stages that read them, layer by
+    layer as Megatron-Kwai's offloading runs them): an order of F and B whose groups are joined by the copies
+    (:func:`~.baselines.with_copies`: each group by the next device->host copy and the next reload; the rest of
+    the recovery after). Of three orders of F and B (the DP's, Megatron-Core's combined 1F1B, F then B: fewer
+    groups overlap more compute, more groups hide more copies), the shortest with its copies."""
+    from .baselines import combined_1f1b_groups, with_copies
+    from .simulate import simulate
+
+    cores: list[tuple] = [()]
+    if chains.forward is not None or chains.backward is not None:
+        plain = Chains(chains.forward, chains.backward)
+        cores = [solve(plain).groups, tuple(((chain.kind, i),) for chain in plain.present()
+                                            for i in range(len(chain)))]
+        if chains.forward is not None and chains.backward is not None:
+            cores.insert(1, combined_1f1b_groups(chains))
+    best = None
+    for core in cores:
+        ordered = Order(with_copies(core, chains), barriers=True)
+        found = Order(ordered.groups, barriers=True, makespan_ns=simulate(ordered, chains).makespan_ns, solver="dp")
+        if best is None or found.makespan_ns < best.makespan_ns:
+            best = found
+    return best
 
 
 def with_edges(core: Order, chains: Chains) -> Order:

@@ -142,7 +142,7 @@ def downgrade_plan(graph: OpGraph, plan: Plan | None = None, *, layers=None) -> 
 
 def after_gate(graph: OpGraph, plan: Plan | None, budget_bytes: int, *, limit_bytes: int | None = None,
                downgrade: str = "graded", layers=None, downgrade_layers=None, cost=None,
-               copy_window_ns: int = 0, duration=None) -> GateDecision:
+               copy_window_ns: int = 0, duration=None, keep_fits: bool | None = None) -> GateDecision:
     """The plan to run once the gate has routed this micro-batch (see the module docstring).
 
     ``graph`` is built at the measured imbalance; ``plan`` is the plan in force; ``budget_bytes`` the micro-batch's
@@ -154,7 +154,10 @@ def after_gate(graph: OpGraph, plan: Plan | None, budget_bytes: int, *, limit_by
     ``copy_window_ns`` > 0: the re-plan is also made with copies priced by what they leave exposed beyond that
     much copy time (``greedy.GreedyConfig.copy_window_ns``); ``duration``, optional: the time of a plan's step
     (e.g. its scheduling point's fused order), which then ranks the options instead of their overhead when one of
-    them offloads (without copies the overhead ranks them, as without ``duration``).
+    them offloads (without copies the overhead ranks them, as without ``duration``); ``keep_fits``, optional: whether
+    the plan in force fits the micro-batch's budget as the caller measured it exactly (the runtime's path checks it
+    at the measured token count; ``budget_bytes`` is then the budget its need level decides for, which the re-plan
+    fits), instead of its cost against ``budget_bytes``.
     """
     if not isinstance(graph, OpGraph):
         raise ValueError(f"graph must be an OpGraph, got {type(graph).__name__}")
@@ -167,7 +170,9 @@ def after_gate(graph: OpGraph, plan: Plan | None, budget_bytes: int, *, limit_by
     plan = plan if plan is not None else Plan()
     cost = cost if cost is not None else (lambda candidate: evaluate(graph, candidate))
     in_force = cost(plan)
-    fits = in_force.activation_bytes <= budget_bytes
+    if keep_fits is not None and not isinstance(keep_fits, bool):
+        raise ValueError(f"keep_fits must be true, false or None, got {keep_fits!r}")
+    fits = in_force.activation_bytes <= budget_bytes if keep_fits is None else keep_fits
     keep = GateDecision(plan, GateAction.KEEP, in_force)
     if downgrade == "paper":
         if fits:
@@ -193,7 +198,7 @@ def after_gate(graph: OpGraph, plan: Plan | None, budget_bytes: int, *, limit_by
             options.append(GateDecision(replanned.plan, GateAction.REPLAN, replanned.cost))
     if fits and downgraded is not keep:
         options.append(keep)
-    fitting = [o for o in options if o.cost.activation_bytes <= budget_bytes]
+    fitting = [o for o in options if (fits if o is keep else o.cost.activation_bytes <= budget_bytes)]
     if not fitting:
         return options[0]
     # cheapest first; on a tie prefer keeping, then the re-plan, then the downgrade

@@ -10,7 +10,9 @@ Per chunk-forward, ``DecisionPath.forward(budget, imbalance, phase, chunk)``:
    estimate: what is committed before the gate cannot be undone, the MoE module can still be re-planned).
 3. **gate** — in warmup, an overrun of the pre-gate plan within ``limit_bytes`` is absorbed (the next budgets
    shrink, never below M0); otherwise :func:`~.gate.after_gate` at the measured imbalance: keep, graded re-plan
-   of the MoE module, or the full downgrade (``downgrade="paper"``: keep or full downgrade only).
+   of the MoE module, or the full downgrade (``downgrade="paper"``: keep or full downgrade only). Keeping is an
+   option whenever the pre-gate plan fits the budget at the measured imbalance (exact, not bucketed); a re-plan
+   fits the budget the need level decides for.
 4. **order** — the fused dual-batch order of the forward's scheduling point (``fusion.dp``): F_x B_y (with O and
    R) in the steady phase; F_x and the offload of x−1 in warmup, where no backward runs.
 
@@ -59,6 +61,7 @@ STAY_ON_DEVICE = (Strategy.KEEP, Strategy.RECOMPUTE)  # strategies that add no f
 WARMUP = BudgetPhase.WARMUP.value
 PHASES = (BudgetPhase.WARMUP.value, BudgetPhase.STEADY.value)  # the phases a forward runs in
 COVERED, ABSORBED = "covered", "absorbed"  # decision keys of the two outcomes that keep the plan in force
+KEEPABLE = "keepable"  # (KEEPABLE, level): a need level's decision where the plan in force fits the budget exactly
 
 
 class _At(NamedTuple):
@@ -273,12 +276,16 @@ class DecisionPath:
             pre = self._pre_budget[PreBudgetKey(budget_bytes, planned, chunk)] = self._pre_gate(budget_bytes, planned,
                                                                                               chunk)
         outcome = family = None
-        if limit_bytes is not None and phase == WARMUP and self.downgrade == "graded":
+        fits = False  # does the pre-gate plan fit this budget at the measured imbalance (exact, not bucketed)?
+        if pre is not NO_PRE:
             key = PreBytesKey(pre.id, row.bucket, chunk)
             split = self._pre_bytes.get(key)
             if split is None:
                 split = self._pre_bytes[key] = split_bytes(row.graph, self.engine.cost(pre.plan, row.bucket, chunk))
-            if budget_bytes < split[0] + split[1] * tokens <= limit_bytes:  # the pre-gate plan's bytes at r
+            kept = split[0] + split[1] * tokens
+            fits = kept <= budget_bytes
+            if not fits and limit_bytes is not None and phase == WARMUP and self.downgrade == "graded" \
+                    and kept <= limit_bytes:
                 outcome = self._outcome(pre, ABSORBED, row, chunk, budget_bytes)[0]  # the next budgets shrink
         if outcome is None:
             found = self._levels.get((budget_bytes, row.bucket, chunk))
@@ -286,7 +293,8 @@ class DecisionPath:
                 found = self._levels[LevelKey(budget_bytes, row.bucket, chunk)] = self.needs.level(
                     row.unmitigated_bytes, row.graph.floor_bytes, budget_bytes)
             level, decided = found
-            outcome, family = self._outcome(pre, level, row, chunk, decided, budget_bytes, tokens)
+            outcome, family = self._outcome(pre, (KEEPABLE, level) if fits else level, row, chunk, decided,
+                                            budget_bytes, tokens)
         plan = outcome.plan
         if offset and plan.entries:  # plans are moved back to this chunk's layers by ``offset``
             shifted = outcome.shifted.get(offset)
@@ -373,7 +381,8 @@ class DecisionPath:
             plan, action = pre.plan, GateAction.KEEP if level == COVERED else GateAction.ABSORB
         else:
             hidden = self.hidden_copies and self.downgrade == "graded"  # the paper's gate neither re-plans nor ranks
-            gate = after_gate(row.graph, pre.plan, decided, downgrade=self.downgrade,
+            keepable = type(level) is tuple and level[0] == KEEPABLE  # the caller found the plan in force fits
+            gate = after_gate(row.graph, pre.plan, decided, downgrade=self.downgrade, keep_fits=keepable or None,
                               cost=lambda plan: engine.cost(plan, row.bucket, chunk),
                               copy_window_ns=self._point_ns(pre.plan, row.bucket, chunk) if hidden else 0,
                               duration=(lambda plan: self._point_ns(plan, row.bucket, chunk)) if hidden else None)
