@@ -62,3 +62,17 @@ def test_a_pre_gate_plan_that_fits_is_never_replaced_by_a_costlier_one(hidden_co
         else:
             assert decision.overhead_s <= kept.overhead_s + 1e-12
     assert checked
+
+
+def test_the_simulator_prices_copies_in_full_where_nothing_runs_beside_compute():
+    from bagualu2.sim import SimConfig, simulate
+
+    assert SimConfig().hidden_copies is True and SimConfig(overlap="released").hidden_copies is True
+    assert SimConfig(overlap="none").hidden_copies is False
+    assert SimConfig(overlap="none", hidden_copies=True).hidden_copies is True
+    with pytest.raises(ValueError, match="hidden_copies must be true, false or None"):
+        SimConfig(hidden_copies=1)
+    serial = dataclasses.replace(PARALLEL, vp=2, paired=False)
+    by_default, full = (simulate(MODEL, serial, HW, "flexible", (1.1,), plan_imbalance=1.2, overlap="none", **extra)
+                        for extra in ({}, {"hidden_copies": False}))
+    assert by_default.iterations == full.iterations

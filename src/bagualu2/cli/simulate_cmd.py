@@ -84,10 +84,11 @@ def simulate_cmd(
                                          "real system), released (the baselines without Megatron-Core's "
                                          "all-to-all overlap, as their 2024 releases ran), fused-only (only "
                                          "flexible's fused pairs overlap) or none (all serial).")] = "real",
-    hidden_copies: Annotated[bool, typer.Option("--hidden-copies/--full-copies", help="Flexible also plans with "
-                                                "offload copies priced by what they leave exposed beside compute "
-                                                "(default), or prices every copy in full (Algorithm 2 alone).")
-                             ] = True,
+    hidden_copies: Annotated[Optional[bool], typer.Option("--hidden-copies/--full-copies", help="Flexible also "
+                                                          "plans with offload copies priced by what they leave "
+                                                          "exposed beside compute, or prices every copy in full "
+                                                          "(Algorithm 2 alone). Default: hidden unless --overlap "
+                                                          "none.", show_default=False)] = None,
     png: Annotated[Optional[str], typer.Option("--png", metavar="PATH", help="Also plot the imbalance and every "
                                                "policy's MFU per iteration (PNG, written atomically).")] = None,
     json_output: Annotated[bool, typer.Option("--json", help=JSON_HELP + " " + JSON_DOC)] = False,

@@ -62,20 +62,23 @@ class SimConfig:
     system), ``"released"`` (the same without Megatron-Core's all-to-all overlap for the baselines),
     ``"fused-only"`` (only the fused policies' steady pairs overlap) or ``"none"`` (all serial).
     hidden_copies: the flexible policies' decision path prices offload copies by what they leave exposed beside
-    compute (``runtime.DecisionPath``'s ``hidden_copies``; default True, as on a GPU whose copy engines run beside
-    compute) or, False, in full (Algorithm 2's pricing; the CPU trainer's decisions)."""
+    compute (``runtime.DecisionPath``'s ``hidden_copies``; True, as on a GPU whose copy engines run beside compute)
+    or, False, in full (Algorithm 2's pricing; the CPU trainer's decisions); None (default): True unless
+    ``overlap`` is ``"none"``, where nothing runs beside compute."""
 
     restart_s: float = 284.0
     plan_imbalance: float = 1.0
     on_oom: str = "fallback"
     m_max_bytes: int | None = None
     overlap: str = "real"
-    hidden_copies: bool = True
+    hidden_copies: bool | None = None
 
     def __post_init__(self) -> None:
         check_overlap(self.overlap)
+        if self.hidden_copies is None:
+            object.__setattr__(self, "hidden_copies", self.overlap != "none")
         if not isinstance(self.hidden_copies, bool):
-            raise ValueError(f"hidden_copies must be true or false, got {self.hidden_copies!r}")
+            raise ValueError(f"hidden_copies must be true, false or None, got {self.hidden_copies!r}")
         if self.m_max_bytes is not None:
             require_int("m_max_bytes", self.m_max_bytes, 1)
         require_number("restart_s", self.restart_s, 0, MAX_RESTART_S)
@@ -263,7 +266,7 @@ class _Run:
 def simulate(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, policy: str, trace, *,
              restart_s: float = 284.0, plan_imbalance: float = 1.0, on_oom: str = "fallback",
              m_max_bytes: int | None = None, progress=None, plan_hardware: Hardware | None = None,
-             downgrade: str = "graded", overlap: str = "real", hidden_copies: bool = True) -> SimResult:
+             downgrade: str = "graded", overlap: str = "real", hidden_copies: bool | None = None) -> SimResult:
     """Simulate ``trace`` (one entry per iteration: a rate, or one rate per micro-batch) under ``policy`` (one of
     ``POLICIES`` or ``ABLATION``); see the module docstring for what is modelled. ``progress``, optional, is
     called with the number of iterations done after each one. ``plan_hardware`` (default ``hardware``): the
