@@ -363,7 +363,8 @@ class DecisionPath:
     def _outcome(self, pre: PreGate, level, row: Row, chunk: int, decided: int, budget_bytes: int = 0,
                  tokens: int = 0) -> tuple[Outcome, tuple | None]:
         """The gate decision of a need level (made on a miss), and the family it was found in when a nearby
-        level's stands in (valid for this request only), else None."""
+        level's stands in (valid for this request only), else None. ``(KEEPABLE, level)``: the level's decision
+        with keeping the pre-gate plan an option (it fits the request's budget; such levels have no stand-ins)."""
         key = (pre.id, level, row.bucket, chunk)
         outcomes = self._outcomes
         found = outcomes.get(key)
