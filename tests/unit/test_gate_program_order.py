@@ -9,6 +9,7 @@ import pytest
 
 from bagualu2.costmodel import Op, OpGraph, Plan, Resource, Saving, TensorSpec, evaluate, presets
 from bagualu2.runtime import GateAction, after_gate, after_router_tensors, downgrade_plan, gate_free_tensors
+from bagualu2.runtime.gate import copy_windows
 
 HW = presets.hardware("cpu")
 
@@ -68,3 +69,7 @@ def test_keep_fits_is_the_callers_exact_answer_for_the_plan_in_force():
         assert refused.action is not GateAction.KEEP
     with pytest.raises(ValueError, match="keep_fits must be true, false or None"):
         after_gate(g, Plan(), tight, keep_fits=1)
+
+
+def test_copies_are_priced_in_full_then_free_up_to_the_window_and_up_to_half_of_it():
+    assert copy_windows(0) == (0,) and copy_windows(1) == (0, 1) and copy_windows(9) == (0, 9, 4)

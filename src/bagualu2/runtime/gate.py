@@ -140,6 +140,13 @@ def downgrade_plan(graph: OpGraph, plan: Plan | None = None, *, layers=None) -> 
     return found
 
 
+def copy_windows(window_ns: int) -> tuple[int, ...]:
+    """The copy windows a plan is made with when copies hidden up to ``window_ns`` are free: 0 (every copy priced
+    in full), then ``window_ns`` and half of it (the copies a point can hide are fewer than its time: they overlap
+    only the stages beside them, so the whole window prices too many of them as free); without a window, 0."""
+    return (0, window_ns, window_ns // 2) if window_ns > 1 else (0, window_ns) if window_ns else (0,)
+
+
 def after_gate(graph: OpGraph, plan: Plan | None, budget_bytes: int, *, limit_bytes: int | None = None,
                downgrade: str = "graded", layers=None, downgrade_layers=None, cost=None,
                copy_window_ns: int = 0, duration=None, keep_fits: bool | None = None) -> GateDecision:
@@ -152,7 +159,7 @@ def after_gate(graph: OpGraph, plan: Plan | None, budget_bytes: int, *, limit_by
     optional,
     a memo of ``evaluate(graph, ·)`` (the runtime's cache; it must return exactly what ``evaluate`` does);
     ``copy_window_ns`` > 0: the re-plan is also made with copies priced by what they leave exposed beyond that
-    much copy time (``greedy.GreedyConfig.copy_window_ns``); ``duration``, optional: the time of a plan's step
+    much copy time and beyond half of it (:func:`copy_windows`; ``greedy.GreedyConfig.copy_window_ns``); ``duration``, optional: the time of a plan's step
     (e.g. its scheduling point's fused order), which then ranks the options instead of their overhead when one of
     them offloads (without copies the overhead ranks them, as without ``duration``); ``keep_fits``, optional: whether
     the plan in force fits the micro-batch's budget as the caller measured it exactly (the runtime's path checks it
@@ -187,7 +194,7 @@ def after_gate(graph: OpGraph, plan: Plan | None, budget_bytes: int, *, limit_by
     if downgraded.cost.unavailable:  # a re-run would need a tensor nothing regenerates (a traced random router)
         downgraded = keep
     options = [downgraded]
-    for window in ((0, window_ns) if window_ns else (0,)):
+    for window in copy_windows(window_ns):
         try:
             replanned = greedy.solve(graph, budget_bytes, fixed=plan, free=gate_free_tensors(graph, layers),
                                      config=greedy.GreedyConfig(copy_window_ns=window) if window else None)

@@ -49,7 +49,7 @@ from ..costmodel.validate import require_int, require_number
 from ..fusion import Order
 from ..mitigation import greedy
 from .buckets import ceil_bucket
-from .gate import GateAction, after_gate, check_downgrade
+from .gate import GateAction, after_gate, check_downgrade, copy_windows
 from .keys import NeedGrid, PlannedImbalance, shift_plan
 from .records import (NO_PLAN, NO_PRE, Decision, LevelKey, Outcome, PreBudgetKey, PreBytesKey, PreGate, PreGateKey,
                       Row, RowKey, Seen, SeenKey, ShiftKey, split_bytes)
@@ -351,8 +351,9 @@ class DecisionPath:
         if found is None:
             solution = greedy.solve(graph, decided)
             if solution.ok and self.hidden_copies:
-                solution = self._faster(solution, greedy.solve(graph, decided, config=greedy.GreedyConfig(
-                    copy_window_ns=self._point_ns(solution.plan, planned, chunk))), planned, chunk)
+                for window in copy_windows(self._point_ns(solution.plan, planned, chunk))[1:]:
+                    solution = self._faster(solution, greedy.solve(graph, decided, config=greedy.GreedyConfig(
+                        copy_window_ns=window)), planned, chunk)
             if not solution.ok:  # below M0 nothing fits: the least the micro-batch can keep (full recompute)
                 solution = greedy.solve(graph, graph.floor_bytes)
             plan = solution.plan
@@ -408,7 +409,7 @@ class DecisionPath:
         return self.engine.point_order(plan, imbalance, chunk).makespan_ns
 
     def _faster(self, full, hidden, imbalance: float, chunk: int):
-        """Of two solutions for one budget, the one whose steady point is shorter (``full`` on a tie)."""
+        """Of two solutions for one budget, the one whose steady point is shorter (``full``, the first, on a tie)."""
         if not hidden.ok or hidden.plan.entries == full.plan.entries:
             return full
         return hidden if self._point_ns(hidden.plan, imbalance, chunk) < self._point_ns(full.plan, imbalance,
