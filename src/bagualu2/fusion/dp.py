@@ -103,7 +103,8 @@ def solve(chains: Chains, *, pipeline_degree: int | None = None) -> Order:
     out must end before its copies back begin. F and B are still independent and ordered by the DP; O and R run at
     the point's edges (:func:`with_edges`). ``pipeline_degree`` 1 means x - y = 1 (no pipeline, Megatron-Core's
     combined 1F1B: F_(y+1) beside B_y): x-1 is y and y+1 is x, so copies given with them are F's and B's own
-    (F's tensors copied out as it runs, B's reloaded ahead of it) and join F and B's groups (:func:`with_own_copies`). Durations are in the chains.
+    (F's tensors copied out as it runs, B's reloaded ahead of it) and join F and B's groups
+    (:func:`with_own_copies`). Durations are in the chains.
     """
     if pipeline_degree is not None:
         degree = require_int("pipeline_degree", pipeline_degree, 1)

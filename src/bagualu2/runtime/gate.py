@@ -158,13 +158,13 @@ def after_gate(graph: OpGraph, plan: Plan | None, budget_bytes: int, *, limit_by
     downgrade covers (default ``layers``; the running model downgrades only the module whose gate fired); ``cost``,
     optional,
     a memo of ``evaluate(graph, ·)`` (the runtime's cache; it must return exactly what ``evaluate`` does);
-    ``copy_window_ns`` > 0: the re-plan is also made with copies priced by what they leave exposed beyond that
-    much copy time and beyond half of it (:func:`copy_windows`; ``greedy.GreedyConfig.copy_window_ns``); ``duration``, optional: the time of a plan's step
-    (e.g. its scheduling point's fused order), which then ranks the options instead of their overhead when one of
-    them offloads (without copies the overhead ranks them, as without ``duration``); ``keep_fits``, optional: whether
-    the plan in force fits the micro-batch's budget as the caller measured it exactly (the runtime's path checks it
-    at the measured token count; ``budget_bytes`` is then the budget its need level decides for, which the re-plan
-    fits), instead of its cost against ``budget_bytes``.
+    ``copy_window_ns`` > 0: the re-plan is also made with copies priced by what they leave exposed beyond that much
+    copy time and beyond half of it (:func:`copy_windows`; ``greedy.GreedyConfig.copy_window_ns``); ``duration``,
+    optional: the time of a plan's step (e.g. its scheduling point's fused order), which then ranks the options
+    instead of their overhead when one of them offloads (without copies the overhead ranks them, as without
+    ``duration``); ``keep_fits``, optional: whether the plan in force fits the micro-batch's budget as the caller
+    measured it exactly (the runtime's path checks it at the measured token count; ``budget_bytes`` is then the
+    budget its need level decides for, which the re-plan fits), instead of its cost against ``budget_bytes``.
     """
     if not isinstance(graph, OpGraph):
         raise ValueError(f"graph must be an OpGraph, got {type(graph).__name__}")

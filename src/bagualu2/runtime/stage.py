@@ -249,9 +249,9 @@ class Stage(_Engine):
 
     def order(self, chains: Chains) -> Order:
         """The fused order of ``chains``: the DP's (``fusion.dp`` at the stage's ``point_relation``: 2, of F and
-        B with O and R at the point's edges; 1, as at pp = 1 ``paired``, of F and B with their own copies beside them), or
-        the sequential order without a pipeline (F_i then B_i); memoised by what the DP
-        reads, each chain's stage resources and durations, so points that differ elsewhere share one order."""
+        B with O and R at the point's edges; 1, as at pp = 1 ``paired``, of F and B with their own copies beside
+        them), or the sequential order without a pipeline (F_i then B_i); memoised by what the DP reads, each
+        chain's stage resources and durations, so points that differ elsewhere share one order."""
         key = OrderKey(tuple(None if chain is None else tuple((s.resource, s.duration_ns) for s in chain.stages)
                              for chain in (chains.forward, chains.backward, chains.offload, chains.recovery)))
         found = self._orders.get(key)
