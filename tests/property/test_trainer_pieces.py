@@ -81,7 +81,7 @@ def test_point_orders_match_the_dp_and_are_memoised():
                        recovery=(graph, plan)) == chains == build_chains(graph, plan, graph, plan, hardware=HW)
     assert deep.order(chains) == dp.solve(chains, pipeline_degree=4)
     assert deep.order(chains) is deep.order(chains)
-    # pp=2: F_(y+1) beside B_y, so O would copy B's micro-batch: F and B by the DP, the copies after them
+    # pp=2: F_(y+1) beside B_y, so O would copy B's micro-batch: F and B by the DP, their own copies beside them
     assert shallow.engine.point_relation == 1
     assert shallow.order(chains) == dp.solve(chains, pipeline_degree=1)
     assert shallow.order(chains).makespan_ns < baselines.sequential(chains).makespan_ns

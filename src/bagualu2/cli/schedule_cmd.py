@@ -144,7 +144,7 @@ def schedule(
                    "of the DP's (shown for analysis)")
     elif relation == 1:
         header += (f"\nnote: stage {stage}: offload and recovery would copy the micro-batches F and B run, so at "
-                   "runtime F and B run in the DP's order and the plan's own copies after them")
+                   "runtime the copies are their own, beside F and B (fusion.dp.with_own_copies)")
     elif relation == 2:
         header += (f"\nnote: stage {stage}: offload and recovery copy the same micro-batch, so at runtime F and B "
                    "run in the DP's order with O and R at the point's edges")
