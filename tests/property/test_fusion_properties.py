@@ -142,13 +142,37 @@ def test_at_pipeline_degree_one_the_copies_run_beside_their_own_forward_and_back
     copies = Chains(chains.forward, chains.backward, Chain("O", (Stage("o", Resource.D2H, 3),)),
                     Chain("R", (Stage("r", Resource.H2D, 2), Stage("re", Resource.COMPUTE, 4))))
     order = dp.solve(copies, pipeline_degree=1)
-    assert str(order) == "F0+B0+O0+R0|R1" and order.makespan_ns == 5 + 4  # the recompute after: B needs it
+    # the reload before the backward reads it, the copy out once F has made it: nothing overlaps with one stage each
+    assert str(order) == "R0|F0+B0|O0|R1" and order.makespan_ns == 2 + 5 + 3 + 4
+    longer = Chains(Chain("F", (Stage("a", Resource.COMPUTE, 5), Stage("c", Resource.COMPUTE, 5))),
+                    Chain("B", (Stage("b", Resource.COMPUTE, 5), Stage("d", Resource.COMPUTE, 5))), copies.offload,
+                    Chain("R", (Stage("r", Resource.H2D, 2),)))
+    order = dp.solve(longer, pipeline_degree=1)
+    assert order.makespan_ns == 20  # the copies hidden beside compute, each where its data allow
+    _copies_follow_their_data(order, longer)
+
+
+def _copies_follow_their_data(order: Order, chains: Chains) -> None:
+    """At degree 1: copy-out piece k after the group of the F stage completing (k+1)/n of F; reload k before the
+    group of B stage floor(k |B| / h)."""
+    group_of = {ref: g for g, group in enumerate(order.groups) for ref in group}
+    forward, backward = (len(c) if c else 0 for c in (chains.forward, chains.backward))
+    offload = len(chains.offload) if chains.offload else 0
+    for k in range(offload if forward else 0):
+        assert group_of[("O", k)] > group_of[("F", -(-(k + 1) * forward // offload) - 1)]
+    reloads = 0
+    while chains.recovery and reloads < len(chains.recovery) and chains.recovery.stages[reloads].resource is \
+            Resource.H2D:
+        reloads += 1
+    for k in range(reloads if backward else 0):
+        assert group_of[("R", k)] < group_of[("B", k * backward // reloads)]
 
 
 @given(random_chains())
 def test_at_pipeline_degree_one_the_order_is_no_slower_than_megatron_or_copies_after(chains):
-    """Degree 1's order keeps every chain's order, is timed as the simulator times it, and is no slower than
-    Megatron-Core's execution of the same chains (paired or not) or the DP's F and B with the copies after them."""
+    """Degree 1's order keeps every chain's order, runs each copy after the data it copies and each reload before
+    the backward stage that reads it, is timed as the simulator times it, and is no slower than Megatron-Core's
+    execution of the same own copies (paired or not) or the DP's F and B with the copies after them."""
     order = dp.solve(chains, pipeline_degree=1)
     _order_keeps_chains(order, chains)
     assert simulate(order, chains).makespan_ns == order.makespan_ns <= chains.sequential_ns
@@ -156,7 +180,8 @@ def test_at_pipeline_degree_one_the_order_is_no_slower_than_megatron_or_copies_a
         assert order == dp.solve(chains)
         return
     for pair in (True, False):
-        assert order.makespan_ns <= baselines.megatron_overlapped(chains, pair=pair).makespan_ns
+        assert order.makespan_ns <= baselines.megatron_overlapped(chains, pair=pair, own=True).makespan_ns
+    _copies_follow_their_data(order, chains)
     core = dp.solve(Chains(chains.forward, chains.backward)).groups if chains.forward or chains.backward else ()
     after = Order(core + tuple(((c.kind, i),) for c in (chains.offload, chains.recovery) if c is not None
                                for i in range(len(c))))

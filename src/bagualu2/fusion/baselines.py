@@ -50,26 +50,27 @@ def megatron_core(chains: Chains) -> Order:
     return _finish(_pair_f_b(chains) + _singles(chains, "O") + _singles(chains, "R"), chains, "megatron-core")
 
 
-def megatron_overlapped(chains: Chains, *, pair: bool = True) -> Order:
+def megatron_overlapped(chains: Chains, *, pair: bool = True, own: bool = False) -> Order:
     """Megatron-Core with its copies on copy streams: the combined-1F1B F/B groups, each joined by the next
     device->host copy of O and the next host->device reload at the head of R (copy engines beside compute:
     ``max(compute, copy)`` per group, not the sum); what is left of O, then the rest of R (dequantise casts and
     recomputed ops, on the compute stream before the backward that needs them) one stage at a time after.
     ``pair=False``: F then B (as where R re-runs an all-to-all; a caller whose plan re-runs one outside R, inside
-    B, says so)."""
-    return _finish(list(megatron_overlapped_groups(chains, pair=pair)), chains, "megatron-overlapped")
+    B, says so). ``own``: the copies are F's and B's own (a point of pipeline degree 1, :func:`with_copies`)."""
+    return _finish(list(megatron_overlapped_groups(chains, pair=pair, own=own)), chains, "megatron-overlapped")
 
 
-def megatron_overlapped_groups(chains: Chains, *, pair: bool = True) -> tuple[tuple[StageRef, ...], ...]:
+def megatron_overlapped_groups(chains: Chains, *, pair: bool = True, own: bool = False
+                               ) -> tuple[tuple[StageRef, ...], ...]:
     """The groups of :func:`megatron_overlapped`, without timing them. A point whose recovery re-runs an
     expert-parallel all-to-all (full-layer recompute, or a recomputed MoE dispatch or combine) is not paired: Megatron-Core
     refuses its all-to-all overlap (``--overlap-moe-expert-parallel-comm``) with full recomputation, a recompute
     method or layer count, and a recomputed ``moe`` module (``TransformerConfig``'s checks), so F and B run one
     after the other, each still joined by the copies. ``pair=False``: never paired (a Megatron release before
-    that overlap, Megatron-Core 0.14), the copies still beside compute."""
+    that overlap, Megatron-Core 0.14), the copies still beside compute; ``own``: as :func:`with_copies`."""
     groups = (_singles(chains, "F") + _singles(chains, "B") if not pair or reruns_all_to_all(chains)
               else _pair_f_b(chains))
-    return with_copies(groups, chains)
+    return with_copies(groups, chains, own=own)
 
 
 def combined_1f1b_groups(chains: Chains) -> tuple[tuple[StageRef, ...], ...]:
@@ -78,15 +79,50 @@ def combined_1f1b_groups(chains: Chains) -> tuple[tuple[StageRef, ...], ...]:
     return tuple(_pair_f_b(chains))
 
 
-def with_copies(groups, chains: Chains) -> tuple[tuple[StageRef, ...], ...]:
+def with_copies(groups, chains: Chains, *, own: bool = False) -> tuple[tuple[StageRef, ...], ...]:
     """``groups`` (an order of F and B) with the copies on copy streams beside them: each group in turn joined by
     the next device->host copy of O and the next host->device reload at the head of R; what is left of O, then
-    the rest of R (dequantise casts, recomputed ops) one stage at a time after."""
+    the rest of R (dequantise casts, recomputed ops) one stage at a time after.
+
+    ``own``: the copies are F's and B's own micro-batches' (a point of pipeline degree 1), so they follow their
+    data: O's pieces cut F's tensors in program order, so piece k (of n) joins a group only after the one holding
+    the F stage that completes the first (k+1)/n of F's stages; the reloads are taken in the order the backward
+    reads them, so reload k (of h) runs in a group before the one holding B stage floor(k * |B| / h), alone right
+    before it when no group is left. The rest of R stays after B (its compute would run on the compute stream
+    before the backward stage that needs it; its place there changes no time)."""
     reloads = 0
     if chains.recovery:
         while reloads < len(chains.recovery) and chains.recovery.stages[reloads].resource is Resource.H2D:
             reloads += 1
-    return tuple(_join([list(group) for group in groups], chains, reloads))
+    if not own:
+        return tuple(_join([list(group) for group in groups], chains, reloads))
+    return tuple(_join_own([list(group) for group in groups], chains, reloads))
+
+
+def _join_own(groups: list[list[StageRef]], chains: Chains, reloads: int) -> list[tuple[StageRef, ...]]:
+    """:func:`with_copies` with ``own=True``."""
+    forward, backward = (len(chain) if chain else 0 for chain in (chains.forward, chains.backward))
+    offload = len(chains.offload) if chains.offload else 0
+    group_of = {ref: g for g, group in enumerate(groups) for ref in group}
+    # the group after which O piece k may run, and the group R reload l must run before
+    ready = [group_of[("F", -(-(k + 1) * forward // offload) - 1)] if forward else -1 for k in range(offload)]
+    deadline = [group_of[("B", l * backward // reloads)] if backward else len(groups) for l in range(reloads)]
+    out: list[tuple[StageRef, ...]] = []
+    k = l = 0
+    for g, group in enumerate(groups):
+        while l < reloads and deadline[l] <= g:  # no earlier group took it: alone, right before its reader
+            out.append((("R", l),))
+            l += 1
+        if k < offload and ready[k] < g:
+            group.append(("O", k))
+            k += 1
+        if l < reloads:
+            group.append(("R", l))
+            l += 1
+        out.append(tuple(group))
+    out += [(("O", i),) for i in range(k, offload)]
+    out += [(("R", i),) for i in range(l, len(chains.recovery) if chains.recovery else 0)]
+    return out
 
 
 def reruns_all_to_all(chains: Chains) -> bool:

@@ -155,9 +155,10 @@ def with_own_copies(chains: Chains) -> Order:
     """The order of a point of pipeline degree 1, whose copies are those of its own micro-batches (F's tensors
     copied out as its forward produces them, B's reloaded ahead of the backward stages that read them, layer by
     layer as Megatron-Kwai's offloading runs them): an order of F and B whose groups are joined by the copies
-    (:func:`~.baselines.with_copies`: each group by the next device->host copy and the next reload; the rest of
-    the recovery after). Of three orders of F and B (the DP's, Megatron-Core's combined 1F1B, F then B: fewer
-    groups overlap more compute, more groups hide more copies), the shortest with its copies."""
+    (:func:`~.baselines.with_copies` with ``own=True``: a copy out once F has produced what it copies, a reload
+    ahead of the backward stage that reads it; the rest of the recovery after). Of three orders of F and B (the
+    DP's, Megatron-Core's combined 1F1B, F then B: fewer groups overlap more compute, more groups hide more
+    copies), the shortest with its copies."""
     from .baselines import combined_1f1b_groups, with_copies
     from .simulate import simulate
 
@@ -170,7 +171,7 @@ def with_own_copies(chains: Chains) -> Order:
             cores.insert(1, combined_1f1b_groups(chains))
     best = None
     for core in cores:
-        ordered = Order(with_copies(core, chains), barriers=True)
+        ordered = Order(with_copies(core, chains, own=True), barriers=True)
         found = Order(ordered.groups, barriers=True, makespan_ns=simulate(ordered, chains).makespan_ns, solver="dp")
         if best is None or found.makespan_ns < best.makespan_ns:
             best = found

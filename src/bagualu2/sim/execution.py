@@ -69,13 +69,15 @@ def interference_of(overlap: str) -> float:
     return COMM_SM_SHARE if overlap in ("real", "released") else 0.0
 
 
-def order_of(execution: str, chains: Chains, fused) -> Order:
+def order_of(execution: str, chains: Chains, fused, *, own_copies: bool = False) -> Order:
     """The order ``execution`` runs ``chains`` in (its groups; ``makespan_ns`` times them); ``fused(chains)`` is the
-    DP (the stage engine's memoised one)."""
+    DP (the stage engine's memoised one); ``own_copies``: the copies are the point's own micro-batches' (a stage
+    whose points are of relation 1), which the Megatron executions then run after what they copy and before what
+    reads them (``fusion.baselines.with_copies``)."""
     if execution == "fused" or (execution == "fused-pairs" and chains.forward and chains.backward):
         return fused(chains)
     if execution in ("megatron", "megatron-unpaired"):
-        return Order(megatron_overlapped_groups(chains, pair=execution == "megatron"), barriers=True,
+        return Order(megatron_overlapped_groups(chains, pair=execution == "megatron", own=own_copies), barriers=True,
                      solver="megatron-overlapped" if execution == "megatron" else execution)
     return Order(tuple(((chain.kind, i),) for chain in chains.present() for i in range(len(chain))), barriers=True,
                  solver="sequential")

@@ -123,8 +123,11 @@ class StageContext:
             graph = self.timing_graph(chunk, imbalance)
             hardware = self.hardware
 
+            own = self.timing.point_relation == 1  # the copies of a point are its own micro-batches'
+
             def seconds(chains) -> float:
-                return 1e-9 * makespan_ns(order_of(execution, chains, self.timing.order), chains, share)
+                return 1e-9 * makespan_ns(order_of(execution, chains, self.timing.order, own_copies=own), chains,
+                                          share)
 
             found = self._choices[key] = Choice(
                 self.cost(chunk, imbalance, plan).activation_bytes,
