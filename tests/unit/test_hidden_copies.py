@@ -67,9 +67,10 @@ def test_a_pre_gate_plan_that_fits_is_never_replaced_by_a_costlier_one(hidden_co
 def test_the_simulator_prices_copies_in_full_where_nothing_runs_beside_compute():
     from bagualu2.sim import SimConfig, simulate
 
-    assert SimConfig().hidden_copies is True and SimConfig(overlap="released").hidden_copies is True
-    assert SimConfig(overlap="none").hidden_copies is False
-    assert SimConfig(overlap="none", hidden_copies=True).hidden_copies is True
+    assert SimConfig().copies_hidden is True and SimConfig(overlap="released").copies_hidden is True
+    assert SimConfig(overlap="none").copies_hidden is False
+    assert dataclasses.replace(SimConfig(), overlap="none").copies_hidden is False  # resolved when read
+    assert SimConfig(overlap="none", hidden_copies=True).copies_hidden is True
     with pytest.raises(ValueError, match="hidden_copies must be true, false or None"):
         SimConfig(hidden_copies=1)
     serial = dataclasses.replace(PARALLEL, vp=2, paired=False)

@@ -19,8 +19,9 @@ Per chunk-forward, ``DecisionPath.forward(budget, imbalance, phase, chunk)``:
 The path works over a :class:`~.stage.Stage` (its graphs, schedule and memo; chunks whose graphs are the same up
 to layer numbering share their canonical chunk's results, only the names in their plans differ). Memoised, each
 hit safe for every request of its key: measured imbalance -> its *ceiling* bucket (``imbalance_step``,
-``spike_step`` above ``spike_threshold``) with the bucket's graph; pre-gate plans by (need level, planned bucket, chunk); gate decisions by (pre-gate plan, need level,
-imbalance bucket, chunk); orders by what the DP reads. The *need* of a decision is ``unmitigated bytes - budget``;
+``spike_step`` above ``spike_threshold``) with the bucket's graph; pre-gate plans by (need level, planned bucket,
+chunk); gate decisions by (pre-gate plan, need level — marked when the pre-gate plan fits the request's budget
+exactly, which makes keeping it an option —, imbalance bucket, chunk); orders by what the DP reads. The *need* of a decision is ``unmitigated bytes - budget``;
 its level rounds it *up* on a geometric grid (ratio ``1 + need_step`` from one ``budget_quantum_bytes``), so a
 decision frees at least what is needed, finely for small needs and coarsely for the large, rare needs of spikes;
 a need larger than the budget rounds the budget *down* instead, on a grid anchored at ``M_max`` (:class:`NeedGrid`).
@@ -88,9 +89,10 @@ class DecisionPath:
       pregate_need_step     ratio - 1 of the need grid of pre-gate plans (in (0, 1]).
       reuse_levels          how many need levels away a decision made may stand in (>= 0).
       hidden_copies         also plan with copies priced by what they leave exposed (``greedy.GreedyConfig``'s
-                            ``copy_window_ns`` = the steady point's time under the plan priced in full: in the
-                            fused order the copy engines run beside it) and keep, before and after the gate, the
-                            plan whose scheduling point is shorter (``Stage.point_order``); False (default):
+                            ``copy_window_ns`` = the steady point's time under the plan priced in full, and half
+                            of it: ``gate.copy_windows``; in the fused order the copy engines run beside it) and
+                            keep, before and after the gate, the plan whose scheduling point is shorter
+                            (``Stage.point_order``); False (default):
                             Algorithm 2's pricing alone, every copy in full (right where copies do not overlap
                             compute, e.g. on a CPU).
       engine                the stage's :class:`~.stage.Stage` (default: a new one); shared with the other

@@ -75,9 +75,7 @@ class SimConfig:
 
     def __post_init__(self) -> None:
         check_overlap(self.overlap)
-        if self.hidden_copies is None:
-            object.__setattr__(self, "hidden_copies", self.overlap != "none")
-        if not isinstance(self.hidden_copies, bool):
+        if self.hidden_copies is not None and not isinstance(self.hidden_copies, bool):
             raise ValueError(f"hidden_copies must be true, false or None, got {self.hidden_copies!r}")
         if self.m_max_bytes is not None:
             require_int("m_max_bytes", self.m_max_bytes, 1)
@@ -85,6 +83,11 @@ class SimConfig:
         check_imbalance(self.plan_imbalance)
         if self.on_oom not in ON_OOM:
             raise ValueError(f"on_oom must be one of {', '.join(ON_OOM)}, got {self.on_oom!r}")
+
+    @property
+    def copies_hidden(self) -> bool:
+        """``hidden_copies`` resolved: as given, or (None) True unless ``overlap`` is ``"none"``."""
+        return self.overlap != "none" if self.hidden_copies is None else self.hidden_copies
 
 
 @dataclass(frozen=True)
@@ -227,7 +230,7 @@ class _Run:
                  plan_hardware: Hardware | None = None, downgrade: str = "graded"):
         self.parallel, self.hardware, self.config = parallel, hardware, config
         self.stages = [StageContext(model, parallel, hardware, s, plan_hardware=plan_hardware, downgrade=downgrade,
-                                    m_max_bytes=config.m_max_bytes, hidden_copies=config.hidden_copies)
+                                    m_max_bytes=config.m_max_bytes, hidden_copies=config.copies_hidden)
                        for s in range(parallel.pp)]
         for ctx in self.stages:
             ctx.check_room(capped=config.m_max_bytes is not None)
