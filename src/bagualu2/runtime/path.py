@@ -22,8 +22,8 @@ hit safe for every request of its key: measured imbalance -> its *ceiling* bucke
 ``spike_step`` above ``spike_threshold``) with the bucket's graph; pre-gate plans by (need level, planned bucket,
 chunk); gate decisions by (pre-gate plan, need level — marked when the pre-gate plan fits the request's budget
 exactly, which makes keeping it an option —, imbalance bucket, chunk); orders by what the DP reads. The *need* of a
-decision is ``unmitigated bytes - budget``; its level rounds it *up* on a geometric grid (ratio ``1 + need_step`` from one ``budget_quantum_bytes``), so a
-decision frees at least what is needed, finely for small needs and coarsely for the large, rare needs of spikes;
+decision is ``unmitigated bytes - budget``; its level rounds it *up* on a geometric grid (ratio ``1 + need_step``
+from one ``budget_quantum_bytes``), so a decision frees at least what is needed, finely for small needs and coarsely for the large, rare needs of spikes;
 a need larger than the budget rounds the budget *down* instead, on a grid anchored at ``M_max`` (:class:`NeedGrid`).
 Pre-gate plans use a coarser grid (``pregate_need_step``): what they free beyond the need is in part inside the
 MoE module, which the gate re-plans at the fine grid. On a miss, a gate decision of a nearby need level (up to
