@@ -16,22 +16,23 @@ Per chunk-forward, ``DecisionPath.forward(budget, imbalance, phase, chunk)``:
 4. **order** — the fused dual-batch order of the forward's scheduling point (``fusion.dp``): F_x B_y (with O and
    R) in the steady phase; F_x and the offload of x−1 in warmup, where no backward runs.
 
-The path works over a :class:`~.stage.Stage` (its graphs, schedule and memo; chunks whose graphs are the same up
-to layer numbering share their canonical chunk's results, only the names in their plans differ). Memoised, each
-hit safe for every request of its key: measured imbalance -> its *ceiling* bucket (``imbalance_step``,
-``spike_step`` above ``spike_threshold``) with the bucket's graph; pre-gate plans by (need level, planned bucket,
-chunk); gate decisions by (pre-gate plan, need level — marked when the pre-gate plan fits the request's budget
-exactly, which makes keeping it an option —, imbalance bucket, chunk); orders by what the DP reads. The *need* of a
-decision is ``unmitigated bytes - budget``; its level rounds it *up* on a geometric grid (ratio ``1 + need_step``
-from one ``budget_quantum_bytes``), so a decision frees at least what is needed, finely for small needs and coarsely for the large, rare needs of spikes;
-a need larger than the budget rounds the budget *down* instead, on a grid anchored at ``M_max`` (:class:`NeedGrid`).
-Pre-gate plans use a coarser grid (``pregate_need_step``): what they free beyond the need is in part inside the
-MoE module, which the gate re-plans at the fine grid. On a miss, a gate decision of a nearby need level (up to
-``reuse_levels`` away) stands in when it is as good: a smaller-need one that fits this budget at the measured
-imbalance, or a larger-need one that fits and costs at most ``1 + need_step`` times the smaller-need one (with no
-smaller-need one cached: one at most ``UNREFERENCED_LEVELS`` levels up). Kept bytes are reported exactly at the
-measured imbalance (routed tensors scale with the routed token count; ``PlanCost.activation_bytes_at``);
-``overhead_s`` is the plan's on the bucket's graph. docs/runtime.md has the measured quality.
+The path works over a :class:`~.stage.Stage` (its graphs, schedule and memo; chunks whose graphs are the same up to
+layer numbering share their canonical chunk's results, only the names in their plans differ). Memoised, each hit
+safe for every request of its key: measured imbalance -> its *ceiling* bucket (``imbalance_step``, ``spike_step``
+above ``spike_threshold``) with the bucket's graph; pre-gate plans by (need level, planned bucket, chunk); gate
+decisions by (pre-gate plan, need level — marked when the pre-gate plan fits the request's budget exactly, which
+makes keeping it an option —, imbalance bucket, chunk); orders by what the DP reads. The *need* of a decision is
+``unmitigated bytes - budget``; its level rounds it *up* on a geometric grid (ratio ``1 + need_step`` from one
+``budget_quantum_bytes``), so a decision frees at least what is needed, finely for small needs and coarsely for the
+large, rare needs of spikes; a need larger than the budget rounds the budget *down* instead, on a grid anchored at
+``M_max`` (:class:`NeedGrid`). Pre-gate plans use a coarser grid (``pregate_need_step``): what they free beyond the
+need is in part inside the MoE module, which the gate re-plans at the fine grid. On a miss, a gate decision of a
+nearby need level (up to ``reuse_levels`` away) stands in when it is as good: a smaller-need one that fits this
+budget at the measured imbalance, or a larger-need one that fits and costs at most ``1 + need_step`` times the
+smaller-need one (with no smaller-need one cached: one at most ``UNREFERENCED_LEVELS`` levels up). Kept bytes are
+reported exactly at the measured imbalance (routed tensors scale with the routed token count;
+``PlanCost.activation_bytes_at``); ``overhead_s`` is the plan's on the bucket's graph. docs/runtime.md has the
+measured quality.
 
 Besides the stage's memo (pure results; ``Stage(cache=False)`` turns it off), the path has state: the gates it
 has seen (the planned imbalance) and the gate decisions it has made per need level (what the stand-ins read).
