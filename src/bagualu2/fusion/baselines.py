@@ -94,9 +94,7 @@ def with_copies(groups, chains: Chains, *, own: bool = False) -> tuple[tuple[Sta
     if chains.recovery:
         while reloads < len(chains.recovery) and chains.recovery.stages[reloads].resource is Resource.H2D:
             reloads += 1
-    if not own:
-        return tuple(_join([list(group) for group in groups], chains, reloads))
-    return tuple(_join_own([list(group) for group in groups], chains, reloads))
+    return tuple((_join_own if own else _join)([list(group) for group in groups], chains, reloads))
 
 
 def _join_own(groups: list[list[StageRef]], chains: Chains, reloads: int) -> list[tuple[StageRef, ...]]:

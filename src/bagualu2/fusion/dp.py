@@ -24,8 +24,10 @@ import numpy as np
 
 from ..costmodel import Resource
 from ..costmodel.validate import require_int
+from .baselines import combined_1f1b_groups, sequential, with_copies
 from .chains import CHAIN_KINDS, Chains
 from .order import Order
+from .simulate import simulate
 
 RESOURCES = tuple(Resource)
 RESOURCE_INDEX = {r: i for i, r in enumerate(RESOURCES)}
@@ -112,8 +114,6 @@ def solve(chains: Chains, *, pipeline_degree: int | None = None) -> Order:
             return with_own_copies(chains)
         if degree == 2 and chains.offload is not None and chains.recovery is not None:
             if chains.forward is None and chains.backward is None:
-                from .baselines import sequential
-
                 return sequential(chains)  # nothing to overlap the copies with: out, then back
             return with_edges(solve(Chains(chains.forward, chains.backward)), chains)
     present = list(chains.present())
@@ -159,9 +159,6 @@ def with_own_copies(chains: Chains) -> Order:
     ahead of the backward stage that reads it; the rest of the recovery after). Of three orders of F and B (the
     DP's, Megatron-Core's combined 1F1B, F then B: fewer groups overlap more compute, more groups hide more
     copies), the shortest with its copies."""
-    from .baselines import combined_1f1b_groups, with_copies
-    from .simulate import simulate
-
     cores: list[tuple] = [()]
     if chains.forward is not None or chains.backward is not None:
         plain = Chains(chains.forward, chains.backward)
@@ -184,8 +181,6 @@ def with_edges(core: Order, chains: Chains) -> Order:
     (standalone groups between them when ``core`` has too few). Where O and R copy the same micro-batch (pipeline
     degree 2: x-1 = y+1) its copies out end before its copies back begin, the copies overlap the F and B stages
     of the edges, and F and B keep the DP's order. Its makespan is the simulator's."""
-    from .simulate import simulate
-
     groups = [list(group) for group in core.groups]
     offload = [("O", i) for i in range(len(chains.offload))]
     recovery = [("R", i) for i in range(len(chains.recovery))]

@@ -68,18 +68,17 @@ def _bytes(choice: TensorChoice, strategy: Strategy) -> int:
     return choice.quantized_bytes if strategy is QUANTIZE else 0
 
 
-def _standalone_ns(choice: TensorChoice, strategy: Strategy) -> int:
-    if strategy is OFFLOAD:
-        return choice.offload_ns
-    return choice.quantize_ns if strategy is QUANTIZE else 0
-
-
 def _copy_ns(choice: TensorChoice, strategy: Strategy) -> int:
     return choice.offload_ns if strategy is OFFLOAD else 0
 
 
 def _cast_ns(choice: TensorChoice, strategy: Strategy) -> int:
     return choice.quantize_ns if strategy is QUANTIZE else 0
+
+
+def _standalone_ns(choice: TensorChoice, strategy: Strategy) -> int:
+    """The strategy's own cost, copies priced in full (a recompute's depends on what else is re-run)."""
+    return _copy_ns(choice, strategy) + _cast_ns(choice, strategy)
 
 
 class _State:

@@ -144,7 +144,7 @@ def copy_windows(window_ns: int) -> tuple[int, ...]:
     """The copy windows a plan is made with when copies hidden up to ``window_ns`` are free: 0 (every copy priced
     in full), then ``window_ns`` and half of it (the copies a point can hide are fewer than its time: they overlap
     only the stages beside them, so the whole window prices too many of them as free); without a window, 0."""
-    return (0, window_ns, window_ns // 2) if window_ns > 1 else (0, window_ns) if window_ns else (0,)
+    return tuple(dict.fromkeys((0, window_ns, window_ns // 2)))  # in that order, each once
 
 
 def after_gate(graph: OpGraph, plan: Plan | None, budget_bytes: int, *, limit_bytes: int | None = None,

@@ -83,6 +83,7 @@ class StageContext:
         self.point_leads = frozenset((group[0].microbatch, group[0].chunk)
                                      for group in points(parallel, stage) if len(group) == 2)
         self._choices = self.timing.memo.table(ChoiceKey)
+        self.own_copies = self.engine.point_relation == 1  # a point's copies are its own micro-batches'
 
     @property
     def m_max_bytes(self) -> int:
@@ -123,11 +124,9 @@ class StageContext:
             graph = self.timing_graph(chunk, imbalance)
             hardware = self.hardware
 
-            own = self.timing.point_relation == 1  # the copies of a point are its own micro-batches'
-
             def seconds(chains) -> float:
-                return 1e-9 * makespan_ns(order_of(execution, chains, self.timing.order, own_copies=own), chains,
-                                          share)
+                return 1e-9 * makespan_ns(order_of(execution, chains, self.timing.order,
+                                                   own_copies=self.own_copies), chains, share)
 
             found = self._choices[key] = Choice(
                 self.cost(chunk, imbalance, plan).activation_bytes,
