@@ -10,7 +10,7 @@ from conftest import scaled
 from hypothesis import strategies as st
 
 from bagualu2.costmodel import presets
-from bagualu2.sim import simulate
+from bagualu2.sim import paper_trace, simulate
 
 MODEL, PARALLEL = presets.model("glm-188b-a20b")
 HW = presets.hardware("paper-gpu")
@@ -94,3 +94,31 @@ def test_replan_restarts_only_above_the_planned_imbalance_and_returns_to_the_nor
             assert rate > 1.0 and it.policy in (policy, "static-over")
         else:  # on the normal plans, whatever came before
             assert it == simulate(MODEL, PARALLEL, HW, policy, (rate,)).iterations[0]
+
+
+grid = st.integers(100, 300).map(lambda cents: cents / 100)  # rates on the paper trace's 0.01 grid
+
+
+@settings(max_examples=scaled(40), deadline=None)
+@given(st.integers(1, 200), st.integers(0, 2 ** 32), st.floats(0.0, 1.0), grid, st.integers(0, 50),
+       st.integers(1, 160), st.one_of(st.none(), st.integers(1, 16)))
+def test_paper_trace_draws_its_statistics(n, seed, share, low, spread, above, microbatches):
+    high, top = round(low + spread / 100, 2), round(low + (spread + above) / 100, 2)
+    trace = paper_trace(n, seed=seed, spike_share=share, base_low=low, base_high=high, spike_max=top,
+                        num_microbatches=microbatches)
+    assert len(trace) == n and trace == paper_trace(n, seed=seed, spike_share=share, base_low=low,
+                                                    base_high=high, spike_max=top, num_microbatches=microbatches)
+    spikes = [entry for entry in trace if (max(entry) if isinstance(entry, tuple) else entry) > high]
+    assert len(spikes) == round(share * n)
+    for entry in trace:
+        rates_ = entry if isinstance(entry, tuple) else (entry,)
+        assert len(rates_) == (microbatches if isinstance(entry, tuple) else 1)
+        assert all(round(r, 2) == r and low <= r <= top for r in rates_)
+        assert sum(r > high for r in rates_) == (max(rates_) > high)  # a spike hits one micro-batch
+
+
+def test_off_grid_bounds_are_refused():
+    for field, bounds in (("base_low", (1.005, 1.2, 2.6)), ("base_high", (1.0, 1.205, 2.6)),
+                          ("spike_max", (1.0, 1.2, 2.605))):
+        with pytest.raises(ValueError, match=f"{field} must be a multiple of 0.01"):
+            paper_trace(5, base_low=bounds[0], base_high=bounds[1], spike_max=bounds[2])

@@ -302,8 +302,15 @@ def test_a_layout_with_no_room_for_activations_is_one_line_before_any_iteration(
     with pytest.raises(ValueError, match=r"hardware 'cpu' leaves 0\.00 GiB for activations on stage 0") as caught:
         simulate(model, parallel, presets.hardware("cpu"), "flexible", (1.0,))
     assert "\n" not in str(caught.value)
-    with pytest.raises(ValueError, match=r"the activation cap m_max_bytes=1048576, below the .* GiB its"):
+    with pytest.raises(ValueError, match=r"the activation cap m_max_bytes=1048576 on stage 0, below the .* GiB its"):
         simulate(model, parallel, HARDWARE, "static-over", (1.0,), m_max_bytes=1 << 20)
     result = runner.invoke(app, ["simulate", "-m", MODEL, "-H", "cpu", "-n", "5"])
-    assert result.exit_code == 2 and "nothing fits" in result.output
+    assert result.exit_code == 2 and "nothing fits" in result.output and "--hardware" in result.output
     assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
+
+
+def test_a_tuple_of_equal_rates_is_the_scalar_iteration():
+    """One iteration, two spellings: the memo keys them alike, so flexible's history cannot tell them apart."""
+    model, parallel = presets.model("glm-423b-a30b")
+    spelled = simulate(model, parallel, HARDWARE, "flexible", [1.1, (1.1,) * parallel.num_microbatches, 1.1])
+    assert spelled == simulate(model, parallel, HARDWARE, "flexible", [1.1, 1.1, 1.1])

@@ -10,6 +10,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from bagualu2.costmodel.memory import stage_memory
 from bagualu2.sim import (ABLATION, ON_OOM, OVERLAP, POLICIES, PaperTrace, SimResult, load_trace, paper_trace,
                           simulate)
 from bagualu2.sim.simulate import MAX_ITERATIONS, MAX_RESTART_S
@@ -108,6 +109,9 @@ def simulate_cmd(
     png_path = output_path(png)
     name, model_config, parallel = load_model(model)
     hw = load_hardware(hardware)
+    with blame("--hardware"):  # a device too small for the layout: the hardware profile is what to change first
+        for stage in range(parallel.pp):
+            stage_memory(model_config, parallel, hw, stage=stage).check_room(hw, stage)
     policies = list(dict.fromkeys(policy or POLICIES))
     for value in policies:
         if value not in POLICIES and value not in ABLATION:

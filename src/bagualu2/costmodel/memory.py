@@ -114,7 +114,7 @@ class StageMemory:
         if self.m_max_bytes >= self.floor_bytes:
             return
         gib = 2 ** 30
-        where = (f"the activation cap m_max_bytes={self.m_max_bytes}" if capped else
+        where = (f"the activation cap m_max_bytes={self.m_max_bytes} on stage {stage}" if capped else
                  f"hardware {hardware.name!r} leaves {self.m_max_bytes / gib:.2f} GiB for activations on stage "
                  f"{stage} ({hardware.hbm_bytes / gib:.1f} GiB less {hardware.reserved_bytes / gib:.1f} reserved and "
                  f"{self.static_bytes / gib:.2f} of weights, gradients and optimizer states)")

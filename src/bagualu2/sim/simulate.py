@@ -151,8 +151,9 @@ class SimResult:
 
 
 def check_trace(trace, parallel: ParallelConfig) -> list:
-    """The trace's entries as memo keys: a float (every micro-batch at that rate) or a tuple of
-    ``num_microbatches`` floats; each rate in [1, ep]. One-line ``ValueError`` naming the entry otherwise."""
+    """The trace's entries as memo keys: a float (every micro-batch at that rate; also for a tuple of equal rates,
+    so both spellings are one iteration) or a tuple of ``num_microbatches`` floats; each rate in [1, ep]. One-line
+    ``ValueError`` naming the entry otherwise."""
     if isinstance(trace, (str, bytes, set, frozenset, dict)) or not hasattr(trace, "__len__"):
         raise ValueError(f"trace must be a sequence of rates or of per-micro-batch rates, got {type(trace).__name__}")
     if len(trace) == 0:
@@ -172,7 +173,7 @@ def check_trace(trace, parallel: ParallelConfig) -> list:
                     rates.append(check_imbalance(rate, ep=parallel.ep))
                 except ValueError as exc:
                     raise ValueError(f"micro-batch {m}: {exc}") from None
-            keys.append(tuple(rates))
+            keys.append(rates[0] if len(set(rates)) == 1 else tuple(rates))  # one rate: the scalar's key
         except ValueError as exc:
             raise ValueError(f"trace[{i}] (iteration {i}): {exc}") from None
     return keys

@@ -49,6 +49,7 @@ class PaperTrace:
       base_low        lowest ordinary rate (>= 1).
       base_high       highest ordinary rate (>= base_low).
       spike_max       highest spike rate (> base_high unless spike_share is 0).
+      (the three rates are multiples of 0.01, the grid the rates are drawn on.)
       num_microbatches         micro-batches per iteration (>= 1), or None: one rate per iteration.
       spike_microbatches       micro-batches a spike hits (1 <= it <= num_microbatches), when no share is given.
       spike_microbatch_share   share of the micro-batches a spike hits, in (0, 1], or None.
@@ -71,6 +72,12 @@ class PaperTrace:
         require_number("base_low", self.base_low, 1)
         require_number("base_high", self.base_high, self.base_low)
         require_number("spike_max", self.spike_max, self.base_high, low_open=self.spike_share > 0)
+        scale = 10 ** DECIMALS
+        for name in ("base_low", "base_high", "spike_max"):
+            value = getattr(self, name)
+            if abs(value * scale - round(value * scale)) > 1e-6:  # off the grid the draws collapse on one bound
+                raise ValueError(f"{name} must be a multiple of {1 / scale:g} (rates are drawn at {DECIMALS} "
+                                 f"decimals), got {value!r}")
         lowest = self.lowest_spike
         if self.spike_share > 0 and self.spike_max < lowest - 1e-9:
             raise ValueError(f"spike_max must be at least {lowest:g} (the smallest rate above base_high at "
