@@ -158,8 +158,9 @@ def test_subprocess_console_script() -> None:
 
 
 @pytest.mark.launch
-def test_python_dash_m() -> None:
-    done = subprocess.run([sys.executable, "-m", "bagualu2.cli", "presets", "--json"], capture_output=True,
+@pytest.mark.parametrize("module", ["bagualu2.cli", "bagualu2"])
+def test_python_dash_m(module: str) -> None:
+    done = subprocess.run([sys.executable, "-m", module, "presets", "--json"], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0 and "Traceback" not in done.stderr
     assert set(json.loads(done.stdout)) == {"models", "hardware"}

@@ -5,6 +5,7 @@ options. A hypothesis test fuzzes the hardware JSON loader."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
@@ -325,3 +326,44 @@ def test_numbers_with_underscores_are_refused(args, option) -> None:
     """Python reads ``1_0`` as ten; on a command line it is a typo, whether typer or the command parses the flag."""
     result = run(*args)
     assert result.exit_code == 2 and repr(args[-1]) in one_line_error(result.stderr, option)
+
+
+# ---- an output path is never one of the command's inputs ----------------------------------------------------
+@pytest.mark.parametrize("command, option", [("simulate", "--trace"), ("curve", "--model"),
+                                             ("schedule", "--hardware")])
+def test_png_never_overwrites_an_input(tmp_path: Path, command: str, option: str) -> None:
+    source = tmp_path / ("trace.jsonl" if option == "--trace" else "input.json")
+    if option == "--trace":
+        source.write_text("".join(json.dumps({"iteration": 0, "microbatch": m, "imbalance": 1.0}) + "\n"
+                                  for m in range(4)))
+        args = ["simulate", "-m", "tiny-moe", "--trace", str(source)]
+    elif option == "--model":
+        model, parallel = costmodel.presets.model("tiny-moe")
+        source.write_text(json.dumps({"model": dataclasses.asdict(model), "parallel": dataclasses.asdict(parallel)}))
+        args = ["curve", "-m", str(source)]
+    else:
+        source.write_text(json.dumps(BASE_HW))
+        args = ["schedule", "-m", "tiny-moe", "--time-limit", "1", "-H", str(source)]
+    before = source.read_bytes()
+    result = run(*args, "--png", str(source))
+    assert result.exit_code == 2, result.stdout
+    assert one_line_error(result.stderr, "--png").endswith(f"is the file {option} reads; write the output to "
+                                                           "another path")
+    assert source.read_bytes() == before
+
+
+def test_a_cp_sat_time_out_leaves_the_exact_rows_out() -> None:
+    schedule = run("schedule", "-m", "tiny-moe", "--time-limit", "1e-9")
+    assert schedule.exit_code == 0, schedule.stderr
+    assert "CP-SAT found no schedule within 1e-09 s" in schedule.stdout and "│ dp " in schedule.stdout
+    compare = run("compare", "-m", "tiny-moe", "-r", "1", "--budgets", "1", "--time-limit", "1e-9", "--json")
+    assert compare.exit_code == 0, compare.stderr
+    point = json.loads(compare.stdout)["points"][0]
+    assert point["fusion_ratio"] is None and point["exact_schedule"] == "none" and point["dp_makespan_s"] > 0
+
+
+def test_reproduce_names_the_hardware_too_small_for_a_layout(tmp_path: Path) -> None:
+    result = run("reproduce", "-H", "cpu", "-n", "10", "-m", "glm-188b-a20b", "-j", "1", "--docs",
+                 str(tmp_path / "out"))
+    assert result.exit_code == 2
+    assert "nothing fits" in one_line_error(result.stderr, "--hardware") and not (tmp_path / "out").exists()

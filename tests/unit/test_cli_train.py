@@ -34,7 +34,10 @@ def test_dry_run_builds_the_torchrun_command():
                                           (["--nproc-per-node", "0"], "--nproc-per-node"),
                                           (["--master-port", "70000"], "--master-port"),
                                           (["--nnodes", "2", "--master-addr", "a b"], "--master-addr"),
-                                          (["--nnodes", "2", "--master-addr", ""], "--master-addr")])
+                                          (["--nnodes", "2", "--master-addr", ""], "--master-addr"),
+                                          (["--nnodes", "2", "--master-addr", "host:1234"], "--master-addr"),
+                                          (["--nnodes", "2", "--master-addr", "a/b"], "--master-addr"),
+                                          (["--nnodes", "2", "--master-addr", "999.1.1.1"], "--master-addr")])
 def test_bad_launcher_options_are_one_line(args, option):
     result = CliRunner().invoke(app, ["train", *args, "--dry-run"])
     assert result.exit_code == 2 and option in result.output and "Traceback" not in result.output
@@ -123,3 +126,9 @@ def test_a_stopped_launch_stops_its_workers(tmp_path):
     time.sleep(1)
     left = subprocess.run(["pgrep", "-f", str(metrics)], capture_output=True, text=True).stdout.split()
     assert not left, left
+
+
+@pytest.mark.parametrize("given, endpoint", [("::1", "[::1]"), ("[fe80::1]", "[fe80::1]"), ("10.0.0.7", "10.0.0.7"),
+                                             ("node-01.cluster", "node-01.cluster"), ("my_host", "my_host")])
+def test_the_rendezvous_host_is_a_name_or_an_address(given, endpoint):
+    assert train_cmd.rendezvous_host(given) == endpoint

@@ -69,8 +69,7 @@ def require_extra(extra: str, option: str | None = None) -> None:
 
 def _one_line(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
-        where = f"{exc.filename}: " if exc.filename is not None else ""
-        text = f"cannot access {where}{exc.strerror}"
+        text = exc.strerror if exc.filename is None else f"cannot access {exc.filename}: {exc.strerror}"
     else:
         text = str(exc) or type(exc).__name__
     return " ".join(text.split())
@@ -260,9 +259,11 @@ def console() -> Console:
 
 
 def progress_bar(*, disable: bool = False) -> Progress:
-    """The commands' progress bar: on stderr (stdout stays the result), gone when done, off with ``disable``."""
+    """The commands' progress bar: on stderr (stdout stays the result), gone when done, off with ``disable`` and
+    when stderr is not a terminal (where it would draw nothing but leave an empty line)."""
+    stderr = Console(stderr=True)
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=Console(stderr=True), transient=True, disable=disable)
+                    console=stderr, transient=True, disable=disable or not stderr.is_terminal)
 
 
 def echo_json(obj: Any) -> None:
@@ -283,14 +284,28 @@ def _finite(value: Any) -> Any:
 
 # ---- files: see files.py (its atomic writes are re-exported here) ----------------------------------------------
 
-def output_path(value: str | None, option: str = "--png") -> Path | None:
-    """Fail fast, before any work, when ``option``'s path cannot be written (see :func:`check_output_path`)."""
+def output_path(value: str | None, option: str = "--png", *, inputs: dict[str, str | None] | None = None
+                ) -> Path | None:
+    """Fail fast, before any work, when ``option``'s path cannot be written (see :func:`check_output_path`) or is
+    one of the files the command reads (``inputs``: option -> its value; a value that names no file is skipped)."""
     if value is None:
         return None
     if value == "-":
         raise CliError("must be a file path (standard output is not supported for images)", option)
     with blame(option):
-        return check_output_path(value)
+        target = check_output_path(value)
+    for source, given in (inputs or {}).items():
+        if given is not None and _same_file(target, given):
+            raise CliError(f"{value!r} is the file {source} reads; write the output to another path", option)
+    return target
+
+
+def _same_file(target: Path, given: str) -> bool:
+    """Whether ``target`` and the existing path ``given`` are one file (False when either does not exist)."""
+    try:
+        return os.path.samefile(target, given)
+    except (OSError, ValueError):
+        return False
 
 
 def write_output(path: Path, data: bytes, option: str = "--png") -> Path:

@@ -46,15 +46,15 @@ def compare_point(graph: OpGraph, hardware: Hardware, budget_bytes: int, time_li
     order = dp.solve(chains)
     try:
         optimum = exact_schedule.solve(chains, time_limit_s=time_limit_s, hint=order)
-    except RuntimeError:  # no schedule within the time limit
-        raise CliError(f"CP-SAT found no schedule within {time_limit_s:g} s; raise --time-limit",
-                       "--time-limit") from None
+    except RuntimeError:  # no schedule within the time limit: this point has no fusion ratio
+        optimum = None
     return {"budget_bytes": budget_bytes, "floor_bytes": graph.floor_bytes,
             "unmitigated_bytes": graph.unmitigated_bytes, "greedy_overhead_s": fast.cost.overhead_s,
             "exact_overhead_s": best.cost.overhead_s if best.ok else None, "exact_status": best.status.name,
             "mitigation_ratio": _ratio(fast.cost.overhead_s, best.cost.overhead_s) if best.ok else None,
-            "dp_makespan_s": order.makespan_s, "exact_makespan_s": optimum.makespan_s,
-            "exact_schedule": optimum.solver, "fusion_ratio": _ratio(order.makespan_ns, optimum.makespan_ns)}
+            "dp_makespan_s": order.makespan_s, "exact_makespan_s": None if optimum is None else optimum.makespan_s,
+            "exact_schedule": "none" if optimum is None else optimum.solver,
+            "fusion_ratio": None if optimum is None else _ratio(order.makespan_ns, optimum.makespan_ns)}
 
 
 def summary(values: list[float]) -> dict[str, float | None]:
@@ -120,7 +120,7 @@ def compare(
                                **compare_point(graph, hw, budget, limit)})
                 progress.advance(task)
     mitigation = [p["mitigation_ratio"] for p in points if p["mitigation_ratio"] is not None]
-    fusion = [p["fusion_ratio"] for p in points]
+    fusion = [p["fusion_ratio"] for p in points if p["fusion_ratio"] is not None]
     result = {"num_points": len(points), "mitigation": summary(mitigation), "fusion": summary(fusion)}
     if json_output:
         echo_json({"inputs": {"models": sorted({p["model"] for p in points}, key=[p["model"] for p in points].index),
@@ -142,8 +142,9 @@ def _print(points: list[dict[str, Any]], result: dict[str, Any], hw: Hardware, l
         ratio = "-" if p["mitigation_ratio"] is None else f"{p['mitigation_ratio']:.4f}"
         table.add_row(escape(p["model"]), f"{p['imbalance']:g}", f"{p['budget_fraction']:.2f}",
                       f"{p['greedy_overhead_s'] * 1e3:.3f}", exact_ms, p["exact_status"], ratio,
-                      f"{p['dp_makespan_s'] * 1e3:.3f}", f"{p['exact_makespan_s'] * 1e3:.3f}",
-                      f"{p['fusion_ratio']:.4f}")
+                      f"{p['dp_makespan_s'] * 1e3:.3f}",
+                      "-" if p["exact_makespan_s"] is None else f"{p['exact_makespan_s'] * 1e3:.3f}",
+                      "-" if p["fusion_ratio"] is None else f"{p['fusion_ratio']:.4f}")
     out.print(table)
     stats = Table(title="ratios (1 = the fast solver is optimal)")
     for header in ("comparison", "median", "p95", "max"):

@@ -132,7 +132,7 @@ def curve(
         if name not in POLICIES:
             raise CliError(f"must be one of {', '.join(POLICIES)}, got {name!r}", "--policy")
     chosen = list(dict.fromkeys(chosen))
-    png_path = output_path(png)
+    png_path = output_path(png, inputs={"--model": model, "--hardware": hardware})
     run = prepare(model=model, hardware=hardware, stage=stage, seed=seed, spike_rate=spike_rate,
                   max_imbalance=max_imbalance, spikes=spike, downgrade=downgrade)
     with progress_bar(disable=json_output) as bar:

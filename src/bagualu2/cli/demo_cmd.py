@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from collections import Counter
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -23,8 +25,10 @@ from bagualu2.costmodel import stage_memory
 from bagualu2.runtime import replay_iteration
 
 from .common import (GIB, HARDWARE_HELP, JSON_HELP, MIB, MODEL_HELP, CliError, console, echo_json, handle_errors,
-                     number_option, one_thread_env, require_extra)
+                     number_option, one_thread_env, progress_bar, require_extra)
 from .iteration import MAX_IMBALANCE_HELP, SEED_HELP, SPIKE_RATE_HELP, prepare
+
+PROGRESS_POLL_S = 0.5  # how often the progress bar reads the trainer's metrics file
 
 
 @handle_errors
@@ -47,7 +51,7 @@ def demo(
     name, hw, trace = run.name, run.hardware, run.trace
     unmitigated = stage_memory(run.model, run.parallel, hw, stage=stage, imbalance=max(trace))
     replay = replay_iteration(run.model, run.parallel, hw, trace, stage=stage)
-    training = _train(train_steps, seed) if train_steps else None
+    training = _train(train_steps, seed, quiet=json_output) if train_steps else None
     if json_output:
         echo_json({"model": name, "hardware": hw.name, "stage": stage, "trace": list(trace),
                    "m_max_bytes": replay.m_max_bytes, "m0_bytes": replay.m0_bytes,
@@ -76,25 +80,46 @@ def demo(
         exact = "exactly the predicted bytes" if training["max_prediction_error"] == 0 else \
             f"the predicted bytes within {100 * training['max_prediction_error']:.3f}%"
         out.print(f"trained {escape(str(training['recipe']))} on the bundled corpus (CPU, one process) for "
-                  f"{training['steps']} steps in {training['seconds']:.1f} s: loss {training['first_loss']:.3f} -> "
-                  f"{training['final_loss']:.3f}; every micro-batch kept {exact}; peak "
+                  f"{training['steps']} step{'' if training['steps'] == 1 else 's'} in {training['seconds']:.1f} s: "
+                  f"loss {training['first_loss']:.3f} -> {training['final_loss']:.3f}; every micro-batch kept {exact}; "
+                  "peak "
                   f"{training['peak_activation_bytes'] / MIB:.2f} MiB of the "
                   f"{training['memory_cap_bytes'] / MIB:.2f} MiB cap.")
 
 
-def _train(steps: int, seed: int) -> dict:
+def _train(steps: int, seed: int, *, quiet: bool = False) -> dict:
     """The debug recipe trained in one process (``python -m reference_trainer.train --pp 1 --dp 1 --ep 1``), its
-    summary record."""
+    summary record; a progress bar on stderr (not with ``quiet``) follows the steps the trainer's metrics file
+    records."""
     require_extra("trainer", "--train-steps")
-    proc = subprocess.run([sys.executable, "-m", "reference_trainer.train", "--recipe", "glm_moe_debug", "--pp", "1",
-                           "--dp", "1", "--ep", "1", "--steps", str(steps), "--seed", str(seed), "--json"],
-                          capture_output=True, text=True, env=one_thread_env())
+    with tempfile.TemporaryDirectory(prefix="bagualu2-demo-") as folder:
+        metrics = Path(folder) / "metrics.jsonl"
+        proc = subprocess.Popen([sys.executable, "-m", "reference_trainer.train", "--recipe", "glm_moe_debug",
+                                 "--pp", "1", "--dp", "1", "--ep", "1", "--steps", str(steps), "--seed", str(seed),
+                                 "--json", "--metrics-file", str(metrics)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=one_thread_env())
+        with progress_bar(disable=quiet) as bar:
+            task = bar.add_task("training glm_moe_debug", total=steps)
+            while True:
+                try:
+                    out, err = proc.communicate(timeout=PROGRESS_POLL_S)
+                    break
+                except subprocess.TimeoutExpired:
+                    bar.update(task, completed=_steps_logged(metrics))
     if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["the trainer failed"])[-1]
+        last = (err.strip().splitlines() or ["the trainer failed"])[-1]
         raise CliError(last.removeprefix("error: "), "--train-steps")
-    record = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    record = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
     record.pop("log", None)
     return record
+
+
+def _steps_logged(metrics: Path) -> int:
+    """The steps the trainer's metrics file holds so far (one record per finished step)."""
+    try:
+        return metrics.read_text(encoding="utf-8").count('{"step": ')
+    except OSError:  # not made yet
+        return 0
 
 
 def _table(replay) -> Table:

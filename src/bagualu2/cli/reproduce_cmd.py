@@ -10,6 +10,7 @@ import typer
 from rich.markup import escape
 
 from bagualu2.costmodel import presets
+from bagualu2.costmodel.memory import stage_memory
 from bagualu2.sim.figures import figures
 from bagualu2.sim.report import headline, markdown
 from bagualu2.sim.reproduce import ReproduceConfig, WorkerDied, reproduce, steps
@@ -49,12 +50,17 @@ def reproduce_cmd(
         with blame("--model"):
             presets.model(name)
     with blame("--hardware"):
-        presets.hardware(hardware)
+        hw = presets.hardware(hardware)
     try:
         config = ReproduceConfig(iterations=iterations, seed=seed, restart_s=restart_s, hardware=hardware,
                                  jobs=jobs, **({"models": tuple(dict.fromkeys(model))} if model else {}))
     except ValueError as exc:
         raise CliError(str(exc), next((o for f, o in OPTIONS.items() if str(exc).startswith(f)), None)) from None
+    with blame("--hardware"):  # a device too small for a layout: refused before any simulation
+        for name in dict.fromkeys((config.focus, *config.models)):
+            model_config, parallel = presets.model(name)
+            for stage in range(parallel.pp):
+                stage_memory(model_config, parallel, hw, stage=stage).check_room(hw, stage)
     if not docs:
         raise CliError("must be a folder, got ''", "--docs")
     folder = Path(docs)

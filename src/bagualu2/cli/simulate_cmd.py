@@ -106,7 +106,7 @@ def simulate_cmd(
             if getattr(ctx.get_parameter_source(param), "name", None) == "COMMANDLINE":  # typer's own click
                 raise CliError("shapes the paper trace only; --trace gives the iterations (drop one of the two)",
                                flag)
-    png_path = output_path(png)
+    png_path = output_path(png, inputs={"--model": model, "--hardware": hardware, "--trace": trace})
     name, model_config, parallel = load_model(model)
     hw = load_hardware(hardware)
     with blame("--hardware"):  # a device too small for the layout: the hardware profile is what to change first

@@ -10,7 +10,9 @@ code is the trainer's; a failing trainer's one-line error is the only report (to
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
+import re
 import shlex
 import signal
 import subprocess
@@ -22,6 +24,8 @@ import typer
 from .common import CliError, handle_errors, one_thread_env, require_extra
 
 TRAINER = "reference_trainer.train"
+LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+HOST_NAME = re.compile(rf"(?=.{{1,253}}$){LABEL}(?:\.{LABEL})*\.?")
 
 
 def command(trainer_args: list[str], *, nproc_per_node: int, nnodes: int, node_rank: int, master_addr: str,
@@ -34,6 +38,18 @@ def command(trainer_args: list[str], *, nproc_per_node: int, nnodes: int, node_r
     else:
         launcher += [f"--node-rank={node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={master_addr}:{master_port}"]
     return [*launcher, "-m", TRAINER, *trainer_args]
+
+
+def rendezvous_host(value: str) -> str:
+    """``--master-addr`` as torchrun's rendezvous endpoint takes it: a host name (RFC 1123 labels; ``_`` allowed),
+    an IPv4 address, or an IPv6 address (bracketed, as ``host:port`` needs); else one line naming the option."""
+    bare = value[1:-1] if value.startswith("[") and value.endswith("]") else value
+    with contextlib.suppress(ValueError):
+        address = ipaddress.ip_address(bare)
+        return f"[{address}]" if address.version == 6 else str(address)
+    if value == bare and HOST_NAME.fullmatch(value) and not value.rstrip(".").rsplit(".", 1)[-1].isdigit():
+        return value  # a numeric last label is a malformed address, not a name
+    raise CliError(f"must be a host name, an IPv4 address or an IPv6 address, got {value!r}", "--master-addr")
 
 
 def _world_size(trainer_args: list[str], nnodes: int) -> int:
@@ -73,9 +89,7 @@ def train(
     (``python -m reference_trainer.train --help`` lists them)."""
     if node_rank >= nnodes:
         raise CliError(f"must be below --nnodes={nnodes}, got {node_rank}", "--node-rank")
-    if not master_addr or master_addr.startswith("-") or any(c.isspace() or not c.isprintable() for c in master_addr):
-        raise CliError(f"must be a host name or address (no spaces, not starting with '-'), got {master_addr!r}",
-                       "--master-addr")
+    master_addr = rendezvous_host(master_addr)
     trainer_args = list(ctx.args)
     if "--help" in trainer_args or "-h" in trainer_args:  # the trainer's own help, once
         require_extra("trainer")

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
+import signal
 import statistics
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -250,7 +251,9 @@ def _runs(config: ReproduceConfig, step: Callable[[str], None]):
 
     pool, futures, done = None, {}, {}
     if jobs > 1:  # every simulation submitted in the report's order: the progress follows the runs as they finish
-        pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
+        # the workers ignore Ctrl-C: this process gets it and stops them (below), nothing half-done prints
+        pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN))
         futures = {key: pool.submit(_simulate_one, key, hardware, trace(key), config) for key in keys}
 
     def result(key) -> SimResult:
@@ -272,9 +275,14 @@ def _runs(config: ReproduceConfig, step: Callable[[str], None]):
 
     try:
         scales, sparsity, lengths, tokens, ablation, released = (tuple(run(*spec) for spec in part) for part in parts)
-    finally:
+    except BaseException:  # Ctrl-C or a failure: the running simulations are not waited for
         if pool is not None:
-            pool.shutdown(cancel_futures=True)
+            for child in multiprocessing.active_children():
+                child.terminate()
+            pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    if pool is not None:
+        pool.shutdown(cancel_futures=True)
     return scales, sparsity, lengths, tokens, ablation[0], released[0]
 
 
