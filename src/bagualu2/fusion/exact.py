@@ -68,6 +68,7 @@ def solve(chains: Chains, *, time_limit_s: float = 10.0, num_workers: int = 1, s
     built = build_model(chains, hint=hint)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = float(time_limit_s)
+    solver.parameters.catch_sigint_signal = False  # Ctrl-C is Python's KeyboardInterrupt, not a quiet early stop
     solver.parameters.num_workers = num_workers
     solver.parameters.random_seed = seed
     code = solver.solve(built.model)

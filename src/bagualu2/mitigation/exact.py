@@ -171,6 +171,7 @@ def solve(graph: OpGraph, budget_bytes: int, *, time_limit_s: float = 10.0, num_
     warm_start = _add_hint(exact, graph, budget_bytes, groups) if hint else None
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = float(time_limit_s)
+    solver.parameters.catch_sigint_signal = False  # Ctrl-C is Python's KeyboardInterrupt, not a quiet early stop
     solver.parameters.num_workers = num_workers
     solver.parameters.random_seed = seed
     solver.parameters.linearization_level = 2  # LP relaxation of the implications: proves optimality fast
