@@ -1,5 +1,6 @@
 """The documentation's examples run: every ```python block of docs/api.md and the README's "Library" block is
-executed in a fresh namespace, so an example cannot silently rot when an API changes.
+executed in a fresh namespace, so an example cannot silently rot when an API changes, and what it prints is what
+its ``# ->`` comments show (whitespace aside: the docs wrap long lines; ``...`` / ``…`` elide a part).
 
 A failing block reports its file and line (the block is compiled at its own line numbers in the Markdown file).
 The blocks use only small inputs (preset graphs, the tiny-moe reference model on CPU): a few seconds in all.
@@ -7,6 +8,7 @@ The blocks use only small inputs (preset graphs, the tiny-moe reference model on
 
 from __future__ import annotations
 
+import itertools
 import re
 from pathlib import Path
 
@@ -49,4 +51,32 @@ def test_example_runs(path: Path, line: int, code: str, capsys):
     compiled = compile("\n" * (line - 1) + code, str(path.relative_to(ROOT)), "exec")
     namespace = {"__name__": "__main__"}
     exec(compiled, namespace)  # a fresh namespace per block: each example is a complete program
-    assert capsys.readouterr().out  # every example shows something
+    printed = capsys.readouterr().out
+    assert printed  # every example shows something
+    got, position = _squash(printed), 0
+    for shown in shown_outputs(code):
+        for fragment in filter(None, re.split(r"…|\.\.\.", _squash(shown))):
+            found = got.find(fragment, position)
+            assert found >= 0, f"{path.name}:{line}: the example no longer prints {shown!r}"
+            position = found + len(fragment)
+
+
+def shown_outputs(code: str) -> list[str]:
+    """What a block's comments say it prints: each ``# -> text`` with its ``#    more`` continuation lines."""
+    lines, shown = code.splitlines(), []
+    for k, text in enumerate(lines):
+        first = re.match(r"\s*# -> (.*)$", text)
+        if first:
+            following = (re.match(r"\s*#    (.*)$", t) for t in lines[k + 1:])
+            more = [m.group(1) for m in itertools.takewhile(bool, following)]
+            shown.append(" ".join([first.group(1), *more]))
+    return shown
+
+
+def _squash(text: str) -> str:
+    return re.sub(r"\s+", "", text)
+
+
+def test_shown_outputs_are_read_with_their_continuations():
+    code = "x = 1\nprint(x)\n# -> 1 2\n#    3\ny = 2  # -> not a comment line\n#    4\n"
+    assert shown_outputs(code) == ["1 2 3"]
