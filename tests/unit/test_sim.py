@@ -314,3 +314,10 @@ def test_a_tuple_of_equal_rates_is_the_scalar_iteration():
     model, parallel = presets.model("glm-423b-a30b")
     spelled = simulate(model, parallel, HARDWARE, "flexible", [1.1, (1.1,) * parallel.num_microbatches, 1.1])
     assert spelled == simulate(model, parallel, HARDWARE, "flexible", [1.1, 1.1, 1.1])
+
+
+def test_simulate_takes_names_in_any_case():
+    args = ["simulate", "-m", MODEL, "-n", "2", "--json", "--on-oom", "REPLAN", "--overlap", "Real"]
+    result = runner.invoke(app, [*args, "-p", "Static-Over", "-p", "l1", "-p", "static-over"])
+    assert result.exit_code == 0, result.output
+    assert [r["policy"] for r in json.loads(result.stdout)] == ["static-over", "L1"]

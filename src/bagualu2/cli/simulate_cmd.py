@@ -112,10 +112,12 @@ def simulate_cmd(
     with blame("--hardware"):  # a device too small for the layout: the hardware profile is what to change first
         for stage in range(parallel.pp):
             stage_memory(model_config, parallel, hw, stage=stage).check_room(hw, stage)
-    policies = list(dict.fromkeys(policy or POLICIES))
-    for value in policies:
-        if value not in POLICIES and value not in ABLATION:
+    named = {name.lower(): name for name in POLICIES + ABLATION}  # any case, as the other commands take names
+    for value in policy or ():
+        if value.lower() not in named:
             raise CliError(f"must be one of {', '.join(POLICIES + ABLATION)}, got {value!r}", "--policy")
+    policies = list(dict.fromkeys(named[value.lower()] for value in policy)) if policy else list(POLICIES)
+    on_oom, overlap = on_oom.lower(), overlap.lower()
     if on_oom not in ON_OOM:
         raise CliError(f"must be one of {', '.join(ON_OOM)}, got {on_oom!r}", "--on-oom")
     if not 1 <= plan_imbalance <= parallel.ep:
