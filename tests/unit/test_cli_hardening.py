@@ -367,3 +367,11 @@ def test_reproduce_names_the_hardware_too_small_for_a_layout(tmp_path: Path) -> 
                  str(tmp_path / "out"))
     assert result.exit_code == 2
     assert "nothing fits" in one_line_error(result.stderr, "--hardware") and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("args, option", [(["memory", "-r"], "--imbalance"), (["plan", "-b"], "--budget-gib"),
+                                          (["simulate", "-n"], "--iterations")])
+def test_a_short_option_without_its_value_is_named_by_its_long_name(args: list[str], option: str) -> None:
+    result = run(*args)
+    assert result.exit_code == 2
+    assert one_line_error(result.stderr, option).endswith(f"Option '{args[-1]}' requires an argument.")

@@ -30,12 +30,13 @@ def _option_name(param: Any) -> str | None:
     return max(opts, key=len) if opts else param.human_readable_name
 
 
-def _long_name(ctx: Any, name: str) -> str:
-    """The longest spelling (``--imbalance``) of the option ``name`` (``-r``) of ``ctx``'s command."""
-    if ctx is not None:
-        for param in ctx.command.get_params(ctx):
-            if name in getattr(param, "opts", ()):
-                return _option_name(param) or name
+def _long_name(ctx: Any, name: str, command: Any = None) -> str:
+    """The longest spelling (``--imbalance``) of the option ``name`` (``-r``) of ``ctx``'s command (or of
+    ``command``, when the parser raised without a context)."""
+    params = ctx.command.get_params(ctx) if ctx is not None else getattr(command, "params", ())
+    for param in params:
+        if name in getattr(param, "opts", ()):
+            return _option_name(param) or name
     return name
 
 
@@ -46,8 +47,9 @@ def _allowed_options(ctx: Any) -> str:
     return f"; allowed: {', '.join(names)}" if names else ""
 
 
-def usage_line(exc: Exception) -> str:
-    """One line ``error: [--option: ]message`` for a click/typer parse error."""
+def usage_line(exc: Exception, command: Any = None) -> str:
+    """One line ``error: [--option: ]message`` for a click/typer parse error (``command``: the subcommand the
+    arguments named, for an error raised without a context)."""
     ctx, names = getattr(exc, "ctx", None), kinds(exc)
     if "NoSuchOption" in names:
         text = f"{exc.option_name}: no such option"  # type: ignore[attr-defined]
@@ -60,7 +62,7 @@ def usage_line(exc: Exception) -> str:
         message = getattr(exc, "message", "") or exc.format_message()  # type: ignore[attr-defined]
         text = f"{option}: {message}" if option else message
     elif "BadOptionUsage" in names:
-        text = f"{_long_name(ctx, exc.option_name)}: {exc.message}"  # type: ignore[attr-defined]
+        text = f"{_long_name(ctx, exc.option_name, command)}: {exc.message}"  # type: ignore[attr-defined]
     else:
         text = exc.format_message()  # type: ignore[attr-defined]
         commands = getattr(getattr(ctx, "command", None), "list_commands", None)
@@ -91,9 +93,15 @@ class OneLineErrors(TyperGroup):
                 exc.show()  # type: ignore[attr-defined]
                 code = exc.exit_code  # type: ignore[attr-defined]
             else:
-                typer.echo(usage_line(exc), err=True)
+                typer.echo(usage_line(exc, self._named_command(args)), err=True)
                 code = EXIT_USAGE if "UsageError" in names else exc.exit_code  # type: ignore[attr-defined]
         code = code if isinstance(code, int) else 0
         if standalone_mode:
             sys.exit(code)
         return code
+
+    def _named_command(self, args: Any) -> Any:
+        """The subcommand the first word of ``args`` (default: the command line) names, or None."""
+        words = list(sys.argv[1:] if args is None else args)
+        first = next((word for word in words if not str(word).startswith("-")), None)
+        return None if first is None else self.commands.get(str(first))
