@@ -202,3 +202,33 @@ def test_routes_to_another_ranks_experts_are_skipped_or_refused_with_the_gate():
         experts._is_expert_parallel = False
     with pytest.raises(ValueError, match="identity or skip experts"):
         experts_forward(experts, hidden, index, weights)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, field", [("mixtral", "router_jitter_noise"), ("phimoe", "input_jitter_noise")])
+def test_a_tensor_changed_in_place_after_its_op_is_never_recomputed(family, field):
+    """Router jitter (``hidden *= noise`` inside the MoE block) changes the norm's output in place after the norm
+    made it: re-running the norm would remake it without the noise, so the trace leaves it no producer (kept,
+    offloaded or quantised only) and every plan gives the plain run's gradients bitwise."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_models import tiny_config
+
+    torch.set_num_threads(1)
+    config = tiny_config(family)
+    setattr(config, field, 0.1)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).float().train()
+    ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    instrumented = hf.instrument(model)
+    graph = instrumented.trace_graph(input_ids=ids, labels=ids, hardware=HW, loss=lambda out: out.loss)
+    noised = {t for op in graph.ops if op.kind == "router" for t in op.inputs}
+    assert noised and all(graph.tensors[t].producer is None for t in noised)  # no re-run may remake them
+    loss0, grads0, _, _ = run_plan(model, ids, instrumented, None)
+    for step in range(4):
+        budget = graph.floor_bytes + (graph.unmitigated_bytes - graph.floor_bytes) * step // 3
+        plan = Plan(tuple(e for e in greedy.solve(graph, budget).plan.entries if e[1] is not Strategy.QUANTIZE))
+        loss, grads, device_bytes, host_bytes = run_plan(model, ids, instrumented, plan)
+        cost = evaluate(graph, plan)
+        assert (device_bytes, host_bytes) == (cost.activation_bytes, cost.host_bytes), plan
+        assert torch.equal(loss, loss0) and all(torch.equal(a, b) for a, b in zip(grads, grads0)), plan

@@ -83,12 +83,18 @@ class _Call:
 
 
 class _Storage:
-    __slots__ = ("nbytes", "dtype", "producer", "role", "first_op", "routed")
+    __slots__ = ("nbytes", "dtype", "producer", "role", "first_op", "routed", "version", "modified")
 
     def __init__(self, tensor: torch.Tensor, producer: str | None, role: str, first_op: str):
         self.nbytes, self.dtype = storage_bytes(tensor), tensor.dtype
         self.producer, self.role, self.first_op = producer, role, first_op
         self.routed = ROUTED.get()  # first seen while the model made its routed rows (``exec.routed``)
+        self.version = tensor._version  # autograd's in-place counter when its producer was done with it
+        self.modified = False  # changed in place after that: a re-run of the producer would not remake it
+
+    def seen(self, tensor: torch.Tensor) -> None:
+        """``tensor`` (this storage) is read again: note an in-place change since its producer made it."""
+        self.modified = self.modified or tensor._version != self.version
 
 
 class _Counter(TorchDispatchMode):
@@ -177,6 +183,8 @@ class TraceRecorder:
             if key not in self.storages:
                 self.storages[key] = _Storage(value, None, "in", binding.op)
                 self.alive.append(value)
+            else:
+                self.storages[key].seen(value)
             call.inputs.append(key)
         if self.timed:
             call.start_s = time.perf_counter()
@@ -198,6 +206,7 @@ class TraceRecorder:
                 self.alive.append(tensor)
             elif info.producer == op and info.role == "saved":
                 info.role = "out"  # a saving of its own that it returns
+                info.version = tensor._version  # as it leaves its producer
             else:
                 continue  # an input or an earlier op's tensor passed through
             call.outputs.append(key)
@@ -225,6 +234,8 @@ class TraceRecorder:
             self.storages[key] = _Storage(tensor, binding.op if made else None, "saved" if made else "in",
                                           binding.op)
             self.alive.append(tensor)  # a saving whose graph branch dies in the forward must not lend its address
+        elif self.storages[key].producer != binding.op:
+            self.storages[key].seen(tensor)  # saved by another op: as that op reads it
         frame.state.saves.append((key, dtype))
         self.slots.append((binding.path, frame.call, frame.slot, key, dtype))
         frame.slot += 1

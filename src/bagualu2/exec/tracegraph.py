@@ -174,12 +174,14 @@ def _unmapped_op(recorder: TraceRecorder, names: dict, tensors: dict, taken: set
 
 def _not_regenerable(recorder: TraceRecorder, unrepeatable: set) -> set:
     """Storages no re-run may regenerate: those made by an op that drew random numbers or took an object with
-    state, itself or a mapped module inside it (it is never re-run: ``unrepeatable``), and those an op saved
-    without returning them that another op reads (a re-run regenerates its own savings, not another op's inputs).
-    They stay graph tensors: kept, offloaded or quantised."""
+    state, itself or a mapped module inside it (it is never re-run: ``unrepeatable``), those an op saved without
+    returning them that another op reads (a re-run regenerates its own savings, not another op's inputs), and
+    those changed in place after their producer made them (router jitter: ``hidden *= noise``; a re-run would
+    remake them without the change). They stay graph tensors: kept, offloaded or quantised."""
     read_elsewhere = {k for c in recorder.calls for k in c.inputs
                       if recorder.storages[k].role == "saved" and recorder.storages[k].producer != c.binding.op}
-    return {k for k, info in recorder.storages.items() if info.producer in unrepeatable} | read_elsewhere
+    return {k for k, info in recorder.storages.items()
+            if info.producer in unrepeatable or info.modified} | read_elsewhere
 
 
 def _unique(items) -> tuple:
