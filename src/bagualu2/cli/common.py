@@ -23,7 +23,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from bagualu2.costmodel import Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, presets
+from bagualu2.costmodel import Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, presets, stage_memory
 from bagualu2.costmodel.build import check_imbalance
 
 from .files import atomic_write_bytes, atomic_write_text, check_output_path  # noqa: F401 (re-exported)
@@ -206,6 +206,14 @@ def check_index(value: int, count: int, option: str, what: str) -> int:
     if not 0 <= value < count:
         raise CliError(f"must be in [0, {count}) ({what}), got {value}", option)
     return value
+
+
+def check_device_room(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware) -> None:
+    """One line blaming ``--hardware`` when some pipeline stage of the layout leaves no room for even fully
+    recomputed activations (``StageMemory.check_room``): a device too small, refused before any work."""
+    with blame("--hardware"):
+        for stage in range(parallel.pp):
+            stage_memory(model, parallel, hardware, stage=stage).check_room(hardware, stage)
 
 
 def check_graph(graph: OpGraph) -> OpGraph:

@@ -10,13 +10,12 @@ import typer
 from rich.markup import escape
 
 from bagualu2.costmodel import presets
-from bagualu2.costmodel.memory import stage_memory
 from bagualu2.sim.figures import figures
 from bagualu2.sim.report import headline, markdown
 from bagualu2.sim.reproduce import ReproduceConfig, WorkerDied, reproduce, steps
 
-from .common import (JSON_HELP, CliError, blame, check_output_path, console, echo_json, handle_errors, number_option,
-                     progress_bar)
+from .common import (JSON_HELP, CliError, blame, check_device_room, check_output_path, console, echo_json,
+                     handle_errors, number_option, progress_bar)
 from .files import atomic_write_many
 
 # config field -> option
@@ -56,11 +55,8 @@ def reproduce_cmd(
                                  jobs=jobs, **({"models": tuple(dict.fromkeys(model))} if model else {}))
     except ValueError as exc:
         raise CliError(str(exc), next((o for f, o in OPTIONS.items() if str(exc).startswith(f)), None)) from None
-    with blame("--hardware"):  # a device too small for a layout: refused before any simulation
-        for name in dict.fromkeys((config.focus, *config.models)):
-            model_config, parallel = presets.model(name)
-            for stage in range(parallel.pp):
-                stage_memory(model_config, parallel, hw, stage=stage).check_room(hw, stage)
+    for name in dict.fromkeys((config.focus, *config.models)):  # a device too small: refused before any simulation
+        check_device_room(*presets.model(name), hw)
     if not docs:
         raise CliError("must be a folder, got ''", "--docs")
     folder = Path(docs)

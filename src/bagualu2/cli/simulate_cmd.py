@@ -10,13 +10,12 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from bagualu2.costmodel.memory import stage_memory
 from bagualu2.sim import (ABLATION, ON_OOM, OVERLAP, POLICIES, PaperTrace, SimResult, load_trace, paper_trace,
                           simulate)
 from bagualu2.sim.simulate import MAX_ITERATIONS, MAX_RESTART_S
 
-from .common import (HARDWARE_HELP, JSON_HELP, MODEL_HELP, CliError, blame, console, echo_json, handle_errors,
-                     load_hardware, load_model, number_option, output_path, progress_bar, write_output)
+from .common import (HARDWARE_HELP, JSON_HELP, MODEL_HELP, CliError, blame, check_device_room, console, echo_json,
+                     handle_errors, load_hardware, load_model, number_option, output_path, progress_bar, write_output)
 
 DEFAULT_MODEL = "glm-423b-a30b"
 DEFAULT_ITERATIONS = 200
@@ -109,9 +108,7 @@ def simulate_cmd(
     png_path = output_path(png, inputs={"--model": model, "--hardware": hardware, "--trace": trace})
     name, model_config, parallel = load_model(model)
     hw = load_hardware(hardware)
-    with blame("--hardware"):  # a device too small for the layout: the hardware profile is what to change first
-        for stage in range(parallel.pp):
-            stage_memory(model_config, parallel, hw, stage=stage).check_room(hw, stage)
+    check_device_room(model_config, parallel, hw)
     named = {name.lower(): name for name in POLICIES + ABLATION}  # any case, as the other commands take names
     for value in policy or ():
         if value.lower() not in named:

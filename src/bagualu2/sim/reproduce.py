@@ -249,9 +249,10 @@ def _runs(config: ReproduceConfig, step: Callable[[str], None]):
     def trace(key):
         return trace_for(config, key[1].num_microbatches)
 
-    pool, futures, done = None, {}, {}
+    pool, futures, done, others = None, {}, {}, set()
     if jobs > 1:  # every simulation submitted in the report's order: the progress follows the runs as they finish
         # the workers ignore Ctrl-C: this process gets it and stops them (below), nothing half-done prints
+        others = set(multiprocessing.active_children())  # child processes that are not the pool's
         pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
                                    initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN))
         futures = {key: pool.submit(_simulate_one, key, hardware, trace(key), config) for key in keys}
@@ -277,7 +278,7 @@ def _runs(config: ReproduceConfig, step: Callable[[str], None]):
         scales, sparsity, lengths, tokens, ablation, released = (tuple(run(*spec) for spec in part) for part in parts)
     except BaseException:  # Ctrl-C or a failure: the running simulations are not waited for
         if pool is not None:
-            for child in multiprocessing.active_children():
+            for child in set(multiprocessing.active_children()) - others:
                 child.terminate()
             pool.shutdown(wait=False, cancel_futures=True)
         raise
