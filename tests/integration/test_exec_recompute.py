@@ -116,3 +116,29 @@ def test_apply_plan_takes_the_model_itself():
         apply_plan("tiny-moe", "none")
     with pytest.raises(ValueError, match="no ModelConfig"):
         apply_plan(torch.nn.Linear(2, 2), "none")
+
+
+def test_a_rerun_whose_input_was_never_saved_is_refused_at_the_end_of_the_forward():
+    """PyTorch's math attention (fp32 with grouped queries on CUDA takes it) keeps the probabilities and the expanded
+    keys and values, not q, k, v: those savings are unnamed (kept and counted as unknown), and a plan that re-runs
+    core attention, whose inputs no op then saved, is refused when the forward ends, not mid-backward."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    config = presets.model("tiny-moe")[0].replace(seq_length=32)
+    graph = build_graph(config, ParallelConfig(), presets.hardware("h100"))
+    torch.manual_seed(0)
+    model = GLMMoEModel(config)
+    instrument_reference(model)
+    x = torch.randn(2, 32, config.hidden_size, requires_grad=True)
+    with sdpa_kernel([SDPBackend.MATH]):
+        executor = apply_plan(graph, "norm=OFFLOAD", exclude=[model])
+        with executor.micro_batch("mb") as record:
+            out = model.forward_layers(x)
+        out.pow(2).mean().backward()  # keeping and offloading still work; the unnamed bytes are reported
+        assert record.unknown_bytes > 0 and set(record.unknown_ops) >= {"L0.core_attn"}
+        assert record.device_bytes > evaluate(graph, "norm=OFFLOAD").activation_bytes
+        executor = apply_plan(graph, "core_attn=RECOMPUTE", exclude=[model])
+        with pytest.raises(ValueError, match=r"re-runs L0\.core_attn, whose input L0\.\w+ no op saved.*math path"):
+            with executor.micro_batch("mb"):
+                model.forward_layers(x)
+        assert "mb" not in executor

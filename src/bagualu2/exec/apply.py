@@ -36,7 +36,7 @@ from bagualu2.costmodel.plan import Plan
 from bagualu2.costmodel.strategy import Strategy
 
 from .instrument import InstrumentedModel, check_device, restored_scope
-from .plancheck import check_replayable
+from .plancheck import check_replayable, check_sources
 from .ops import ACTIVE, FORWARD_GATE, OP_HINTS, OP_SCOPE
 from .provisional import Provisional, settle, standby_ops
 from .packing import CopyEngine, HostCopy, Offloaded, Quantized, View, flat_storage, quantize_fp8, unpack
@@ -132,6 +132,7 @@ class PlanExecutor:
                 if self.traced is not None:
                     self.instrumented.check_slot_dtypes(record)
                 self._settle(record, None)  # layers whose gate was never reported: the plan in force
+                check_sources(record)
         except BaseException:
             self._records.pop(name, None)
             self.tracker.drop(name)
@@ -363,6 +364,8 @@ class PlanExecutor:
         name = self.namer(record, op, entry, TORCH_TO_NAME.get(tensor.dtype), key)
         if name is None:
             record.unknown_count += 1
+            if entry.sid not in record.unknown:
+                record.unknown_ops[op] = record.unknown_ops.get(op, 0) + entry.nbytes
             record.unknown[entry.sid] = entry.nbytes
             return self._keep(record, tensor, entry)
         if op in self.standby and name in self._provisional and self.graph.op(op).layer not in record.gated:

@@ -7,6 +7,8 @@ from bagualu2.costmodel.plan import Plan
 from bagualu2.costmodel.strategy import Strategy
 
 from .instrument import InstrumentedModel
+from .record import MicroBatchRecord
+from .recompute import Source
 
 
 def check_replayable(instrumented: InstrumentedModel, plan: Plan | str | None) -> None:
@@ -50,3 +52,32 @@ def check_replayable(instrumented: InstrumentedModel, plan: Plan | str | None) -
         for out in op.outputs:
             if out not in exact or not exact[out]:
                 exact[out] = not approximate and exact.get(out, True)
+
+
+def check_sources(record: MicroBatchRecord) -> None:
+    """``ValueError`` at the end of a forward if a re-run the plan asks for could not find one of its inputs in
+    backward: no op stored it and no re-run makes it. That happens when a module keeps other tensors than its
+    cost-model op lists (its saved tensors are then *unknown*, kept but unnamed), so the tensor a replay reads
+    was never saved: e.g. PyTorch's math attention, which keeps the attention probabilities and the expanded keys
+    and values where flash attention keeps q, k, v, the output and the log-sum-exp (fp32 attention with grouped
+    queries on CUDA, or ``SDPBackend.MATH``)."""
+    for replay in record.replays:
+        for arg in replay.args:
+            if not isinstance(arg, Source):
+                continue
+            stored = arg.stored
+            if stored.producer is not None or stored.host is not None or stored.kept is not None \
+                    or stored.fp8 is not None:
+                continue
+            name = stored.name or arg.name
+            if name is not None and any(e.host is not None or e.kept is not None or e.fp8 is not None
+                                        for e in record.named.get(name, ())):
+                continue
+            ops = list(record.unknown_ops.items())
+            unknown = ", ".join(f"{op or 'outside any op'} {nbytes:,} B" for op, nbytes in ops[:3])
+            unknown += f" and {len(ops) - 3} more ops" if len(ops) > 3 else ""
+            raise ValueError(
+                f"plan: RECOMPUTE re-runs {replay.op}, whose input {name or 'tensor'} no op saved and no re-run "
+                f"makes: the model saved other tensors than its cost-model ops list (unnamed: {unknown or 'none'}); "
+                "keep that op's savings, or run the module as the graph assumes (attention: a flash or cuDNN kernel, "
+                "not PyTorch's math path, which fp32 with grouped queries takes on CUDA)")
