@@ -1,5 +1,7 @@
 """Random configurations either validate or raise ValueError naming the field, nothing else."""
 
+import dataclasses
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -86,3 +88,14 @@ def test_hardware_json_round_trip_and_errors():
         Hardware.from_json('{"name": "x", "flops": 1}')
     with pytest.raises(ValueError, match="peak_flops"):
         Hardware.from_json(hw.to_json().replace('"peak_flops": 989000000000000.0', '"peak_flops": -1'))
+
+
+def test_attention_efficiency_defaults_to_the_matmul_efficiency_and_is_checked():
+    hw = presets.hardware("paper-gpu")
+    assert hw.attention_share == hw.attention_efficiency == 0.40
+    plain = dataclasses.replace(hw, attention_efficiency=None)
+    assert plain.attention_share == plain.matmul_efficiency
+    assert Hardware.from_json(plain.to_json()) == plain
+    for bad in (0.0, 1.5, float("nan"), "fast", True):
+        with pytest.raises(ValueError, match=r"^attention_efficiency must be null or a finite number in \[0.01, 1\]"):
+            dataclasses.replace(hw, attention_efficiency=bad)

@@ -56,16 +56,14 @@ class _Builder:
             fwd = bwd = self._comm_ns(comm_bytes, comm_group)
             resource = Resource.COMM
         else:
-            fwd = self._compute_ns(flops, moved)
-            bwd = self._compute_ns(backward_factor * flops, 2 * moved)
+            attention = kind == "core_attn"
+            fwd = roofline_ns(self.hw, flops, moved, attention=attention)
+            bwd = roofline_ns(self.hw, backward_factor * flops, 2 * moved, attention=attention)
             resource = Resource.COMPUTE
         savings = tuple([Saving(t, d) for t, d in saves])
         self.ops.append(Op(name, kind, layer, resource, inputs, tuple(out_names), savings, int(flops), int(moved),
                            fwd, bwd))
         return tuple(out_names)
-
-    def _compute_ns(self, flops: float, moved: float) -> int:
-        return roofline_ns(self.hw, flops, moved)
 
     def _comm_ns(self, remote_bytes: float, group: int) -> int:
         """Time of a collective moving ``remote_bytes`` off this rank within a group of ``group`` ranks."""

@@ -262,6 +262,8 @@ class Hardware:
       copy_launch_s             fixed cost of one host<->device copy instead, when copies cost differently from
                                 kernels (a calibrated CPU profile); None: ``kernel_launch_s``.
       matmul_efficiency         achievable fraction of ``peak_flops`` for GEMMs (roofline ceiling).
+      attention_efficiency      the same for the core-attention kernel (forward and backward), which reaches less
+                                of the peak than a GEMM; None: ``matmul_efficiency``.
       link_efficiency           achieved fraction of the intra- and inter-node link rates for collectives
                                 (all-to-all dispatch and combine, tensor-parallel gathers and reductions).
       reserved_bytes            device memory the model cannot use: the CUDA context and library workspaces,
@@ -283,6 +285,7 @@ class Hardware:
     devices_per_node: int = 8
     kernel_launch_s: float = 5e-6
     matmul_efficiency: float = 1.0
+    attention_efficiency: float | None = None
     copy_launch_s: float | None = None
     link_efficiency: float = 1.0
     reserved_bytes: int = 0
@@ -304,6 +307,13 @@ class Hardware:
                                  f"got {_short(value)}") from None
         if self.reserved_bytes >= self.hbm_bytes:
             raise ValueError(f"reserved_bytes must be below hbm_bytes ({self.hbm_bytes}), got {self.reserved_bytes}")
+        if self.attention_efficiency is not None:
+            low, high = HARDWARE_RANGES["matmul_efficiency"]
+            try:
+                require_number("attention_efficiency", self.attention_efficiency, low, high)
+            except (ValueError, OverflowError):
+                raise ValueError(f"attention_efficiency must be null or a finite number in [{low:g}, {high:g}] "
+                                 f"(fraction of peak_flops), got {_short(self.attention_efficiency)}") from None
         if self.copy_launch_s is not None:
             low, high = HARDWARE_RANGES["kernel_launch_s"]
             try:
@@ -311,6 +321,12 @@ class Hardware:
             except (ValueError, OverflowError):
                 raise ValueError(f"copy_launch_s must be null or a finite number in [{low:g}, {high:g}] (seconds), "
                                  f"got {_short(self.copy_launch_s)}") from None
+
+    @property
+    def attention_share(self) -> float:
+        """The fraction of ``peak_flops`` the core-attention kernel reaches: ``attention_efficiency``, else
+        ``matmul_efficiency``."""
+        return self.matmul_efficiency if self.attention_efficiency is None else self.attention_efficiency
 
     @property
     def copy_setup_s(self) -> float:

@@ -16,7 +16,13 @@ The GPU profiles carry ``link_efficiency`` 0.86 (DeepEP's normal all-to-all kern
 InfiniBand reach 43 GB/s of the NIC's ~50 GB/s at EP16: github.com/deepseek-ai/DeepEP, V1 performance table)
 and ``reserved_bytes`` 4 GiB (``RESERVED_BYTES``: 1 GiB for the CUDA context and the cuBLAS / NCCL workspaces,
 2 GiB of expert-parallel communication buffers — DeepEP's examples allocate 1 GB of NVLink and 1 GB of RDMA
-buffer — and 1 GiB of allocator fragmentation, an estimate).
+buffer — and 1 GiB of allocator fragmentation, an estimate). Their kernel efficiencies were measured on an H200
+(``benchmarks/gpu/kernel_constants.py``, docs/benchmarks.md) at one tensor-parallel rank's shapes of
+``glm-423b-a30b``: ``matmul_efficiency`` 0.72, the GEMMs of a layer (qkv, attention output, experts, shared
+expert) weighted by their FLOPs, forward 0.714 and backward 0.720 of the 989 TFLOP/s datasheet peak;
+``attention_efficiency`` 0.40, causal cuDNN attention (PyTorch's choice for bf16 on Hopper), forward at 0.46 and
+backward (2.5 x the forward's FLOPs) at 0.375, weighted by their FLOPs. The paper's GPU is taken to reach the same
+fractions of its own peak (an assumption: the paper gives no kernel efficiency).
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ GIB = 1 << 30
 TABLE_II_LAYERS = 32
 RESERVED_BYTES = 4 * GIB  # CUDA context and workspaces 1 GiB + EP buffers 2 GiB + fragmentation 1 GiB
 LINK_EFFICIENCY = 0.86    # DeepEP all-to-all: 43 of ~50 GB/s per 400 Gb/s NIC
+MATMUL_EFFICIENCY = 0.72     # measured: a glm-423b-a30b layer's GEMMs on an H200, FLOP-weighted (0.714 / 0.720)
+ATTENTION_EFFICIENCY = 0.40  # measured: its causal attention (cuDNN), forward and backward, FLOP-weighted
 
 # name: (hidden, moe_hidden, experts, top_k, head_dim, gpus, dp, tp, ep, pp, VP = layers per virtual stage)
 _TABLE_II = {
@@ -77,18 +85,21 @@ _HARDWARE = {
     "paper-gpu": Hardware(name="paper-gpu", peak_flops=480e12, hbm_bytes=64 * GIB, hbm_bytes_per_s=1.6e12,
                           h2d_bytes_per_s=25e9, d2h_bytes_per_s=25e9, intra_node_bytes_per_s=400e9,
                           inter_node_bytes_per_s=200e9 / 8, devices_per_node=8, kernel_launch_s=5e-6,
-                          matmul_efficiency=0.8, link_efficiency=LINK_EFFICIENCY, reserved_bytes=RESERVED_BYTES),
+                          matmul_efficiency=MATMUL_EFFICIENCY, attention_efficiency=ATTENTION_EFFICIENCY,
+                          link_efficiency=LINK_EFFICIENCY, reserved_bytes=RESERVED_BYTES),
     # H100 SXM: 989 TFLOP/s dense bf16, 80 GiB HBM3 at 3.35 TB/s, PCIe Gen5, NVLink 450 GB/s per direction,
     # 8 x 400 Gb/s InfiniBand per node.
     "h100": Hardware(name="h100", peak_flops=989e12, hbm_bytes=80 * GIB, hbm_bytes_per_s=3.35e12,
                      h2d_bytes_per_s=50e9, d2h_bytes_per_s=50e9, intra_node_bytes_per_s=450e9,
                      inter_node_bytes_per_s=50e9, devices_per_node=8, kernel_launch_s=4e-6,
-                     matmul_efficiency=0.75, link_efficiency=LINK_EFFICIENCY, reserved_bytes=RESERVED_BYTES),
+                     matmul_efficiency=MATMUL_EFFICIENCY, attention_efficiency=ATTENTION_EFFICIENCY,
+                     link_efficiency=LINK_EFFICIENCY, reserved_bytes=RESERVED_BYTES),
     # H200: same compute as H100, 141 GB HBM3e at 4.8 TB/s.
     "h200": Hardware(name="h200", peak_flops=989e12, hbm_bytes=141 * 10**9, hbm_bytes_per_s=4.8e12,
                      h2d_bytes_per_s=50e9, d2h_bytes_per_s=50e9, intra_node_bytes_per_s=450e9,
                      inter_node_bytes_per_s=50e9, devices_per_node=8, kernel_launch_s=4e-6,
-                     matmul_efficiency=0.75, link_efficiency=LINK_EFFICIENCY, reserved_bytes=RESERVED_BYTES),
+                     matmul_efficiency=MATMUL_EFFICIENCY, attention_efficiency=ATTENTION_EFFICIENCY,
+                     link_efficiency=LINK_EFFICIENCY, reserved_bytes=RESERVED_BYTES),
     # A small CPU "device" for tests and the demo: memory copies stand in for the PCIe link.
     "cpu": Hardware(name="cpu", peak_flops=2e11, hbm_bytes=4 * GIB, hbm_bytes_per_s=2e10,
                     h2d_bytes_per_s=1e10, d2h_bytes_per_s=1e10, intra_node_bytes_per_s=5e9,

@@ -74,8 +74,9 @@ def build_graph_of(recorder: TraceRecorder, model: torch.nn.Module, hardware: Ha
             forward_ns = backward_ns = _comm_ns(hardware, sum(tensors[t].nbytes for t in outputs)
                                                 if any(c.comm for c in calls) else 0)
         else:
-            forward_ns = roofline_ns(hardware, flops, moved)
-            backward_ns = roofline_ns(hardware, sum(c.backward_flops for c in calls), 2 * moved)
+            attention = kind == "core_attn"
+            forward_ns = roofline_ns(hardware, flops, moved, attention=attention)
+            backward_ns = roofline_ns(hardware, sum(c.backward_flops for c in calls), 2 * moved, attention=attention)
         ops.append(Op(name, kind, layer, Resource.COMM if comm else Resource.COMPUTE, inputs, outputs,
                       tuple(Saving(t, d) for t, d in saves), flops, moved, forward_ns, backward_ns))
     unmapped = _unmapped_op(recorder, names, tensors, {op.name for op in ops})

@@ -1,10 +1,11 @@
-"""Mitigation planning (paper §V-A): plan IR, conflict checker, greedy (Algorithm 2), exact CP-SAT, brute force.
+"""Mitigation planning (paper §V-A): plan IR, conflict checker, greedy (Algorithm 2), offload-prefix candidates,
+exact CP-SAT, brute force.
 Pure Python (OR-Tools for the exact baseline, imported on first use): never imports torch."""
 
 import importlib
 
 from ..costmodel.plan import Plan
-from . import brute, greedy
+from . import brute, greedy, prefix
 from .conflicts import RULES, Violation, check_conflicts
 from .solution import Solution, SolveStatus, check_budget, floor_plan
 
@@ -16,4 +17,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["Plan", "RULES", "Solution", "SolveStatus", "Violation", "brute", "check_budget",
-           "check_conflicts", "exact", "floor_plan", "greedy"]
+           "check_conflicts", "exact", "floor_plan", "greedy", "prefix"]

@@ -7,7 +7,9 @@ Per chunk-forward, ``DecisionPath.forward(budget, imbalance, phase, chunk)``:
 2. **pre-gate plan** — what runs before the gate: a budget covering the unmitigated bytes at balanced load
    (r = 1) commits nothing (the gate can always make room in the MoE module); a tighter one is planned by greedy
    on the graph at the *planned* imbalance — the smallest the last ``window`` gates of this chunk measured (a low
-   estimate: what is committed before the gate cannot be undone, the MoE module can still be re-planned).
+   estimate: what is committed before the gate cannot be undone, the MoE module can still be re-planned). With
+   ``hidden_copies``, the greedy with copy windows and the offload-prefix plans (``mitigation.prefix``) are
+   candidates too, and the one whose steady point is shortest runs.
 3. **gate** — in warmup, an overrun of the pre-gate plan within ``limit_bytes`` is absorbed (the next budgets
    shrink, never below M0); otherwise :func:`~.gate.after_gate` at the measured imbalance: keep, graded re-plan
    of the MoE module, or the full downgrade (``downgrade="paper"``: keep or full downgrade only). Keeping is an
@@ -49,7 +51,7 @@ from ..costmodel import Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, St
 from ..costmodel.build import check_imbalance
 from ..costmodel.validate import require_int, require_number
 from ..fusion import Order
-from ..mitigation import greedy
+from ..mitigation import greedy, prefix
 from .buckets import ceil_bucket
 from .gate import GateAction, after_gate, check_downgrade, copy_windows
 from .keys import NeedGrid, PlannedImbalance, shift_plan
@@ -357,6 +359,8 @@ class DecisionPath:
                 for window in copy_windows(self._point_ns(solution.plan, planned, chunk))[1:]:
                     solution = self._faster(solution, greedy.solve(graph, decided, config=greedy.GreedyConfig(
                         copy_window_ns=window)), planned, chunk)
+                for base in prefix.BASES:  # offload-prefix candidates, timed the same way
+                    solution = self._faster(solution, prefix.fit_prefix(graph, base, decided), planned, chunk)
             if not solution.ok:  # below M0 nothing fits: the least the micro-batch can keep (full recompute)
                 solution = greedy.solve(graph, graph.floor_bytes)
             plan = solution.plan

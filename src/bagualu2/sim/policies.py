@@ -47,8 +47,8 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from ..costmodel import Hardware, OpGraph, Plan, Strategy, evaluate, resolve
-from ..mitigation import greedy
+from ..costmodel import Hardware, OpGraph, Plan, Strategy, evaluate
+from ..mitigation import greedy, prefix
 from .execution import check_overlap, execution_of, interference_of
 from .stage import Choice, StageContext
 
@@ -56,8 +56,7 @@ POLICIES = ("flexible", "static-under", "static-over", "kwai", "adapipe", "ideal
 ABLATION = ("L1", "L2", "L3", "L4")
 FALLBACKS = {"static-under": "static-over", "kwai": "static-over", "adapipe": "static-over",
              "L1": "static-over", "L2": "static-over"}
-KWAI_BASE = Plan.uniform({"norm": Strategy.RECOMPUTE, "expert_act": Strategy.RECOMPUTE,
-                          "shared_act": Strategy.RECOMPUTE, "mlp_act": Strategy.RECOMPUTE})
+KWAI_BASE = prefix.ELEMENTWISE  # Megatron-Kwai's compute-memory balanced checkpointing
 KWAI_STEPS = 20  # alpha in 0, 1/20, ..., 1
 NO_PLAN = Plan()
 
@@ -201,13 +200,10 @@ class Kwai(Static):
     def configurations(graph: OpGraph):
         """``(level, alpha, plan)`` of every configuration the search considers: per level, alpha ascending."""
         for level, base in (("none", NO_PLAN), ("balanced", KWAI_BASE)):
-            strategies = resolve(graph, base)
-            kept = [keys for keys in _tensor_savings(graph).values()
-                    if all(strategies[tuple(k.split("/", 1))] is Strategy.KEEP for k in keys)]
+            kept = prefix.kept_tensors(graph, base)
             for step in range(KWAI_STEPS + 1):
                 count = math.ceil(step * len(kept) / KWAI_STEPS)
-                offloaded = tuple((k, Strategy.OFFLOAD) for keys in kept[:count] for k in keys)
-                yield level, step / KWAI_STEPS, Plan(base.entries + offloaded)
+                yield level, step / KWAI_STEPS, prefix.prefix_plan(graph, base, count, kept)
 
     def plan(self, chunk):
         graph = self.design_graph(chunk)
