@@ -271,7 +271,7 @@ def _why(report: Report) -> list[str]:
             "their normal plans. The paper's baselines crash on the spikes and fall back (their 18-21% drops); "
             "the simulator does not assume it, so Fig. 9's drops and the spike speed-up come out far below the "
             "paper's. Fig. 8's lead cannot come from spikes alone under the paper's per-iteration mean: with every "
-            "spike crashing the baselines, flexible's lead on glm-423b-a30b stays under 5% (docs/sim.md, \"What "
+            "spike crashing the baselines, flexible's lead on glm-423b-a30b stays about 5% (docs/sim.md, \"What "
             "moves the ratios\").",
             f"* **A spike slows every policy a little** (ideal's MFU drops {_shown(1 - bare / outside, '.1%')} in spike "
             "iterations): the micro-batch the spike hits waits for its busiest expert-parallel rank, which computes "
