@@ -245,6 +245,18 @@ def check_compatible(model: ModelConfig, parallel: ParallelConfig) -> None:
                          f"pp={parallel.pp} for interleaved 1F1B (vp > 1)")
 
 
+def _check_optional(name: str, value: Any, like: str) -> None:
+    """A Hardware field that may be null, else a number in the range of the field ``like``."""
+    if value is None:
+        return
+    low, high = HARDWARE_RANGES[like]
+    try:
+        require_number(name, value, low, high)
+    except (ValueError, OverflowError):
+        raise ValueError(f"{name} must be null or a finite number in [{low:g}, {high:g}] ({HARDWARE_UNITS[like]}), "
+                         f"got {_short(value)}") from None
+
+
 @dataclass(frozen=True, kw_only=True)
 class Hardware:
     """One accelerator and its links. Calibrate your own and load it with ``Hardware.from_json``.
@@ -307,20 +319,8 @@ class Hardware:
                                  f"got {_short(value)}") from None
         if self.reserved_bytes >= self.hbm_bytes:
             raise ValueError(f"reserved_bytes must be below hbm_bytes ({self.hbm_bytes}), got {self.reserved_bytes}")
-        if self.attention_efficiency is not None:
-            low, high = HARDWARE_RANGES["matmul_efficiency"]
-            try:
-                require_number("attention_efficiency", self.attention_efficiency, low, high)
-            except (ValueError, OverflowError):
-                raise ValueError(f"attention_efficiency must be null or a finite number in [{low:g}, {high:g}] "
-                                 f"(fraction of peak_flops), got {_short(self.attention_efficiency)}") from None
-        if self.copy_launch_s is not None:
-            low, high = HARDWARE_RANGES["kernel_launch_s"]
-            try:
-                require_number("copy_launch_s", self.copy_launch_s, low, high)
-            except (ValueError, OverflowError):
-                raise ValueError(f"copy_launch_s must be null or a finite number in [{low:g}, {high:g}] (seconds), "
-                                 f"got {_short(self.copy_launch_s)}") from None
+        _check_optional("attention_efficiency", self.attention_efficiency, "matmul_efficiency")
+        _check_optional("copy_launch_s", self.copy_launch_s, "kernel_launch_s")
 
     @property
     def attention_share(self) -> float:
