@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bagualu2.costmodel import ParallelConfig, Plan, Strategy, build_graph, evaluate, presets, resolve
+from bagualu2.costmodel import OpGraph, ParallelConfig, Plan, Strategy, build_graph, evaluate, presets, resolve
 from bagualu2.mitigation import SolveStatus, check_conflicts, prefix
 from test_solver_properties import random_graphs
 
@@ -59,3 +59,14 @@ def test_kwai_searches_the_same_family():
         kept = prefix.kept_tensors(GRAPH, base)
         count = -(-round(alpha * KWAI_STEPS) * len(kept) // KWAI_STEPS)
         assert plan == prefix.prefix_plan(GRAPH, base, count)
+
+
+def test_a_base_that_cannot_be_recomputed_is_infeasible():
+    """A base that recomputes a tensor no re-run makes (a graph input, here not pinned) yields no plan, whatever
+    the budget."""
+    graph = OpGraph(GRAPH.ops, GRAPH.tensors, GRAPH.hardware, pinned=frozenset(), imbalance=GRAPH.imbalance,
+                    activation_dtype=GRAPH.activation_dtype, mean_routed_tokens=GRAPH.mean_routed_tokens)
+    base = Plan.of({"L0.norm1/L0.x": Strategy.RECOMPUTE})
+    assert evaluate(graph, base).unavailable
+    solution = prefix.fit_prefix(graph, base, graph.unmitigated_bytes)
+    assert solution.status is SolveStatus.INFEASIBLE and "cannot regenerate" in solution.reason

@@ -48,7 +48,8 @@ def prefix_plan(graph: OpGraph, base: Plan, count: int, kept: list[tuple[str, ..
 
 def fit_prefix(graph: OpGraph, base: Plan, budget_bytes: int) -> Solution:
     """The prefix plan of ``base`` with the fewest offloaded tensors that keeps at most ``budget_bytes`` (a
-    bisection: offloading one more tensor never keeps more); INFEASIBLE when even the whole prefix does not fit."""
+    bisection: offloading one more tensor never keeps more); INFEASIBLE when even the whole prefix does not fit, or
+    when ``base`` recomputes a tensor that no re-run can make (``PlanCost.unavailable``)."""
     started = time.perf_counter()
     budget_bytes = check_budget(budget_bytes)
     kept = kept_tensors(graph, base)
@@ -57,6 +58,10 @@ def fit_prefix(graph: OpGraph, base: Plan, budget_bytes: int) -> Solution:
         return evaluate(graph, prefix_plan(graph, base, count, kept)).activation_bytes <= budget_bytes
 
     name = "offload-prefix"
+    unavailable = evaluate(graph, base).unavailable
+    if unavailable:  # the base recomputes a tensor no re-run can make: no member of the family can run
+        return make_solution(graph, base, SolveStatus.INFEASIBLE, name, started, time.perf_counter(),
+                             reason=f"the base plan cannot regenerate {unavailable[0]}")
     if not fits(len(kept)):
         return make_solution(graph, prefix_plan(graph, base, len(kept), kept), SolveStatus.INFEASIBLE, name,
                              started, time.perf_counter(), reason="the whole prefix does not fit")
