@@ -11,7 +11,7 @@ groups, expert width 4096, top-6 of 128 experts, TP 2 with sequence parallelism,
   as a fraction of the datasheet's dense peak and of the large square product's rate (``matmul_efficiency``);
 * ``attention``: causal attention (``scaled_dot_product_attention``, flash and cuDNN backends) forward and backward,
   achieved FLOP/s and the backward / forward time ratio (the cost model charges the backward 2.5 x the forward's
-  FLOPs at the GEMM efficiency);
+  FLOPs); k and v at the query heads' count: grouped queries change the memory traffic, not the FLOPs;
 * ``elementwise``: a SwiGLU activation and a residual add, achieved bytes/s over the datasheet's HBM bandwidth;
 * ``copies``: pinned host<->device copies, each direction alone and both at once (``h2d_bytes_per_s``);
 * ``interference``: a GEMM loop and an element-wise loop alone and with both copy directions running beside them on
@@ -233,6 +233,9 @@ def main() -> int:
         return 2
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)"
     peak, hbm = DATASHEET.get(name, (989e12, 3.35e12))
+    if device == "cuda" and name not in DATASHEET:
+        print(f"warning: no datasheet figures for {name!r}: fractions of peak use an H100's (989 TFLOP/s, "
+              "3.35 TB/s)", file=sys.stderr)
     timer = Timer(device, repeats)
     result = {"device": name, "torch": torch.__version__, "datasheet_peak_flops": peak,
               "datasheet_hbm_bytes_per_s": hbm, "context": context(device)}

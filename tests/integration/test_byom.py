@@ -178,3 +178,19 @@ def test_timed_trace_measures_every_op():
     assert all(op.forward_ns > 0 for op in graph.ops)
     assert sum(op.backward_ns for op in graph.ops) > 0
     assert graph.unmitigated_bytes == traced("fp32-softmax")[3].unmitigated_bytes
+
+
+@pytest.mark.slow
+def test_only_the_attention_kernels_flops_run_at_the_attention_efficiency():
+    """A traced op's time charges its fused attention kernel's FLOPs at ``attention_efficiency`` and the rest (its
+    matrix products) at ``matmul_efficiency``: lowering the first slows core attention alone."""
+    import dataclasses
+
+    model, x, instrumented, graph, _ = traced("fp32-softmax")
+    slow = instrumented.trace_graph(x, hardware=dataclasses.replace(HW, attention_efficiency=0.05))
+    for op, same in zip(graph.ops, slow.ops):
+        if op.kind == "core_attn":
+            assert same.forward_ns > 2 * op.forward_ns and same.backward_ns > 2 * op.backward_ns, op.name
+        else:
+            assert (same.forward_ns, same.backward_ns) == (op.forward_ns, op.backward_ns), op.name
+    assert any(op.kind == "core_attn" for op in graph.ops)

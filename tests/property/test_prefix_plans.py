@@ -37,6 +37,15 @@ def _check(graph, base, budget):
     assert all(strategies[key] in (base_strategies[key], Strategy.OFFLOAD) for key in strategies)
 
 
+def test_a_base_that_keeps_savings_explicitly():
+    """An explicit KEEP in the base gives way to the OFFLOAD of its tensor (one strategy per saving)."""
+    key = next(f"{op.name}/{saving.tensor}" for op, saving in GRAPH.savings if (op.name, saving.tensor)
+               not in GRAPH.pinned)
+    base = Plan.of({key: Strategy.KEEP})
+    _check(GRAPH, base, GRAPH.floor_bytes + (GRAPH.unmitigated_bytes - GRAPH.floor_bytes) // 2)
+    assert prefix.prefix_plan(GRAPH, base, 1) == prefix.prefix_plan(GRAPH, Plan(), 1)
+
+
 @settings(deadline=None)
 @given(random_graphs(), st.floats(0.0, 1.2), st.booleans())
 def test_fit_prefix_is_the_shortest_prefix_that_fits_random_graphs(graph, fraction, elementwise):

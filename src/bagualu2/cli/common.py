@@ -222,8 +222,8 @@ def check_graph(graph: OpGraph) -> OpGraph:
     total_ns = sum(op.forward_ns + op.backward_ns for op in graph.ops)
     if total_ns > MAX_CHUNK_NS:
         raise CliError(f"{graph.label} of one micro-batch would take {total_ns * 1e-9:.3g} s (at most "
-                       f"{MAX_CHUNK_NS * 1e-9:g} s allowed): raise peak_flops x matmul_efficiency or the "
-                       "bandwidths, or lower kernel_launch_s", "--hardware")
+                       f"{MAX_CHUNK_NS * 1e-9:g} s allowed): raise peak_flops x matmul_efficiency (and "
+                       "attention_efficiency) or the bandwidths, or lower kernel_launch_s", "--hardware")
     if graph.unmitigated_bytes > MAX_CHUNK_BYTES:
         raise CliError(f"{graph.label} keeps {graph.unmitigated_bytes} bytes per micro-batch (at most "
                        f"{MAX_CHUNK_BYTES} allowed)", "--model")

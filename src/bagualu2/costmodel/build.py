@@ -56,9 +56,10 @@ class _Builder:
             fwd = bwd = self._comm_ns(comm_bytes, comm_group)
             resource = Resource.COMM
         else:
-            attention = kind == "core_attn"
-            fwd = roofline_ns(self.hw, flops, moved, attention=attention)
-            bwd = roofline_ns(self.hw, backward_factor * flops, 2 * moved, attention=attention)
+            attention = kind == "core_attn"  # the attention kernel: all of its FLOPs
+            fwd = roofline_ns(self.hw, flops, moved, attention_flops=flops if attention else 0)
+            bwd = roofline_ns(self.hw, backward_factor * flops, 2 * moved,
+                              attention_flops=backward_factor * flops if attention else 0)
             resource = Resource.COMPUTE
         savings = tuple([Saving(t, d) for t, d in saves])
         self.ops.append(Op(name, kind, layer, resource, inputs, tuple(out_names), savings, int(flops), int(moved),

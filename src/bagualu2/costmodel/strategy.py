@@ -59,18 +59,18 @@ def seconds_to_ns(seconds: float) -> int:
     return int(round(seconds * 1e9))
 
 
-def roofline_s(hardware: Hardware, flops: float, moved_bytes: float, *, attention: bool = False) -> float:
+def roofline_s(hardware: Hardware, flops: float, moved_bytes: float, *, attention_flops: float = 0.0) -> float:
     """Seconds of a compute kernel: launch + max(its FLOPs at ``peak_flops * matmul_efficiency``, its memory
-    traffic at ``hbm_bytes_per_s``) — the rule of every compute op of ``build_graph``; ``attention``: the
-    core-attention kernel, whose FLOPs run at ``peak_flops * Hardware.attention_share`` instead."""
-    share = hardware.attention_share if attention else hardware.matmul_efficiency
-    return hardware.kernel_launch_s + max(flops / (hardware.peak_flops * share),
-                                          moved_bytes / hardware.hbm_bytes_per_s)
+    traffic at ``hbm_bytes_per_s``) — the rule of every compute op of ``build_graph``. ``attention_flops`` of the
+    ``flops`` are an attention kernel's, which run at ``peak_flops * Hardware.attention_share`` instead."""
+    compute_s = ((flops - attention_flops) / hardware.matmul_efficiency
+                 + attention_flops / hardware.attention_share) / hardware.peak_flops
+    return hardware.kernel_launch_s + max(compute_s, moved_bytes / hardware.hbm_bytes_per_s)
 
 
-def roofline_ns(hardware: Hardware, flops: float, moved_bytes: float, *, attention: bool = False) -> int:
+def roofline_ns(hardware: Hardware, flops: float, moved_bytes: float, *, attention_flops: float = 0.0) -> int:
     """:func:`roofline_s` in integer nanoseconds (the op graphs' unit)."""
-    return seconds_to_ns(roofline_s(hardware, flops, moved_bytes, attention=attention))
+    return seconds_to_ns(roofline_s(hardware, flops, moved_bytes, attention_flops=attention_flops))
 
 
 def offload_ns(nbytes: int, hardware: Hardware) -> tuple[int, int]:

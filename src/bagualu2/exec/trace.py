@@ -67,8 +67,8 @@ class TraceResult:
 
 
 class _Call:
-    __slots__ = ("binding", "inputs", "outputs", "saves", "flops", "backward_flops", "start_s", "inner_s",
-                 "forward_s", "random", "comm", "value_dependent", "stateful")
+    __slots__ = ("binding", "inputs", "outputs", "saves", "flops", "backward_flops", "attention_flops", "start_s",
+                 "inner_s", "forward_s", "random", "comm", "value_dependent", "stateful")
 
     def __init__(self, binding):
         self.binding = binding
@@ -77,6 +77,7 @@ class _Call:
         self.saves: list = []
         self.flops = 0
         self.backward_flops = 0.0  # 2 x the forward's, 2.5 x a fused attention kernel's (it re-computes the scores)
+        self.attention_flops = 0  # the forward FLOPs of fused attention kernels (``Hardware.attention_share``)
         self.start_s = self.inner_s = self.forward_s = 0.0
         self.random = self.comm = self.value_dependent = False
         self.stateful: str | None = None  # the type of an argument that holds state (a KV cache), if any
@@ -116,7 +117,11 @@ class _Counter(TorchDispatchMode):
             if formula is not None:
                 flops = int(formula(*args, **kwargs, out_val=out))
                 call.flops += flops
-                call.backward_flops += flops * (FLASH_BACKWARD_FACTOR if func._overloadpacket in self.fused else 2)
+                if func._overloadpacket in self.fused:
+                    call.attention_flops += flops
+                    call.backward_flops += flops * FLASH_BACKWARD_FACTOR
+                else:
+                    call.backward_flops += flops * 2
             if torch.Tag.nondeterministic_seeded in func.tags and draws_random(func, args, kwargs):
                 call.random = True
             if func.namespace in COMM_NAMESPACES:

@@ -9,6 +9,7 @@ import dataclasses
 
 import torch
 
+from bagualu2.costmodel.build import FLASH_BACKWARD_FACTOR
 from bagualu2.costmodel.config import Hardware
 from bagualu2.costmodel.graph import COMM_KINDS, ITEM_BYTES, Op, OpGraph, Resource, Saving, TensorSpec
 from bagualu2.costmodel.strategy import roofline_ns, seconds_to_ns
@@ -74,9 +75,10 @@ def build_graph_of(recorder: TraceRecorder, model: torch.nn.Module, hardware: Ha
             forward_ns = backward_ns = _comm_ns(hardware, sum(tensors[t].nbytes for t in outputs)
                                                 if any(c.comm for c in calls) else 0)
         else:
-            attention = kind == "core_attn"
-            forward_ns = roofline_ns(hardware, flops, moved, attention=attention)
-            backward_ns = roofline_ns(hardware, sum(c.backward_flops for c in calls), 2 * moved, attention=attention)
+            attention = sum(c.attention_flops for c in calls)  # the fused attention kernels' FLOPs only
+            forward_ns = roofline_ns(hardware, flops, moved, attention_flops=attention)
+            backward_ns = roofline_ns(hardware, sum(c.backward_flops for c in calls), 2 * moved,
+                                      attention_flops=FLASH_BACKWARD_FACTOR * attention)
         ops.append(Op(name, kind, layer, Resource.COMM if comm else Resource.COMPUTE, inputs, outputs,
                       tuple(Saving(t, d) for t, d in saves), flops, moved, forward_ns, backward_ns))
     unmapped = _unmapped_op(recorder, names, tensors, {op.name for op in ops})

@@ -43,7 +43,9 @@ def kept_tensors(graph: OpGraph, base: Plan) -> list[tuple[str, ...]]:
 def prefix_plan(graph: OpGraph, base: Plan, count: int, kept: list[tuple[str, ...]] | None = None) -> Plan:
     """``base`` plus OFFLOAD of every saving of the first ``count`` tensors it keeps (``kept``: those, if known)."""
     kept = kept_tensors(graph, base) if kept is None else kept
-    return Plan(base.entries + tuple((key, Strategy.OFFLOAD) for keys in kept[:count] for key in keys))
+    entries = dict(base.entries)  # an explicit KEEP of an offloaded saving gives way
+    entries.update((key, Strategy.OFFLOAD) for keys in kept[:count] for key in keys)
+    return Plan(tuple(entries.items()))
 
 
 def fit_prefix(graph: OpGraph, base: Plan, budget_bytes: int) -> Solution:
