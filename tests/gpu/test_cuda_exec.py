@@ -55,14 +55,16 @@ def test_cuda_plan_matches_prediction_copies_exactly_and_keeps_gradients(plan):
 
 
 def test_cuda_fp32_grouped_attention_rerun_is_refused_in_forward():
-    """fp32 attention with grouped queries takes PyTorch's math path on CUDA: a re-run of it is refused at the end
-    of the forward with a clear error (not mid-backward)."""
+    """fp32 attention with grouped queries took PyTorch's math path on CUDA (2.11, H200; forced here, whatever a
+    later PyTorch picks): a re-run of it is refused at the end of the forward with a clear error, not mid-backward."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     config = CONFIG.replace(dtype="fp32")
     graph = build_graph(config, ParallelConfig(), presets.hardware("h100"))
     model = GLMMoEModel(config).cuda()
     instrument_reference(model)
     x = torch.randn(2, 32, config.hidden_size, device="cuda", requires_grad=True)
     executor = apply_plan(graph, "core_attn=RECOMPUTE", exclude=[model])
-    with pytest.raises(ValueError, match="math path"):
+    with sdpa_kernel([SDPBackend.MATH]), pytest.raises(ValueError, match="math path"):
         with executor.micro_batch("mb"):
             model.forward_layers(x)
