@@ -50,11 +50,13 @@ def _models_table(rows: list[dict[str, Any]]) -> Table:
 
 def _hardware_table(profiles: list[Hardware]) -> Table:
     table = Table(title="hardware presets")
-    for header in ("name", "peak TFLOP/s", "HBM GiB", "HBM TB/s", "h2d/d2h GB/s", "intra/inter GB/s"):
+    for header in ("name", "peak TFLOP/s", "GEMM/attention eff.", "HBM GiB", "HBM TB/s", "h2d/d2h GB/s",
+                   "intra/inter GB/s"):
         table.add_column(header, justify="left" if header == "name" else "right")
     for hw in profiles:
-        table.add_row(hw.name, f"{hw.peak_flops / 1e12:g}", f"{hw.hbm_bytes / GIB:.1f}",
-                      f"{hw.hbm_bytes_per_s / 1e12:g}", f"{hw.h2d_bytes_per_s / 1e9:g}/{hw.d2h_bytes_per_s / 1e9:g}",
+        table.add_row(hw.name, f"{hw.peak_flops / 1e12:g}", f"{hw.matmul_efficiency:g}/{hw.attention_share:g}",
+                      f"{hw.hbm_bytes / GIB:.1f}", f"{hw.hbm_bytes_per_s / 1e12:g}",
+                      f"{hw.h2d_bytes_per_s / 1e9:g}/{hw.d2h_bytes_per_s / 1e9:g}",
                       f"{hw.intra_node_bytes_per_s / 1e9:g}/{hw.inter_node_bytes_per_s / 1e9:g}")
     return table
 
