@@ -1,5 +1,6 @@
 """Offload-prefix plans (``bagualu2.mitigation.prefix``) against brute force over every prefix length, on random
-graphs and on a Table II chunk, and their use in the runtime and in Megatron-Kwai's search."""
+graphs and on a Table II chunk, and Megatron-Kwai's search over the same family (the runtime's use of them:
+``tests/unit/test_hidden_copies.py``)."""
 
 from __future__ import annotations
 

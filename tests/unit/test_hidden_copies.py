@@ -16,6 +16,7 @@ PARALLEL = dataclasses.replace(BASE, pp=2, vp=4, dp=BASE.dp * BASE.pp // 2, num_
 HW = presets.hardware("paper-gpu")
 
 
+@pytest.mark.slow
 def test_hidden_copies_never_lengthen_a_point_and_shorten_one_under_deep_pressure():
     plain = DecisionPath(MODEL, PARALLEL, HW)
     hidden = DecisionPath(MODEL, PARALLEL, HW, hidden_copies=True)
@@ -77,3 +78,22 @@ def test_the_simulator_prices_copies_in_full_where_nothing_runs_beside_compute()
     by_default, full = (simulate(MODEL, serial, HW, "flexible", (1.1,), plan_imbalance=1.2, overlap="none", **extra)
                         for extra in ({}, {"hidden_copies": False}))
     assert by_default.iterations == full.iterations
+
+
+def test_the_pre_gate_plan_is_at_least_as_short_as_every_offload_prefix_candidate():
+    """With ``hidden_copies`` the offload-prefix plans fitted to the pre-gate budget are candidates too: the plan
+    that runs has a steady point no longer than any of theirs (nor than the greedy's)."""
+    from bagualu2.mitigation import greedy, prefix
+
+    path = DecisionPath(MODEL, PARALLEL, HW, hidden_copies=True)
+    memory = path.engine.memory
+    per_chunk = memory.m_max_bytes // memory.inflight_chunks
+    planned = 1.2
+    graph = path.graph(0, planned)
+    for budget in (per_chunk, per_chunk * 3 // 2, per_chunk * 3):
+        _, decided = path.pregate_needs.level(graph.unmitigated_bytes, graph.floor_bytes, budget)
+        chosen = path.engine.point_order(path.pre_gate(budget, 0, planned=planned), planned, 0).makespan_ns
+        rivals = [greedy.solve(graph, decided)] + [prefix.fit_prefix(graph, base, decided) for base in prefix.BASES]
+        for rival in rivals:
+            if rival.ok:
+                assert chosen <= path.engine.point_order(rival.plan, planned, 0).makespan_ns, rival.solver
