@@ -65,13 +65,10 @@ def check_sources(record: MicroBatchRecord) -> None:
         for arg in replay.args:
             if not isinstance(arg, Source):
                 continue
-            stored = arg.stored
-            if stored.producer is not None or stored.host is not None or stored.kept is not None \
-                    or stored.fp8 is not None:
+            if arg.stored.producer is not None or arg.stored.has_copy:
                 continue
-            name = stored.name or arg.name
-            if name is not None and any(e.host is not None or e.kept is not None or e.fp8 is not None
-                                        for e in record.named.get(name, ())):
+            name = arg.stored.name or arg.name
+            if name is not None and any(entry.has_copy for entry in record.named.get(name, ())):
                 continue
             ops = list(record.unknown_ops.items())
             unknown = ", ".join(f"{op or 'outside any op'} {nbytes:,} B" for op, nbytes in ops[:3])

@@ -118,6 +118,11 @@ class Stored:
         self._kept = self._fp8 = self.producer = None
         self.host = None
 
+    @property
+    def has_copy(self) -> bool:
+        """Does a copy of the storage exist (kept, on the host or in FP8), i.e. would :meth:`flat` find one?"""
+        return self.kept is not None or self.host is not None or self.fp8 is not None
+
     def flat(self, device: torch.device, dtype: torch.dtype, engine) -> torch.Tensor | None:
         """The flat storage from a stored copy, or None when nothing stores it."""
         kept = self.kept

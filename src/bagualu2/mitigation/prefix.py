@@ -27,16 +27,21 @@ ELEMENTWISE = Plan.uniform({"norm": Strategy.RECOMPUTE, "expert_act": Strategy.R
 BASES = (Plan(), ELEMENTWISE)
 
 
-def kept_tensors(graph: OpGraph, base: Plan) -> list[tuple[str, ...]]:
-    """The ``op/tensor`` keys of the savings of each tensor ``base`` keeps entirely, in graph order (block inputs
-    left out)."""
+def tensor_savings(graph: OpGraph) -> dict[str, list[str]]:
+    """Mitigable tensors (block inputs excluded) in graph order, with the ``op/tensor`` keys of their savings."""
     pinned = {tensor for _, tensor in graph.pinned}
-    strategies = resolve(graph, base)
     by_tensor: dict[str, list[str]] = {}
     for op, saving in graph.savings:
         if saving.tensor not in pinned:
             by_tensor.setdefault(saving.tensor, []).append(f"{op.name}/{saving.tensor}")
-    return [tuple(keys) for keys in by_tensor.values()
+    return by_tensor
+
+
+def kept_tensors(graph: OpGraph, base: Plan) -> list[tuple[str, ...]]:
+    """The ``op/tensor`` keys of the savings of each tensor ``base`` keeps entirely, in graph order (block inputs
+    left out)."""
+    strategies = resolve(graph, base)
+    return [tuple(keys) for keys in tensor_savings(graph).values()
             if all(strategies[tuple(key.split("/", 1))] is Strategy.KEEP for key in keys)]
 
 

@@ -159,16 +159,6 @@ class Ideal(Static):
         return NO_PLAN
 
 
-def _tensor_savings(graph: OpGraph) -> dict[str, list[str]]:
-    """Mitigable tensors (block inputs excluded) in graph order, with the ``op/tensor`` keys of their savings."""
-    pinned = {tensor for _, tensor in graph.pinned}
-    out: dict[str, list[str]] = {}
-    for op, saving in graph.savings:
-        if saving.tensor not in pinned:
-            out.setdefault(saving.tensor, []).append(f"{op.name}/{saving.tensor}")
-    return out
-
-
 class KwaiKey(NamedTuple):
     """What Megatron-Kwai's search for one chunk depends on."""
 
@@ -254,7 +244,7 @@ def adapipe_plan(graph: OpGraph, target_bytes: int) -> Plan:
     evaluated again after each choice (the same plan as scoring every candidate at every step, in a fraction of
     the ``evaluate`` calls)."""
     plan, cost = NO_PLAN, evaluate(graph, NO_PLAN)
-    left = _tensor_savings(graph)
+    left = prefix.tensor_savings(graph)
     layers = {tensor: _layers_of(graph, tensor, keys) for tensor, keys in left.items()}
     scores: dict[str, float | None] = {}  # None: recomputing it frees nothing (or cannot run)
 
