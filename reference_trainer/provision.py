@@ -133,10 +133,10 @@ class Provisioner:
             rate = 1.0
             while rate < min(path.spike_threshold, ep):
                 rate = round(rate + path.step, 10)
-                rates.add(ceil_bucket(rate, path.step))
+                rates.add(ceil_bucket(rate, path.step, ep))
             while rate < ep:
                 rate = round(rate + path.spike_step, 10)
-                rates.add(ceil_bucket(rate, path.spike_step))
+                rates.add(ceil_bucket(rate, path.spike_step, ep))
             for rate in sorted(rates):
                 path.graph(chunk, rate)
             # the pre-gate plans of every need level at the planned imbalances of ordinary forwards (the planned
@@ -156,7 +156,7 @@ class Provisioner:
             deferred = self.executors[chunk].deferred
             rate = 1.0
             while rate <= ep:
-                deferred.graph(ceil_bucket(rate, GATE_IMBALANCE_STEP))
+                deferred.graph(ceil_bucket(rate, GATE_IMBALANCE_STEP, ep))
                 rate = round(rate + GATE_IMBALANCE_STEP, 10)
 
     # ---- iteration ----------------------------------------------------------------------------------------------
@@ -315,7 +315,7 @@ class Provisioner:
         if forward is None:
             return None
         rate = forward.imbalance if forward.imbalance is not None else self.path.planned(key[0])
-        return self.path.graph(key[0], ceil_bucket(rate, self.path.step)), forward.plan
+        return self.path.graph(key[0], ceil_bucket(rate, self.path.step, self.parallel.ep)), forward.plan
 
     def point(self, *, forward: tuple[int, int], backward: tuple[int, int], previous, following,
               run_forward: Callable[[], None], run_backward: Callable[[], None]) -> None:

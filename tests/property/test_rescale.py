@@ -22,6 +22,7 @@ imbalances = st.floats(min_value=1.0, max_value=4.0, allow_nan=False).map(lambda
 @given(name=st.sampled_from(MOE_PRESETS), built=imbalances, target=imbalances, fraction=st.floats(0, 1))
 def test_a_rescaled_graph_is_the_built_one(name, built, target, fraction):
     model, parallel = presets.model(name)
+    built, target = min(built, parallel.ep), min(target, parallel.ep)  # at most ep: all the load on one rank
     source = build_graph(model, parallel, HARDWARE, imbalance=built)
     expected = build_graph(model, parallel, HARDWARE, imbalance=target)
     rescaled = at_imbalance(source, target)

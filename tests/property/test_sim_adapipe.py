@@ -48,6 +48,7 @@ def graph_of(layout: int, stage: int, imbalance: float):
     name, changes = LAYOUTS[layout]
     model, parallel = presets.model(name)
     parallel = dataclasses.replace(parallel, **changes)
+    imbalance = min(imbalance, parallel.ep)  # at most ep: all the load on one rank
     return build_graph(model, parallel, HW, imbalance=imbalance, stage=stage % parallel.pp)
 
 

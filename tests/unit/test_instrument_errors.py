@@ -189,6 +189,17 @@ def test_misuse_of_executors_is_one_line():
         with apply_plan(instrumented, "norm=OFFLOAD").micro_batch(1), torch.autocast("cpu", dtype=torch.bfloat16):
             model(x)
     assert "runs under autocast cpu torch.bfloat16, but the model was traced under autocast off" in one_line(excinfo)
+    executor = apply_plan(instrumented, "norm=OFFLOAD")
+    for shape in ((2 * x.shape[0], *x.shape[1:]), (x.shape[0], x.shape[1] // 2, *x.shape[2:])):
+        with pytest.raises(ValueError) as excinfo:  # another batch size or length: the plan's bytes are not kept
+            with executor.micro_batch(f"{shape}"):
+                model(torch.randn(shape, requires_grad=True))
+        assert "savings have other sizes than traced" in one_line(excinfo)
+        assert "the input's shape changed since trace_graph" in one_line(excinfo)
+    with executor.micro_batch(3) as record:  # the traced shape runs on the same executor
+        model(torch.randn(x.shape, requires_grad=True)).sum().backward()
+    assert not record.slot_size_misses and record.slot_fixed > 0
+    executor.release(3)
     model.to(torch.bfloat16)  # cast after the trace: the plan's savings are not what the model saves now
     with pytest.raises(ValueError) as excinfo:
         with apply_plan(instrumented, "norm=OFFLOAD").micro_batch(2):

@@ -3,6 +3,8 @@ naming the argument, never a silent default or a text form that does not read ba
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from bagualu2.budget import BudgetPhase
@@ -10,6 +12,7 @@ from bagualu2.costmodel import Plan, Strategy, presets
 from bagualu2.runtime import DecisionPath, Stage, replay_iteration
 
 MODEL, PARALLEL = presets.model("tiny-moe")
+PARALLEL = dataclasses.replace(PARALLEL, dp=2, ep=2)  # imbalances up to 2
 HW = presets.hardware("cpu")
 
 
@@ -100,3 +103,27 @@ def test_build_graph_names_an_argument_that_is_not_its_config():
                           ((MODEL, PARALLEL, None), "hardware must be a Hardware profile")):
         with pytest.raises(ValueError, match=message):
             build_graph(*args)
+
+
+def test_an_imbalance_above_the_expert_parallel_degree_is_refused():
+    """The busiest of ``ep`` ranks holds at most every rank's routed copies: ``ep`` x the mean."""
+    from bagualu2.costmodel import build_graph
+    from bagualu2.exec import DeferredPlanner
+    from bagualu2.runtime import ceil_bucket
+
+    path = DecisionPath(MODEL, PARALLEL, HW, spike_step=0.3)  # 1.8 + 0.3 would pass ep = 2
+    budget = path.graph(0, 1.0).unmitigated_bytes // 2
+    assert path.forward(budget, 2.0, "steady", 0).plan == path.forward(budget, 1.95, "steady", 0).plan
+    for call in (lambda: path.forward(budget, 2.01, "steady", 0), lambda: path.observe(0, 3.0),
+                 lambda: path.pre_gate(budget, 0, planned=2.5), lambda: build_graph(MODEL, PARALLEL, HW, imbalance=4),
+                 lambda: DecisionPath(MODEL, PARALLEL, HW, planned_imbalance=2.5)):
+        with pytest.raises(ValueError, match=r"imbalance must be a finite number in \[1, 2\]"):
+            call()
+    planner = DeferredPlanner(MODEL, PARALLEL, HW, budget_bytes=budget, imbalance_step=0.3)
+    mean = planner.graph().mean_routed_tokens
+    router = next(op.layer for op in planner.graph().ops if op.kind == "router")
+    planner.after_gate(Plan(), router, 2 * mean)  # every rank's copies on this one: bucket 2.1 capped at 2
+    assert planner.decisions[-1][1] == 2.0
+    with pytest.raises(ValueError, match="received_tokens must be at most ep x the mean"):
+        planner.after_gate(Plan(), router, 2 * mean + 1)
+    assert ceil_bucket(1.95, 0.3, 2.0) == 2.0 and ceil_bucket(1.95, 0.3) == 2.1 and ceil_bucket(2.5, 0.3, 2.0) == 2.5

@@ -249,7 +249,7 @@ def build_graph(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware
     check_compatible(model, parallel)
     if not isinstance(hardware, Hardware):
         raise ValueError(f"hardware must be a Hardware profile, got {type(hardware).__name__}")
-    imbalance = check_imbalance(imbalance)
+    imbalance = check_imbalance(imbalance, ep=parallel.ep)
     builder = _Builder(model, parallel, hardware, imbalance)
     layers = chunk_layers(model, parallel, stage=stage, chunk=chunk)
     x = builder.tensor(f"L{layers[0]}.x", builder.sp_tokens * model.hidden_size, model.dtype, None)

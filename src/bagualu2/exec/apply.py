@@ -130,7 +130,7 @@ class PlanExecutor:
                     lambda t: self._pack(record, t), unpack):
                 yield record
                 if self.traced is not None:
-                    self.instrumented.check_slot_dtypes(record)
+                    self.instrumented.check_slots(record)
                 self._settle(record, None)  # layers whose gate was never reported: the plan in force
                 check_sources(record)
         except BaseException:

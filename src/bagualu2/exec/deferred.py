@@ -93,9 +93,14 @@ class DeferredPlanner:
         return self.engine.graph(self.chunk, imbalance)
 
     def imbalance(self, layer: int, received_tokens: int) -> float:
-        """Realised imbalance: routed copies received over the mean (``T*K`` per rank), at least 1."""
+        """Realised imbalance: routed copies received over the mean (``T*K`` per rank), at least 1 (and at most
+        ``ep``: more than every rank's copies is refused)."""
         received_tokens = require_int("received_tokens", received_tokens, 0)
-        return max(received_tokens / self.graph().mean_routed_tokens, 1.0)
+        mean, most = self.graph().mean_routed_tokens, self.engine.max_imbalance
+        if most is not None and received_tokens > most * mean:
+            raise ValueError(f"received_tokens must be at most ep x the mean routed copies ({most:g} x {mean}: every "
+                             f"rank's tokens on this one), got {received_tokens}")
+        return max(received_tokens / mean, 1.0)
 
     def after_gate(self, plan: Plan, layer: int, received_tokens: int, *,
                    budget_bytes: int | None = None) -> Plan | None:
@@ -104,7 +109,8 @@ class DeferredPlanner:
         rounded *up* to ``imbalance_step`` (the runtime's buckets: a conservative decision, and a bounded number
         of graphs however continuous the measurements). ``budget_bytes`` overrides the planner's budget for this
         micro-batch."""
-        imbalance = ceil_bucket(self.imbalance(layer, received_tokens), self.imbalance_step)
+        imbalance = ceil_bucket(self.imbalance(layer, received_tokens), self.imbalance_step,
+                                self.engine.max_imbalance)
         budget = self.budget_bytes if budget_bytes is None else require_int("budget_bytes", budget_bytes, 0)
         budget -= budget % self.quantum_bytes
         key = GateKey(plan.entries, layer, imbalance, budget, self.chunk, self.mode)

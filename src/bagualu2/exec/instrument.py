@@ -43,6 +43,9 @@ from .trace import TraceRecorder, TraceResult, autocast_of_forward, run_trace
 from .tracegraph import build_graph_of
 from .tracker import OP_WEIGHTS, storage_key, weight_keys
 
+# kinds whose savings have the sizes the input's shape gives, whatever the routing (every token passes them)
+SHAPE_KINDS = frozenset({"norm", "qkv", "rope", "core_attn", "attn_out", "router", "shared_fc1", "shared_act",
+                         "shared_fc2", "mlp_fc1", "mlp_act", "mlp_fc2"})
 GENERIC_KIND = "residual"  # the graph kind of a label that names no cost-model kind: memory-bound, no role
 SUPPORTED_DEVICES = ("cpu", "cuda")
 _LABEL = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -221,15 +224,24 @@ class InstrumentedModel:
             raise ValueError(f"micro-batch {record.name!r} runs under autocast {on}, but the model was traced under "
                              f"autocast {then or 'off'}: trace it as it runs (trace_graph inside the same autocast)")
 
-    def check_slot_dtypes(self, record) -> None:
+    def check_slots(self, record) -> None:
         """After a micro-batch's forward: ``ValueError`` when most of its savings met their traced slot with
         another dtype — the model was cast (``model.to(dtype)``) since :meth:`trace_graph`, and the plan did not
-        apply. (A few may differ where routing shifts the slots of a module whose calls save per expert; a
-        wrapper such as FSDP2 that casts parameters for the forward casts them in the trace too.)"""
+        apply — or when most savings of the ops every token passes (attention, norms, router, dense and shared MLPs:
+        ``SHAPE_KINDS``) have another size than traced — the input's shape (batch size, sequence length) changed,
+        and the plan's bytes are not the ones the micro-batch keeps. (A few dtypes may differ where routing shifts
+        the slots of a module whose calls save per expert; a wrapper such as FSDP2 that casts parameters for the
+        forward casts them in the trace too.)"""
         if record.slot_dtype_misses > record.slot_hits:
             raise ValueError(f"micro-batch {record.name!r}: {record.slot_dtype_misses} savings have other dtypes than "
                              f"their traced slots ({record.slot_hits} match): the model was cast since trace_graph; "
                              "trace it again and make a new executor")
+        misses = record.slot_size_misses
+        if 2 * len(misses) > record.slot_fixed:
+            name, now, traced = misses[0]
+            raise ValueError(f"micro-batch {record.name!r}: {len(misses)} of {record.slot_fixed} savings have other "
+                             f"sizes than traced (e.g. {name}: {now} bytes, traced {traced}): the input's shape "
+                             "changed since trace_graph; trace at the shape the model runs and make a new executor")
 
     def _activation_dtype(self) -> str:
         counts: dict[torch.dtype, int] = {}
@@ -255,6 +267,10 @@ class InstrumentedModel:
             return None
         record.slot_hits += 1
         name = found[0]
+        if frame.binding.kind in SHAPE_KINDS:
+            record.slot_fixed += 1
+            if entry.nbytes != found[2]:
+                record.slot_size_misses.append((name, entry.nbytes, found[2]))
         if entry.name is None:
             entry.name = name
             record.named_as(entry, name)

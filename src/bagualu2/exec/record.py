@@ -54,6 +54,8 @@ class MicroBatchRecord:
     autocast_checked: bool = False  # its forward's autocast state was compared with the trace's
     slot_hits: int = 0              # savings named by their traced slot
     slot_dtype_misses: int = 0      # savings whose traced slot has another dtype (left unnamed)
+    slot_fixed: int = 0             # named savings of ops every token passes (sizes: the input's shape)
+    slot_size_misses: list[tuple[str, int, int]] = field(default_factory=list)  # (tensor, bytes, traced bytes)
 
     def hold_name(self, name: str | None, dtype: torch.dtype) -> None:
         """Backward will look ``name`` up for a reader of ``dtype``: hold its copies in *other* precisions (the

@@ -119,7 +119,7 @@ class DecisionPath:
             raise ValueError("engine must be a Stage of the same model, parallel config, hardware and stage")
         self.engine = engine
         self.downgrade = check_downgrade(downgrade)
-        self.planned_imbalance = None if planned_imbalance is None else check_imbalance(planned_imbalance)
+        self.planned_imbalance = None if planned_imbalance is None else self._check(planned_imbalance)
         self.step = require_number("imbalance_step", imbalance_step, 0, 10, low_open=True)
         self._planner = PlannedImbalance(window, self.step, self.planned_imbalance)
         self.spike_threshold = check_imbalance(spike_threshold)
@@ -184,7 +184,7 @@ class DecisionPath:
 
     def observe(self, chunk: int, imbalance: float) -> None:
         """Remember a gate's measurement (``forward`` does it for the imbalance it is given)."""
-        self._planner.observe(chunk, check_imbalance(imbalance))
+        self._planner.observe(chunk, self._check(imbalance))
 
     def pre_gate(self, budget_bytes: int, chunk: int, *, planned: float | None = None) -> Plan:
         """The plan a running forward of ``chunk`` starts with (step 2), at the chunk's planned imbalance or
@@ -192,7 +192,7 @@ class DecisionPath:
         :func:`~.gate.after_gate`. A pure function of its arguments and the gates observed."""
         budget_bytes = require_int("budget_bytes", budget_bytes, 0)
         canonical, offset = self.engine.check_chunk(chunk)
-        planned = self._planner.get(chunk) if planned is None else check_imbalance(planned)
+        planned = self._planner.get(chunk) if planned is None else self._check(planned)
         plan = self._pre_gate(budget_bytes, planned, canonical).plan
         if offset and plan.entries:
             plan = self._moved(plan, offset)
@@ -212,7 +212,7 @@ class DecisionPath:
         self._planner = PlannedImbalance(self._planner.window, self.step, self.planned_imbalance)
         for chunk, values in sorted(seen.items()):
             for value in values:
-                self._planner.observe(chunk, check_imbalance(value))
+                self._planner.observe(chunk, self._check(value))
 
     # ---- the hot path ---------------------------------------------------------------------------------------------
     def forward(self, budget_bytes: int, imbalance: float, phase: str, chunk: int, *,
@@ -325,6 +325,10 @@ class DecisionPath:
             found = self._shifted[key] = shift_plan(plan, offset)
         return found
 
+    def _check(self, imbalance: float) -> float:
+        """A measured or planned imbalance: a number in [1, ep] (one-line ``ValueError`` otherwise)."""
+        return check_imbalance(imbalance, ep=self.engine.parallel.ep)
+
     def _seen_row(self, imbalance: float, chunk: int) -> Seen:
         """The :class:`Seen` of a measured imbalance on ``chunk`` (its canonical chunk's bucket row)."""
         canonical, offset = self.engine.check_chunk(chunk)
@@ -335,8 +339,9 @@ class DecisionPath:
 
     def _row(self, imbalance: float, chunk: int) -> Row:
         """The ceiling bucket of a measured imbalance, with its graph and unmitigated cost."""
-        imbalance = check_imbalance(imbalance)
-        bucket = ceil_bucket(imbalance, self.step if imbalance <= self.spike_threshold else self.spike_step)
+        imbalance = self._check(imbalance)
+        bucket = ceil_bucket(imbalance, self.step if imbalance <= self.spike_threshold else self.spike_step,
+                             self.engine.max_imbalance)
         key = RowKey(bucket, chunk)
         row = self._rows.get(key)
         if row is None:

@@ -124,6 +124,7 @@ class _Engine:
 
     memo: Memo
     _costs: dict
+    max_imbalance: float | None = None  # the largest imbalance its graphs take (None: no bound)
 
     @property
     def cache(self) -> bool:
@@ -197,6 +198,7 @@ class Stage(_Engine):
     def __init__(self, model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, *, stage: int = 0,
                  cache: bool = True, max_entries: int = MAX_ENTRIES, m_max_bytes: int | None = None):
         self.model, self.parallel, self.hardware = model, parallel, hardware
+        self.max_imbalance = float(parallel.ep)  # all the routed load on one expert-parallel rank
         self.stage = require_int("stage", stage, 0, parallel.pp)
         if not isinstance(cache, bool):
             raise ValueError(f"cache must be True or False, got {cache!r}")
