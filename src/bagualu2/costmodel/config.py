@@ -124,8 +124,7 @@ class ModelConfig:
         _check_choice(self, "activation", ACTIVATIONS)
         _check_choice(self, "normalization", NORMALIZATIONS)
         for name in ("hidden_dropout", "attention_dropout"):
-            value = getattr(self, name)
-            require_number(name, value, 0, 1, high_open=True)
+            _plain(self, name, require_number(name, getattr(self, name), 0, 1, high_open=True))
         for name in ("flash_attention", "tie_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -245,6 +244,12 @@ def check_compatible(model: ModelConfig, parallel: ParallelConfig) -> None:
                          f"pp={parallel.pp} for interleaved 1F1B (vp > 1)")
 
 
+def _plain(obj: Any, name: str, number: float) -> None:
+    """Store a validated number as a plain Python number (a numpy scalar would not print as JSON)."""
+    if type(getattr(obj, name)) not in (int, float):
+        object.__setattr__(obj, name, number)
+
+
 def _check_optional(name: str, value: Any, like: str) -> None:
     """A Hardware field that may be null, else a number in the range of the field ``like``."""
     if value is None:
@@ -312,15 +317,17 @@ class Hardware:
                 if name in ("hbm_bytes", "devices_per_node", "reserved_bytes"):
                     object.__setattr__(self, name, require_int(name, value, low, high, high_open=False))
                 else:
-                    require_number(name, value, low, high)
+                    _plain(self, name, require_number(name, value, low, high))
             except (ValueError, OverflowError):  # OverflowError: an int too large for a float
                 kind = "an integer" if name in ("hbm_bytes", "devices_per_node", "reserved_bytes") else "a finite number"
                 raise ValueError(f"{name} must be {kind} in [{low:g}, {high:g}] ({HARDWARE_UNITS[name]}), "
                                  f"got {_short(value)}") from None
         if self.reserved_bytes >= self.hbm_bytes:
             raise ValueError(f"reserved_bytes must be below hbm_bytes ({self.hbm_bytes}), got {self.reserved_bytes}")
-        _check_optional("attention_efficiency", self.attention_efficiency, "matmul_efficiency")
-        _check_optional("copy_launch_s", self.copy_launch_s, "kernel_launch_s")
+        for name, like in (("attention_efficiency", "matmul_efficiency"), ("copy_launch_s", "kernel_launch_s")):
+            _check_optional(name, getattr(self, name), like)
+            if getattr(self, name) is not None:
+                _plain(self, name, float(getattr(self, name)))
 
     @property
     def attention_share(self) -> float:

@@ -43,6 +43,8 @@ class Plan:
     entries: tuple[tuple[str, Strategy], ...] = ()
 
     def __post_init__(self) -> None:
+        if not isinstance(self.entries, (tuple, list)):
+            raise ValueError(f"plan entries must be a tuple of (key, Strategy) pairs, got {type(self.entries).__name__}")
         seen: dict[str, Strategy] = {}
         for item in self.entries:
             if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], Strategy)):
@@ -57,21 +59,35 @@ class Plan:
     @classmethod
     def uniform(cls, policy: Mapping[str, Strategy | str]) -> "Plan":
         """Whole-kind policies, e.g. ``Plan.uniform({"core_attn": Strategy.RECOMPUTE})``."""
+        if not isinstance(policy, Mapping):
+            raise ValueError(f"Plan.uniform takes a mapping of op kinds to strategies, got {type(policy).__name__}")
         for kind in policy:
-            if "/" in kind:
+            if isinstance(kind, str) and "/" in kind:
                 raise ValueError(f"Plan.uniform takes op kinds, got {kind!r}; use Plan.of for single savings")
         return cls.of(policy)
 
     @classmethod
     def of(cls, decisions: Mapping[str, Strategy | str] | Iterable[tuple[str, Strategy | str]]) -> "Plan":
-        items = decisions.items() if isinstance(decisions, Mapping) else decisions
+        if isinstance(decisions, Mapping):
+            items = list(decisions.items())
+        elif isinstance(decisions, Iterable) and not isinstance(decisions, (str, bytes)):
+            items = list(decisions)
+        else:
+            raise ValueError("plan decisions must be a mapping or an iterable of (key, strategy) pairs, got "
+                             f"{type(decisions).__name__}")
+        for item in items:
+            if not (isinstance(item, (tuple, list)) and len(item) == 2):
+                raise ValueError(f"plan decisions must be (key, strategy) pairs, got {item!r:.80}")
         return cls(tuple((key, s if isinstance(s, Strategy) else Strategy.parse(s)) for key, s in items))
 
     @classmethod
     def from_decisions(cls, decisions: Mapping[tuple[str, str], Strategy]) -> "Plan":
         """Plan from ``{(op, tensor): Strategy}``; KEEP decisions are dropped."""
+        if not isinstance(decisions, Mapping):
+            raise ValueError(f"decisions must map (op, tensor) to a Strategy, got {type(decisions).__name__}")
         for key, strategy in decisions.items():
-            if not (isinstance(key, tuple) and len(key) == 2 and isinstance(strategy, Strategy)):
+            if not (isinstance(key, tuple) and len(key) == 2 and type(key[0]) is str and type(key[1]) is str
+                    and isinstance(strategy, Strategy)):
                 raise ValueError(f"decisions must map (op, tensor) to a Strategy, got {key!r}: {strategy!r}")
             _check_key(f"{key[0]}/{key[1]}")
         plan = object.__new__(cls)  # keys are validated and unique: skip the generic checks of __init__
@@ -116,9 +132,9 @@ class Plan:
             data = json.loads(text)
             rows = data["plan"]
             return cls.of([(row["key"], row["strategy"]) for row in rows])
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ValueError(f"plan JSON must be {{\"plan\": [{{\"key\": ..., \"strategy\": ...}}]}}: {exc}") \
-                from None
+        except (json.JSONDecodeError, KeyError, TypeError, RecursionError) as exc:
+            raise ValueError(f"plan JSON must be {{\"plan\": [{{\"key\": ..., \"strategy\": ...}}]}}: "
+                             f"{exc!s:.200}") from None
 
     def to_csv(self) -> str:
         """Two columns with a header: ``key,strategy``."""
@@ -126,6 +142,8 @@ class Plan:
 
     @classmethod
     def from_csv(cls, text: str) -> "Plan":
+        if not isinstance(text, str):
+            raise ValueError(f"plan CSV must be a string, got {type(text).__name__}")
         rows = list(csv.reader(io.StringIO(text)))
         if not rows or [c.strip() for c in rows[0]] != ["key", "strategy"]:
             raise ValueError("plan CSV must start with the header 'key,strategy'")

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from .config import Hardware
 from .graph import FLOAT_DTYPES, ITEM_BYTES, Op, TensorSpec
+from .validate import require_number
 
 
 class Strategy(str, enum.Enum):
@@ -106,6 +107,11 @@ class Knee:
     knee_bytes: float
     peak_bytes_per_s: float
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "knee_bytes", require_number("knee_bytes", self.knee_bytes, 0))
+        object.__setattr__(self, "peak_bytes_per_s", require_number("peak_bytes_per_s", self.peak_bytes_per_s, 0,
+                                                                    low_open=True))
+
     @property
     def setup_s(self) -> float:
         return self.knee_bytes / self.peak_bytes_per_s
@@ -125,6 +131,7 @@ def knee(strategy: Strategy, hardware: Hardware, *, op: Op | None = None, saved_
     RECOMPUTE depends on the operator that regenerates the activation: re-running ``op`` (its forward time,
     launch included) gives back ``saved_bytes``, so ``B = saved_bytes / (t_op - launch)`` and ``S = launch * B``.
     """
+    strategy, hardware = _strategy_on(strategy, hardware)
     launch = hardware.kernel_launch_s
     if strategy is Strategy.OFFLOAD:
         peak = 1.0 / (1.0 / hardware.d2h_bytes_per_s + 1.0 / hardware.h2d_bytes_per_s)
@@ -145,12 +152,23 @@ def knee(strategy: Strategy, hardware: Hardware, *, op: Op | None = None, saved_
     raise ValueError(f"KEEP has no mitigation knee; choose one of {', '.join(s.value for s in MITIGATIONS)}")
 
 
+def _strategy_on(strategy, hardware) -> tuple[Strategy, Hardware]:
+    """``strategy`` (a Strategy or its name) and ``hardware`` checked: one ``ValueError`` each."""
+    if not isinstance(hardware, Hardware):
+        raise ValueError(f"hardware must be a Hardware profile, got {type(hardware).__name__}")
+    return Strategy.parse(strategy), hardware
+
+
 def fit_knee(sizes_bytes: Sequence[float], overheads_s: Sequence[float]) -> Knee:
     """Least-squares fit of ``overhead = t0 + S / B`` to measurements; returns the knee ``(t0 * B, B)``."""
+    for name, values in (("sizes_bytes", sizes_bytes), ("overheads_s", overheads_s)):
+        if not isinstance(values, Iterable) or isinstance(values, (str, bytes)):
+            raise ValueError(f"{name} must be a sequence of numbers > 0, got {type(values).__name__}")
+    sizes_bytes, overheads_s = list(sizes_bytes), list(overheads_s)
     if len(sizes_bytes) != len(overheads_s) or len(sizes_bytes) < 2:
         raise ValueError("sizes_bytes and overheads_s must have the same length >= 2")
-    if any(s <= 0 for s in sizes_bytes) or any(t <= 0 for t in overheads_s):
-        raise ValueError("sizes_bytes and overheads_s must be positive")
+    sizes_bytes = [require_number("sizes_bytes", s, 0, low_open=True) for s in sizes_bytes]
+    overheads_s = [require_number("overheads_s", t, 0, low_open=True) for t in overheads_s]
     n = len(sizes_bytes)
     mean_s = sum(sizes_bytes) / n
     mean_t = sum(overheads_s) / n
@@ -168,6 +186,9 @@ def fit_knee(sizes_bytes: Sequence[float], overheads_s: Sequence[float]) -> Knee
 def calibrate(hardware: Hardware, strategy: Strategy, fitted: Knee, *, dtype: str = "bf16") -> Hardware:
     """Hardware whose derived ``knee(strategy)`` equals ``fitted`` (OFFLOAD: copy bandwidths and launch cost;
     QUANTIZE of ``dtype`` tensors: HBM bandwidth and launch cost)."""
+    strategy, hardware = _strategy_on(strategy, hardware)
+    if not isinstance(fitted, Knee):
+        raise ValueError(f"fitted must be a Knee (fit_knee's result), got {type(fitted).__name__}")
     if strategy is Strategy.OFFLOAD:
         launch = fitted.setup_s / 2
         return hardware.replace(d2h_bytes_per_s=2 * fitted.peak_bytes_per_s,

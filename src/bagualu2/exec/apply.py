@@ -42,7 +42,8 @@ from .provisional import Provisional, settle, standby_ops
 from .packing import CopyEngine, HostCopy, Offloaded, Quantized, View, flat_storage, quantize_fp8, unpack
 from .record import TORCH_TO_NAME, MicroBatchRecord
 from .recompute import Regenerated, Replay, Source, Stored, autocast_state, checksums
-from .tracker import ActivationOutOfMemoryError, ActivationTracker, recording, storage_key
+from .tracker import (ActivationOutOfMemoryError, ActivationTracker, check_name, names_text, recording,
+                      storage_key)
 
 
 class PlanExecutor:
@@ -60,7 +61,7 @@ class PlanExecutor:
         # names each saving ``(record, op, entry, dtype name, storage key) -> tensor name | None``: by default the
         # op's savings of that dtype and size (cost-model graphs); a traced graph names them by call and slot
         self.namer = namer or self._name
-        self.plan = Plan.from_str(plan) if isinstance(plan, str) else (plan or Plan())
+        self.plan = Plan.coerce(plan) or Plan()
         self.strategies = resolve(graph, self.plan)
         self.rerun = frozenset(mitigation_ops(graph, self.plan).rerun)
         self.tracker = tracker if tracker is not None else ActivationTracker(exclude=exclude)
@@ -102,8 +103,7 @@ class PlanExecutor:
         ``plan`` (default: the executor's) is this micro-batch's plan before its gates; ``budget_bytes`` (default:
         the deferred planner's) the budget its gates decide against. Under a dual-batch executor whose forward
         records its own micro-batch, the executor's gate is picked up here (``FORWARD_GATE``)."""
-        if not isinstance(name, (str, int)) or isinstance(name, bool):
-            raise ValueError(f"micro-batch names are strings or integers, got {type(name).__name__}")
+        check_name(name)
         if name in self._records:
             raise ValueError(f"micro-batch {name!r} is already in flight")
         if self.traced is not None:
@@ -117,9 +117,7 @@ class PlanExecutor:
         if self.instrumented is not None and self.instrumented.self_checkpointed:
             raise ValueError("the model's own activation checkpointing is on (turned on after instrument): its "
                              "layers save nothing the plan names; turn it off (activation_checkpointing_disable())")
-        if isinstance(plan, str):
-            plan = Plan.from_str(plan)
-        plan = self.plan if plan is None else plan
+        plan = self.plan if plan is None else Plan.coerce(plan)
         strategies, rerun = self._resolve(plan)
         record = self._records[name] = MicroBatchRecord(name, plan, strategies, rerun, self.tracker.open(name))
         record.budget_bytes = budget_bytes
@@ -148,8 +146,9 @@ class PlanExecutor:
     def record(self, name: str) -> MicroBatchRecord:
         try:
             return self._records[name]
-        except KeyError:
-            raise ValueError(f"micro-batch {name!r} is not in flight; in flight: {sorted(self._records)}") from None
+        except (KeyError, TypeError):  # TypeError: an unhashable name
+            raise ValueError(f"micro-batch {name!r} is not in flight; in flight: {names_text(self._records)}") \
+                from None
 
     def device_bytes(self, name: str) -> int:
         """Device bytes micro-batch ``name`` keeps: kept storages + FP8 copies (compare ``activation_bytes``)."""
@@ -180,7 +179,7 @@ class PlanExecutor:
         """Recovery ahead of micro-batch ``name``'s backward: reload the host copies of ``tensors`` and re-run the
         replays of ``ops`` now (cached until backward uses them). Returns how many actions started."""
         record = self.record(name)
-        wanted, rerun = set(tensors), set(ops)
+        wanted, rerun = _names("tensors", tensors), _names("ops", ops)
         started = sum(copy.prefetch(self.engine) for copy in record.host_copies if copy.name in wanted)
         for replay in record.replays:
             if replay.op in rerun and replay.runs == 0:
@@ -498,6 +497,16 @@ def _check_arguments(tracker, exclude, deferred, graph) -> tuple:
     if graph is not None and not isinstance(graph, OpGraph):
         raise ValueError(f"graph must be an OpGraph or None, got {type(graph).__name__}")
     return modules
+
+
+def _names(what: str, names) -> set[str]:
+    """A collection of tensor or op names as a set (one-line ``ValueError`` otherwise)."""
+    if isinstance(names, (str, bytes)) or not isinstance(names, Iterable):
+        raise ValueError(f"{what} must be a collection of names, got {type(names).__name__}")
+    names = set(names)
+    if not all(isinstance(name, str) for name in names):
+        raise ValueError(f"{what} must be a collection of names (strings)")
+    return names
 
 
 def graph_of(model: torch.nn.Module, imbalance: float = 1.0) -> OpGraph:

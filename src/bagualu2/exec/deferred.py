@@ -59,6 +59,10 @@ class DeferredPlanner:
                 raise ValueError("a DeferredPlanner on a traced graph takes no model or parallel config: use "
                                  "DeferredPlanner.for_graph(graph, budget_bytes=...)")
         elif engine is None:
+            if not isinstance(model, ModelConfig) or not isinstance(parallel, ParallelConfig):
+                raise ValueError("DeferredPlanner needs a ModelConfig and a ParallelConfig (or, for a traced graph, "
+                                 "DeferredPlanner.for_graph(graph, budget_bytes=...)), got "
+                                 f"{type(model).__name__} and {type(parallel).__name__}")
             engine = Stage(model, parallel, hardware, stage=stage)
         elif not isinstance(engine, Stage) or (engine.model, engine.parallel, engine.hardware, engine.stage) != (
                 model, parallel, hardware, stage):
@@ -95,8 +99,10 @@ class DeferredPlanner:
     def imbalance(self, layer: int, received_tokens: int) -> float:
         """Realised imbalance: routed copies received over the mean (``T*K`` per rank), at least 1 (and at most
         ``ep``: more than every rank's copies is refused)."""
-        received_tokens = require_int("received_tokens", received_tokens, 0)
+        received_tokens = require_int("received_tokens", received_tokens, 0, 1 << 62)
         mean, most = self.graph().mean_routed_tokens, self.engine.max_imbalance
+        if not mean:
+            raise ValueError("the model has no routed tokens (a dense model): there is no gate to decide after")
         if most is not None and received_tokens > most * mean:
             raise ValueError(f"received_tokens must be at most ep x the mean routed copies ({most:g} x {mean}: every "
                              f"rank's tokens on this one), got {received_tokens}")
@@ -109,6 +115,8 @@ class DeferredPlanner:
         rounded *up* to ``imbalance_step`` (the runtime's buckets: a conservative decision, and a bounded number
         of graphs however continuous the measurements). ``budget_bytes`` overrides the planner's budget for this
         micro-batch."""
+        plan = _plan(plan)
+        layer = require_int("layer", layer, 0)
         imbalance = ceil_bucket(self.imbalance(layer, received_tokens), self.imbalance_step,
                                 self.engine.max_imbalance)
         budget = self.budget_bytes if budget_bytes is None else require_int("budget_bytes", budget_bytes, 0)
@@ -129,4 +137,12 @@ class DeferredPlanner:
 
     def downgrade(self, plan: Plan, layer: int) -> Plan:
         """The full downgrade of ``layer`` (what every EP rank runs when any rank had to change its plan)."""
-        return downgrade_plan(self.graph(), plan, layers=(layer,))
+        return downgrade_plan(self.graph(), _plan(plan), layers=(require_int("layer", layer, 0),))
+
+
+def _plan(plan) -> Plan:
+    """A plan in force: a :class:`Plan` or its text form (``ValueError`` otherwise)."""
+    plan = Plan.coerce(plan)
+    if plan is None:
+        raise ValueError("plan must be a Plan or its text form, got None")
+    return plan

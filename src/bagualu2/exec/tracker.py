@@ -35,6 +35,17 @@ class MicroBatchBytes:
         return sum(self.storages.values())
 
 
+def check_name(name) -> None:
+    """A micro-batch name: a string or an integer (one-line ``ValueError`` otherwise)."""
+    if not isinstance(name, (str, int)) or isinstance(name, bool):
+        raise ValueError(f"micro-batch names are strings or integers, got {type(name).__name__}")
+
+
+def names_text(names) -> str:
+    """The micro-batch names in flight, for an error message (strings and integers together)."""
+    return ", ".join(sorted(map(repr, names))) or "none"
+
+
 class ActivationTracker:
     """Per-micro-batch accounting of saved activations.
 
@@ -47,6 +58,9 @@ class ActivationTracker:
             cap_bytes = require_int("cap_bytes", cap_bytes, 0)
         self.cap_bytes = cap_bytes
         self._excluded: set[tuple[str, int]] = set()
+        if isinstance(exclude, (torch.nn.Module, str, bytes)) or not isinstance(exclude, Iterable):
+            raise ValueError(f"exclude must be an iterable of torch modules (e.g. [model]), got "
+                             f"{type(exclude).__name__}")
         self.exclude(*exclude)
         self._in_flight: dict[str, MicroBatchBytes] = {}
         self._current: MicroBatchBytes | None = None
@@ -56,6 +70,9 @@ class ActivationTracker:
     def exclude(self, *modules: torch.nn.Module) -> None:
         """Do not count the parameters and buffers of ``modules`` as activations."""
         for module in modules:
+            if not isinstance(module, torch.nn.Module):
+                raise ValueError(f"exclude takes torch modules, got {type(module).__name__}")
+        for module in modules:
             self._excluded.update(weight_keys(module))
 
     def excludes(self, tensor: torch.Tensor) -> bool:
@@ -63,6 +80,7 @@ class ActivationTracker:
 
     def open(self, name: str) -> MicroBatchBytes:
         """Start the accounting of micro-batch ``name`` (for hooks that do their own packing, e.g. plans)."""
+        check_name(name)
         if name in self._in_flight:
             raise ValueError(f"micro-batch {name!r} is already in flight")
         record = self._in_flight[name] = MicroBatchBytes()
@@ -95,7 +113,8 @@ class ActivationTracker:
         try:
             return self._in_flight[name].nbytes
         except KeyError:
-            raise ValueError(f"micro-batch {name!r} is not in flight; in flight: {sorted(self._in_flight)}") from None
+            raise ValueError(f"micro-batch {name!r} is not in flight; in flight: {names_text(self._in_flight)}") \
+                from None
 
     @contextlib.contextmanager
     def micro_batch(self, name: str) -> Iterator["ActivationTracker"]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
+from ..costmodel.validate import require_int
 from .chains import CHAIN_KINDS
 
 StageRef = tuple[str, int]
@@ -21,7 +22,7 @@ EMPTY = "empty"  # the order of a point with no stages
 
 def _parse_ref(text: str) -> StageRef:
     text = text.strip()
-    if len(text) < 2 or text[0] not in CHAIN_KINDS or not text[1:].isdigit():
+    if len(text) < 2 or text[0] not in CHAIN_KINDS or not (text[1:].isascii() and text[1:].isdigit()):
         raise ValueError(f"stage {text!r} must be a chain kind ({', '.join(CHAIN_KINDS)}) and an index, e.g. F0")
     return text[0], int(text[1:])
 
@@ -34,6 +35,12 @@ class Order:
     solver: str = ""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.groups, (tuple, list)) or not all(isinstance(g, (tuple, list)) for g in self.groups):
+            raise ValueError(f"order groups must be a tuple of groups of (chain kind, index) stages, got "
+                             f"{self.groups!r:.80}")
+        if not isinstance(self.barriers, bool):
+            raise ValueError(f"barriers must be True or False, got {self.barriers!r}")
+        object.__setattr__(self, "makespan_ns", require_int("makespan_ns", self.makespan_ns, 0))
         for group in self.groups:
             for ref in group:
                 if not (isinstance(ref, (tuple, list)) and len(ref) == 2 and isinstance(ref[1], numbers.Integral)
@@ -82,14 +89,22 @@ class Order:
             inner = body[6:-1]
             parts = [p.strip() for p in inner.split(",")]
             body = parts[0].strip("'\"")
+            seen = set()
             for part in parts[1:]:
                 key, _, value = part.partition("=")
-                if key.strip() == "makespan_ns":
+                key = key.strip()
+                if key in seen:
+                    raise ValueError(f"order field {key!r} is given twice")
+                seen.add(key)
+                if key == "makespan_ns":
+                    value = value.strip()
+                    if not (value.isascii() and value.isdigit()):
+                        raise ValueError(f"makespan_ns must be an integer >= 0, got {value!r}")
                     makespan = int(value)
-                elif key.strip() == "solver":
+                elif key == "solver":
                     solver = value.strip().strip("'\"")
                 else:
-                    raise ValueError(f"unknown order field {key.strip()!r}")
+                    raise ValueError(f"unknown order field {key!r}")
         if not body:
             raise ValueError("order text is empty")
         if body == EMPTY:

@@ -19,6 +19,7 @@ from ..costmodel.evaluate import evaluate, resolve
 from ..costmodel.graph import OpGraph
 from ..costmodel.plan import Plan
 from ..costmodel.strategy import Strategy
+from ..costmodel.validate import require_int
 from .solution import SolveStatus, Solution, check_budget, make_solution
 
 # compute-memory balanced checkpointing: recompute the element-wise ops, whose re-run costs a pass over memory
@@ -37,6 +38,14 @@ def tensor_savings(graph: OpGraph) -> dict[str, list[str]]:
     return by_tensor
 
 
+def _checked(graph, base) -> tuple[OpGraph, Plan]:
+    """``(graph, base)``: an OpGraph and a plan (its text form read); one ``ValueError`` otherwise."""
+    if not isinstance(graph, OpGraph):
+        raise ValueError(f"graph must be an OpGraph, got {type(graph).__name__}")
+    base = Plan.coerce(base)
+    return graph, Plan() if base is None else base
+
+
 def kept_tensors(graph: OpGraph, base: Plan) -> list[tuple[str, ...]]:
     """The ``op/tensor`` keys of the savings of each tensor ``base`` keeps entirely, in graph order (block inputs
     left out)."""
@@ -47,6 +56,8 @@ def kept_tensors(graph: OpGraph, base: Plan) -> list[tuple[str, ...]]:
 
 def prefix_plan(graph: OpGraph, base: Plan, count: int, kept: list[tuple[str, ...]] | None = None) -> Plan:
     """``base`` plus OFFLOAD of every saving of the first ``count`` tensors it keeps (``kept``: those, if known)."""
+    graph, base = _checked(graph, base)
+    count = require_int("count", count, 0)
     kept = kept_tensors(graph, base) if kept is None else kept
     entries = dict(base.entries)  # an explicit KEEP of an offloaded saving gives way
     entries.update((key, Strategy.OFFLOAD) for keys in kept[:count] for key in keys)
@@ -58,6 +69,7 @@ def fit_prefix(graph: OpGraph, base: Plan, budget_bytes: int) -> Solution:
     bisection: offloading one more tensor never keeps more); INFEASIBLE when even the whole prefix does not fit, or
     when ``base`` recomputes a tensor that no re-run can make (``PlanCost.unavailable``)."""
     started = time.perf_counter()
+    graph, base = _checked(graph, base)
     budget_bytes = check_budget(budget_bytes)
     kept = kept_tensors(graph, base)
 

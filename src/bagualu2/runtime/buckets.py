@@ -5,16 +5,24 @@ estimate)."""
 from __future__ import annotations
 
 import math
+import numbers
+
+
+def _check_step(step) -> None:
+    if isinstance(step, bool) or not isinstance(step, numbers.Real) or not 0 < step < math.inf:
+        raise ValueError(f"step must be a finite number > 0, got {step!r}")
 
 
 def ceil_bucket(imbalance: float, step: float, ceiling: float | None = None) -> float:
     """``imbalance`` rounded up to a multiple of ``step`` (at least 1.0), and not above ``ceiling`` (the largest
     imbalance there is: the expert-parallel degree, all the load on one rank); an imbalance above ``ceiling`` is
     returned as it is, for the graph builder to refuse."""
+    _check_step(step)
     bucket = max(round(math.ceil(imbalance / step - 1e-9) * step, 9), 1.0)
     return bucket if ceiling is None else min(bucket, max(imbalance, ceiling))
 
 
 def floor_bucket(imbalance: float, step: float) -> float:
     """``imbalance`` rounded down to a multiple of ``step`` (at least 1.0)."""
+    _check_step(step)
     return max(round(math.floor(imbalance / step + 1e-9) * step, 9), 1.0)

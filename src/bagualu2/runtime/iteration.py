@@ -62,7 +62,9 @@ class Iteration:
             self.next_forward = self.assigner.next_forward
             self.record_forward = self.assigner.record_forward
             self.record_backward = self.assigner.record_backward
-        self._kept = [0] * stage.num_forwards
+        self._num_forwards = stage.num_forwards
+        self._kept: dict[int, int] = {}  # forward index -> bytes it keeps (recorded this iteration)
+        self._in_flight: dict[int, int] = {}  # the recorded forwards whose backward has not run
         self._held_bytes = self._peak_bytes = 0
 
     @property
@@ -89,16 +91,28 @@ class Iteration:
         return 0, None
 
     def record_forward(self, index: int, kept_bytes: int) -> int:
-        """Forward ``index`` keeps ``kept_bytes``; returns the in-flight bytes after it."""
+        """Forward ``index`` keeps ``kept_bytes``; returns the in-flight bytes after it. ``ValueError`` for an index
+        not in ``[0, num_forwards)`` or already recorded, or bytes that are not an integer >= 0."""
+        if type(index) is not int or not 0 <= index < self._num_forwards:
+            index = require_int("record_forward: index", index, 0, self._num_forwards)
+        if type(kept_bytes) is not int or kept_bytes < 0:
+            kept_bytes = require_int("kept_bytes", kept_bytes, 0)
+        if index in self._kept:
+            raise ValueError(f"record_forward: index={index} was already recorded in this iteration")
         held = self._held_bytes = self._held_bytes + kept_bytes
-        self._kept[index] = kept_bytes
+        self._kept[index] = self._in_flight[index] = kept_bytes
         if held > self._peak_bytes:
             self._peak_bytes = held
         return held
 
     def record_backward(self, index: int) -> None:
-        """The backward of forward ``index`` ran: its bytes are free."""
-        self._held_bytes -= self._kept[index]
+        """The backward of forward ``index`` ran: its bytes are free (``ValueError`` unless it is in flight)."""
+        freed = self._in_flight.pop(index, None) if type(index) is int else None
+        if freed is None:
+            index = require_int("record_backward: index", index, 0, self._num_forwards)
+            raise ValueError(f"record_backward: index={index} is not in flight; allowed: one of "
+                             f"{sorted(self._in_flight)}")
+        self._held_bytes -= freed
 
 
 def run_iteration(stage: Stage, decide: Callable[[Step, float, int, int | None], Any], imbalances, *,

@@ -184,6 +184,7 @@ class DecisionPath:
 
     def observe(self, chunk: int, imbalance: float) -> None:
         """Remember a gate's measurement (``forward`` does it for the imbalance it is given)."""
+        self.engine.check_chunk(chunk)
         self._planner.observe(chunk, self._check(imbalance))
 
     def pre_gate(self, budget_bytes: int, chunk: int, *, planned: float | None = None) -> Plan:
@@ -204,15 +205,22 @@ class DecisionPath:
         return {"seen": {str(chunk): list(values) for chunk, values in self._planner.seen().items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` (the remembered gates are replayed in order)."""
+        """Restore :meth:`state_dict` (the remembered gates are replayed in order); on a ``ValueError`` the state
+        is left as it was."""
+        shape = "runtime state must be {'seen': {chunk: [imbalance, ...]}}"
         try:
-            seen = {int(chunk): [float(v) for v in values] for chunk, values in state["seen"].items()}
-        except (KeyError, TypeError, ValueError, AttributeError):
-            raise ValueError("runtime state must be {'seen': {chunk: [imbalance, ...]}}") from None
-        self._planner = PlannedImbalance(self._planner.window, self.step, self.planned_imbalance)
+            items = state["seen"].items()
+            seen = {int(chunk): values for chunk, values in items}
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError):
+            raise ValueError(shape) from None
+        planner = PlannedImbalance(self._planner.window, self.step, self.planned_imbalance)
         for chunk, values in sorted(seen.items()):
+            if not isinstance(values, (list, tuple)):
+                raise ValueError(f"{shape}: chunk {chunk} holds {type(values).__name__}, not a list")
+            self.engine.check_chunk(chunk)
             for value in values:
-                self._planner.observe(chunk, self._check(value))
+                planner.observe(chunk, self._check(value))
+        self._planner = planner
 
     # ---- the hot path ---------------------------------------------------------------------------------------------
     def forward(self, budget_bytes: int, imbalance: float, phase: str, chunk: int, *,
@@ -235,7 +243,8 @@ class DecisionPath:
         if type(budget_bytes) is not int or budget_bytes < 0:
             budget_bytes = require_int("budget_bytes", budget_bytes, 0)
         chunk, phase = step.chunk, step.phase
-        seen = self._seen.get((imbalance, chunk))
+        # the memo's keys are plain numbers (True would find 1's entries): anything else is validated first
+        seen = self._seen.get((imbalance, chunk)) if type(chunk) is int and type(imbalance) in (float, int) else None
         if seen is None:
             seen = self._seen_row(imbalance, chunk)  # validates the chunk and the imbalance
         planned = self._planner.observe(chunk, imbalance)  # the estimate before this gate

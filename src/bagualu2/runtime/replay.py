@@ -34,7 +34,7 @@ def spike_trace(num_microbatches: int, *, spike_rate: float = 0.029, max_imbalan
     low = base_imbalance + base_jitter if spike_min is None else check_imbalance(spike_min)
     if max_imbalance < low:
         raise ValueError(f"max_imbalance={max_imbalance} must be >= the spikes' lower end {low}")
-    rng = random.Random(seed)
+    rng = random.Random(require_int("seed", seed, 0))
     trace = []
     for _ in range(num_microbatches):
         if rng.random() < spike_rate:

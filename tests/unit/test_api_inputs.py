@@ -1,0 +1,129 @@
+"""Bad arguments to the public library API: one ValueError naming the argument (never a TypeError, an
+AttributeError or an arithmetic error from inside, never a silent result), and text forms that read back."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from bagualu2.costmodel import Plan, Strategy, build_graph, presets
+from bagualu2.costmodel.strategy import Knee, calibrate, fit_knee, knee
+from bagualu2.exec import ActivationTracker, apply_plan
+from bagualu2.exec.deferred import DeferredPlanner
+from bagualu2.fusion import Order
+from bagualu2.mitigation.prefix import fit_prefix, prefix_plan
+from bagualu2.runtime import DecisionPath, Iteration, Stage, ceil_bucket, floor_bucket, spike_trace
+
+HW = presets.hardware("cpu")
+MODEL, PARALLEL = presets.model("tiny-moe")
+PARALLEL = dataclasses.replace(PARALLEL, dp=2, ep=2, vp=2)
+GRAPH = build_graph(MODEL, PARALLEL, HW)
+
+
+def refused(call, match: str) -> None:
+    with pytest.raises(ValueError, match=match) as excinfo:
+        call()
+    assert "\n" not in str(excinfo.value)
+
+
+def test_plans_are_built_only_from_what_reads_back():
+    refused(lambda: Plan.from_decisions({("a", 1): Strategy.RECOMPUTE}), "decisions must map")
+    refused(lambda: Plan.from_decisions([1]), "decisions must map")
+    refused(lambda: Plan.uniform({1: "R"}), "plan key must be")
+    refused(lambda: Plan.uniform(["core_attn"]), "Plan.uniform takes a mapping")
+    for bad in (5, [5], [("a", "b", "c")]):
+        refused(lambda: Plan.of(bad), "plan decisions must be")
+    refused(lambda: Plan(None), "plan entries must be a tuple")
+    refused(lambda: Plan.from_csv(5), "plan CSV must be a string")
+    refused(lambda: Plan.from_json("[" * 100000), "plan JSON must be")
+
+
+def test_orders_check_every_field_and_read_back():
+    order = Order(((("F", 0), ("B", 1)), (("O", 0),)), makespan_ns=np.int64(7), solver="dp")
+    assert type(order.makespan_ns) is int and Order.from_str(repr(order)) == order
+    refused(lambda: Order(((("F", 0),),), makespan_ns=1.5), "makespan_ns must be an integer")
+    refused(lambda: Order(((("F", 0),),), barriers="no"), "barriers must be True or False")
+    refused(lambda: Order(None), "order groups must be")
+    refused(lambda: Order.from_str("F\u00b2"), "stage 'F\u00b2' must be a chain kind")
+    refused(lambda: Order.from_str("Order('F0', makespan_ns=abc, solver='x')"), "makespan_ns must be an integer")
+    refused(lambda: Order.from_str("Order('F0', makespan_ns=1, solver='x', solver='y')"), "'solver' is given twice")
+
+
+def test_the_decision_path_validates_what_its_memo_would_find():
+    path = DecisionPath(MODEL, PARALLEL, HW)
+    budget = path.graph(0, 1.0).unmitigated_bytes // 2
+    path.forward(budget, 1.0, "steady", 1)  # (1.0, 1) is remembered now: True and [0] must not pass for it
+    refused(lambda: path.forward(budget, 1.0, "steady", True), "chunk must be an integer")
+    refused(lambda: path.forward(budget, True, "steady", 1), "imbalance must be a finite number")
+    refused(lambda: path.forward(budget, 1.0, "steady", [0]), "chunk must be an integer")
+    refused(lambda: path.observe("x", 1.0), "chunk must be an integer")
+    state = path.state_dict()
+    for bad, match in (({"seen": {"0": "12"}}, "holds str, not a list"), ({"seen": {"99": [1.0]}}, "chunk must be"),
+                       ({"seen": {"0": [1.0], "1": [9.0]}}, "imbalance must be"), ({"seen": 3}, "runtime state")):
+        refused(lambda: path.load_state_dict(bad), match)
+        assert path.state_dict() == state  # a refused state changes nothing
+
+
+def test_iteration_records_without_budgets_are_checked():
+    iteration = Iteration(Stage(MODEL, PARALLEL, HW), budgeted=False)
+    refused(lambda: iteration.record_forward(-1, 100), "record_forward: index")
+    refused(lambda: iteration.record_forward(0, -100), "kept_bytes")
+    refused(lambda: iteration.record_forward(99, 1), "record_forward: index")
+    assert iteration.held_bytes == 0
+    iteration.record_forward(0, 10)
+    refused(lambda: iteration.record_forward(0, 10), "already recorded")
+    iteration.record_backward(0)
+    refused(lambda: iteration.record_backward(0), "not in flight")
+    assert (iteration.held_bytes, iteration.peak_bytes) == (0, 10)
+
+
+def test_knees_fits_and_buckets():
+    assert knee("OFFLOAD", HW) == knee(Strategy.OFFLOAD, HW)
+    refused(lambda: fit_knee([1, 2, 3], [math.nan, 1.0, 2.0]), "overheads_s must be a finite number")
+    refused(lambda: fit_knee([1, 2, math.inf], [1, 2, 3]), "sizes_bytes must be a finite number")
+    refused(lambda: fit_knee(None, None), "sizes_bytes must be a sequence")
+    refused(lambda: knee(Strategy.OFFLOAD, None), "hardware must be a Hardware")
+    refused(lambda: calibrate(HW, "OFFLOAD", 3), "fitted must be a Knee")
+    refused(lambda: Knee(1.0, 0.0), "peak_bytes_per_s")
+    for step in (0, -0.1, math.nan, True):
+        refused(lambda: ceil_bucket(1.5, step, 2.0), "step must be")
+        refused(lambda: floor_bucket(1.5, step), "step must be")
+    refused(lambda: spike_trace(4, seed=None), "seed must be")
+    hardware = HW.replace(matmul_efficiency=np.float32(0.5), attention_efficiency=np.float64(0.4))
+    assert type(hardware.matmul_efficiency) is float and hardware.to_json()  # numpy scalars print as JSON
+
+
+def test_prefix_plans_and_the_deferred_planner():
+    budget = GRAPH.unmitigated_bytes // 2
+    assert fit_prefix(GRAPH, "none", budget).plan == fit_prefix(GRAPH, Plan(), budget).plan
+    refused(lambda: prefix_plan(GRAPH, Plan(), -1), "count must be an integer >= 0")
+    refused(lambda: prefix_plan(GRAPH, Plan(), 1.5), "count must be an integer")
+    refused(lambda: fit_prefix(None, Plan(), budget), "graph must be an OpGraph")
+    dense, dense_parallel = presets.model("tiny-dense")
+    refused(lambda: DeferredPlanner(dense, dense_parallel, HW, budget_bytes=1).imbalance(0, 0), "dense model")
+    refused(lambda: DeferredPlanner(None, None, HW, budget_bytes=1), "needs a ModelConfig and a ParallelConfig")
+    parallel = dataclasses.replace(PARALLEL, vp=1)  # stage 0 holds layers 0 (dense) and 1 (MoE)
+    planner = DeferredPlanner(MODEL, parallel, HW, budget_bytes=budget)
+    assert planner.after_gate("none", 1, 10) == planner.after_gate(Plan(), 1, 10)
+    refused(lambda: planner.after_gate(Plan(), "x", 10), "layer must be an integer")
+    refused(lambda: planner.imbalance(1, 10 ** 400), "received_tokens must be an integer")
+
+
+def test_executor_and_tracker_misuse():
+    for plan in (0, [], {}):
+        refused(lambda: apply_plan(GRAPH, plan), "plan must be a Plan, its text form or None")
+    refused(lambda: ActivationTracker(exclude=5), "exclude must be an iterable of torch modules")
+    refused(lambda: ActivationTracker(exclude=[5]), "exclude takes torch modules")
+    refused(lambda: ActivationTracker().micro_batch([1]).__enter__(), "micro-batch names are strings or integers")
+    executor = apply_plan(GRAPH, "none")
+    refused(lambda: executor.micro_batch("p", plan=5).__enter__(), "plan must be a Plan")
+    with executor.micro_batch("a"):
+        pass
+    with executor.micro_batch(0):
+        pass
+    refused(lambda: executor.release("zz"), r"not in flight; in flight: 'a', 0")
+    refused(lambda: executor.release([1]), "not in flight")
+    refused(lambda: executor.recover("a", tensors=5), "tensors must be a collection of names")
