@@ -127,3 +127,20 @@ def test_executor_and_tracker_misuse():
     refused(lambda: executor.release("zz"), r"not in flight; in flight: 'a', 0")
     refused(lambda: executor.release([1]), "not in flight")
     refused(lambda: executor.recover("a", tensors=5), "tensors must be a collection of names")
+
+
+def test_solvers_engines_and_configs_name_a_wrong_argument():
+    from bagualu2.mitigation import brute, exact, greedy
+    from bagualu2.mitigation.conflicts import check_conflicts
+    from bagualu2.mitigation.solution import floor_plan
+
+    for call in (lambda: greedy.solve(None, 1), lambda: exact.solve(None, 1), lambda: brute.solve(None, 1),
+                 lambda: check_conflicts(None, Plan()), lambda: floor_plan(None)):
+        refused(call, "graph must be an OpGraph")
+    refused(lambda: greedy.solve(GRAPH, 1, config={"variant": "paper"}), "config must be a GreedyConfig")
+    refused(lambda: greedy.solve(GRAPH, 1, free=[["a"]]), "free must be a collection of tensor names")
+    assert greedy.solve(GRAPH, GRAPH.unmitigated_bytes, free=(t for t in ())).ok  # a generator is a collection
+    refused(lambda: Stage(MODEL, None, HW), "parallel must be a ParallelConfig")
+    refused(lambda: Stage(MODEL, PARALLEL, None), "hardware must be a Hardware profile")
+    refused(lambda: MODEL.replace(foo=1), "ModelConfig has no field foo; fields: num_layers")
+    refused(lambda: HW.replace(peak=1), "Hardware has no field peak")

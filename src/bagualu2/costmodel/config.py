@@ -157,7 +157,7 @@ class ModelConfig:
         return self.is_moe and layer >= self.num_dense_layers
 
     def replace(self, **changes: Any) -> "ModelConfig":
-        return dataclasses.replace(self, **changes)
+        return _replace(self, changes)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -211,7 +211,7 @@ class ParallelConfig:
         return self.dp * self.tp * self.cp // self.ep
 
     def replace(self, **changes: Any) -> "ParallelConfig":
-        return dataclasses.replace(self, **changes)
+        return _replace(self, changes)
 
 
 def check_compatible(model: ModelConfig, parallel: ParallelConfig) -> None:
@@ -248,6 +248,15 @@ def _plain(obj: Any, name: str, number: float) -> None:
     """Store a validated number as a plain Python number (a numpy scalar would not print as JSON)."""
     if type(getattr(obj, name)) not in (int, float):
         object.__setattr__(obj, name, number)
+
+
+def _replace(config: Any, changes: dict[str, Any]) -> Any:
+    """``config`` with ``changes``; an unknown field is one ``ValueError`` naming it and the fields there are."""
+    fields = [f.name for f in dataclasses.fields(config) if f.init]
+    unknown = sorted(set(changes) - set(fields))
+    if unknown:
+        raise ValueError(f"{type(config).__name__} has no field {', '.join(unknown)}; fields: {', '.join(fields)}")
+    return dataclasses.replace(config, **changes)
 
 
 def _check_optional(name: str, value: Any, like: str) -> None:
@@ -371,4 +380,4 @@ class Hardware:
         return cls(**data)
 
     def replace(self, **changes: Any) -> "Hardware":
-        return dataclasses.replace(self, **changes)
+        return _replace(self, changes)

@@ -11,13 +11,14 @@ import time
 
 from ..costmodel import OpGraph, Plan, Strategy, evaluate
 from .conflicts import check_conflicts
-from .solution import Solution, SolveStatus, check_budget, infeasible, make_solution
+from .solution import Solution, SolveStatus, check_budget, check_graph, infeasible, make_solution
 
 MAX_DECISIONS = 10
 
 
 def solve(graph: OpGraph, budget_bytes: int, *, max_decisions: int = MAX_DECISIONS) -> Solution:
     started = time.perf_counter()
+    check_graph(graph)
     budget_bytes = check_budget(budget_bytes)
     decisions = graph.decisions
     if len(decisions) > max_decisions:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from ..costmodel import OpGraph, Plan, Strategy, evaluate, resolve
 from ..costmodel.evaluate import evaluate_resolved
+from .solution import check_graph
 
 PLACEMENT = {Strategy.KEEP: "device", Strategy.QUANTIZE: "device", Strategy.OFFLOAD: "host",
              Strategy.RECOMPUTE: "regenerated"}
@@ -46,6 +47,7 @@ class Violation:
 
 def check_conflicts(graph: OpGraph, plan: Plan | None) -> list[Violation]:
     """All violations of ``plan`` on ``graph`` (see the module docstring for the rules)."""
+    check_graph(graph)
     violations: list[Violation] = []
     strategies = {(op.name, s.tensor): Strategy.KEEP for op, s in graph.savings}
     plan = Plan.coerce(plan)

@@ -15,7 +15,7 @@ from ortools.sat.python import cp_model
 from ..costmodel import OpGraph, Strategy
 from ..costmodel.validate import check_solver_options
 from . import greedy
-from .solution import Solution, SolveStatus, check_budget, floor_plan, infeasible, make_solution
+from .solution import Solution, SolveStatus, check_budget, check_graph, floor_plan, infeasible, make_solution
 from .space import Space, decision_space
 
 KEEP, RECOMPUTE, OFFLOAD, QUANTIZE = Strategy.KEEP, Strategy.RECOMPUTE, Strategy.OFFLOAD, Strategy.QUANTIZE
@@ -162,6 +162,7 @@ def solve(graph: OpGraph, budget_bytes: int, *, time_limit_s: float = 10.0, num_
     """Optimal plan under ``budget_bytes`` (OPTIMAL), best found at the time limit (FEASIBLE), or none (TIMEOUT)."""
     check_solver_options(time_limit_s, num_workers, seed)  # before anything else: bad options never half-run
     started = time.perf_counter()
+    check_graph(graph)
     budget_bytes = check_budget(budget_bytes)
     if budget_bytes < graph.floor_bytes:
         return infeasible(graph, budget_bytes, "exact", started, time.perf_counter())

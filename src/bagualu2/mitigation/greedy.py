@@ -33,7 +33,7 @@ from typing import Iterable
 from ..costmodel import OpGraph, Plan, Strategy, resolve
 from ..costmodel.evaluate import recompute_closure
 from ..costmodel.validate import require_int
-from .solution import Solution, SolveStatus, check_budget, infeasible, make_solution
+from .solution import Solution, SolveStatus, check_budget, check_graph, infeasible, make_solution
 from .space import Space, TensorChoice, decision_space
 
 VARIANTS = ("improved", "paper")
@@ -222,11 +222,17 @@ def solve(graph: OpGraph, budget_bytes: int, *, config: GreedyConfig | None = No
     else ``ValueError``). With ``fixed`` alone nothing may change: the result is ``fixed`` if it fits.
     """
     started = time.perf_counter()
+    check_graph(graph)
     budget_bytes = check_budget(budget_bytes)
     fixed = Plan.coerce(fixed)
+    if config is not None and not isinstance(config, GreedyConfig):
+        raise ValueError(f"config must be a GreedyConfig or None, got {type(config).__name__}")
     if free is not None:
         if isinstance(free, str) or not isinstance(free, Iterable):
             raise ValueError(f"free must be a collection of tensor names, got {type(free).__name__}")
+        free = tuple(free)
+        if not all(isinstance(t, str) for t in free):
+            raise ValueError("free must be a collection of tensor names (strings)")
         free = frozenset(free)
         unknown = sorted(str(t) for t in free if t not in graph.tensors)
         if unknown:

@@ -41,6 +41,13 @@ class Solution:
         return self.status in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE)
 
 
+def check_graph(graph: Any) -> OpGraph:
+    """The solvers' graph: an :class:`OpGraph` (one-line ``ValueError`` otherwise)."""
+    if not isinstance(graph, OpGraph):
+        raise ValueError(f"graph must be an OpGraph (build_graph or a traced graph), got {type(graph).__name__}")
+    return graph
+
+
 def check_budget(budget_bytes: Any) -> int:
     """Budgets are non-negative integers of bytes; anything else is a ``ValueError``."""
     return require_int("budget_bytes", budget_bytes, 0)
@@ -50,6 +57,7 @@ def floor_plan(graph: OpGraph) -> Plan:
     """Full recompute: every mitigable saving RECOMPUTE (keeps only the pinned block inputs)."""
     from ..costmodel import Strategy
 
+    check_graph(graph)
     pinned = {tensor for _, tensor in graph.pinned}
     return Plan.from_decisions({key: Strategy.RECOMPUTE for key in graph.decisions if key[1] not in pinned})
 
