@@ -144,3 +144,30 @@ def test_solvers_engines_and_configs_name_a_wrong_argument():
     refused(lambda: Stage(MODEL, PARALLEL, None), "hardware must be a Hardware profile")
     refused(lambda: MODEL.replace(foo=1), "ModelConfig has no field foo; fields: num_layers")
     refused(lambda: HW.replace(peak=1), "Hardware has no field peak")
+
+
+def test_the_simulator_and_the_reproduction_name_a_wrong_argument():
+    from bagualu2.sim import PaperTrace, load_trace, paper_trace, simulate
+    from bagualu2.sim.reproduce import ReproduceConfig, reproduce
+
+    model, parallel = presets.model("glm-188b-a20b")
+    refused(lambda: simulate(model, parallel, presets.hardware("paper-gpu"), "flexible", [1.0], plan_imbalance=0.5),
+            "plan_imbalance must be")
+    for changes, match in (({"models": ()}, "models must be a non-empty tuple"), ({"models": "glm-188b-a20b"},
+                                                                                 "models"),
+                           ({"models": None}, "models"), ({"top_ks": ()}, "top_ks"),
+                           ({"seq_lengths": ()}, "seq_lengths"),
+                           ({"seq_lengths": (4097,)}, "seq_lengths: 4097 does not fit"),
+                           ({"plan_imbalance": 0.5}, "plan_imbalance must be"),
+                           ({"plan_imbalance": 40}, r"plan_imbalance must be in \[1, 32\]")):
+        refused(lambda: ReproduceConfig(iterations=10, **changes), match)
+    config = ReproduceConfig(iterations=10, models=("GLM-423B-A30B", "glm-423b-a30b"), focus="GLM-423B-A30B")
+    assert config.models == ("glm-423b-a30b",) and config.focus == "glm-423b-a30b"  # one spelling, one run
+    refused(lambda: reproduce("abc"), "config must be a ReproduceConfig")
+    refused(lambda: reproduce(config, progress=5), "progress must be a callable")
+    for value in ("x", -1):
+        refused(lambda: paper_trace(3, spike_microbatches=value), "spike_microbatches must be an integer")
+    refused(lambda: PaperTrace(num_iterations=10 ** 12), "num_iterations must be an integer in")
+    refused(lambda: PaperTrace(num_iterations=3, num_microbatches=10 ** 9), "num_microbatches must be an integer in")
+    for path in (0, True, None):  # an integer would be read as a file descriptor
+        refused(lambda: load_trace(path), "path must be a file path")

@@ -375,3 +375,17 @@ def test_a_short_option_without_its_value_is_named_by_its_long_name(args: list[s
     result = run(*args)
     assert result.exit_code == 2
     assert one_line_error(result.stderr, option).endswith(f"Option '{args[-1]}' requires an argument.")
+
+
+@pytest.mark.parametrize("command, shown", [("budget", "trace: [imbalance per micro-batch]"),
+                                            ("curve", "in_flight_bytes: [bytes after each")])
+def test_json_formats_in_help_keep_their_brackets(command, shown):
+    """rich reads ``[...]`` as markup: the JSON formats are escaped so that help shows them."""
+    result = CliRunner().invoke(app, [command, "--help"], terminal_width=400)
+    assert result.exit_code == 0 and shown in " ".join(result.output.split())
+
+
+def test_reproduce_lists_the_table_ii_presets_it_takes():
+    result = CliRunner().invoke(app, ["reproduce", "-m", "tiny-moe", "-n", "10"])
+    assert result.exit_code == 2 and "unknown Table II preset 'tiny-moe'; valid: glm-188b-a20b" in result.output
+    assert "tiny" not in result.output.split("valid:")[1]

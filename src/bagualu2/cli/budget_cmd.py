@@ -12,7 +12,7 @@ from rich.table import Table
 from bagualu2.costmodel import Plan
 from bagualu2.runtime import ForwardDecision, IterationReplay, replay_iteration
 
-from .common import (GIB, HARDWARE_HELP, JSON_HELP, MODEL_HELP, console, echo_json, handle_errors, number_option,
+from .common import (GIB, HARDWARE_HELP, json_help, MODEL_HELP, console, echo_json, handle_errors, number_option,
                      progress_bar)
 from .iteration import (DEFAULT_HARDWARE, DEFAULT_MODEL, DOWNGRADE_HELP, MAX_IMBALANCE_HELP, SEED_HELP, SPIKE_HELP,
                         SPIKE_RATE_HELP, STAGE_HELP, Iteration, prepare)
@@ -71,7 +71,7 @@ def budget(
     downgrade: Annotated[str, typer.Option(metavar="graded|paper", help=DOWNGRADE_HELP)] = "graded",
     show_all: Annotated[bool, typer.Option("--all", help="Show every forward, not only those that mitigated, "
                                            "absorbed or re-planned.")] = False,
-    json_output: Annotated[bool, typer.Option("--json", help=JSON_HELP + " " + JSON_DOC)] = False,
+    json_output: Annotated[bool, typer.Option("--json", help=json_help(JSON_DOC))] = False,
 ) -> None:
     """Per-micro-batch budgets, kept bytes and after-gate decisions over one iteration of one stage.
 

@@ -259,6 +259,14 @@ PLAN_HELP = ("Mitigation plan, e.g. expert_act=RECOMPUTE,core_attn=OFFLOAD; 'non
 JSON_HELP = "Print one JSON object on stdout instead of tables."
 
 
+def json_help(doc: str, *, lead: str = JSON_HELP) -> str:
+    """The ``--json`` option's help: ``lead`` and the format ``doc`` (escaped: rich would read ``[...]`` as
+    markup and drop it)."""
+    from rich.markup import escape
+
+    return f"{lead} {escape(doc)}"
+
+
 # ---- output ------------------------------------------------------------------------------------------------
 def console() -> Console:
     """A stdout console; wide (160 columns) when stdout is not a terminal and COLUMNS is unset."""

@@ -21,7 +21,7 @@ from bagualu2.costmodel.validate import require_int
 from bagualu2.fusion import build_chains, dp, exact as exact_schedule
 from bagualu2.mitigation import exact, greedy
 
-from .common import (HARDWARE_HELP, JSON_HELP, CliError, blame, check_graph, console, echo_json, handle_errors,
+from .common import (HARDWARE_HELP, json_help, CliError, blame, check_graph, console, echo_json, handle_errors,
                      load_hardware, load_model, parse_imbalance, parse_number, progress_bar)
 
 DEFAULT_MODELS = ("glm-188b-a20b", "glm-1041b-a35b")
@@ -93,7 +93,7 @@ def compare(
                        f"between the floor M0 and the unmitigated bytes (1 to {MAX_BUDGETS}).")] = 3,
     time_limit: Annotated[str, typer.Option("--time-limit", metavar="S", help="Seconds per CP-SAT solve "
                           "(> 0, at most 600).")] = "2",
-    json_output: Annotated[bool, typer.Option("--json", help=JSON_HELP + " " + JSON_DOC)] = False,
+    json_output: Annotated[bool, typer.Option("--json", help=json_help(JSON_DOC))] = False,
 ) -> None:
     """Greedy vs exact mitigation and DP vs exact fusion over presets x imbalances x budgets.
 

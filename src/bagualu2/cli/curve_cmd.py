@@ -16,7 +16,7 @@ from rich.markup import escape
 
 from bagualu2.runtime import DecisionPath, replay_iteration
 
-from .common import (GIB, HARDWARE_HELP, JSON_HELP, MODEL_HELP, CliError, console, echo_json, handle_errors,
+from .common import (GIB, HARDWARE_HELP, json_help, MODEL_HELP, CliError, console, echo_json, handle_errors,
                      number_option, output_path, progress_bar, write_output)
 from .iteration import (DEFAULT_HARDWARE, DEFAULT_MODEL, DOWNGRADE_HELP, MAX_IMBALANCE_HELP, SEED_HELP, SPIKE_HELP,
                         SPIKE_RATE_HELP, STAGE_HELP, Iteration, prepare)
@@ -120,7 +120,7 @@ def curve(
                       "repeatable; default: all three.")] = None,
     png: Annotated[Optional[str], typer.Option("--png", metavar="PATH", help="Also write the curves as a PNG "
                    "file (written atomically; never onto anything but a regular file).")] = None,
-    json_output: Annotated[bool, typer.Option("--json", help=JSON_HELP + " " + JSON_DOC)] = False,
+    json_output: Annotated[bool, typer.Option("--json", help=json_help(JSON_DOC))] = False,
 ) -> None:
     """Activation-memory curve of one iteration of one stage vs its capacity, per policy (sparkline, PNG).
 

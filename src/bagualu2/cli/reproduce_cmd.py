@@ -12,7 +12,7 @@ from rich.markup import escape
 from bagualu2.costmodel import presets
 from bagualu2.sim.figures import figures
 from bagualu2.sim.report import headline, markdown
-from bagualu2.sim.reproduce import ReproduceConfig, WorkerDied, reproduce, steps
+from bagualu2.sim.reproduce import ReproduceConfig, WorkerDied, reproduce, steps, table_ii
 
 from .common import (JSON_HELP, CliError, blame, check_device_room, check_output_path, console, echo_json,
                      handle_errors, number_option, progress_bar)
@@ -46,8 +46,8 @@ def reproduce_cmd(
     """Run the paper's evaluation (§VI: Fig. 8-11, decision overhead) in the simulator and write
     DIR/reproduction.md with its PNG plots (written as one set, atomically); a progress bar runs on stderr."""
     for name in model or ():
-        with blame("--model"):
-            presets.model(name)
+        if name.lower() not in table_ii():
+            raise CliError(f"unknown Table II preset {name!r}; valid: {', '.join(table_ii())}", "--model")
     with blame("--hardware"):
         hw = presets.hardware(hardware)
     try:

@@ -14,12 +14,13 @@ from bagualu2.sim import (ABLATION, ON_OOM, OVERLAP, POLICIES, PaperTrace, SimRe
                           simulate)
 from bagualu2.sim.simulate import MAX_ITERATIONS, MAX_RESTART_S
 
-from .common import (HARDWARE_HELP, JSON_HELP, MODEL_HELP, CliError, blame, check_device_room, console, echo_json,
+from .common import (HARDWARE_HELP, json_help, MODEL_HELP, CliError, blame, check_device_room, console, echo_json,
                      handle_errors, load_hardware, load_model, number_option, output_path, progress_bar, write_output)
 
 DEFAULT_MODEL = "glm-423b-a30b"
 DEFAULT_ITERATIONS = 200
 SEED_LIMIT = 2**63
+JSON_LEAD = "Print the results as JSON on stdout instead of tables."
 JSON_DOC = ("JSON (--json): a list, one object per policy: {policy, model, hardware, iterations, mfu (per-iteration MFU "
             "averaged, restarts included), tokens_per_s, oom_events, restarts, time_lost_s, total_time_s}.")
 
@@ -91,7 +92,7 @@ def simulate_cmd(
                                                           "none.", show_default=False)] = None,
     png: Annotated[Optional[str], typer.Option("--png", metavar="PATH", help="Also plot the imbalance and every "
                                                "policy's MFU per iteration (PNG, written atomically).")] = None,
-    json_output: Annotated[bool, typer.Option("--json", help=JSON_HELP + " " + JSON_DOC)] = False,
+    json_output: Annotated[bool, typer.Option("--json", help=json_help(JSON_DOC, lead=JSON_LEAD))] = False,
 ) -> None:
     """Mean MFU, tokens/s, OOM events, restarts and time lost per policy over a trace of iterations.
 

@@ -118,7 +118,8 @@ class StageMemory:
                  f"hardware {hardware.name!r} leaves {self.m_max_bytes / gib:.2f} GiB for activations on stage "
                  f"{stage} ({hardware.hbm_bytes / gib:.1f} GiB less {hardware.reserved_bytes / gib:.1f} reserved and "
                  f"{self.static_bytes / gib:.2f} of weights, gradients and optimizer states)")
-        raise ValueError(f"{where}, below the {self.floor_bytes / gib:.2f} GiB its {self.inflight_chunks} in-flight "
+        floor = f"{self.floor_bytes / gib:.2f} GiB" if self.floor_bytes >= gib // 100 else f"{self.floor_bytes} bytes"
+        raise ValueError(f"{where}, below the {floor} its {self.inflight_chunks} in-flight "
                          "chunks keep fully recomputed: nothing fits; use a larger hardware profile, more pipeline "
                          "or tensor parallelism, a smaller micro-batch, or a larger cap")
 

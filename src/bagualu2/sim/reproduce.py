@@ -42,8 +42,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..costmodel import ParallelConfig, presets
-from ..costmodel.build import check_imbalance
+from ..costmodel import ParallelConfig, check_compatible, presets
 from ..costmodel.validate import require_int, require_number
 from ..runtime import DecisionPath, replay_iteration
 from .policies import ABLATION, FALLBACKS
@@ -90,7 +89,18 @@ class ReproduceConfig:
     jobs: int | None = None
 
     def __post_init__(self) -> None:
-        check_imbalance(self.plan_imbalance)
+        require_number("plan_imbalance", self.plan_imbalance, 1)
+        for name, kind in (("models", str), ("top_ks", int), ("seq_lengths", int)):
+            value = getattr(self, name)
+            if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)) or not value:
+                raise ValueError(f"{name} must be a non-empty tuple of {'preset names' if kind is str else 'integers'}"
+                                 f", got {value!r:.80}")
+            object.__setattr__(self, name, tuple(value))
+        if not all(isinstance(name, str) for name in self.models) or not isinstance(self.focus, str):
+            raise ValueError("models and focus must be preset names (strings)")
+        # preset names are case-insensitive: one spelling each, so that a model is one run and one label
+        object.__setattr__(self, "models", tuple(dict.fromkeys(name.lower() for name in self.models)))
+        object.__setattr__(self, "focus", self.focus.lower())
         if self.jobs is not None:
             require_int("jobs", self.jobs, 1, MAX_JOBS, high_open=False)
         require_int("iterations", self.iterations, 10, MAX_ITERATIONS, high_open=False)
@@ -109,8 +119,18 @@ class ReproduceConfig:
         for k in self.top_ks:
             if not (type(k) is int and 1 <= k <= experts):
                 raise ValueError(f"top_ks must be integers in [1, {experts}] (the experts of {self.focus}), got {k!r}")
+        model, parallel = presets.model(self.focus)
+        ep = min(presets.model(name)[1].ep for name in (self.focus, *self.models))
+        if self.plan_imbalance > ep:
+            raise ValueError(f"plan_imbalance must be in [1, {ep}] (the smallest expert-parallel degree of the "
+                             f"models: one of ep ranks receives at most ep x the mean tokens), got "
+                             f"{self.plan_imbalance!r}")
         for length in self.seq_lengths:
             require_int("seq_lengths", length, 1)
+            try:
+                check_compatible(dataclasses.replace(model, seq_length=length), parallel)
+            except ValueError as exc:
+                raise ValueError(f"seq_lengths: {length} does not fit {self.focus}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -310,7 +330,11 @@ def steps(config: ReproduceConfig) -> int:
 def reproduce(config: ReproduceConfig | None = None, *, progress: Callable[[str], None] | None = None) -> Report:
     """Run every experiment of the module docstring; ``progress(label)`` is called before each of
     :func:`steps` steps."""
-    config = config or ReproduceConfig()
+    config = ReproduceConfig() if config is None else config
+    if not isinstance(config, ReproduceConfig):
+        raise ValueError(f"config must be a ReproduceConfig or None, got {type(config).__name__}")
+    if progress is not None and not callable(progress):
+        raise ValueError(f"progress must be a callable or None, got {type(progress).__name__}")
     step = progress or (lambda label: None)
     trace = trace_for(config)
     scales, sparsity, lengths, tokens, ablation, released = _runs(config, step)

@@ -80,7 +80,7 @@ class SimConfig:
         if self.m_max_bytes is not None:
             require_int("m_max_bytes", self.m_max_bytes, 1)
         require_number("restart_s", self.restart_s, 0, MAX_RESTART_S)
-        check_imbalance(self.plan_imbalance)
+        require_number("plan_imbalance", self.plan_imbalance, 1)
         if self.on_oom not in ON_OOM:
             raise ValueError(f"on_oom must be one of {', '.join(ON_OOM)}, got {self.on_oom!r}")
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from ..costmodel.build import check_imbalance
 from ..costmodel.config import PARALLEL_MAX
 from ..costmodel.validate import require_int, require_number
+from .simulate import MAX_ITERATIONS
 
 MAX_MICROBATCHES = PARALLEL_MAX["num_microbatches"]  # a micro-batch number is below it
 
@@ -66,7 +67,7 @@ class PaperTrace:
     spike_microbatch_share: float | None = None
 
     def __post_init__(self) -> None:
-        require_int("num_iterations", self.num_iterations, 1)
+        require_int("num_iterations", self.num_iterations, 1, MAX_ITERATIONS, high_open=False)
         require_int("seed", self.seed, 0)
         require_number("spike_share", self.spike_share, 0, 1)
         require_number("base_low", self.base_low, 1)
@@ -83,8 +84,9 @@ class PaperTrace:
             raise ValueError(f"spike_max must be at least {lowest:g} (the smallest rate above base_high at "
                              f"{DECIMALS} decimals) when spike_share > 0, got {self.spike_max!r}")
         if self.num_microbatches is not None:
-            require_int("num_microbatches", self.num_microbatches, 1)
-            require_int("spike_microbatches", self.spike_microbatches, 1, self.num_microbatches + 1)
+            require_int("num_microbatches", self.num_microbatches, 1, MAX_MICROBATCHES)
+        most = MAX_MICROBATCHES if self.num_microbatches is None else self.num_microbatches + 1
+        require_int("spike_microbatches", self.spike_microbatches, 1, most)
         if self.spike_microbatch_share is not None:
             require_number("spike_microbatch_share", self.spike_microbatch_share, 0, 1, low_open=True,
                            high_open=False)
@@ -194,6 +196,8 @@ def load_trace(path: str | Path) -> tuple[tuple[float, ...], ...]:
     rows: dict[int, dict[int, float]] = {}
     where = {}
     records = []
+    if not isinstance(path, (str, os.PathLike)):  # an integer would be read as a file descriptor
+        raise ValueError(f"path must be a file path (str or os.PathLike), got {type(path).__name__}")
     if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO or a device would block or never end
         raise ValueError(f"{path}: not a regular file")
     with open(path, encoding="utf-8") as handle:
