@@ -171,3 +171,25 @@ def test_the_simulator_and_the_reproduction_name_a_wrong_argument():
     refused(lambda: PaperTrace(num_iterations=3, num_microbatches=10 ** 9), "num_microbatches must be an integer in")
     for path in (0, True, None):  # an integer would be read as a file descriptor
         refused(lambda: load_trace(path), "path must be a file path")
+
+
+def test_gate_helpers_and_iteration_drivers_name_a_wrong_argument():
+    from bagualu2.runtime import after_gate, downgrade_plan, gate_free_tensors, replay_iteration, run_iteration
+
+    graph = build_graph(MODEL, dataclasses.replace(PARALLEL, vp=1), HW)
+    assert downgrade_plan(graph, "none", layers=[1]) == downgrade_plan(graph, Plan(), layers=(1,))
+    for call in (lambda: after_gate(graph, None, 10, layers=1), lambda: downgrade_plan(graph, layers=1),
+                 lambda: gate_free_tensors(graph, layers=1)):
+        refused(call, "layers must be a collection of layer numbers")
+    refused(lambda: downgrade_plan(graph, layers=["a"]), "layers must be an integer")
+    refused(lambda: after_gate(graph, None, 10, cost="x"), "cost must be a callable")
+    refused(lambda: gate_free_tensors(None), "graph must be an OpGraph")
+    engine = Stage(MODEL, PARALLEL, HW)
+    path = DecisionPath.on(engine)
+    rates = [1.0] * PARALLEL.num_microbatches
+    refused(lambda: run_iteration(engine, path.decide, (r for r in rates)), "imbalances must be a sequence")
+    refused(lambda: run_iteration(engine, path.decide, {"a": 1.0}), "imbalances must be a sequence")
+    refused(lambda: run_iteration(engine, lambda *args: 5, rates), "decide must return what the forward runs")
+    refused(lambda: Iteration(None), "stage must be a runtime Stage")
+    refused(lambda: replay_iteration(MODEL, PARALLEL, HW, rates, stage=False), "stage must be an integer")
+    refused(lambda: replay_iteration(MODEL, None, HW, rates), "parallel must be a ParallelConfig")

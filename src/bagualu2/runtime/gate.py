@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import enum
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..costmodel import OpGraph, Plan, PlanCost, Strategy, evaluate
@@ -67,12 +68,30 @@ def check_downgrade(downgrade: str) -> str:
 _AFTER: "weakref.WeakKeyDictionary[OpGraph, dict]" = weakref.WeakKeyDictionary()
 
 
+def _check_graph(graph) -> None:
+    if not isinstance(graph, OpGraph):
+        raise ValueError(f"graph must be an OpGraph, got {type(graph).__name__}")
+
+
+def layers_key(layers) -> tuple[int, ...] | None:
+    """``layers`` (None: all, or a collection of layer numbers) as a sorted tuple; one ``ValueError`` otherwise."""
+    if layers is None:
+        return None
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
+        raise ValueError(f"layers must be a collection of layer numbers or None, got {type(layers).__name__}")
+    layers = tuple(layers)
+    if not all(type(layer) is int for layer in layers):
+        layers = tuple(require_int("layers", layer, 0) for layer in layers)
+    return tuple(sorted(set(layers)))
+
+
 def after_router_tensors(graph: OpGraph, layers=None) -> frozenset[str]:
     """Tensors made by the MoE ops that run after the router (of ``layers``, default all), in program order: what
     the gate may still re-plan. A MoE op of the layer that runs before its router (a shared expert some models
     compute first) has stored its tensors already. ``ValueError`` for a layer with no MoE module."""
+    _check_graph(graph)
     memo = _AFTER.setdefault(graph, {})
-    key = None if layers is None else tuple(sorted(set(layers)))
+    key = layers_key(layers)
     found = memo.get(key)
     if found is None:
         moe_layers = {op.layer for op in graph.ops if op.kind == "router"}
@@ -98,8 +117,9 @@ def gate_free_tensors(graph: OpGraph, layers=None) -> frozenset[str]:
     Their ops either have not run yet or have just run and can still be re-run in backward from the module input
     (the paper's "full recompute of the MoE module" restarts from there); ``exec`` holds the savings of the norm and the router
     provisionally until the gate settles them."""
+    _check_graph(graph)
     memo = _AFTER.setdefault(graph, {})
-    key = ("module", None if layers is None else tuple(sorted(set(layers))))
+    key = ("module", layers_key(layers))
     found = memo.get(key)
     if found is None:
         after = after_router_tensors(graph, layers)
@@ -127,8 +147,10 @@ def gate_free_tensors(graph: OpGraph, layers=None) -> frozenset[str]:
 def downgrade_plan(graph: OpGraph, plan: Plan | None = None, *, layers=None) -> Plan:
     """``plan`` with the MoE modules of ``layers`` (default: all) downgraded after their gate: every saving of a
     tensor made by a MoE op after the router set to RECOMPUTE (pinned savings stay)."""
+    _check_graph(graph)
+    plan = Plan.coerce(plan)
     memo = _AFTER.setdefault(graph, {})  # a pure function of its arguments: the gate asks again at every need level
-    key = ("downgrade", None if plan is None else plan.entries, None if layers is None else tuple(sorted(set(layers))))
+    key = ("downgrade", None if plan is None else plan.entries, layers_key(layers))
     found = memo.get(key)
     if found is None:
         after = after_router_tensors(graph, layers)
@@ -166,8 +188,7 @@ def after_gate(graph: OpGraph, plan: Plan | None, budget_bytes: int, *, limit_by
     measured it exactly (the runtime's path checks it at the measured token count; ``budget_bytes`` is then the
     budget its need level decides for, which the re-plan fits), instead of its cost against ``budget_bytes``.
     """
-    if not isinstance(graph, OpGraph):
-        raise ValueError(f"graph must be an OpGraph, got {type(graph).__name__}")
+    _check_graph(graph)
     plan = Plan.coerce(plan)
     budget_bytes = require_int("budget_bytes", budget_bytes, 0)
     if limit_bytes is not None:
@@ -175,6 +196,10 @@ def after_gate(graph: OpGraph, plan: Plan | None, budget_bytes: int, *, limit_by
     check_downgrade(downgrade)
     window_ns = require_int("copy_window_ns", copy_window_ns, 0)
     plan = plan if plan is not None else Plan()
+    if cost is not None and not callable(cost):
+        raise ValueError(f"cost must be a callable (plan -> PlanCost) or None, got {type(cost).__name__}")
+    if duration is not None and not callable(duration):
+        raise ValueError(f"duration must be a callable (plan -> ns) or None, got {type(duration).__name__}")
     cost = cost if cost is not None else (lambda candidate: evaluate(graph, candidate))
     in_force = cost(plan)
     if keep_fits is not None and not isinstance(keep_fits, bool):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 from ..budget import BudgetAssigner
 from ..costmodel.validate import require_int
@@ -52,6 +52,10 @@ class Iteration:
     ``next_forward``, ``record_forward`` and ``record_backward`` are this iteration's."""
 
     def __init__(self, stage: Stage, *, m_max_bytes: int | None = None, budgeted: bool = True):
+        if not isinstance(stage, Stage):
+            raise ValueError(f"stage must be a runtime Stage (the stage engine), got {type(stage).__name__}")
+        if not isinstance(budgeted, bool):
+            raise ValueError(f"budgeted must be True or False, got {budgeted!r}")
         memory = stage.memory
         self.m_max_bytes = memory.m_max_bytes if m_max_bytes is None else require_int("m_max_bytes", m_max_bytes, 1)
         self.m0_bytes = memory.m0_bytes
@@ -120,6 +124,14 @@ def run_iteration(stage: Stage, decide: Callable[[Step, float, int, int | None],
     """Run one iteration of ``stage``: for every forward ``decide(step, imbalance, budget_bytes, limit_bytes)``
     returns what the forward runs (anything with ``kept_bytes``), ``imbalances[m]`` being micro-batch m's
     measured rate; see :class:`Iteration` for ``m_max_bytes`` and ``budgeted``."""
+    if not isinstance(stage, Stage):
+        raise ValueError(f"stage must be a runtime Stage (the stage engine), got {type(stage).__name__}")
+    if not callable(decide):
+        raise ValueError(f"decide must be a callable (step, imbalance, budget_bytes, limit_bytes), got "
+                         f"{type(decide).__name__}")
+    if isinstance(imbalances, (str, bytes)) or not isinstance(imbalances, Sequence):
+        raise ValueError(f"imbalances must be a sequence of rates (one per micro-batch), got "
+                         f"{type(imbalances).__name__}")
     if len(imbalances) != stage.parallel.num_microbatches:
         raise ValueError(f"imbalances must have num_microbatches={stage.parallel.num_microbatches} entries, "
                          f"got {len(imbalances)}")
@@ -129,14 +141,21 @@ def run_iteration(stage: Stage, decide: Callable[[Step, float, int, int | None],
     raw = []
     keep = raw.append
     started = time.perf_counter()
-    for step in stage.steps:  # the timed hot path: budget, decision, re-basing
-        if not step.forward:
-            record_backward(step.index)
-            continue
-        budget_bytes, limit_bytes = next_forward()
-        imbalance = imbalances[step.microbatch]
-        result = decide(step, imbalance, budget_bytes, limit_bytes)
-        keep((step, imbalance, budget_bytes, result, record_forward(step.index, result.kept_bytes)))
+    result = None
+    try:
+        for step in stage.steps:  # the timed hot path: budget, decision, re-basing
+            if not step.forward:
+                record_backward(step.index)
+                continue
+            budget_bytes, limit_bytes = next_forward()
+            imbalance = imbalances[step.microbatch]
+            result = decide(step, imbalance, budget_bytes, limit_bytes)
+            keep((step, imbalance, budget_bytes, result, record_forward(step.index, result.kept_bytes)))
+    except AttributeError:
+        if result is not None and not hasattr(result, "kept_bytes"):
+            raise ValueError(f"decide must return what the forward runs, with kept_bytes; got "
+                             f"{type(result).__name__}") from None
+        raise
     elapsed = time.perf_counter() - started
     return IterationRun(tuple(Forward._make(row) for row in raw), iteration.m_max_bytes, iteration.m0_bytes,
                         iteration.peak_bytes, elapsed)

@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 
 from ..costmodel import Hardware, ModelConfig, ParallelConfig
 from ..costmodel.build import check_imbalance
+from ..costmodel.config import check_compatible
 from ..costmodel.validate import require_int, require_number
 from .iteration import run_iteration
 from .path import DecisionPath
@@ -94,6 +95,9 @@ def replay_iteration(model: ModelConfig, parallel: ParallelConfig, hardware: Har
     if isinstance(imbalances, (str, bytes)) or not isinstance(imbalances, Sequence):
         raise ValueError(f"imbalances must be a sequence of rates (one per micro-batch), "
                          f"got {type(imbalances).__name__}")
+    if stage is not None:
+        stage = require_int("stage", stage, 0)
+    check_compatible(model, parallel)
     if path is not None and not isinstance(path, DecisionPath):
         raise ValueError(f"path must be a DecisionPath or None, got {type(path).__name__}")
     if path is not None and ((path.model, path.parallel, path.hardware) != (model, parallel, hardware)
