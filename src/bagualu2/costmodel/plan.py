@@ -44,7 +44,8 @@ class Plan:
 
     def __post_init__(self) -> None:
         if not isinstance(self.entries, (tuple, list)):
-            raise ValueError(f"plan entries must be a tuple of (key, Strategy) pairs, got {type(self.entries).__name__}")
+            raise ValueError("plan entries must be a tuple of (key, Strategy) pairs, got "
+                             f"{type(self.entries).__name__}")
         seen: dict[str, Strategy] = {}
         for item in self.entries:
             if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], Strategy)):

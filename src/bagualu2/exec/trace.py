@@ -51,9 +51,10 @@ COPIES = frozenset({torch.ops.aten._to_copy, torch.ops.aten.clone})  # what cast
 @dataclass(frozen=True)
 class TraceResult:
     """What :meth:`InstrumentedModel.trace_graph` found. ``slots`` names the savings of a call: ``(module path,
-    call, slot) -> (tensor, dtype, storage bytes)``; ``saved_bytes`` is every storage ``model(...)`` saved (deduplicated, as the
-    tracker counts), ``unmapped_bytes`` those saved only outside mapped modules (not in the graph, never
-    mitigated); ``random_ops`` the ops that drew random numbers; ``modules`` the module paths of each op."""
+    call, slot) -> (tensor, dtype, storage bytes)``; ``saved_bytes`` is every storage ``model(...)`` saved
+    (deduplicated, as the tracker counts), ``unmapped_bytes`` those saved only outside mapped modules (not in the
+    graph, never mitigated); ``random_ops`` the ops that drew random numbers; ``modules`` the module paths of each
+    op."""
 
     graph: OpGraph
     slots: Mapping[tuple[str, int, int], tuple[str, str, int]]
