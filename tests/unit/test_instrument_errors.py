@@ -197,9 +197,17 @@ def test_misuse_of_executors_is_one_line():
         assert "savings have other sizes than traced" in one_line(excinfo)
         assert "the input's shape changed since trace_graph" in one_line(excinfo)
     with executor.micro_batch(3) as record:  # the traced shape runs on the same executor
-        model(torch.randn(x.shape, requires_grad=True)).sum().backward()
+        loss = model(torch.randn(x.shape, requires_grad=True)).sum()
+    loss.backward()
     assert not record.slot_size_misses and record.slot_fixed > 0
     executor.release(3)
+    for body, message in ((lambda: model(x).sum().backward(), "backward ran inside its micro_batch block"),
+                          (lambda: (model(x), model(x)), "ran 2 times, 1 in the traced forward"),
+                          (lambda: instrumented.trace_graph(x, hardware=HW), "trace_graph runs outside")):
+        with pytest.raises(ValueError) as excinfo:
+            with executor.micro_batch("misused"):
+                body()
+        assert message in one_line(excinfo) and "misused" not in executor
     model.to(torch.bfloat16)  # cast after the trace: the plan's savings are not what the model saves now
     with pytest.raises(ValueError) as excinfo:
         with apply_plan(instrumented, "norm=OFFLOAD").micro_batch(2):
@@ -359,3 +367,20 @@ def test_a_micro_batch_released_before_its_backward_keeps_its_host_copies(deferr
     for mine, reference in zip(model.parameters(), plain.parameters()):
         assert torch.equal(mine.grad, reference.grad)
     instrumented.remove()
+
+
+def test_a_model_is_instrumented_once_whole_or_in_part():
+    model, x = make()
+    instrumented = instrument(model, OP_MAP)
+    outer = nn.ModuleDict({"inner": model})
+    for target, op_map in ((model.layers[0], {"attn_norm": "norm1"}), (outer, {"inner.layers.*.attn_norm": "norm1"})):
+        with pytest.raises(ValueError) as excinfo:
+            instrument(target, op_map)
+        assert "instrumented already" in one_line(excinfo)
+    graph = instrumented.trace_graph(x, hardware=HW)
+    other, _ = make()
+    with pytest.raises(ValueError) as excinfo:  # a graph of other ops than the model's: nothing would apply
+        apply_plan(instrument(other, {"layers.*.attn_norm": "pre"}), "norm=OFFLOAD", graph=graph)
+    assert "the plan mitigates ops the instrumented model does not have: L0.norm1" in one_line(excinfo)
+    instrumented.remove()
+    instrument(model.layers[0], {"attn_norm": "norm1"}).remove()  # the hooks are off: it can be again

@@ -123,10 +123,21 @@ class PlanExecutor:
         record.budget_bytes = budget_bytes
         record.forward_gate = FORWARD_GATE.get()
         token = ACTIVE.set((self, record))
+
+        def unpack_here(packed):
+            if record.forwarding:  # a backward inside the block: its copies and re-runs are not settled yet
+                record.backward_inside = True
+            return unpack(packed)
+
         try:
+            record.forwarding = True
             with recording(name), restored_scope(), torch.autograd.graph.saved_tensors_hooks(
-                    lambda t: self._pack(record, t), unpack):
+                    lambda t: self._pack(record, t), unpack_here):
                 yield record
+                record.forwarding = False
+                if record.backward_inside:
+                    raise ValueError(f"micro-batch {name!r}: backward ran inside its micro_batch block; end the "
+                                     "block after the forward, then call backward")
                 if self.traced is not None:
                     self.instrumented.check_slots(record)
                 self._settle(record, None)  # layers whose gate was never reported: the plan in force
@@ -136,6 +147,7 @@ class PlanExecutor:
             self.tracker.drop(name)
             raise
         finally:
+            record.forwarding = False
             ACTIVE.reset(token)
             record.storages.clear()  # naming is per forward; the packed copies live in autograd's graph
 
@@ -466,6 +478,15 @@ def apply_plan(target: "OpGraph | torch.nn.Module | InstrumentedModel", plan: Pl
             graph = target.graph
             namer = target.name_saving
             check_replayable(target, plan)
+        else:  # the hooks name savings by the ops they open: the plan's ops must be the model's
+            plan = Plan.coerce(plan)
+            bound = {binding.op for binding in target.bindings.values()}
+            missing = sorted({op for (op, _), strategy in resolve(graph, plan or Plan()).items()
+                              if strategy is not Strategy.KEEP} - bound)
+            if missing:
+                raise ValueError(f"the plan mitigates ops the instrumented model does not have: "
+                                 f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''} (graph "
+                                 f"{graph.label!r} is not this model's)")
     elif isinstance(target, torch.nn.Module):
         graph = graph_of(target) if graph is None else graph
         exclude = (*exclude, target)

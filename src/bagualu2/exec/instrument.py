@@ -128,8 +128,8 @@ def check_device(model: torch.nn.Module) -> None:
                              f"{', '.join(SUPPORTED_DEVICES)}")
 
 
-# the models whose hooks are on (weakly held: a model dropped with its hooks leaves the set)
-_INSTRUMENTED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+# the modules that carry op hooks (weakly held: a model dropped with its hooks leaves the set)
+_HOOKED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
 class InstrumentedModel:
@@ -144,9 +144,11 @@ class InstrumentedModel:
         self.gate = gate
         self.trace: TraceResult | None = None
         self.traced_autocast: tuple | None = None  # the autocast state the traced forward ran under
+        self.traced_calls: dict[str, int] = {}
         self.removed = False
-        _INSTRUMENTED.add(model)
         modules = dict(model.named_modules())
+        self._hooked = [modules[path] for path in self.bindings]
+        _HOOKED.update(self._hooked)
         self._handles = []
         for path, binding in self.bindings.items():
             module = modules[path]
@@ -174,7 +176,8 @@ class InstrumentedModel:
         self._handles.clear()
         if not self.removed:
             self.removed = True
-            _INSTRUMENTED.discard(self.model)
+            for module in self._hooked:
+                _HOOKED.discard(module)
 
     # ---- tracing --------------------------------------------------------------------------------------------
     @property
@@ -196,6 +199,8 @@ class InstrumentedModel:
         if self.self_checkpointed:
             raise ValueError("the model's own activation checkpointing is on: its layers save nothing a plan could "
                              "name; turn it off (activation_checkpointing_disable())")
+        if ACTIVE.get() is not None:
+            raise ValueError("trace_graph runs outside micro_batch blocks (a plan executor is recording one)")
         if not isinstance(hardware, Hardware):
             raise ValueError(f"hardware must be a bagualu2 Hardware (e.g. presets.hardware('cpu')), "
                              f"got {type(hardware).__name__}")
@@ -210,6 +215,7 @@ class InstrumentedModel:
             TRACER.reset(token)
         self.trace = build_graph_of(recorder, self.model, hardware, activation_dtype=self._activation_dtype())
         self.traced_autocast = recorder.autocast
+        self.traced_calls = dict(recorder.counts)  # module path -> its calls in the traced forward
         return self.trace.graph
 
     def _check_autocast(self, record) -> None:
@@ -232,6 +238,12 @@ class InstrumentedModel:
         and the plan's bytes are not the ones the micro-batch keeps. (A few dtypes may differ where routing shifts
         the slots of a module whose calls save per expert; a wrapper such as FSDP2 that casts parameters for the
         forward casts them in the trace too.)"""
+        for path, calls in record.calls.items():
+            traced = self.traced_calls.get(path, 0)
+            if calls > traced and self.bindings[path].kind in SHAPE_KINDS:
+                raise ValueError(f"micro-batch {record.name!r}: module {path} ran {calls} times, {traced} in the "
+                                 "traced forward: run one forward per micro_batch block (the savings of another are "
+                                 "not the plan's)")
         if record.slot_dtype_misses > record.slot_hits:
             raise ValueError(f"micro-batch {record.name!r}: {record.slot_dtype_misses} savings have other dtypes than "
                              f"their traced slots ({record.slot_hits} match): the model was cast since trace_graph; "
@@ -397,6 +409,10 @@ def instrument(model: torch.nn.Module, op_map: Mapping[str, str], *,
     if gate is not None and not callable(gate):
         raise ValueError(f"gate must be a callable (router_module, inputs, output) -> int, got {type(gate).__name__}")
     check_device(model)
-    if model in _INSTRUMENTED:  # a second set of hooks would open every op scope twice: no saving would be named
-        raise ValueError("model is instrumented already; call remove() on its InstrumentedModel first")
+    # a second set of hooks on a module (of this model, an enclosing one or a part of it) would open its op scope
+    # twice: no saving would be named
+    hooked = next((path for path, module in model.named_modules() if module in _HOOKED), None)
+    if hooked is not None:
+        raise ValueError(f"model is instrumented already (module {hooked or '<root>'!r} has op hooks); call remove() "
+                         "on its InstrumentedModel first")
     return InstrumentedModel(model, bind(model, op_map), gate)
