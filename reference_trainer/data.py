@@ -134,6 +134,12 @@ class TokenCorpus:
         by lines holding only ``\\x1e``), a ``.jsonl`` file (one object per line with a string ``"text"`` and an
         optional string ``"domain"``, default ``"default"``) or a directory of such files (not recursive)."""
         root = Path(path)
+        try:
+            os.lstat(root)
+        except FileNotFoundError:
+            raise ValueError(f"{path}: no such file or directory ({_ALLOWED})") from None
+        except OSError as exc:  # a name too long, a component that is not a folder, ...
+            raise ValueError(f"{str(path)[:120]}: {exc.strerror or exc} ({_ALLOWED})") from None
         if not root.exists():
             raise ValueError(f"{path}: no such file or directory ({_ALLOWED})")
         if root.is_dir():
@@ -255,7 +261,9 @@ def _read_txt(file: Path) -> Iterable[tuple[str, str]]:
 
 def _read_jsonl(file: Path) -> Iterable[tuple[str, str]]:
     records = []
-    for number, line in enumerate(read_text(file).splitlines(), start=1):
+    # JSON lines end at "\n" only: str.splitlines() would also split at U+2028, U+0085, ... that JSON strings
+    # may hold as they are
+    for number, line in enumerate(read_text(file).split("\n"), start=1):
         if not line.strip():
             continue
         _check_size(file, f"line {number}", line)
@@ -264,10 +272,18 @@ def _read_jsonl(file: Path) -> Iterable[tuple[str, str]]:
         except json.JSONDecodeError as error:
             raise ValueError(f"{file}: line {number}: invalid JSON ({error.msg}); each line must be one JSON object "
                              'like {"text": "...", "domain": "..."}') from None
+        except RecursionError:
+            raise ValueError(f"{file}: line {number}: JSON nested too deeply; each line must be one JSON object "
+                             'like {"text": "...", "domain": "..."}') from None
         text, domain = (record.get("text"), record.get("domain", "default")) if isinstance(record, dict) else (0, 0)
         if not isinstance(text, str) or not isinstance(domain, str) or not domain:
             raise ValueError(f'{file}: line {number}: expected an object with a string "text" and an optional '
                              'non-empty string "domain"')
+        try:
+            text.encode("utf-8"), domain.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate ("\ud800") is JSON but no text
+            raise ValueError(f'{file}: line {number}: "text" or "domain" holds a lone surrogate (not Unicode '
+                             "text)") from None
         if text.strip():
             records.append((domain, text))
     if not records:

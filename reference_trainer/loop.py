@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .recipes import TrainConfig, default_cap, minimum_cap
@@ -47,10 +48,12 @@ def prepare(config: TrainConfig) -> "Run":
     if config.checkpoint_dir and os.path.exists(config.checkpoint_dir) and not os.path.isdir(config.checkpoint_dir):
         raise ValueError(f"--checkpoint-dir {config.checkpoint_dir} exists and is not a directory")
     if config.metrics_file:
-        parent = os.path.dirname(os.path.abspath(config.metrics_file))
-        if not os.path.isdir(parent) or (os.path.exists(config.metrics_file)
-                                         and not os.path.isfile(config.metrics_file)):
-            raise ValueError(f"--metrics-file {config.metrics_file}: not a regular file in an existing directory")
+        from .metrics import check_path
+
+        try:
+            check_path(config.metrics_file)
+        except ValueError as exc:
+            raise ValueError(f"--metrics-file: {exc}") from None
     check_state_dir(config)
     return Run(config=config, batches=batches, cap_bytes=cap, hardware=presets.hardware(config.hardware))
 
@@ -60,7 +63,7 @@ def check_state_dir(config: TrainConfig) -> None:
     takes new files, and its ``run_state.json`` is a regular file if it exists."""
     from bagualu2.costmodel.validate import probe_folder, refuse_non_file
 
-    from .restarts import STATE
+    from .restarts import MARKERS, STATE
 
     if config.checkpoint_dir:
         flag, directory = "--checkpoint-dir", config.checkpoint_dir
@@ -72,11 +75,13 @@ def check_state_dir(config: TrainConfig) -> None:
         probe_folder(directory)
     except OSError as exc:
         raise ValueError(f"{flag}: cannot write files in {directory} ({exc.strerror or exc})") from None
-    state = os.path.join(directory, STATE)
-    try:
-        refuse_non_file(state)
-    except OSError:
-        raise ValueError(f"{flag}: {state} exists and is not a regular file") from None
+    names = [os.path.join(directory, STATE)]
+    names += [str(path) for pattern in MARKERS for path in Path(directory).glob(pattern)]
+    for state in names:  # the run replaces or removes them: each must be a regular file
+        try:
+            refuse_non_file(state)
+        except OSError:
+            raise ValueError(f"{flag}: {state} exists and is not a regular file") from None
 
 
 @dataclass

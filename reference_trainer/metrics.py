@@ -124,11 +124,21 @@ def jsonable(value: Any) -> Any:
     return jsonable(item()) if callable(item) else value  # anything else: json.dumps names its type
 
 
-def _check_path(path: str) -> None:
+def check_path(path: str) -> None:
+    """One-line ``ValueError`` unless ``path`` names a file (no trailing separator) that is a regular file if it
+    exists (not a folder, a FIFO or a link) in an existing directory, with a name the file system takes."""
+    if path.endswith(("/", os.sep)):
+        raise ValueError(f"metrics path {path}: a file name is needed, not a folder")
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise ValueError(f"metrics path {path}: directory {directory} does not exist")
-    if os.path.lexists(path) and not os.path.isfile(path):
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:  # a name too long, ...
+        raise ValueError(f"metrics path {path[:120]}: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(mode):
         raise ValueError(f"metrics path {path} exists and is not a regular file")
 
 
@@ -178,7 +188,7 @@ class MetricsWriter:
         self._active = rank == 0 and self.path is not None
         if not self._active:
             return
-        _check_path(self.path)
+        check_path(self.path)
         if resume_step is not None:
             require_int("resume_step", resume_step, 0)
             if os.path.exists(self.path):

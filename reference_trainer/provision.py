@@ -170,10 +170,18 @@ class Provisioner:
         self.planning_s = self.agree_s = 0.0
         self.tracker.peak_bytes = 0
 
+    def _layout(self) -> list[int]:
+        return [self.parallel.pp, self.parallel.vp, self.parallel.ep, self.stage]
+
     def state_dict(self) -> dict:
-        return {"path": self.path.state_dict(), "pending": list(self._pending) if self._pending else None}
+        return {"path": self.path.state_dict(), "pending": list(self._pending) if self._pending else None,
+                "layout": self._layout()}
 
     def load_state_dict(self, state: dict) -> None:
+        """The remembered gates (the planned imbalance's estimate) of the same stage of the same layout; under
+        another layout (a resume with other --pp/--vp/--ep) the estimate starts over, as in a fresh run."""
+        if state.get("layout") != self._layout():
+            return
         self.path.load_state_dict(state["path"])
         pending = state.get("pending")
         self._pending = None if pending is None else (int(pending[0]), float(pending[1]))

@@ -135,6 +135,12 @@ class TrainConfig:
         require_int("--seed", self.seed, 0, 2**63)
         require_int("--warmup-steps", self.warmup_steps, 0)
         require_int("--checkpoint-every", self.checkpoint_every, 0)
+        for option, value in (("--data", self.data), ("--metrics-file", self.metrics_file),
+                              ("--checkpoint-dir", self.checkpoint_dir)):
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"{option} must be a path, got {value!r}")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise ValueError("--checkpoint-every needs --checkpoint-dir (where the checkpoints go)")
         require_number("--lr", self.lr, 0, 1e4, low_open=True)
         require_number("--weight-decay", self.weight_decay, 0, 1e4)
         require_number("--memory-cap-fraction", self.memory_cap_fraction, 0, 1, low_open=True)

@@ -36,6 +36,16 @@ def _write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+MARKERS = ("oom-rank*.json", "fault-rank*.json")  # what failing workers leave for the restart
+
+
+def marker_files(directory: Path) -> list[Path]:
+    """The markers in ``directory`` that are regular files (anything else of that name is never removed: the
+    run's set-up refuses it)."""
+    return [path for pattern in MARKERS for path in sorted(directory.glob(pattern))
+            if path.is_file() and not path.is_symlink()]
+
+
 class RunState:
     """The run's restart history in ``directory`` (None: nothing persisted, one launch only). ``fresh``: a new run
     (the history starts over); ``first_launch``: torchrun's first start of this launch, whose markers can only be
@@ -52,7 +62,7 @@ class RunState:
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.dir / STATE
         if fresh or first_launch:
-            for marker in [*self.dir.glob("oom-rank*.json"), *self.dir.glob("fault-rank*.json")]:
+            for marker in marker_files(self.dir):
                 marker.unlink(missing_ok=True)
         if not fresh and path.is_file():
             try:
@@ -99,7 +109,7 @@ class RunState:
             self.data["policies"]
         if is_logger:
             self.save()
-            for marker in [*self.dir.glob("oom-rank*.json"), *self.dir.glob("fault-rank*.json")] if self.dir else ():
+            for marker in marker_files(self.dir) if self.dir else ():
                 marker.unlink(missing_ok=True)
         return incident
 

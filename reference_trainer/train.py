@@ -58,6 +58,13 @@ def _usage_error(message: str) -> NoReturn:
     raise ValueError(message)
 
 
+def _with_flag(message: str) -> str:
+    """A config field's error (``num_microbatches must be ...``) led by the flag that sets it."""
+    field = message.split(" ", 1)[0]
+    flag = FLAG_NAMES.get(field)
+    return f"{flag}: {message}" if flag is not None and message.startswith(f"{field} must") else message
+
+
 def _fail(message: str) -> NoReturn:
     """One line on stderr and exit code 2; under torchrun only rank 0 reports, the others exit quietly."""
     if _rank() == 0:
@@ -110,6 +117,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         config, args = parse_args(argv)
         if args.world_size:
+            from .recipes import minimum_cap
+
+            minimum_cap(config)  # the layout's checks (the model and parallel configs, the floor) for a dry run
             print(config.world_size)
             return
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -121,9 +131,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         run = prepare(config)  # everything that can fail on user input, before any collective
         report = {"config": startup.fingerprint(config)}
     except ValueError as exc:
+        message = _with_flag(str(exc))
         if not startup.launched():
-            _fail(str(exc))
-        report = {"error": " ".join(str(exc).split())}
+            _fail(message)
+        report = {"error": " ".join(message.split())}
     if startup.launched():  # every rank's flags are good and the same, or one line from rank 0 and exit code 2
         startup.agree(report, FLAG_NAMES, config.collective_timeout_s if config is not None else None)
     try:

@@ -150,7 +150,7 @@ def check_run_arguments(parser: argparse.ArgumentParser, args) -> None:
     try:
         recipe(args.recipe).with_overrides(**{k: v for k, v in (
             ("steps", args.steps), ("spike_rate", args.spike_rate), ("spike_max", args.spike_max)) if v is not None},
-            checkpoint_every=args.checkpoint_every)
+            checkpoint_every=args.checkpoint_every, checkpoint_dir="runs")  # each run's own folder
     except ValueError as exc:
         parser.error(str(exc))
 

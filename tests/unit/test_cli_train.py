@@ -90,6 +90,9 @@ def test_under_torchrun_only_rank_0_reports_one_line():
     ("train", ["--steps", "x"], "error: argument --steps"),
     ("train", ["--pp", "4", "--dp", "1", "--ep", "1"], "error: the world size 2 must equal --pp x --dp"),
     ("train", ["--pp", "2", "--dp", "1", "--ep", "2"], "error: --ep=2 must divide --dp=1"),
+    ("train", ["--checkpoint-every", "1"], "error: --checkpoint-every needs --checkpoint-dir"),
+    ("train", ["--metrics-file", ""], "error: --metrics-file must be a path"),
+    ("train", ["--num-microbatches", "20000", "--world-size"], "error: --num-microbatches: num_microbatches must"),
 ])
 def test_reference_trainer_modules_reject_bad_flags_in_one_line(module, args, message, monkeypatch, capsys):
     """In-process (the behaviour under torchrun: tests/integration/test_trainer.py): one line, exit code 2."""
@@ -132,3 +135,26 @@ def test_a_stopped_launch_stops_its_workers(tmp_path):
                                              ("node-01.cluster", "node-01.cluster"), ("my_host", "my_host")])
 def test_the_rendezvous_host_is_a_name_or_an_address(given, endpoint):
     assert train_cmd.rendezvous_host(given) == endpoint
+
+
+def test_state_and_metrics_paths_that_are_not_regular_files_are_refused(tmp_path, monkeypatch, capsys):
+    from reference_trainer import train
+    from reference_trainer.metrics import check_path
+    from reference_trainer.restarts import marker_files
+
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere.jsonl")
+    for path, message in ((tmp_path / "dangling", "exists and is not a regular file"),
+                          (f"{tmp_path}/new/", "a file name is needed"),
+                          (tmp_path / ("m" * 300 + ".jsonl"), "too long")):
+        with pytest.raises(ValueError, match=message):
+            check_path(str(path))
+    (tmp_path / "oom-rank0.json").mkdir()  # a folder named like a restart marker: never removed, refused
+    (tmp_path / "fault-rank1.json").write_text("{}")
+    assert marker_files(tmp_path) == [tmp_path / "fault-rank1.json"]
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(SystemExit) as exited:
+        train.main(["--pp", "1", "--dp", "1", "--ep", "1", "--steps", "1", "--checkpoint-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "oom-rank0.json exists and is not a regular file" in err
+    assert (tmp_path / "oom-rank0.json").is_dir()

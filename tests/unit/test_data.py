@@ -180,13 +180,18 @@ def test_from_path_txt_jsonl_and_directory(tmp_path, tokenizer):
     ("bad_json", "line 2: invalid JSON"),
     ("not_an_object", 'line 1: expected an object with a string "text"'),
     ("empty_dir", "no .txt or .jsonl files"),
+    ("nested", "line 1: JSON nested too deeply"),
+    ("surrogate", "line 1: \"text\" or \"domain\" holds a lone surrogate"),
+    ("long_name", "File name too long"),
 ])
 def test_from_path_errors_are_one_line_and_name_the_path(tmp_path, tokenizer, case, fragment):
     path = {"missing": tmp_path / "nope.txt", "wrong_extension": tmp_path / "data.csv",
             "empty_txt": tmp_path / "e.txt", "empty_jsonl": tmp_path / "e.jsonl", "bad_json": tmp_path / "b.jsonl",
-            "not_an_object": tmp_path / "n.jsonl", "empty_dir": tmp_path / "dir"}[case]
+            "not_an_object": tmp_path / "n.jsonl", "empty_dir": tmp_path / "dir", "nested": tmp_path / "d.jsonl",
+            "surrogate": tmp_path / "s.jsonl", "long_name": tmp_path / ("a" * 300 + ".txt")}[case]
     content = {"wrong_extension": "a,b\n", "empty_txt": " \n\n", "empty_jsonl": "\n", "not_an_object": "[1, 2]\n",
-               "bad_json": json.dumps({"text": "fine"}) + "\n{not json\n"}
+               "bad_json": json.dumps({"text": "fine"}) + "\n{not json\n", "nested": "[" * 200_000 + "\n",
+               "surrogate": '{"text": "a \\ud800 b"}\n'}
     if case == "empty_dir":
         path.mkdir()
         (path / "readme.md").write_text("not data")
@@ -194,7 +199,16 @@ def test_from_path_errors_are_one_line_and_name_the_path(tmp_path, tokenizer, ca
         path.write_text(content[case])
     with pytest.raises(ValueError) as excinfo:
         TokenCorpus.from_path(str(path), tokenizer)
-    one_line_error(excinfo, str(path), fragment)
+    one_line_error(excinfo, str(path)[:100], fragment)
+
+
+def test_json_lines_end_at_newlines_only(tmp_path, tokenizer):
+    """U+2028 and U+0085 are text inside a JSON string (json.dumps(..., ensure_ascii=False) writes them raw)."""
+    path = tmp_path / "raw.jsonl"
+    path.write_text(json.dumps({"text": "one\u2028two\u0085three " * 40}, ensure_ascii=False) + "\n",
+                    encoding="utf-8")
+    corpus = TokenCorpus.from_path(str(path), tokenizer)
+    assert list(corpus.domains) == ["default"]
 
 
 def test_a_domain_shorter_than_one_sequence_is_refused(tmp_path, tokenizer):

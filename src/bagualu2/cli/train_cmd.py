@@ -24,6 +24,7 @@ import typer
 from .common import CliError, handle_errors, one_thread_env, require_extra
 
 TRAINER = "reference_trainer.train"
+MAX_PROCESSES = 1024  # per node
 LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
 HOST_NAME = re.compile(rf"(?=.{{1,253}}$){LABEL}(?:\.{LABEL})*\.?")
 
@@ -62,6 +63,9 @@ def _world_size(trainer_args: list[str], nnodes: int) -> int:
         typer.echo(last if last.startswith("error:") else f"error: {last}", err=True)
         raise typer.Exit(code=2)
     world = int(proc.stdout.strip().splitlines()[-1])
+    if world > MAX_PROCESSES * nnodes:
+        raise CliError(f"the trainer's world size {world} (--pp x --dp) needs more than {MAX_PROCESSES} processes "
+                       f"per node on {nnodes} node(s)", "--nnodes")
     if world % nnodes:
         raise CliError(f"the trainer's world size {world} (--pp x --dp) is not divisible by --nnodes={nnodes}; "
                        "give --nproc-per-node", "--nnodes")
@@ -72,7 +76,7 @@ def _world_size(trainer_args: list[str], nnodes: int) -> int:
 def train(
     ctx: typer.Context,
     nproc_per_node: Annotated[Optional[int], typer.Option(
-        "--nproc-per-node", min=1, max=1024, help="Processes (ranks) on this node; default: the world size the "
+        "--nproc-per-node", min=1, max=MAX_PROCESSES, help="Processes (ranks) on this node; default: the world size the "
         "trainer's flags need (--pp x --dp of the recipe and flags) over --nnodes.")] = None,
     nnodes: Annotated[int, typer.Option("--nnodes", min=1, max=4096, help="Nodes of the job.")] = 1,
     node_rank: Annotated[int, typer.Option("--node-rank", min=0, help="This node's rank (several nodes).")] = 0,
