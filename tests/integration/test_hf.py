@@ -135,6 +135,13 @@ def test_a_model_under_transformers_activation_checkpointing_is_refused():
     with pytest.raises(ValueError, match="activation checkpointing is on"):
         with executor.micro_batch("mb"):
             pass
+    model.activation_checkpointing_disable()
+    instrumented.remove()
+    wrapper = torch.nn.ModuleDict({"lm": model})  # a model inside another: its layers' flags are read too
+    inner = instrument_ops(wrapper, {"lm.model.layers.*.input_layernorm": "norm1"})
+    model.activation_checkpointing_enable()
+    with pytest.raises(ValueError, match="activation checkpointing is on"):
+        inner.trace_graph(input_ids=ids, hardware=HW, loss=lambda out: out.logits.sum())
 
 
 def test_a_batch_routed_otherwise_than_the_traced_one_keeps_the_predicted_bytes():

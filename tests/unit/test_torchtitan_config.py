@@ -111,16 +111,18 @@ def test_a_model_that_is_not_a_torchtitan_decoder():
     assert "has no ModuleDict 'layers'" in one_line(excinfo)
 
 
-def _converter(*, ep: int = 1, tp: int = 1, report_path: str = "", schedule: str = "1F1B", csv: str = ""):
+def _converter(*, ep: int = 1, tp: int = 1, report_path: str = "", schedule: str = "1F1B", csv: str = "",
+               section=None, microbatch_size=1):
     from types import SimpleNamespace
 
     from bagualu2.integrations.torchtitan import Bagualu2Converter
 
-    job = SimpleNamespace(bagualu2=Bagualu2Config(memory_cap_mib=8, report_path=report_path),
+    job = SimpleNamespace(bagualu2=Bagualu2Config(memory_cap_mib=8, report_path=report_path) if section is None
+                          else section,
                           activation_checkpoint=SimpleNamespace(mode="none"),
                           parallelism=SimpleNamespace(pipeline_parallel_schedule=schedule,
                                                       pipeline_parallel_schedule_csv=csv,
-                                                      pipeline_parallel_microbatch_size=1),
+                                                      pipeline_parallel_microbatch_size=microbatch_size),
                           training=SimpleNamespace(local_batch_size=4))
     dims = SimpleNamespace(tp_enabled=tp > 1, cp_enabled=False, ep_enabled=ep > 1, ep=ep, pp_enabled=True)
     return Bagualu2Converter(job, dims)
@@ -205,3 +207,26 @@ def test_a_model_converted_twice_is_refused():
     with pytest.raises(ValueError) as excinfo:
         _converter().convert(model)
     assert "converted by bagualu2 already" in one_line(excinfo)
+
+
+def test_a_bagualu2_section_from_elsewhere_is_checked_field_by_field(tmp_path):
+    from bagualu2.integrations.torchtitan_stage import read_report
+
+    assert _converter(section={"memory_cap_mib": 8}).config == Bagualu2Config(memory_cap_mib=8)
+    for section, message in (({"memory_cap": 8}, "bagualu2 has no field memory_cap; fields: "),
+                             (8, "bagualu2 section must be a Bagualu2Config or a mapping"),
+                             ("flexible", "bagualu2 section must be a Bagualu2Config or a mapping")):
+        with pytest.raises(ValueError) as excinfo:
+            _converter(section=section)
+        assert message in one_line(excinfo)
+    with pytest.raises(ValueError) as excinfo:
+        _converter(microbatch_size=0)
+    assert "parallelism.pipeline_parallel_microbatch_size must be an integer >= 1" in one_line(excinfo)
+    with pytest.raises(ValueError) as excinfo:
+        _converter(report_path=str(tmp_path / "r\0.json"))
+    assert "without NUL characters" in one_line(excinfo)
+    for path, message in ((tmp_path / "missing.jsonl", "cannot read it"), (tmp_path, "cannot read it"),
+                          (None, "path must be a report file's path")):
+        with pytest.raises(ValueError) as excinfo:
+            read_report(path)
+        assert message in one_line(excinfo)

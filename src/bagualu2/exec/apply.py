@@ -180,7 +180,7 @@ class PlanExecutor:
         how many started. Only with ``defer_offloads``; until then the storage stays on the device."""
         record = self.record(name)
         started = 0
-        for tensor in list(record.pending_offloads) if tensors is None else tensors:
+        for tensor in list(record.pending_offloads) if tensors is None else sorted(_names("tensors", tensors)):
             for entry in record.pending_offloads.pop(tensor, ()):
                 copy = self.engine.offload(entry.host.pending)
                 entry.host.host, entry.host.done, entry.host.pending = copy.host, copy.done, None

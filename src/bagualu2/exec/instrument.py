@@ -182,9 +182,10 @@ class InstrumentedModel:
     # ---- tracing --------------------------------------------------------------------------------------------
     @property
     def self_checkpointed(self) -> bool:
-        """Whether the model runs its layers under its own activation checkpointing (transformers'
-        ``activation_checkpointing_enable()``): then it saves nothing a plan names, and plans are refused."""
-        return bool(getattr(self.model, "is_activation_checkpointing", False))
+        """Whether the model, or a model inside it, runs its layers under its own activation checkpointing
+        (transformers' ``activation_checkpointing_enable()`` sets ``gradient_checkpointing`` on the layers): then
+        it saves nothing a plan names, and plans are refused."""
+        return any(getattr(module, "gradient_checkpointing", False) is True for module in self.model.modules())
 
     def trace_graph(self, *args, hardware: Hardware, timed: bool = False,
                     loss: Callable[[Any], torch.Tensor] | None = None, **kwargs) -> OpGraph:
@@ -408,11 +409,16 @@ def instrument(model: torch.nn.Module, op_map: Mapping[str, str], *,
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if gate is not None and not callable(gate):
         raise ValueError(f"gate must be a callable (router_module, inputs, output) -> int, got {type(gate).__name__}")
+    check_instrumentable(model)
+    return InstrumentedModel(model, bind(model, op_map), gate)
+
+
+def check_instrumentable(model: torch.nn.Module) -> None:
+    """One ``ValueError`` unless ``model`` is on a supported device and carries no op hooks yet: a second set of
+    hooks on a module (of this model, an enclosing one or a part of it) would open its op scope twice, and no
+    saving would be named."""
     check_device(model)
-    # a second set of hooks on a module (of this model, an enclosing one or a part of it) would open its op scope
-    # twice: no saving would be named
     hooked = next((path for path, module in model.named_modules() if module in _HOOKED), None)
     if hooked is not None:
         raise ValueError(f"model is instrumented already (module {hooked or '<root>'!r} has op hooks); call remove() "
                          "on its InstrumentedModel first")
-    return InstrumentedModel(model, bind(model, op_map), gate)

@@ -32,6 +32,7 @@ import torch
 
 from bagualu2.exec import GateReport, InstrumentedModel
 from bagualu2.exec import instrument as instrument_ops
+from bagualu2.exec.instrument import check_instrumentable
 
 from .hf_experts import GATE_ATTRIBUTE, PARTS, install, is_experts
 
@@ -217,6 +218,7 @@ def instrument(model: torch.nn.Module, *, gate: bool = True) -> InstrumentedMode
         raise ValueError(f"{type(model).__name__} has transformers' activation checkpointing on: its layers save "
                          "nothing a plan could act on; call activation_checkpointing_disable() first (plans "
                          "recompute per tensor)")
+    check_instrumentable(model)  # before anything on the model changes
     install(model)
     labels: Mapping[str, str] = op_map(model)
     for config in _configs(model):

@@ -48,6 +48,21 @@ def _warn(message: str) -> None:
     logger.warning(message)
 
 
+def _section(config) -> Bagualu2Config:
+    """A ``[bagualu2]`` section that is not the config dataclass (a dict, another dataclass) as one: one
+    ``ValueError`` naming what does not fit."""
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        config = dataclasses.asdict(config)
+    if not isinstance(config, dict):
+        raise ValueError(f"the job config's bagualu2 section must be a Bagualu2Config or a mapping of its fields, got "
+                         f"{type(config).__name__}")
+    fields = [f.name for f in dataclasses.fields(Bagualu2Config)]
+    unknown = sorted(str(key) for key in config if key not in fields)
+    if unknown:
+        raise ValueError(f"bagualu2 has no field {', '.join(unknown)}; fields: {', '.join(fields)}")
+    return Bagualu2Config(**config)
+
+
 # ---- the converter --------------------------------------------------------------------------------------------------
 class Bagualu2Converter:
     """torchtitan's model-converter protocol (``__init__(job_config, parallel_dims)``, ``convert(model)``,
@@ -61,8 +76,7 @@ class Bagualu2Converter:
                            "\"bagualu2.integrations.torchtitan\"): running with its defaults, no memory cap")
             config = Bagualu2Config()
         elif not isinstance(config, Bagualu2Config):  # tyro gives back the dataclass; a dict from elsewhere
-            config = Bagualu2Config(**(dataclasses.asdict(config) if dataclasses.is_dataclass(config)
-                                       else dict(config)))
+            config = _section(config)
         self.config = config
         parallelism = job_config.parallelism
         mode = getattr(job_config.activation_checkpoint, "mode", "none")
@@ -89,6 +103,9 @@ class Bagualu2Converter:
         local = job_config.training.local_batch_size
         # without a pipeline each forward (one per gradient-accumulation micro-step) is backwarded before the next
         size = parallelism.pipeline_parallel_microbatch_size if pipelined else local
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            name = "parallelism.pipeline_parallel_microbatch_size" if pipelined else "training.local_batch_size"
+            raise ValueError(f"{name} must be an integer >= 1, got {size!r}")
         self.schedule = ScheduleInfo(pipelined=pipelined, num_microbatches=max(local // size, 1))
         self.provisioners: dict[int, object] = {}
         self.step = 0

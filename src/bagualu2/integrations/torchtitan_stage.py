@@ -316,6 +316,8 @@ def check_report_path(pattern: str, world_size: int) -> None:
     when several ranks run, its folder made or there and writable, and the file, if it exists, a regular file."""
     if not pattern:
         return
+    if "\0" in pattern:
+        raise ValueError("bagualu2.report_path must be a path without NUL characters")
     if world_size > 1 and "{rank}" not in pattern:
         raise ValueError(f"bagualu2.report_path must contain {{rank}} when {world_size} ranks run (each writes its "
                          f"own report), got {pattern!r}")
@@ -372,9 +374,15 @@ def write_report(pattern: str, stage: int, step: int, rows: list[dict], *, fresh
 
 def read_report(path: str | os.PathLike[str]) -> dict:
     """A report file as ``{"stage", "steps": [rows of each step], "step_numbers"}``; a last line cut short (a run
-    stopped mid-write) is left out, any other malformed line is a ``ValueError`` naming it."""
-    with open(path) as handle:
-        lines = [line for line in handle.read().split("\n") if line.strip()]
+    stopped mid-write) is left out, any other malformed line is a ``ValueError`` naming it (and so is a path that
+    is no readable file)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"path must be a report file's path, got {type(path).__name__}")
+    try:
+        with open(path) as handle:
+            lines = [line for line in handle.read().split("\n") if line.strip()]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"report {path}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
     stage, steps, numbers = None, [], []
     for index, line in enumerate(lines, 1):
         try:
