@@ -180,7 +180,7 @@ class Provisioner:
     def load_state_dict(self, state: dict) -> None:
         """The remembered gates (the planned imbalance's estimate) of the same stage of the same layout; under
         another layout (a resume with other --pp/--vp/--ep) the estimate starts over, as in a fresh run."""
-        if state.get("layout") != self._layout():
+        if state.get("layout", self._layout()) != self._layout():  # (a checkpoint without one: the same layout)
             return
         self.path.load_state_dict(state["path"])
         pending = state.get("pending")

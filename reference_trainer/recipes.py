@@ -19,6 +19,7 @@ full recompute of every in-flight chunk (``bagualu2.costmodel``; see :func:`defa
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Callable
@@ -135,8 +136,12 @@ class TrainConfig:
         require_int("--seed", self.seed, 0, 2**63)
         require_int("--warmup-steps", self.warmup_steps, 0)
         require_int("--checkpoint-every", self.checkpoint_every, 0)
-        for option, value in (("--data", self.data), ("--metrics-file", self.metrics_file),
-                              ("--checkpoint-dir", self.checkpoint_dir)):
+        for option, name in (("--data", "data"), ("--metrics-file", "metrics_file"),
+                             ("--checkpoint-dir", "checkpoint_dir")):
+            value = getattr(self, name)
+            if isinstance(value, os.PathLike):
+                value = os.fspath(value)
+                object.__setattr__(self, name, value)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ValueError(f"{option} must be a path, got {value!r}")
         if self.checkpoint_every and not self.checkpoint_dir:

@@ -193,3 +193,43 @@ def test_gate_helpers_and_iteration_drivers_name_a_wrong_argument():
     refused(lambda: Iteration(None), "stage must be a runtime Stage")
     refused(lambda: replay_iteration(MODEL, PARALLEL, HW, rates, stage=False), "stage must be an integer")
     refused(lambda: replay_iteration(MODEL, None, HW, rates), "parallel must be a ParallelConfig")
+
+
+def test_what_worked_before_still_does():
+    """The checks above refuse only what is wrong: numpy values, str subclasses, module containers, paths."""
+    from pathlib import Path
+    from types import MappingProxyType
+
+    import torch
+
+    from bagualu2.runtime import replay_iteration, run_iteration
+    from bagualu2.sim import PaperTrace
+    from reference_trainer.recipes import recipe
+
+    engine = Stage(MODEL, PARALLEL, HW)
+    rates = np.ones(PARALLEL.num_microbatches)
+    assert len(run_iteration(engine, DecisionPath.on(engine).decide, rates).forwards) == engine.num_forwards
+    refused(lambda: replay_iteration(MODEL, PARALLEL, HW, [2.5] * PARALLEL.num_microbatches),
+            r"imbalance must be a finite number in \[1, 2\]")  # named before any decision
+    assert PaperTrace(num_iterations=10, num_microbatches=16384, spike_microbatches=16384).rates()
+    key = (np.str_("L1.expert_act"), np.str_("L1.expert_fc1_out"))
+    assert str(Plan.from_decisions({key: Strategy.OFFLOAD})) == "L1.expert_act/L1.expert_fc1_out=OFFLOAD"
+    layers = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+    ActivationTracker(exclude=layers)  # a container of modules excludes each
+    config = recipe("glm_moe_debug").with_overrides(checkpoint_dir=Path("ckpt"), checkpoint_every=2)
+    assert config.checkpoint_dir == "ckpt"
+    assert _section_of(MappingProxyType({"memory_cap_mib": 8})).memory_cap_mib == 8  # any mapping
+
+
+def _section_of(section):
+    from types import SimpleNamespace
+
+    from bagualu2.integrations.torchtitan import Bagualu2Converter
+
+    job = SimpleNamespace(bagualu2=section, activation_checkpoint=SimpleNamespace(mode="none"),
+                          parallelism=SimpleNamespace(pipeline_parallel_schedule="1F1B",
+                                                      pipeline_parallel_schedule_csv="",
+                                                      pipeline_parallel_microbatch_size=1),
+                          training=SimpleNamespace(local_batch_size=4))
+    dims = SimpleNamespace(tp_enabled=False, cp_enabled=False, ep_enabled=False, ep=1, pp_enabled=True)
+    return Bagualu2Converter(job, dims).config

@@ -12,7 +12,7 @@ from rich.table import Table
 from bagualu2.costmodel import Plan
 from bagualu2.runtime import ForwardDecision, IterationReplay, replay_iteration
 
-from .common import (GIB, HARDWARE_HELP, json_help, MODEL_HELP, console, echo_json, handle_errors, number_option,
+from .common import (GIB, HARDWARE_HELP, MODEL_HELP, console, echo_json, handle_errors, json_help, number_option,
                      progress_bar)
 from .iteration import (DEFAULT_HARDWARE, DEFAULT_MODEL, DOWNGRADE_HELP, MAX_IMBALANCE_HELP, SEED_HELP, SPIKE_HELP,
                         SPIKE_RATE_HELP, STAGE_HELP, Iteration, prepare)

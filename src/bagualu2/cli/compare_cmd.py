@@ -21,8 +21,8 @@ from bagualu2.costmodel.validate import require_int
 from bagualu2.fusion import build_chains, dp, exact as exact_schedule
 from bagualu2.mitigation import exact, greedy
 
-from .common import (HARDWARE_HELP, json_help, CliError, blame, check_graph, console, echo_json, handle_errors,
-                     load_hardware, load_model, parse_imbalance, parse_number, progress_bar)
+from .common import (HARDWARE_HELP, blame, check_graph, console, echo_json, handle_errors, json_help, load_hardware,
+                     load_model, parse_imbalance, parse_number, progress_bar)
 
 DEFAULT_MODELS = ("glm-188b-a20b", "glm-1041b-a35b")
 DEFAULT_IMBALANCES = ("1.0", "2.0")

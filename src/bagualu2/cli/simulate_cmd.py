@@ -14,8 +14,8 @@ from bagualu2.sim import (ABLATION, ON_OOM, OVERLAP, POLICIES, PaperTrace, SimRe
                           simulate)
 from bagualu2.sim.simulate import MAX_ITERATIONS, MAX_RESTART_S
 
-from .common import (HARDWARE_HELP, json_help, MODEL_HELP, CliError, blame, check_device_room, console, echo_json,
-                     handle_errors, load_hardware, load_model, number_option, output_path, progress_bar, write_output)
+from .common import (HARDWARE_HELP, MODEL_HELP, CliError, blame, check_device_room, console, echo_json, handle_errors,
+                     json_help, load_hardware, load_model, number_option, output_path, progress_bar, write_output)
 
 DEFAULT_MODEL = "glm-423b-a30b"
 DEFAULT_ITERATIONS = 200

@@ -87,7 +87,7 @@ class Plan:
         if not isinstance(decisions, Mapping):
             raise ValueError(f"decisions must map (op, tensor) to a Strategy, got {type(decisions).__name__}")
         for key, strategy in decisions.items():
-            if not (isinstance(key, tuple) and len(key) == 2 and type(key[0]) is str and type(key[1]) is str
+            if not (isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str) and isinstance(key[1], str)
                     and isinstance(strategy, Strategy)):
                 raise ValueError(f"decisions must map (op, tensor) to a Strategy, got {key!r}: {strategy!r}")
             _check_key(f"{key[0]}/{key[1]}")

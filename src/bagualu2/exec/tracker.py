@@ -58,7 +58,9 @@ class ActivationTracker:
             cap_bytes = require_int("cap_bytes", cap_bytes, 0)
         self.cap_bytes = cap_bytes
         self._excluded: set[tuple[str, int]] = set()
-        if isinstance(exclude, (torch.nn.Module, str, bytes)) or not isinstance(exclude, Iterable):
+        containers = (torch.nn.ModuleList, torch.nn.Sequential)  # modules that iterate over modules
+        if (isinstance(exclude, torch.nn.Module) and not isinstance(exclude, containers)) \
+                or isinstance(exclude, (str, bytes)) or not isinstance(exclude, Iterable):
             raise ValueError(f"exclude must be an iterable of torch modules (e.g. [model]), got "
                              f"{type(exclude).__name__}")
         self.exclude(*exclude)

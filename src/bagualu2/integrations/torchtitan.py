@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import os
 import weakref
+from collections.abc import Mapping
 
 import torch
 
@@ -53,6 +54,8 @@ def _section(config) -> Bagualu2Config:
     ``ValueError`` naming what does not fit."""
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
         config = dataclasses.asdict(config)
+    if isinstance(config, Mapping):
+        config = dict(config)
     if not isinstance(config, dict):
         raise ValueError(f"the job config's bagualu2 section must be a Bagualu2Config or a mapping of its fields, got "
                          f"{type(config).__name__}")

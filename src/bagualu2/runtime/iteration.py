@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple
 
 from ..budget import BudgetAssigner
 from ..costmodel.validate import require_int
@@ -119,6 +119,12 @@ class Iteration:
         self._held_bytes -= freed
 
 
+def is_sequence(values) -> bool:
+    """A list, a tuple, a numpy array...: indexable with a length; not text and not a mapping."""
+    return (not isinstance(values, (str, bytes, Mapping)) and hasattr(values, "__len__")
+            and hasattr(values, "__getitem__"))
+
+
 def run_iteration(stage: Stage, decide: Callable[[Step, float, int, int | None], Any], imbalances, *,
                   m_max_bytes: int | None = None, budgeted: bool = True) -> IterationRun:
     """Run one iteration of ``stage``: for every forward ``decide(step, imbalance, budget_bytes, limit_bytes)``
@@ -129,7 +135,7 @@ def run_iteration(stage: Stage, decide: Callable[[Step, float, int, int | None],
     if not callable(decide):
         raise ValueError(f"decide must be a callable (step, imbalance, budget_bytes, limit_bytes), got "
                          f"{type(decide).__name__}")
-    if isinstance(imbalances, (str, bytes)) or not isinstance(imbalances, Sequence):
+    if not is_sequence(imbalances):
         raise ValueError(f"imbalances must be a sequence of rates (one per micro-batch), got "
                          f"{type(imbalances).__name__}")
     if len(imbalances) != stage.parallel.num_microbatches:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable
 
 from ..costmodel import Hardware, ModelConfig, ParallelConfig
 from ..costmodel.build import check_imbalance
 from ..costmodel.config import check_compatible
 from ..costmodel.validate import require_int, require_number
-from .iteration import run_iteration
+from .iteration import is_sequence, run_iteration
 from .path import DecisionPath
 
 
@@ -92,7 +92,7 @@ def replay_iteration(model: ModelConfig, parallel: ParallelConfig, hardware: Har
     :func:`~.iteration.run_iteration` over the path's engine.
     ``progress``, optional, is called with (forwards decided, forwards in all) after each forward.
     """
-    if isinstance(imbalances, (str, bytes)) or not isinstance(imbalances, Sequence):
+    if not is_sequence(imbalances):
         raise ValueError(f"imbalances must be a sequence of rates (one per micro-batch), "
                          f"got {type(imbalances).__name__}")
     if stage is not None:
@@ -107,7 +107,7 @@ def replay_iteration(model: ModelConfig, parallel: ParallelConfig, hardware: Har
         raise ValueError(f"imbalances must have num_microbatches={parallel.num_microbatches} entries, "
                          f"got {len(imbalances)}")
     for value in imbalances:
-        check_imbalance(value)
+        check_imbalance(value, ep=parallel.ep)
     path = path if path is not None else DecisionPath(model, parallel, hardware, stage=stage or 0, downgrade=downgrade)
     if progress is not None and not callable(progress):
         raise ValueError(f"progress must be a callable or None, got {type(progress).__name__}")

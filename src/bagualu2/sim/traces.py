@@ -84,9 +84,9 @@ class PaperTrace:
             raise ValueError(f"spike_max must be at least {lowest:g} (the smallest rate above base_high at "
                              f"{DECIMALS} decimals) when spike_share > 0, got {self.spike_max!r}")
         if self.num_microbatches is not None:
-            require_int("num_microbatches", self.num_microbatches, 1, MAX_MICROBATCHES)
-        most = MAX_MICROBATCHES if self.num_microbatches is None else self.num_microbatches + 1
-        require_int("spike_microbatches", self.spike_microbatches, 1, most)
+            require_int("num_microbatches", self.num_microbatches, 1, MAX_MICROBATCHES, high_open=False)
+        most = MAX_MICROBATCHES if self.num_microbatches is None else self.num_microbatches
+        require_int("spike_microbatches", self.spike_microbatches, 1, most, high_open=False)
         if self.spike_microbatch_share is not None:
             require_number("spike_microbatch_share", self.spike_microbatch_share, 0, 1, low_open=True,
                            high_open=False)
