@@ -76,8 +76,8 @@ def _world_size(trainer_args: list[str], nnodes: int) -> int:
 def train(
     ctx: typer.Context,
     nproc_per_node: Annotated[Optional[int], typer.Option(
-        "--nproc-per-node", min=1, max=MAX_PROCESSES, help="Processes (ranks) on this node; default: the world size the "
-        "trainer's flags need (--pp x --dp of the recipe and flags) over --nnodes.")] = None,
+        "--nproc-per-node", min=1, max=MAX_PROCESSES, help="Processes (ranks) on this node; default: the world size "
+        "the trainer's flags need (--pp x --dp of the recipe and flags) over --nnodes.")] = None,
     nnodes: Annotated[int, typer.Option("--nnodes", min=1, max=4096, help="Nodes of the job.")] = 1,
     node_rank: Annotated[int, typer.Option("--node-rank", min=0, help="This node's rank (several nodes).")] = 0,
     master_addr: Annotated[str, typer.Option("--master-addr", help="Rendezvous host (several nodes).")]
