@@ -11,7 +11,7 @@ from __future__ import annotations
 from .validate import require_int, require_number
 
 
-from .config import Hardware, ModelConfig, ParallelConfig, check_compatible
+from .config import Hardware, ModelConfig, ParallelConfig, check_compatible, check_hardware
 from .graph import COMM_KINDS, ITEM_BYTES, Op, OpGraph, Resource, Saving, TensorSpec
 from .strategy import roofline_ns, seconds_to_ns
 
@@ -247,8 +247,7 @@ def build_graph(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware
     load (physically at most ``ep``); dense parts do not depend on it.
     """
     check_compatible(model, parallel)
-    if not isinstance(hardware, Hardware):
-        raise ValueError(f"hardware must be a Hardware profile, got {type(hardware).__name__}")
+    check_hardware(hardware)
     imbalance = check_imbalance(imbalance, ep=parallel.ep)
     builder = _Builder(model, parallel, hardware, imbalance)
     layers = chunk_layers(model, parallel, stage=stage, chunk=chunk)

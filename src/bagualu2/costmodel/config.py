@@ -6,7 +6,7 @@ All three are keyword-only, frozen and validated in ``__post_init__``; every inv
 
 from __future__ import annotations
 
-from .validate import require_int, require_number
+from .validate import require_fields, require_int, require_number
 
 import dataclasses
 import json
@@ -214,6 +214,12 @@ class ParallelConfig:
         return _replace(self, changes)
 
 
+def check_hardware(hardware: Any) -> None:
+    """``ValueError`` unless ``hardware`` is a :class:`Hardware` profile."""
+    if not isinstance(hardware, Hardware):
+        raise ValueError(f"hardware must be a Hardware profile, got {type(hardware).__name__}")
+
+
 def check_compatible(model: ModelConfig, parallel: ParallelConfig) -> None:
     """Raise ``ValueError`` when ``model`` cannot be laid out with ``parallel`` (or they are not the configs)."""
     for name, value, kind in (("model", model, ModelConfig), ("parallel", parallel, ParallelConfig)):
@@ -252,10 +258,7 @@ def _plain(obj: Any, name: str, number: float) -> None:
 
 def _replace(config: Any, changes: dict[str, Any]) -> Any:
     """``config`` with ``changes``; an unknown field is one ``ValueError`` naming it and the fields there are."""
-    fields = [f.name for f in dataclasses.fields(config) if f.init]
-    unknown = sorted(set(changes) - set(fields))
-    if unknown:
-        raise ValueError(f"{type(config).__name__} has no field {', '.join(unknown)}; fields: {', '.join(fields)}")
+    require_fields(type(config).__name__, changes, [f.name for f in dataclasses.fields(config) if f.init])
     return dataclasses.replace(config, **changes)
 
 

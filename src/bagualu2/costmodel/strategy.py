@@ -23,7 +23,7 @@ import enum
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from .config import Hardware
+from .config import Hardware, check_hardware
 from .graph import FLOAT_DTYPES, ITEM_BYTES, Op, TensorSpec
 from .validate import require_number
 
@@ -154,8 +154,7 @@ def knee(strategy: Strategy, hardware: Hardware, *, op: Op | None = None, saved_
 
 def _strategy_on(strategy, hardware) -> tuple[Strategy, Hardware]:
     """``strategy`` (a Strategy or its name) and ``hardware`` checked: one ``ValueError`` each."""
-    if not isinstance(hardware, Hardware):
-        raise ValueError(f"hardware must be a Hardware profile, got {type(hardware).__name__}")
+    check_hardware(hardware)
     return Strategy.parse(strategy), hardware
 
 

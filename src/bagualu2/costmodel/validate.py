@@ -51,6 +51,13 @@ def require_number(name: str, value: Any, low: float | None = None, high: float 
     return number
 
 
+def require_fields(label: str, given, fields: list[str]) -> None:
+    """``ValueError("<label> has no field x; fields: ...")`` when ``given`` names a field not in ``fields``."""
+    unknown = sorted(str(key) for key in given if key not in fields)
+    if unknown:
+        raise ValueError(f"{label} has no field {', '.join(unknown)}; fields: {', '.join(fields)}")
+
+
 def check_solver_options(time_limit_s: Any, num_workers: Any, seed: Any) -> None:
     """Options of the CP-SAT solvers: a finite time limit > 0, workers in [1, 1024], a seed in [0, 2**31)
     (CP-SAT's ``random_seed`` is a 32-bit signed integer)."""

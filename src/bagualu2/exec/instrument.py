@@ -148,6 +148,9 @@ class InstrumentedModel:
         self.removed = False
         modules = dict(model.named_modules())
         self._hooked = [modules[path] for path in self.bindings]
+        # the layers transformers' activation checkpointing switches (those with the attribute), found once: every
+        # micro-batch reads their flags
+        self._checkpointable = [module for module in modules.values() if hasattr(module, "gradient_checkpointing")]
         _HOOKED.update(self._hooked)
         self._handles = []
         for path, binding in self.bindings.items():
@@ -185,7 +188,7 @@ class InstrumentedModel:
         """Whether the model, or a model inside it, runs its layers under its own activation checkpointing
         (transformers' ``activation_checkpointing_enable()`` sets ``gradient_checkpointing`` on the layers): then
         it saves nothing a plan names, and plans are refused."""
-        return any(getattr(module, "gradient_checkpointing", False) is True for module in self.model.modules())
+        return any(module.gradient_checkpointing is True for module in self._checkpointable)
 
     def trace_graph(self, *args, hardware: Hardware, timed: bool = False,
                     loss: Callable[[Any], torch.Tensor] | None = None, **kwargs) -> OpGraph:

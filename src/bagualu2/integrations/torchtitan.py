@@ -27,6 +27,8 @@ from collections.abc import Mapping
 
 import torch
 
+from bagualu2.costmodel.validate import require_fields
+
 from .torchtitan_config import (MIB, POLICIES, SCHEDULES, Bagualu2Config, JobConfig, gate_report, op_map,
                                 padded_rows)
 from .torchtitan_stage import (ACTIVE_FORWARD, ScheduleInfo, StageProvisioner, check_report_path, read_report,
@@ -59,10 +61,7 @@ def _section(config) -> Bagualu2Config:
     if not isinstance(config, dict):
         raise ValueError(f"the job config's bagualu2 section must be a Bagualu2Config or a mapping of its fields, got "
                          f"{type(config).__name__}")
-    fields = [f.name for f in dataclasses.fields(Bagualu2Config)]
-    unknown = sorted(str(key) for key in config if key not in fields)
-    if unknown:
-        raise ValueError(f"bagualu2 has no field {', '.join(unknown)}; fields: {', '.join(fields)}")
+    require_fields("bagualu2", config, [f.name for f in dataclasses.fields(Bagualu2Config)])
     return Bagualu2Config(**config)
 
 

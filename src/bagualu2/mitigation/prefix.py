@@ -20,7 +20,7 @@ from ..costmodel.graph import OpGraph
 from ..costmodel.plan import Plan
 from ..costmodel.strategy import Strategy
 from ..costmodel.validate import require_int
-from .solution import SolveStatus, Solution, check_budget, make_solution
+from .solution import SolveStatus, Solution, check_budget, check_graph, make_solution
 
 # compute-memory balanced checkpointing: recompute the element-wise ops, whose re-run costs a pass over memory
 ELEMENTWISE = Plan.uniform({"norm": Strategy.RECOMPUTE, "expert_act": Strategy.RECOMPUTE,
@@ -40,8 +40,7 @@ def tensor_savings(graph: OpGraph) -> dict[str, list[str]]:
 
 def _checked(graph, base) -> tuple[OpGraph, Plan]:
     """``(graph, base)``: an OpGraph and a plan (its text form read); one ``ValueError`` otherwise."""
-    if not isinstance(graph, OpGraph):
-        raise ValueError(f"graph must be an OpGraph, got {type(graph).__name__}")
+    check_graph(graph)
     base = Plan.coerce(base)
     return graph, Plan() if base is None else base
 

@@ -34,6 +34,7 @@ from ..costmodel import OpGraph, Plan, PlanCost, Strategy, evaluate
 from ..costmodel.graph import MOE_KINDS
 from ..costmodel.validate import require_int
 from ..mitigation import greedy
+from ..mitigation.solution import check_graph
 
 DOWNGRADES = ("graded", "paper")
 
@@ -68,11 +69,6 @@ def check_downgrade(downgrade: str) -> str:
 _AFTER: "weakref.WeakKeyDictionary[OpGraph, dict]" = weakref.WeakKeyDictionary()
 
 
-def _check_graph(graph) -> None:
-    if not isinstance(graph, OpGraph):
-        raise ValueError(f"graph must be an OpGraph, got {type(graph).__name__}")
-
-
 def layers_key(layers) -> tuple[int, ...] | None:
     """``layers`` (None: all, or a collection of layer numbers) as a sorted tuple; one ``ValueError`` otherwise."""
     if layers is None:
@@ -89,7 +85,7 @@ def after_router_tensors(graph: OpGraph, layers=None) -> frozenset[str]:
     """Tensors made by the MoE ops that run after the router (of ``layers``, default all), in program order: what
     the gate may still re-plan. A MoE op of the layer that runs before its router (a shared expert some models
     compute first) has stored its tensors already. ``ValueError`` for a layer with no MoE module."""
-    _check_graph(graph)
+    check_graph(graph)
     memo = _AFTER.setdefault(graph, {})
     key = layers_key(layers)
     found = memo.get(key)
@@ -117,7 +113,7 @@ def gate_free_tensors(graph: OpGraph, layers=None) -> frozenset[str]:
     Their ops either have not run yet or have just run and can still be re-run in backward from the module input
     (the paper's "full recompute of the MoE module" restarts from there); ``exec`` holds the savings of the norm and the router
     provisionally until the gate settles them."""
-    _check_graph(graph)
+    check_graph(graph)
     memo = _AFTER.setdefault(graph, {})
     key = ("module", layers_key(layers))
     found = memo.get(key)
@@ -147,7 +143,7 @@ def gate_free_tensors(graph: OpGraph, layers=None) -> frozenset[str]:
 def downgrade_plan(graph: OpGraph, plan: Plan | None = None, *, layers=None) -> Plan:
     """``plan`` with the MoE modules of ``layers`` (default: all) downgraded after their gate: every saving of a
     tensor made by a MoE op after the router set to RECOMPUTE (pinned savings stay)."""
-    _check_graph(graph)
+    check_graph(graph)
     plan = Plan.coerce(plan)
     memo = _AFTER.setdefault(graph, {})  # a pure function of its arguments: the gate asks again at every need level
     key = ("downgrade", None if plan is None else plan.entries, layers_key(layers))
@@ -188,7 +184,7 @@ def after_gate(graph: OpGraph, plan: Plan | None, budget_bytes: int, *, limit_by
     measured it exactly (the runtime's path checks it at the measured token count; ``budget_bytes`` is then the
     budget its need level decides for, which the re-plan fits), instead of its cost against ``budget_bytes``.
     """
-    _check_graph(graph)
+    check_graph(graph)
     plan = Plan.coerce(plan)
     budget_bytes = require_int("budget_bytes", budget_bytes, 0)
     if limit_bytes is not None:

@@ -25,7 +25,7 @@ from typing import Hashable, NamedTuple
 from ..budget import BudgetPhase
 from ..costmodel import (Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, PlanCost, StageMemory, build_graph,
                          evaluate, point_relation, schedule, stage_memory)
-from ..costmodel.config import check_compatible
+from ..costmodel.config import check_compatible, check_hardware
 from ..costmodel.rescale import at_imbalance
 from ..costmodel.validate import require_int
 from ..fusion import Chains, Order, build_chains, dp
@@ -199,8 +199,7 @@ class Stage(_Engine):
     def __init__(self, model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, *, stage: int = 0,
                  cache: bool = True, max_entries: int = MAX_ENTRIES, m_max_bytes: int | None = None):
         check_compatible(model, parallel)
-        if not isinstance(hardware, Hardware):
-            raise ValueError(f"hardware must be a Hardware profile, got {type(hardware).__name__}")
+        check_hardware(hardware)
         self.model, self.parallel, self.hardware = model, parallel, hardware
         self.max_imbalance = float(parallel.ep)  # all the routed load on one expert-parallel rank
         self.stage = require_int("stage", stage, 0, parallel.pp)

@@ -110,8 +110,8 @@ class ReproduceConfig:
         require_int("overhead_iterations", self.overhead_iterations, 1)
         presets.hardware(self.hardware)
         highest = PaperTrace(num_iterations=1).spike_max
-        for name in (self.focus, *self.models):
-            ep = presets.model(name)[1].ep
+        degrees = {name: presets.model(name)[1].ep for name in (self.focus, *self.models)}
+        for name, ep in degrees.items():
             if ep < highest:
                 raise ValueError(f"models must have ep >= {highest:g}, the paper trace's largest rate (one of ep "
                                  f"ranks receives at most ep x the mean tokens): {name} has ep={ep}")
@@ -120,7 +120,7 @@ class ReproduceConfig:
             if not (type(k) is int and 1 <= k <= experts):
                 raise ValueError(f"top_ks must be integers in [1, {experts}] (the experts of {self.focus}), got {k!r}")
         model, parallel = presets.model(self.focus)
-        ep = min(presets.model(name)[1].ep for name in (self.focus, *self.models))
+        ep = min(degrees.values())
         if self.plan_imbalance > ep:
             raise ValueError(f"plan_imbalance must be in [1, {ep}] (the smallest expert-parallel degree of the "
                              f"models: one of ep ranks receives at most ep x the mean tokens), got "
