@@ -1,6 +1,6 @@
 """The simulator calibrated against this trainer on CPU, then checked against every policy's measured run.
 
-    python -m reference_trainer.experiments.calibrate [--fit each|once] [--fit-steps 8] [--steps 30]
+    python -m reference_trainer.experiments.calibrate [--fit each|once] [--fit-steps 8] [--steps N]
                                           [--hardware-out cpu-fitted.json] [--write docs/trainer.md]
 
 1. **Fit** (a short measurement): ``ideal`` (no cap, no mitigation) and ``kwai`` without spikes (its plans offload)

@@ -227,7 +227,7 @@ def _overhead(report: Report) -> list[str]:
     rows = [[name, f"{ms:.2f}", f"{seconds:.2f}", f"{ms / 1e3 / seconds:.2e}"] for name, ms, seconds in report.overhead]
     return ["## Runtime decision overhead", "",
             f"The decision path (budget, pre-gate plan, gate decision, fused order) for every forward of stage 0, "
-            f"measured on this machine's CPU: the median over the first "
+            f"measured on the CPU that ran the command: the median over the first "
             f"{min(report.config.overhead_iterations, len(report.trace))} iterations of the trace (from fresh "
             f"caches), beside the simulated iteration time (paper: under {PAPER['overhead_ms']:g} ms per "
             f"iteration of more than {PAPER['iteration_s']:g} s).", ""] + _table(
