@@ -88,8 +88,8 @@ def simulate_cmd(
     hidden_copies: Annotated[Optional[bool], typer.Option("--hidden-copies/--full-copies", help="Flexible also "
                                                           "plans with offload copies priced by what they leave "
                                                           "exposed beside compute, or prices every copy in full "
-                                                          "(Algorithm 2 alone). Default: hidden unless --overlap "
-                                                          "none.", show_default=False)] = None,
+                                                          "(Algorithm 2 alone). Default: hidden under --overlap "
+                                                          "real and released.", show_default=False)] = None,
     png: Annotated[Optional[str], typer.Option("--png", metavar="PATH", help="Also plot the imbalance and every "
                                                "policy's MFU per iteration (PNG, written atomically).")] = None,
     json_output: Annotated[bool, typer.Option("--json", help=json_help(JSON_DOC, lead=JSON_LEAD))] = False,

@@ -63,8 +63,9 @@ class SimConfig:
     ``"fused-only"`` (only the fused policies' steady pairs overlap) or ``"none"`` (all serial).
     hidden_copies: the flexible policies' decision path prices offload copies by what they leave exposed beside
     compute (``runtime.DecisionPath``'s ``hidden_copies``; True, as on a GPU whose copy engines run beside compute)
-    or, False, in full (Algorithm 2's pricing; the CPU trainer's decisions); None (default): True unless
-    ``overlap`` is ``"none"``, where nothing runs beside compute."""
+    or, False, in full (Algorithm 2's pricing; the CPU trainer's decisions); None (default): True under
+    ``"real"`` and ``"released"``, False under ``"none"`` (nothing runs beside compute) and ``"fused-only"``
+    (warmup forwards and cooldown backwards run serial there, their copies exposed)."""
 
     restart_s: float = 284.0
     plan_imbalance: float = 1.0
@@ -86,8 +87,8 @@ class SimConfig:
 
     @property
     def copies_hidden(self) -> bool:
-        """``hidden_copies`` resolved: as given, or (None) True unless ``overlap`` is ``"none"``."""
-        return self.overlap != "none" if self.hidden_copies is None else self.hidden_copies
+        """``hidden_copies`` resolved: as given, or (None) True under ``"real"`` and ``"released"`` only."""
+        return self.overlap in ("real", "released") if self.hidden_copies is None else self.hidden_copies
 
 
 @dataclass(frozen=True)
