@@ -25,7 +25,6 @@ needs it; no pairing where the recovery re-runs an all-to-all), the overlap thei
 
 from __future__ import annotations
 
-import dataclasses
 
 from bagualu2.costmodel import Plan, presets
 from bagualu2.sim import FALLBACKS, StageContext, make_policy
@@ -44,8 +43,7 @@ def fixed_plans(config, stage: int, cap_bytes: int) -> tuple[Plan, ...] | None:
     """Per chunk of ``stage``, the plan a fixed policy runs (None for ``flexible``)."""
     if config.policy not in FIXED:
         return None
-    ctx = StageContext(config.model, config.parallel, presets.hardware(config.hardware), stage)
-    ctx.memory = dataclasses.replace(ctx.memory, m_max_bytes=cap_bytes)
+    ctx = StageContext(config.model, config.parallel, presets.hardware(config.hardware), stage, m_max_bytes=cap_bytes)
     return tuple(make_policy(config.policy, ctx).plans)
 
 

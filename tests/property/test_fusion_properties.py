@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from bagualu2.costmodel import Resource
 from bagualu2.fusion import Chain, Chains, Order, Stage, baselines, dp, exact, simulate
+from bagualu2.fusion.interference import group_ns, makespan_ns
 
 RESOURCE_OF = {"F": [Resource.COMPUTE, Resource.COMM], "B": [Resource.COMPUTE, Resource.COMM],
                "O": [Resource.D2H], "R": [Resource.H2D, Resource.COMPUTE, Resource.COMM]}
@@ -47,9 +48,10 @@ def test_dp_keeps_chain_order_and_matches_simulation(chains):
     assert chains.lower_bound_ns <= order.makespan_ns <= chains.sequential_ns
 
 
-def _reference_dp(chains: Chains) -> Order:
+def _reference_dp(chains: Chains, share: float = 0.0) -> Order:
     """The DP of the paper written out state by state: every state, every one of the 15 masks in order; a mask
-    wins only if strictly better, so ties go to the first mask (the vectorised DP must rebuild the same order)."""
+    wins only if strictly better, so ties go to the first mask (the vectorised DP must rebuild the same order).
+    A group costs ``group_ns`` (its busiest resource; with ``share``, compute slowed beside communication)."""
     stages = [chains.get(k).stages if chains.get(k) else () for k in "FBOR"]
     shape = [len(s) + 1 for s in stages]
     states = list(itertools.product(*(range(n) for n in shape)))  # flat order: predecessors come first
@@ -64,7 +66,7 @@ def _reference_dp(chains: Chains) -> Order:
             for c in advanced:
                 stage = stages[c][state[c] - 1]
                 load[stage.resource] = load.get(stage.resource, 0) + stage.duration_ns
-            value = best[before] + max(load.values())
+            value = best[before] + group_ns(load, share)
             if state not in best or value < best[state]:
                 best[state], choice[state] = value, (mask, before)
     groups, state = [], states[-1]
@@ -78,6 +80,27 @@ def _reference_dp(chains: Chains) -> Order:
 @given(st.one_of(random_chains(max_stages=4), random_chains(max_stages=4, max_ns=3)))  # small ns: many ties
 def test_dp_matches_the_reference_recurrence_with_its_tie_breaks(chains):
     assert dp.solve(chains) == _reference_dp(chains)
+
+
+@given(st.one_of(random_chains(max_stages=4), random_chains(max_stages=4, max_ns=3)),
+       st.sampled_from([20 / 132, 0.3, 0.5]))
+def test_dp_under_interference_matches_the_reference_and_never_loses_to_a_baseline(chains, share):
+    """With compute slowed beside communication the DP is still the recurrence's optimum over barrier orders
+    (the slowdown is a function of each group's loads), its makespan is the interference's, and no baseline
+    order is faster under the same slowdown."""
+    order = dp.solve(chains, share=share)
+    assert order == _reference_dp(chains, share)
+    assert order.makespan_ns == makespan_ns(order, chains, share)
+    assert makespan_ns(dp.solve(chains), chains, share) >= order.makespan_ns
+    for name, baseline in baselines.BASELINES.items():
+        assert order.makespan_ns <= makespan_ns(baseline(chains), chains, share), name
+
+
+def test_interference_share_is_checked():
+    chains = Chains(Chain("F", (Stage("F0", Resource.COMPUTE, 5),)), None, None, None)
+    for bad in (-0.1, 1.0, True, "0.1", float("nan")):
+        with pytest.raises(ValueError, match="share must be a number in"):
+            dp.solve(chains, share=bad)
 
 
 @given(random_chains())

@@ -37,6 +37,31 @@ def plans(draw, ctx: StageContext, chunk: int, imbalance: float) -> Plan:
     return Plan(tuple((key, draw(st.sampled_from(STRATEGIES))) for key in chosen))
 
 
+@settings(max_examples=scaled(25), deadline=None)
+@given(st.data(), st.sampled_from(sorted(CONTEXTS)), st.integers(0, PARALLEL.vp - 1),
+       st.sampled_from([1.0, 1.3, 2.6]), st.sampled_from([0.0, COMM_SM_SHARE, 0.5]))
+def test_the_fused_order_is_never_slower_than_megatron_cores_for_the_same_plans(data, stage, chunk, imbalance,
+                                                                               share):
+    """The DP orders for the slowdown it is timed with (``share``), so a fused point of the same plans is never
+    slower than Megatron-Core's order of it (which the DP's groups include) at any interference; before, the DP
+    ordered for the busiest resource alone and lost up to 0.9% to Megatron-Core's order at 20/132."""
+    ctx = CONTEXTS[stage]
+    plan = data.draw(plans(ctx, chunk, imbalance))
+    choice = {execution: ctx.choice(chunk, imbalance, plan, execution=execution, share=share)
+              for execution in ("fused", "megatron")}
+    for field in ("forward_s", "backward_s", "pair_s"):
+        assert getattr(choice["fused"], field) <= getattr(choice["megatron"], field) * (1 + 1e-12), field
+
+
+def test_the_fused_order_of_kwais_balanced_plan_is_not_slower_than_megatron_cores_under_interference():
+    from bagualu2.sim.policies import Kwai
+
+    ctx = CONTEXTS[0]
+    plan = list(Kwai.configurations(ctx.graph(0, 1.0)))[-1][2]  # balanced checkpointing, everything offloaded
+    fused, megatron = (ctx.choice(0, 1.0, plan, execution=e, share=COMM_SM_SHARE) for e in ("fused", "megatron"))
+    assert fused.pair_s <= megatron.pair_s  # 0.05975 s against 0.05923 s with a DP blind to the slowdown
+
+
 @pytest.mark.slow
 @settings(max_examples=scaled(30), deadline=None)
 @given(st.data(), st.sampled_from(sorted(CONTEXTS)), st.integers(0, PARALLEL.vp - 1),

@@ -4,7 +4,6 @@ its level and never slower than the other level's, and is nothing at all when th
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -24,8 +23,7 @@ def context(stage: int, cap_fraction: float) -> StageContext:
     """Stage ``stage`` with an activation capacity of ``cap_fraction`` x its unmitigated in-flight chunks."""
     ctx = StageContext(MODEL, PARALLEL, HW, stage)
     unmitigated = max(ctx.graph(chunk, 1.0).unmitigated_bytes for chunk in range(PARALLEL.vp))
-    ctx.memory = dataclasses.replace(ctx.memory, m_max_bytes=int(cap_fraction * unmitigated * ctx.inflight))
-    return ctx
+    return StageContext(MODEL, PARALLEL, HW, stage, m_max_bytes=int(cap_fraction * unmitigated * ctx.inflight))
 
 
 def every_configuration(ctx: StageContext, chunk: int):

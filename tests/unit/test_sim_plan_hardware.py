@@ -57,3 +57,15 @@ def test_the_paper_gate_keeps_or_downgrades_and_bad_modes_say_so():
         simulate(MODEL, PARALLEL, PLAN, "flexible", TRACE, plan_imbalance=PARALLEL.ep + 1)
     with pytest.raises(ValueError, match="trace must be a sequence"):
         simulate(MODEL, PARALLEL, PLAN, "flexible", set(TRACE))
+
+
+def test_an_iteration_must_fit_the_device_that_runs_it_whatever_the_plans_were_made_for():
+    """Plans made for a larger device (h200's M_max) overrun the one that runs them (paper-gpu): an OOM, and the
+    result's capacity is the device's; a planning profile without room is named in the error, not the device."""
+    model, parallel = presets.model("glm-423b-a30b")
+    device, larger = presets.hardware("paper-gpu"), presets.hardware("h200")
+    result = simulate(model, parallel, device, "kwai", (2.6,), plan_hardware=larger, on_oom="fallback")
+    alone = simulate(model, parallel, device, "kwai", (1.0,))
+    assert result.oom_events == 1 and result.m_max_bytes == alone.m_max_bytes
+    with pytest.raises(ValueError, match=r"^hardware 'cpu' leaves 0\.00 GiB .* stage 0 \(4\.0 GiB less"):
+        simulate(*presets.model("glm-188b-a20b"), device, "flexible", (1.0,), plan_hardware=presets.hardware("cpu"))

@@ -4,7 +4,6 @@ fits."""
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 
@@ -23,8 +22,7 @@ CAP = default_cap(CONFIG)
 def test_fixed_plans_are_the_simulators_on_the_cap(policy):
     config = CONFIG.with_overrides(policy=policy)
     for stage in range(config.pp):
-        ctx = StageContext(config.model, config.parallel, HW, stage)
-        ctx.memory = dataclasses.replace(ctx.memory, m_max_bytes=CAP)
+        ctx = StageContext(config.model, config.parallel, HW, stage, m_max_bytes=CAP)
         assert fixed_plans(config, stage, CAP) == tuple(make_policy(policy, ctx).plans)
     assert len(describe(config, CAP)) == config.pp * config.vp
 

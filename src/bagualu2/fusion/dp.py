@@ -2,8 +2,9 @@
 
 ``best[i, j, k, l]`` is the shortest time to run the first i, j, k, l stages of F, B, O, R. A transition runs one
 group: the next stage of any non-empty subset of the chains, started together behind a barrier; its time ``T`` is
-the busiest resource of the group (stages on the same resource serialise, different resources overlap). The
-transfer points rebuild the order; a transition only extends prefixes, so no chain is ever permuted.
+the busiest resource of the group (stages on the same resource serialise, different resources overlap), with
+``share`` > 0 compute slowed while communication runs beside it (:mod:`.interference`). The transfer points
+rebuild the order; a transition only extends prefixes, so no chain is ever permuted.
 
 After compaction there are ``(|F|+1)(|B|+1)(|O|+1)(|R|+1)`` states and up to 15 transitions each (only those
 advancing non-empty chains); the states are laid out and processed by anti-diagonal level (a transition lowers
@@ -26,11 +27,13 @@ from ..costmodel import Resource
 from ..costmodel.validate import require_int
 from .baselines import combined_1f1b_groups, sequential, with_copies
 from .chains import CHAIN_KINDS, Chains
+from .interference import check_share, makespan_ns, slowed_compute
 from .order import Order
 from .simulate import simulate
 
 RESOURCES = tuple(Resource)
 RESOURCE_INDEX = {r: i for i, r in enumerate(RESOURCES)}
+COMPUTE, COMM = RESOURCE_INDEX[Resource.COMPUTE], RESOURCE_INDEX[Resource.COMM]
 INF = np.int64(1) << 62
 MASKS = tuple(range(1, 16))  # bit c set: chain CHAIN_KINDS[c] advances by one stage
 
@@ -77,8 +80,9 @@ def _walk_tables(shape: tuple[int, int, int, int]) -> tuple[list[list[int]], lis
     return prev.T.tolist(), coords.T.tolist()
 
 
-def _group_times(chains: Chains, masks: tuple[int, ...], coords: np.ndarray) -> np.ndarray:
-    """``T[m, p]``: time of the group that runs, for each chain in ``masks[m]``, the stage ending at position p."""
+def _group_times(chains: Chains, masks: tuple[int, ...], coords: np.ndarray, share: float = 0.0) -> np.ndarray:
+    """``T[m, p]``: time of the group that runs, for each chain in ``masks[m]``, the stage ending at position p
+    (``share``: compute slowed beside communication, :func:`~.interference.group_ns`)."""
     size = coords.shape[1]
     per_chain: dict[int, np.ndarray] = {}  # chain -> (resource, position) load of its stage ending there
     for c, chain in enumerate((chains.forward, chains.backward, chains.offload, chains.recovery)):
@@ -94,11 +98,15 @@ def _group_times(chains: Chains, masks: tuple[int, ...], coords: np.ndarray) -> 
         low = (mask & -mask).bit_length() - 1
         rest = mask & (mask - 1)
         loads[mask] = per_chain[low] + loads[rest] if rest else per_chain[low]
-        np.maximum.reduce(loads[mask], axis=0, out=times[m])
+        load = loads[mask]
+        if share:
+            load = load.copy()
+            load[COMPUTE] = slowed_compute(load[COMPUTE], load[COMM], share)
+        np.maximum.reduce(load, axis=0, out=times[m])
     return times
 
 
-def solve(chains: Chains, *, pipeline_degree: int | None = None) -> Order:
+def solve(chains: Chains, *, pipeline_degree: int | None = None, share: float = 0.0) -> Order:
     """The fastest barrier-group order of ``chains`` (see module docstring).
 
     ``pipeline_degree`` 2 means x - y = 2: the offload's micro-batch (x-1) is the recovery's (y+1), whose copies
@@ -106,16 +114,18 @@ def solve(chains: Chains, *, pipeline_degree: int | None = None) -> Order:
     the point's edges (:func:`with_edges`). ``pipeline_degree`` 1 means x - y = 1 (no pipeline, Megatron-Core's
     combined 1F1B: F_(y+1) beside B_y): x-1 is y and y+1 is x, so copies given with them are F's and B's own
     (F's tensors copied out as it runs, B's reloaded ahead of it) and join F and B's groups
-    (:func:`with_own_copies`). Durations are in the chains.
+    (:func:`with_own_copies`). Durations are in the chains. ``share`` (in [0, 1)): the compute slowdown while
+    communication runs beside it, which the groups' times and the makespan then include (:mod:`.interference`).
     """
+    share = check_share(share)
     if pipeline_degree is not None:
         degree = require_int("pipeline_degree", pipeline_degree, 1)
         if degree == 1 and (chains.offload is not None or chains.recovery is not None):
-            return with_own_copies(chains)
+            return with_own_copies(chains, share=share)
         if degree == 2 and chains.offload is not None and chains.recovery is not None:
             if chains.forward is None and chains.backward is None:
                 return sequential(chains)  # nothing to overlap the copies with: out, then back
-            return with_edges(solve(Chains(chains.forward, chains.backward)), chains)
+            return with_edges(solve(Chains(chains.forward, chains.backward), share=share), chains, share=share)
     present = list(chains.present())
     if len(present) == 1:  # one chain: the only transition runs its next stage, so each stage is its own group
         chain = present[0]
@@ -124,7 +134,7 @@ def solve(chains: Chains, *, pipeline_degree: int | None = None) -> Order:
     shape = tuple(n + 1 for n in chains.counts())
     masks, coords, levels, prev = _levels(shape)
     size = coords.shape[1]
-    times = _group_times(chains, masks, coords)
+    times = _group_times(chains, masks, coords, share)
     best = np.full(size + 1, INF, dtype=np.int64)
     best[0] = 0
     add, minimum = np.add, np.minimum.reduce
@@ -151,7 +161,14 @@ def _rebuild(best: list[int], times: np.ndarray, masks: tuple[int, ...], shape: 
     return tuple(reversed(groups))
 
 
-def with_own_copies(chains: Chains) -> Order:
+def _timed(groups, chains: Chains, share: float) -> Order:
+    """``groups`` as a barrier order with its makespan (the simulator's; with ``share``, :mod:`.interference`'s)."""
+    ordered = Order(tuple(tuple(g) for g in groups), barriers=True)
+    spent = makespan_ns(ordered, chains, share) if share else simulate(ordered, chains).makespan_ns
+    return Order(ordered.groups, barriers=True, makespan_ns=spent, solver="dp")
+
+
+def with_own_copies(chains: Chains, *, share: float = 0.0) -> Order:
     """The order of a point of pipeline degree 1, whose copies are those of its own micro-batches (F's tensors
     copied out as its forward produces them, B's reloaded ahead of the backward stages that read them, layer by
     layer as Megatron-Kwai's offloading runs them): an order of F and B whose groups are joined by the copies
@@ -162,25 +179,25 @@ def with_own_copies(chains: Chains) -> Order:
     cores: list[tuple] = [()]
     if chains.forward is not None or chains.backward is not None:
         plain = Chains(chains.forward, chains.backward)
-        cores = [solve(plain).groups, tuple(((chain.kind, i),) for chain in plain.present()
+        cores = [solve(plain, share=share).groups, tuple(((chain.kind, i),) for chain in plain.present()
                                             for i in range(len(chain)))]
         if chains.forward is not None and chains.backward is not None:
             cores.insert(1, combined_1f1b_groups(chains))
     best = None
     for core in cores:
-        ordered = Order(with_copies(core, chains, own=True), barriers=True)
-        found = Order(ordered.groups, barriers=True, makespan_ns=simulate(ordered, chains).makespan_ns, solver="dp")
+        found = _timed(with_copies(core, chains, own=True), chains, share)
         if best is None or found.makespan_ns < best.makespan_ns:
             best = found
     return best
 
 
-def with_edges(core: Order, chains: Chains) -> Order:
+def with_edges(core: Order, chains: Chains, *, share: float = 0.0) -> Order:
     """``core`` (an order of F and B) with the offload from the point's start and the recovery up to its end:
     O's stages join the first groups, one each, R's the last ones, and every O stage comes before every R stage
     (standalone groups between them when ``core`` has too few). Where O and R copy the same micro-batch (pipeline
     degree 2: x-1 = y+1) its copies out end before its copies back begin, the copies overlap the F and B stages
-    of the edges, and F and B keep the DP's order. Its makespan is the simulator's."""
+    of the edges, and F and B keep the DP's order. Its makespan is the simulator's (with ``share``, the
+    interference's)."""
     groups = [list(group) for group in core.groups]
     offload = [("O", i) for i in range(len(chains.offload))]
     recovery = [("R", i) for i in range(len(chains.recovery))]
@@ -192,5 +209,4 @@ def with_edges(core: Order, chains: Chains) -> Order:
         group.append(stage)
     middle = ([[stage] for stage in offload[front:]] + groups[front:len(groups) - back]
               + [[stage] for stage in recovery[:len(recovery) - back]])
-    ordered = Order(tuple(tuple(g) for g in groups[:front] + middle + groups[len(groups) - back:]), barriers=True)
-    return Order(ordered.groups, barriers=True, makespan_ns=simulate(ordered, chains).makespan_ns, solver="dp")
+    return _timed(groups[:front] + middle + groups[len(groups) - back:], chains, share)

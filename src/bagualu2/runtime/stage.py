@@ -58,9 +58,11 @@ class CostKey(NamedTuple):
 
 
 class OrderKey(NamedTuple):
-    """A fused order: what the DP reads of the four chains, each chain's (resource, duration) stages."""
+    """A fused order: what the DP reads of the four chains, each chain's (resource, duration) stages, and the
+    compute slowdown beside communication it orders for."""
 
     stages: tuple
+    share: float = 0.0
 
 
 class PointKey(NamedTuple):
@@ -252,17 +254,21 @@ class Stage(_Engine):
                 share_decisions(found, balanced)
         return found
 
-    def order(self, chains: Chains) -> Order:
+    def order(self, chains: Chains, *, share: float = 0.0) -> Order:
         """The fused order of ``chains``: the DP's (``fusion.dp`` at the stage's ``point_relation``: 2, of F and
         B with O and R at the point's edges; 1, as at pp = 1 ``paired``, of F and B with their own copies beside
         them), or the sequential order without a pipeline (F_i then B_i); memoised by what the DP reads, each
-        chain's stage resources and durations, so points that differ elsewhere share one order."""
+        chain's stage resources and durations, so points that differ elsewhere share one order. ``share``: the
+        compute slowdown beside communication the DP orders for (``fusion.interference``; 0, the DP's own cost,
+        is what the decision path uses)."""
         key = OrderKey(tuple(None if chain is None else tuple((s.resource, s.duration_ns) for s in chain.stages)
-                             for chain in (chains.forward, chains.backward, chains.offload, chains.recovery)))
+                             for chain in (chains.forward, chains.backward, chains.offload, chains.recovery)),
+                       share)
         found = self._orders.get(key)
         if found is None:
-            found = self._orders[key] = (sequential(chains) if self.parallel.pp == 1 and not self.parallel.paired
-                                         else dp.solve(chains, pipeline_degree=self.point_relation))
+            found = self._orders[key] = (
+                sequential(chains) if self.parallel.pp == 1 and not self.parallel.paired
+                else dp.solve(chains, pipeline_degree=self.point_relation, share=share))
         return found
 
     def point_order(self, plan: Plan, imbalance: float, chunk: int, *, warmup: bool = False) -> Order:

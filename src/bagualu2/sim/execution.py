@@ -31,7 +31,9 @@ pairs overlap);
 
 Interference: a communication kernel occupies streaming multiprocessors, so compute that overlaps it runs at
 ``1 - COMM_SM_SHARE`` of its speed while it lasts (DeepSeek-V3's report: 20 of an H800's 132 SMs drive its
-all-to-all). Copies use the copy engines and take no SMs (their HBM traffic is not modelled). Tensor-parallel
+all-to-all; ``fusion.interference`` times a group so, ``makespan_ns`` an order). The fused DP orders for the
+same slowdown (``fusion.dp.solve(..., share=)``), so a fused point is never slower than Megatron-Core's order of
+the same plans. Copies use the copy engines and take no SMs (their HBM traffic is not modelled). Tensor-parallel
 collectives stay on the compute stream (synchronous; ``--tp-comm-overlap`` is not modelled, for any policy).
 """
 
@@ -40,6 +42,7 @@ from __future__ import annotations
 from ..costmodel import Resource
 from ..fusion import Chains, Order
 from ..fusion.baselines import megatron_overlapped_groups
+from ..fusion.interference import makespan_ns
 
 OVERLAP = ("real", "released", "fused-only", "none")
 EXECUTIONS = ("serial", "megatron", "megatron-unpaired", "fused", "fused-pairs")
@@ -81,24 +84,3 @@ def order_of(execution: str, chains: Chains, fused, *, own_copies: bool = False)
                      solver="megatron-overlapped" if execution == "megatron" else execution)
     return Order(tuple(((chain.kind, i),) for chain in chains.present() for i in range(len(chain))), barriers=True,
                  solver="sequential")
-
-
-def group_ns(loads: dict[Resource, int], share: float) -> int:
-    """One barrier group: its busiest resource, compute slowed to ``1 - share`` while communication runs."""
-    compute, comm = loads.get(Resource.COMPUTE, 0), loads.get(Resource.COMM, 0)
-    if compute and comm and share:
-        slowed = compute / (1 - share)
-        compute = round(slowed) if slowed <= comm else compute + round(share * comm)
-    return max(compute, comm, loads.get(Resource.D2H, 0), loads.get(Resource.H2D, 0))
-
-
-def makespan_ns(order: Order, chains: Chains, share: float) -> int:
-    """Nanoseconds of ``order`` (barrier groups) on ``chains`` with interference ``share`` (0: none)."""
-    total = 0
-    for group in order.groups:
-        loads: dict[Resource, int] = {}
-        for kind, index in group:
-            stage = chains.get(kind).stages[index]
-            loads[stage.resource] = loads.get(stage.resource, 0) + stage.duration_ns
-        total += group_ns(loads, share)
-    return total

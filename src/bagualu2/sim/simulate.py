@@ -196,7 +196,7 @@ def stage_time(policy: StagePolicy, rates: tuple[float, ...]) -> StageTime:
     forward = policy.forward
     run = run_iteration(ctx.engine, lambda step, rate, budget, limit: forward(step.chunk, rate, step.phase, budget,
                                                                               limit),
-                        rates, m_max_bytes=ctx.m_max_bytes, budgeted=policy.budgeted)
+                        rates, m_max_bytes=ctx.plan_m_max_bytes, budgeted=policy.budgeted)
     choices = iter(f.result for f in run.forwards)
     running: dict[int, object] = {}
     busy = first = final = 0.0
@@ -306,7 +306,7 @@ def simulate(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, p
             redo, redo_policy = None, in_force
             if config.on_oom == "replan":  # the same policy, its plans made for the imbalance that crashed it
                 redo = run.iteration(in_force, key, max(seen, planned))
-            if redo is None or redo.oom:
+            if redo is None or redo.oom:  # a re-made plan that cannot fit is known before a second attempt
                 redo_policy = FALLBACKS[in_force]
                 redo = run.iteration(redo_policy, key, planned)
             if config.on_oom == "fallback":  # stays in force; a replanned run returns to its normal plans

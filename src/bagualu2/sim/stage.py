@@ -48,6 +48,10 @@ def shared_engine(model: ModelConfig, parallel: ParallelConfig, hardware: Hardwa
     return Stage(model, parallel, hardware, stage=stage)
 
 
+def _capped(memory: StageMemory, m_max_bytes: int | None) -> StageMemory:
+    return memory if m_max_bytes is None else dataclasses.replace(memory, m_max_bytes=m_max_bytes)
+
+
 class StageContext:
     """One stage of one model on one hardware, for the simulator's policies. ``engine`` is the runtime
     :class:`~bagualu2.runtime.Stage` plans are made on (``plan_hardware``'s): its memory and steps are the stage's,
@@ -56,8 +60,11 @@ class StageContext:
     (default ``hardware``): the profile plans are made with — a trainer plans with its configured profile while
     its time is that of the machine (``hardware``, e.g. fitted to it); plans are timed (``cost``, ``choice``) on the
     graphs of ``timing``, the engine of ``hardware`` (the planning engine when both profiles
-    are one). ``m_max_bytes``: the stage's activation capacity (default its ``M_max``); ``cache``: the engines'
-    memo on or off (``runtime.Stage``); ``hidden_copies``: the path's pricing of copies (``runtime.DecisionPath``)."""
+    are one). Memory: ``memory`` is the device's (``hardware``'s ``M_max``: what an iteration's peak must fit), and
+    ``plan_memory`` the one plans are made for (``plan_hardware``'s: the static policies' targets and flexible's
+    budgets), the same when the profiles are. ``m_max_bytes``: the stage's activation capacity for both (default
+    their ``M_max``); ``cache``: the engines' memo on or off (``runtime.Stage``); ``hidden_copies``: the path's
+    pricing of copies (``runtime.DecisionPath``)."""
 
     def __init__(self, model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, stage: int, *,
                  plan_hardware: Hardware | None = None, downgrade: str = "graded", m_max_bytes: int | None = None,
@@ -75,9 +82,10 @@ class StageContext:
             self.timing = (Stage(model, parallel, hardware, stage=stage, cache=False) if self.separate_timing
                            else self.engine)
         self.path = DecisionPath.on(self.engine, downgrade=downgrade, hidden_copies=hidden_copies)
-        self.memory: StageMemory = self.engine.memory
         if m_max_bytes is not None:
-            self.memory = dataclasses.replace(self.memory, m_max_bytes=require_int("m_max_bytes", m_max_bytes, 1))
+            m_max_bytes = require_int("m_max_bytes", m_max_bytes, 1)
+        self._plan_memory = _capped(self.engine.memory, m_max_bytes)
+        self._memory = _capped(self.timing.memory, m_max_bytes) if self.separate_timing else self._plan_memory
         self.steps = self.engine.steps
         # the forwards that lead a scheduling point F_x B_y (costmodel.points: the one pairing rule)
         self.point_leads = frozenset((group[0].microbatch, group[0].chunk)
@@ -86,22 +94,42 @@ class StageContext:
         self.own_copies = self.engine.point_relation == 1  # a point's copies are its own micro-batches'
 
     @property
+    def memory(self) -> StageMemory:
+        """The device's memory (``hardware``'s; a given ``m_max_bytes`` as its capacity)."""
+        return self._memory
+
+    @property
+    def plan_memory(self) -> StageMemory:
+        """The memory plans are made for (``plan_hardware``'s; a given ``m_max_bytes`` as its capacity)."""
+        return self._plan_memory
+
+    @property
     def m_max_bytes(self) -> int:
+        """The device's activation capacity: an iteration whose peak exceeds it runs out of memory."""
         return self.memory.m_max_bytes
 
+    @property
+    def plan_m_max_bytes(self) -> int:
+        """The activation capacity plans are made for (``plan_hardware``'s; Algorithm 1's ``M_max``)."""
+        return self.plan_memory.m_max_bytes
+
     def check_room(self, *, capped: bool = False) -> None:
-        """One-line ``ValueError`` when no plan fits this stage (``StageMemory.check_room``); ``capped``: the
-        capacity was given (``m_max_bytes``) rather than what the device leaves."""
+        """One-line ``ValueError`` when no plan fits this stage (``StageMemory.check_room``), on the device or, with
+        another planning profile, on that one; ``capped``: the capacity was given (``m_max_bytes``) rather than
+        what the profile leaves."""
         self.memory.check_room(self.hardware, self.stage, capped=capped)
+        if self.separate_timing:
+            self.plan_memory.check_room(self.plan_hardware, self.stage, capped=capped)
 
     @property
     def inflight(self) -> int:
-        return self.memory.inflight_chunks
+        return self.plan_memory.inflight_chunks
 
     @property
     def per_chunk_bytes(self) -> int:
-        """What each in-flight chunk may keep when M_max is split evenly: the static policies' target."""
-        return self.memory.m_max_bytes // self.memory.inflight_chunks
+        """What each in-flight chunk may keep when the planning ``M_max`` is split evenly: the static policies'
+        target."""
+        return self.plan_memory.m_max_bytes // self.plan_memory.inflight_chunks
 
     def graph(self, chunk: int, imbalance: float) -> OpGraph:
         """The graph plans are made on (``plan_hardware``'s)."""
@@ -124,9 +152,12 @@ class StageContext:
             graph = self.timing_graph(chunk, imbalance)
             hardware = self.hardware
 
+            def fused(chains):  # the DP orders for the slowdown it is timed with
+                return self.timing.order(chains, share=share)
+
             def seconds(chains) -> float:
-                return 1e-9 * makespan_ns(order_of(execution, chains, self.timing.order,
-                                                   own_copies=self.own_copies), chains, share)
+                return 1e-9 * makespan_ns(order_of(execution, chains, fused, own_copies=self.own_copies), chains,
+                                          share)
 
             found = self._choices[key] = Choice(
                 self.cost(chunk, imbalance, plan).activation_bytes,
