@@ -300,3 +300,81 @@ def test_misuse_of_the_converter_is_one_line_and_off_measures():
     assert "converted by bagualu2 already" in lines["twice"]
     assert "each forward's backward must run before the next forward" in lines["two forwards"]
     assert "bagualu2/stage0/kept_mib/mb0" in lines["off measures"]
+
+
+FAMILIES = """
+import copy, sys
+sys.path.insert(0, "tests/integration")
+import torchtitan_harness as harness
+harness.setup()
+import torch
+from torchtitan.config import ConfigManager
+from torchtitan.distributed import ParallelDims
+from torchtitan.models.deepseek_v3 import DeepSeekV3Model, deepseekv3_args
+from torchtitan.models.gpt_oss import GptOssModel, gptoss_configs
+from torchtitan.models.llama4 import Transformer as Llama4, llama4_args
+import bagualu2.integrations.torchtitan as titan
+
+def job(*flags):
+    return ConfigManager().parse_args(["--job.custom_config_module", "bagualu2.integrations.torchtitan",
+                                       "--activation_checkpoint.mode", "none", "--training.seq_len", "64", *flags])
+
+def build(cls, args, config):
+    args = copy.deepcopy(args); args.update_from_config(config)
+    torch.manual_seed(0); model = cls(args)
+    with torch.no_grad(): model.init_weights(buffer_device=torch.device("cpu"))
+    return model, args
+
+# llama4 (its MoE every other layer, shared experts): bytes and gradients against the plain model
+args = copy.deepcopy(llama4_args["debugmodel"]); args.n_layers = 4; args.moe_args.use_grouped_mm = False
+config = job("--bagualu2.memory_cap_mib", "8", "--bagualu2.no-quantize")
+plain, _ = build(Llama4, args, config)
+model, built = build(Llama4, args, config)
+converter = titan.Bagualu2Converter(config, ParallelDims(1, 1, 1, 1, 1, 1, 1, 1)); converter.convert(model)
+tokens = torch.randint(0, built.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
+for net in (plain, model):
+    net(tokens).float().pow(2).mean().backward()
+converter.post_optimizer_hook([model])
+same = all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), model.parameters()))
+(row,) = converter.provisioners[0].last_rows
+labels = set(titan.op_map(model).values())
+print("llama4:", same, row["kept_bytes"] == row["predicted_bytes"] <= row["budget_bytes"], row["plan"] != "none",
+      {"moe", "router", "dispatch", "shared_fc1", "mlp_fc1"} <= labels)
+
+# gpt-oss: its experts hold mlp1_weight / mlp2_weight; every layer is a MoE layer
+with torch.device("meta"):
+    gpt = copy.deepcopy(gptoss_configs["debugmodel"]); gpt.n_layers = 2
+    model = GptOssModel(gpt)
+labels = titan.op_map(model)
+titan.Bagualu2Converter(job(), ParallelDims(1, 1, 1, 1, 1, 1, 1, 1)).convert(model)
+print("gpt_oss:", sorted(path for path, label in labels.items() if label in ("router", "dispatch")))
+
+# the model's keyword arguments (flex attention's masks) reach the trace
+class Keyword(DeepSeekV3Model):
+    def forward(self, tokens, *, scale):
+        return super().forward(tokens) * scale
+
+args = copy.deepcopy(deepseekv3_args["debugmodel_4l"])
+config = job("--bagualu2.memory_cap_mib", "20", "--bagualu2.no-quantize")
+model, built = build(Keyword, args, config)
+converter = titan.Bagualu2Converter(config, ParallelDims(1, 1, 1, 1, 1, 1, 1, 1)); converter.convert(model)
+model(tokens % built.vocab_size, scale=2.0).float().pow(2).mean().backward()
+converter.post_optimizer_hook([model])
+(row,) = converter.provisioners[0].last_rows
+print("keywords:", row["kept_bytes"] == row["predicted_bytes"])
+"""
+
+
+@pytest.mark.launch
+def test_llama4_and_gpt_oss_and_a_models_keyword_arguments():
+    """torchtitan's other MoE families: Llama 4 (MoE every other layer, shared experts) exact in bytes and bitwise in
+    gradients; gpt-oss's experts (``mlp1_weight`` / ``mlp2_weight``) found in every layer; and a forward's keyword
+    arguments (flex attention's masks) passed to the trace (it ran the model without them)."""
+    proc = subprocess.run([sys.executable, "-c", FAMILIES], cwd=ROOT, capture_output=True, text=True,
+                          timeout=TIMEOUT_S, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = dict(line.split(": ", 1) for line in proc.stdout.splitlines() if ": " in line)
+    assert lines["llama4"] == "True True True True"
+    assert lines["gpt_oss"] == "['layers.0.moe.experts', 'layers.0.moe.router', 'layers.1.moe.experts', " \
+                               "'layers.1.moe.router']"
+    assert lines["keywords"] == "True"

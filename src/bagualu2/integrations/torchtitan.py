@@ -9,9 +9,10 @@ torchtitan's job config a ``[bagualu2]`` section (:class:`Bagualu2Config`, throu
 split; it checks the model and puts two closures on it (a forward pre-hook and a forward hook), which the split's
 deep copies keep. At the first forward the pipeline schedule runs on a stage's part of the model, the part gets a
 :class:`~.torchtitan_stage.StageProvisioner`: the part is instrumented from outside (:func:`op_map`, the exec
-layer's hooks), its graph is traced on that micro-batch, and from then on every micro-batch of the schedule runs
-Algorithm 1's budget (from the stage's in-flight count under torchtitan's 1F1B), the greedy plan on the traced
-graph, the gate's deferred re-plan, and feeds the bytes it kept back into the budget. A forward outside the
+layer's hooks), its graph is traced on that micro-batch (its arguments and keyword arguments: flex attention's
+masks), and from then on every micro-batch of the schedule runs Algorithm 1's budget (from the stage's in-flight
+count under torchtitan's 1F1B), the greedy plan on the traced graph, the gate's deferred re-plan, and feeds the
+bytes it kept back into the budget. A forward outside the
 schedule (torch's shape inference before the first step) runs unplanned and is not counted.
 
 This module imports without torchtitan; the converter needs it (``pip install "bagualu2[torchtitan]"``).
@@ -37,7 +38,7 @@ from .torchtitan_stage import (ACTIVE_FORWARD, ScheduleInfo, StageProvisioner, c
 
 #: the decoders :func:`op_map` reads: importing this module gives their train specs a metrics processor builder that
 #: hands torchtitan's metrics processor to the live converters (the spec is otherwise torchtitan's own)
-MODELS = ("deepseek_v3", "qwen3")
+MODELS = ("deepseek_v3", "qwen3", "llama4", "gpt_oss")
 _CONVERTERS: "weakref.WeakSet[Bagualu2Converter]" = weakref.WeakSet()
 _CONVERTED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # the models a converter put its hooks on
 
@@ -140,7 +141,7 @@ class Bagualu2Converter:
         model.register_forward_hook(after, with_kwargs=True, always_call=True)
         _CONVERTED.add(model)
 
-    def _provisioner(self, part: torch.nn.Module, args):
+    def _provisioner(self, part: torch.nn.Module, args, kwargs):
         where = scheduled_forward(self.schedule)
         if where is None:
             return None, None
@@ -150,7 +151,7 @@ class Bagualu2Converter:
             self._tracing = True  # the trace runs the part: its forwards are not micro-batches
             try:
                 found = self.provisioners[stage_index] = StageProvisioner(
-                    part, args, config=self.config, stage_index=stage_index, num_stages=num_stages,
+                    part, args, kwargs, config=self.config, stage_index=stage_index, num_stages=num_stages,
                     num_microbatches=self.schedule.num_microbatches,
                     expert_parallel_degree=self.expert_parallel_degree, step=self.step)
             finally:
@@ -160,7 +161,7 @@ class Bagualu2Converter:
     def _before(self, part, args, kwargs):
         if self._tracing:
             return None
-        provisioner, microbatch = self._provisioner(part, args)
+        provisioner, microbatch = self._provisioner(part, args, kwargs)
         if provisioner is not None:
             provisioner.begin(microbatch)
         return None

@@ -70,7 +70,11 @@ FFN_NAMES = (("w1", "fc1"), ("w3", "fc1"), ("w2", "fc2"))
 
 
 def _is_moe(module: torch.nn.Module) -> bool:
-    return all(hasattr(module, name) for name in ("router", "experts")) and hasattr(module.experts, "w1")
+    """A torchtitan MoE module: a router beside routed experts holding every expert's weights (``w1``/``w2``/``w3``
+    of torchtitan's ``GroupedExperts``, ``mlp1_weight``/``mlp2_weight`` of gpt-oss's)."""
+    experts = getattr(module, "experts", None)
+    return (isinstance(getattr(module, "router", None), torch.nn.Module) and isinstance(experts, torch.nn.Module)
+            and any(True for _ in experts.parameters(recurse=False)))
 
 
 def op_map(part: torch.nn.Module) -> dict[str, str]:
@@ -124,7 +128,8 @@ def _ffn(path: str, module: torch.nn.Module, kind: str, labels: dict) -> None:
 def expert_group(experts: torch.nn.Module | None):
     """``(process group, degree)`` of torchtitan's expert parallelism over a routed-experts module (its weights
     sharded on the ``ep`` dimension of their device mesh), else None."""
-    mesh = getattr(getattr(experts, "w1", None), "device_mesh", None)
+    weight = next(experts.parameters(recurse=False), None) if isinstance(experts, torch.nn.Module) else None
+    mesh = getattr(weight, "device_mesh", None)
     if mesh is None or "ep" not in (mesh.mesh_dim_names or ()):
         return None
     ep = mesh["ep"] if mesh.ndim > 1 else mesh

@@ -122,8 +122,9 @@ class StageProvisioner:
     """Budgets, plans and kept bytes of one pipeline stage's part (module docstring). ``rows`` holds this step's
     micro-batches; ``last_rows`` the last finished step's."""
 
-    def __init__(self, part: torch.nn.Module, args: tuple, *, config: Bagualu2Config, stage_index: int,
-                 num_stages: int, num_microbatches: int, expert_parallel_degree: int = 1, step: int = 0):
+    def __init__(self, part: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, config: Bagualu2Config,
+                 stage_index: int, num_stages: int, num_microbatches: int, expert_parallel_degree: int = 1,
+                 step: int = 0):
         self.config, self.stage_index, self.num_microbatches = config, stage_index, num_microbatches
         self.in_flight = min(num_stages - stage_index, num_microbatches)
         labels = op_map(part)
@@ -133,7 +134,7 @@ class StageProvisioner:
         device = next(part.parameters()).device
         hardware = presets.hardware("cpu" if device.type == "cpu" else "paper-gpu")
         with _Preserved(part, device):
-            graph = self.instrumented.trace_graph(*args, hardware=hardware)
+            graph = self.instrumented.trace_graph(*args, hardware=hardware, **(kwargs or {}))
         self.graph: OpGraph = planned_graph(graph, quantize=config.quantize,
                                             expert_parallel=expert_parallel_degree > 1)
         self.cap_bytes = cap = config.cap_bytes
