@@ -44,7 +44,9 @@ def nested_tensors(value: Any) -> list[torch.Tensor]:
 def draws_random(func, args: tuple, kwargs: dict) -> bool:
     """Does this call of a seeded op draw random numbers? Not when its dropout probability is 0 or it is told
     it is not training (attention kernels and ``native_dropout`` take a probability even without dropout)."""
-    values = dict(kwargs)
+    values = {argument.name: argument.default_value for argument in func._schema.arguments
+              if argument.has_default_value()}  # an argument left at its default is not in the call
+    values.update(kwargs)
     for argument, value in zip(func._schema.arguments, args):
         values[argument.name] = value
     if values.get("train", True) is False:

@@ -145,6 +145,7 @@ class InstrumentedModel:
         self.trace: TraceResult | None = None
         self.traced_autocast: tuple | None = None  # the autocast state the traced forward ran under
         self.traced_calls: dict[str, int] = {}
+        self.traced_training: list[bool] = []  # every module's training flag in the traced forward
         self.removed = False
         modules = dict(model.named_modules())
         self._hooked = [modules[path] for path in self.bindings]
@@ -219,14 +220,28 @@ class InstrumentedModel:
             TRACER.reset(token)
         self.trace = build_graph_of(recorder, self.model, hardware, activation_dtype=self._activation_dtype())
         self.traced_autocast = recorder.autocast
+        self.traced_training = [module.training for module in self.model.modules()]
         self.traced_calls = dict(recorder.counts)  # module path -> its calls in the traced forward
         return self.trace.graph
 
     def _check_autocast(self, record) -> None:
         """The first mapped module of a micro-batch: ``ValueError`` when the forward runs under another autocast
         state than the traced one (its savings have other dtypes than the traced slots: the plan would not
-        apply)."""
+        apply), or with a module in another mode (``train()`` / ``eval()``: dropout draws, or does not, and saves
+        its mask, or does not) than traced."""
         record.autocast_checked = True
+        training = [module.training for module in self.model.modules()]
+        if training != self.traced_training:
+            found = next(((path, module) for (path, module), then in
+                          zip(self.model.named_modules(), self.traced_training) if module.training != then), None)
+            if found is None:
+                raise ValueError(f"micro-batch {record.name!r}: the model's modules changed since trace_graph; "
+                                 "trace it again and make a new executor")
+            path, module = found
+            mode = "train" if module.training else "eval"
+            raise ValueError(f"micro-batch {record.name!r} runs module {path or type(module).__name__} in {mode} "
+                             f"mode, but the model was traced in {'eval' if mode == 'train' else 'train'} mode: "
+                             "trace it in the mode it runs (model.train() or model.eval() before trace_graph)")
         now = autocast_of_forward()
         if now != self.traced_autocast:
             on = ", ".join(f"{device} {dtype}" for device, dtype in now if dtype is not None) or "off"
@@ -313,7 +328,7 @@ class InstrumentedModel:
             if tracer is not None:
                 if tracer.autocast is None:
                     tracer.autocast = autocast_of_forward()
-                tracer.enter(frame, args, kwargs)
+                tracer.enter(frame, args, kwargs, tuple(module.buffers()))
             if active is not None:
                 executor, record = active
                 if not record.autocast_checked and executor.traced is not None:
@@ -322,7 +337,8 @@ class InstrumentedModel:
                     record.forward_gate(binding.op)  # the dual-batch executor lets this op's stage run
                 standby = binding.op in executor.standby
                 if standby or binding.op in record.rerun:
-                    flat, fn = _replay_call(module, args, kwargs, record)
+                    snapshot = self.trace is not None and binding.path in self.trace.buffer_modules
+                    flat, fn = _replay_call(module, args, kwargs, record, snapshot=snapshot)
                     frame.replay = executor.begin_replay(record, binding.op, fn, flat, active=not standby)
             return None
 
@@ -336,7 +352,7 @@ class InstrumentedModel:
             active, tracer = ACTIVE.get(), TRACER.get()
             try:
                 if tracer is not None:
-                    tracer.exit(frame, output)
+                    tracer.exit(frame, output, tuple(module.buffers()))
                 if active is not None:
                     executor, record = active
                     if frame.replay is not None:
@@ -369,11 +385,14 @@ def _check_stateless(binding: OpBinding, args: tuple, kwargs: dict) -> None:
                          "or run without it (use_cache=False)")
 
 
-def _replay_call(module: torch.nn.Module, args: tuple, kwargs: dict, record) -> tuple[tuple, Callable]:
+def _replay_call(module: torch.nn.Module, args: tuple, kwargs: dict, record, *,
+                 snapshot: bool = False) -> tuple[tuple, Callable]:
     """``(flat arguments, fn)`` so that ``fn(*flat)`` re-runs ``module.forward`` on the call's arguments, with the
     hooks silent; non-activation tensors are wrapped so the replay holds them as they are. A re-run leaves the
     module's buffers as they were before it (a module that updates a buffer in its forward, e.g. a MoE module
-    counting the tokens it routed, updates it once, as the plain run does)."""
+    counting the tokens it routed, updates it once, as the plain run does). ``snapshot`` (a module whose traced
+    call changed its buffers in place, e.g. a running mean it reads and then updates): the buffers are copied
+    now, before the forward, and the re-run reads those copies, as the forward read them."""
     keys = tuple(kwargs)
     num_args = len(args)
 
@@ -383,11 +402,15 @@ def _replay_call(module: torch.nn.Module, args: tuple, kwargs: dict, record) -> 
 
     flat = tuple(_Held(v) if isinstance(v, torch.Tensor) and not activation(v) else v
                  for v in (*args, *kwargs.values()))
+    found = [(buffer, buffer.detach().clone()) for buffer in module.buffers()] if snapshot else []
 
     def run(*values):
         values = [v.value if isinstance(v, _Held) else v for v in values]
         token = REPLAYING.set(True)
         buffers = [(buffer, buffer.detach().clone()) for buffer in module.buffers()]
+        with torch.no_grad():
+            for buffer, before in found:  # as the forward found them
+                buffer.copy_(before)
         try:
             return module.forward(*values[:num_args], **dict(zip(keys, values[num_args:])))
         finally:

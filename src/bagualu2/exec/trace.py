@@ -54,7 +54,9 @@ class TraceResult:
     call, slot) -> (tensor, dtype, storage bytes)``; ``saved_bytes`` is every storage ``model(...)`` saved
     (deduplicated, as the tracker counts), ``unmapped_bytes`` those saved only outside mapped modules (not in the
     graph, never mitigated); ``random_ops`` the ops that drew random numbers; ``modules`` the module paths of each
-    op."""
+    op; ``mutating_ops`` the ops that changed one of their inputs in place (a re-run would change it again) or
+    replaced a buffer; ``buffer_modules`` the module paths whose calls changed their buffers in place (a re-run
+    starts from the buffers as the forward found them)."""
 
     graph: OpGraph
     slots: Mapping[tuple[str, int, int], tuple[str, str, int]]
@@ -65,11 +67,14 @@ class TraceResult:
     value_dependent_ops: frozenset[str]
     modules: Mapping[str, tuple[str, ...]]
     stateful_ops: Mapping[str, str] = field(default_factory=dict)  # op -> type of an argument that holds state
+    mutating_ops: frozenset[str] = frozenset()
+    buffer_modules: frozenset[str] = frozenset()
 
 
 class _Call:
     __slots__ = ("binding", "inputs", "outputs", "saves", "flops", "backward_flops", "attention_flops", "start_s",
-                 "inner_s", "forward_s", "random", "comm", "value_dependent", "stateful")
+                 "inner_s", "forward_s", "random", "comm", "value_dependent", "stateful", "versions", "mutates",
+                 "buffers", "updates_buffers")
 
     def __init__(self, binding):
         self.binding = binding
@@ -82,6 +87,10 @@ class _Call:
         self.start_s = self.inner_s = self.forward_s = 0.0
         self.random = self.comm = self.value_dependent = False
         self.stateful: str | None = None  # the type of an argument that holds state (a KV cache), if any
+        self.versions: list = []  # (input tensor, its in-place counter) while the call runs
+        self.mutates = False  # the call changed one of its input tensors in place (or replaced a buffer)
+        self.buffers: list = []  # (buffer, its in-place counter) of the module while the call runs
+        self.updates_buffers = False  # the call changed one of its module's buffers in place
 
 
 class _Storage:
@@ -166,11 +175,13 @@ class TraceRecorder:
         self.sent[layer] = self.sent.get(layer, 0) + sent
         self.reports[layer] = self.reports.get(layer, 0) + 1
 
-    def enter(self, frame: Frame, args: tuple, kwargs: dict) -> None:
+    def enter(self, frame: Frame, args: tuple, kwargs: dict, buffers: tuple = ()) -> None:
+        """A mapped module's call begins (``buffers``: the module's, to see whether the call changes them)."""
         binding = frame.binding
         frame.call = self.counts.get(binding.path, 0)
         self.counts[binding.path] = frame.call + 1
         call = frame.state = _Call(binding)
+        call.buffers = [(buffer, buffer._version) for buffer in buffers]
         self.calls.append(call)
         for value in (*args, *kwargs.values()):
             if not isinstance(value, torch.Tensor):
@@ -192,11 +203,19 @@ class TraceRecorder:
             else:
                 self.storages[key].seen(value)
             call.inputs.append(key)
+            call.versions.append((value, value._version))
         if self.timed:
             call.start_s = time.perf_counter()
 
-    def exit(self, frame: Frame, output: Any) -> None:
+    def exit(self, frame: Frame, output: Any, buffers: tuple = ()) -> None:
+        """The call ends (``buffers``: the module's now: one replaced by another tensor cannot be restored for a
+        re-run, one changed in place can)."""
         call, op = frame.state, frame.binding.op
+        before = [buffer for buffer, _ in call.buffers]
+        call.mutates = (any(tensor._version != version for tensor, version in call.versions)
+                        or [id(b) for b in buffers] != [id(b) for b in before])
+        call.updates_buffers = any(buffer._version != version for buffer, version in call.buffers)
+        call.versions = call.buffers = []
         if self.timed:
             elapsed = time.perf_counter() - call.start_s
             call.forward_s = elapsed - call.inner_s
@@ -280,8 +299,15 @@ def run_trace(model: torch.nn.Module, recorder: TraceRecorder, args: tuple, kwar
         value = torch.stack(parts).sum()
     targets = list({id(t): t for t in (*model.parameters(), *nested_tensors((args, kwargs)))
                     if t.requires_grad}.values())
-    if targets:  # computed, not accumulated into any .grad (an input made upstream stops the backward there)
-        torch.autograd.grad(value.reshape(()), targets, allow_unused=True)
-    else:  # only tensors made inside the forward need grad
-        value.backward()
+    try:
+        if targets:  # computed, not accumulated into any .grad (an input made upstream stops the backward there)
+            torch.autograd.grad(value.reshape(()), targets, allow_unused=True)
+        else:  # only tensors made inside the forward need grad
+            value.backward()
+    except RuntimeError as error:
+        if "use_reentrant=True" not in str(error):
+            raise
+        raise ValueError("trace_graph: the model calls torch.utils.checkpoint with use_reentrant=True, whose saved "
+                         "tensors no plan can name; use use_reentrant=False or leave the checkpointing to the "
+                         "plans") from None
     recorder.events.append((time.perf_counter(), ""))  # the end of backward

@@ -48,7 +48,8 @@ def build_graph_of(recorder: TraceRecorder, model: torch.nn.Module, hardware: Ha
         for outer in (inner, *enclosing[inner]):
             stateful.setdefault(outer, kind)
     stateful.update(own_state)
-    fixed = _not_regenerable(recorder, random_ops | stateful.keys())
+    mutating = {name for name, calls in by_op.items() if any(c.mutates for c in calls)}
+    fixed = _not_regenerable(recorder, random_ops | stateful.keys() | mutating)
     marked = any(info.routed for info in recorder.storages.values())
     ops = []
     for name, calls in by_op.items():
@@ -98,7 +99,8 @@ def build_graph_of(recorder: TraceRecorder, model: torch.nn.Module, hardware: Ha
     dependent = _flag_enclosing(enclosing, {name for name, calls in by_op.items()
                                             if any(c.value_dependent for c in calls)})
     return TraceResult(graph, slots, saved, sum(outside.values()), recorder.num_unmapped, frozenset(random_ops),
-                       frozenset(dependent), modules, stateful)
+                       frozenset(dependent), modules, stateful, frozenset(mutating),
+                       frozenset(c.binding.path for c in recorder.calls if c.updates_buffers))
 
 
 def _enclosing_ops(by_op: dict) -> dict[str, set]:
@@ -177,8 +179,9 @@ def _unmapped_op(recorder: TraceRecorder, names: dict, tensors: dict, taken: set
 
 
 def _not_regenerable(recorder: TraceRecorder, unrepeatable: set) -> set:
-    """Storages no re-run may regenerate: those made by an op that drew random numbers or took an object with
-    state, itself or a mapped module inside it (it is never re-run: ``unrepeatable``), those an op saved without
+    """Storages no re-run may regenerate: those made by an op that drew random numbers, took an object with
+    state, itself or a mapped module inside it, or changed one of its inputs in place (it is never re-run:
+    ``unrepeatable``), those an op saved without
     returning them that another op reads (a re-run regenerates its own savings, not another op's inputs), and
     those changed in place after their producer made them (router jitter: ``hidden *= noise``; a re-run would
     remake them without the change). They stay graph tensors: kept, offloaded or quantised."""

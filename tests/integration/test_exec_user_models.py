@@ -1,0 +1,149 @@
+"""A user's own model under the exec layer, in the ways the reference model and the HF families do not exercise:
+a module reading a buffer it then updates, a module changing its input in place, attention with an explicit mask,
+a trace in another mode than the run, and torch's reentrant checkpointing. Exact strategies give the predicted
+bytes and the plain run's gradients bit for bit, or the plan is refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint as checkpoint
+from torch import nn
+
+from bagualu2.costmodel import evaluate, presets
+from bagualu2.exec import apply_plan, instrument
+
+H = 16
+CPU = presets.hardware("cpu")
+
+
+class EmaScale(nn.Module):
+    """Reads a running scale, then updates it (no_grad): a re-run must read it as the forward did."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(H))
+        self.register_buffer("ema", torch.ones(()))
+
+    def forward(self, x):
+        y = torch.tanh(x / self.ema * self.weight)
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(0.1 * x.abs().mean())
+        return y
+
+
+class DoublesInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(H, H)
+
+    def forward(self, x):
+        x.mul_(2.0)  # in place on its input, which the layer before made
+        return F.gelu(self.lin(x))
+
+
+class MaskedAttention(nn.Module):
+    def __init__(self, dropout: float = 0.0):
+        super().__init__()
+        self.qkv, self.out, self.dropout = nn.Linear(H, 3 * H), nn.Linear(H, H), dropout
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 2, H // 2).permute(2, 0, 3, 1, 4)
+        mask = torch.ones(t, t, dtype=torch.bool).tril()
+        p = self.dropout if self.training else 0.0
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **({"dropout_p": p} if p else {}))
+        return self.out(o.transpose(1, 2).reshape(b, t, H))
+
+
+class Net(nn.Module):
+    def __init__(self, middle: nn.Module):
+        super().__init__()
+        self.fc1, self.middle, self.fc2 = nn.Linear(H, H), middle, nn.Linear(H, H)
+
+    def forward(self, x):
+        return self.fc2(self.middle(self.fc1(x)))
+
+
+def _step(model, inst, x, plan, state):
+    model.load_state_dict(state)
+    model.zero_grad()
+    executor = apply_plan(inst, plan)
+    with executor.micro_batch("mb") as record:
+        out = model(x)
+    out.pow(2).mean().backward()
+    executor.release("mb")
+    return record.device_bytes, [p.grad.clone() for p in model.parameters()]
+
+
+def test_a_module_that_reads_a_buffer_it_updates_is_re_run_on_the_buffer_the_forward_read():
+    torch.manual_seed(0)
+    model, x = Net(EmaScale()), torch.randn(2, 8, H)
+    inst = instrument(model, {"fc1": "mlp_fc1", "middle": "mlp_act", "fc2": "mlp_fc2"})
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    graph = inst.trace_graph(x, hardware=CPU)
+    assert inst.trace.buffer_modules == {"middle"}
+    _, plain = _step(model, inst, x, None, state)
+    ema = model.middle.ema.clone()
+    kept, grads = _step(model, inst, x, "mlp_act=RECOMPUTE", state)
+    assert kept == evaluate(graph, "mlp_act=RECOMPUTE").activation_bytes < evaluate(graph, None).activation_bytes
+    assert all(torch.equal(a, b) for a, b in zip(plain, grads))  # 1e-3 apart when the re-run read the update
+    assert torch.equal(model.middle.ema, ema)  # updated once, as the plain run does
+
+
+def test_a_module_that_changes_its_input_in_place_is_never_re_run():
+    torch.manual_seed(0)
+    model, x = Net(DoublesInput()), torch.randn(2, 8, H, requires_grad=True)
+    inst = instrument(model, {"fc1": "mlp_fc1", "middle": "mlp_act", "fc2": "mlp_fc2"})
+    graph = inst.trace_graph(x, hardware=CPU)
+    assert inst.trace.mutating_ops == {"mlp_act"}
+    (saving,) = [s.tensor for s in graph.op("mlp_act").saves if s.tensor.startswith("mlp_act.")]  # its own
+    with pytest.raises(ValueError, match=r"^plan: RECOMPUTE re-runs mlp_act \(module middle\), which changes its "
+                                         r"input in place"):
+        apply_plan(inst, f"mlp_act/{saving}=RECOMPUTE")  # a traceback inside the backward's re-run before
+
+
+def test_attention_with_an_explicit_mask_and_no_dropout_is_deterministic():
+    torch.manual_seed(0)
+    model, x = Net(MaskedAttention()), torch.randn(2, 8, H, requires_grad=True)
+    inst = instrument(model, {"fc1": "mlp_fc1", "middle": "core_attn", "middle.qkv": "qkv", "middle.out": "attn_out",
+                              "fc2": "mlp_fc2"})
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    graph = inst.trace_graph(x, hardware=CPU)
+    assert not inst.trace.random_ops  # the kernel's dropout_p left at its default of 0 drew nothing
+    _, plain = _step(model, inst, x, None, state)
+    kept, grads = _step(model, inst, x, "core_attn=RECOMPUTE", state)
+    assert kept == evaluate(graph, "core_attn=RECOMPUTE").activation_bytes < evaluate(graph, None).activation_bytes
+    assert all(torch.equal(a, b) for a, b in zip(plain, grads))
+
+
+def test_a_model_traced_in_eval_mode_is_refused_in_train_mode():
+    torch.manual_seed(0)
+    model, x = Net(MaskedAttention(dropout=0.2)), torch.randn(2, 8, H, requires_grad=True)
+    inst = instrument(model, {"middle": "core_attn", "middle.qkv": "qkv", "middle.out": "attn_out"})
+    model.eval()
+    inst.trace_graph(x, hardware=CPU)
+    model.train()
+    executor = apply_plan(inst, "core_attn=RECOMPUTE")
+    with pytest.raises(ValueError, match=r"^micro-batch 'mb' runs module Net in train mode, but the model was "
+                                         r"traced in eval mode"):
+        with executor.micro_batch("mb"):
+            model(x)
+
+
+def test_reentrant_checkpointing_is_one_line():
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(H, H), nn.Linear(H, H)
+
+        def forward(self, x):
+            return checkpoint.checkpoint(lambda t: torch.tanh(self.fc2(t)), torch.tanh(self.fc1(x)),
+                                         use_reentrant=True)
+
+    model = Checkpointed()
+    inst = instrument(model, {"fc1": "mlp_fc1", "fc2": "mlp_fc2"})
+    with pytest.raises(ValueError, match="^trace_graph: the model calls torch.utils.checkpoint with "
+                                         "use_reentrant=True"):
+        inst.trace_graph(torch.randn(2, 8, H, requires_grad=True), hardware=CPU)
