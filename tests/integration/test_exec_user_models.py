@@ -147,3 +147,55 @@ def test_reentrant_checkpointing_is_one_line():
     with pytest.raises(ValueError, match="^trace_graph: the model calls torch.utils.checkpoint with "
                                          "use_reentrant=True"):
         inst.trace_graph(torch.randn(2, 8, H, requires_grad=True), hardware=CPU)
+
+
+class TinyMoE(nn.Module):
+    """A softmax top-k router beside experts run in a loop (index_select / scatter_add)."""
+
+    def __init__(self, experts: int = 4, top_k: int = 2):
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(H, experts, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(H, 2 * H), nn.GELU(), nn.Linear(2 * H, H))
+                                     for _ in range(experts))
+
+    def forward(self, x):
+        tokens = x.reshape(-1, H)
+        weights, picks = torch.topk(self.router(tokens).softmax(-1), self.top_k, dim=-1)
+        out = torch.zeros_like(tokens)
+        for e, expert in enumerate(self.experts):
+            rows, slot = (picks == e).nonzero(as_tuple=True)
+            y = expert(tokens.index_select(0, rows)) * weights[rows, slot].unsqueeze(-1)
+            out = out.scatter_add(0, rows.unsqueeze(-1).expand_as(y), y)
+        return out.reshape(x.shape)
+
+
+MOE_MAP = {"fc1": "mlp_fc1", "middle": "moe", "middle.router": "router", "fc2": "mlp_fc2"}
+
+
+def _counting_gate(router, inputs, output):
+    """Recomputes the routing from the router's logits, with grad on where the caller leaves it on."""
+    picks = torch.topk(output.softmax(-1), 2, dim=-1).indices
+    return int(picks.numel())
+
+
+def test_a_gate_that_computes_with_grad_saves_nothing_and_the_moe_block_re_runs():
+    from bagualu2.exec import DeferredPlanner
+
+    torch.manual_seed(0)
+    model, x = Net(TinyMoE()), torch.randn(2, 8, H)
+    inst = instrument(model, MOE_MAP, gate=_counting_gate)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    graph = inst.trace_graph(x, hardware=CPU)
+    gateless = instrument(Net(TinyMoE()), MOE_MAP).trace_graph(x, hardware=CPU)
+    assert graph.unmitigated_bytes == gateless.unmitigated_bytes  # the gate's softmax saved into the moe op before
+    rerun = ",".join(f"moe/{saving.tensor}=RECOMPUTE" for saving in graph.op("moe").saves)
+    _, plain = _step(model, inst, x, None, state)
+    kept, grads = _step(model, inst, x, rerun, state)  # the re-run "saved fewer tensors" mid-backward before
+    assert kept == evaluate(graph, rerun).activation_bytes < graph.unmitigated_bytes
+    assert all(torch.equal(a, b) for a, b in zip(plain, grads))
+    other = instrument(Net(TinyMoE(experts=8)), MOE_MAP, gate=_counting_gate)
+    foreign = DeferredPlanner.for_graph(other.trace_graph(x, hardware=CPU), budget_bytes=graph.floor_bytes)
+    with pytest.raises(ValueError, match=r"^deferred: the planner decides on graph .* not on the graph the plan "
+                                         r"runs on"):
+        apply_plan(inst, None, deferred=foreign)  # decided on the other model's graph silently before

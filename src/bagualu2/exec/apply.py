@@ -495,6 +495,8 @@ def apply_plan(target: "OpGraph | torch.nn.Module | InstrumentedModel", plan: Pl
     else:
         raise ValueError(f"apply_plan needs an OpGraph or a model (an InstrumentedModel, or one with a config), "
                          f"got {type(target).__name__}")
+    if deferred is not None:
+        _check_deferred(deferred, graph)
     executor = PlanExecutor(graph, plan, tracker=tracker, exclude=exclude, deferred=deferred, namer=namer,
                             verify=verify, instrumented=instrumented)
     if namer is not None:
@@ -518,6 +520,17 @@ def _check_arguments(tracker, exclude, deferred, graph) -> tuple:
     if graph is not None and not isinstance(graph, OpGraph):
         raise ValueError(f"graph must be an OpGraph or None, got {type(graph).__name__}")
     return modules
+
+
+def _check_deferred(deferred, graph: OpGraph) -> None:
+    """One ``ValueError`` when the deferred planner decides on another graph than the one the plan runs on (another
+    model's, another stage's): its decisions would name other ops and predict other bytes."""
+    planned = deferred.graph()
+    if ([op.name for op in planned.ops] != [op.name for op in graph.ops]
+            or planned.tensors.keys() != graph.tensors.keys()):
+        raise ValueError(f"deferred: the planner decides on graph {planned.label!r}, not on the graph the plan runs on "
+                         f"({graph.label!r}: other ops or tensors); make it from this graph "
+                         "(DeferredPlanner.for_graph(instrumented.graph, ...))")
 
 
 def _names(what: str, names) -> set[str]:

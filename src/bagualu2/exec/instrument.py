@@ -364,7 +364,8 @@ class InstrumentedModel:
                 OP_SCOPE.reset(frame.tokens[1])
                 OP_WEIGHTS.reset(frame.tokens[2])
             if self.gate is not None and binding.kind == "router" and (active is not None or tracer is not None):
-                report = gate_report(self.gate(module, args, output))
+                with torch.no_grad():  # the gate counts; what it computes is not part of any op (nothing saved)
+                    report = gate_report(self.gate(module, args, output))
                 if tracer is not None:
                     tracer.routed_tokens(binding.layer, int(report.received),
                                          int(report.received if report.sent is None else report.sent))
