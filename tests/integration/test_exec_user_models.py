@@ -126,7 +126,7 @@ def test_a_model_traced_in_eval_mode_is_refused_in_train_mode():
     inst.trace_graph(x, hardware=CPU)
     model.train()
     executor = apply_plan(inst, "core_attn=RECOMPUTE")
-    with pytest.raises(ValueError, match=r"^micro-batch 'mb' runs module Net in train mode, but the model was "
+    with pytest.raises(ValueError, match=r"^micro-batch 'mb' runs module middle in train mode, but the model was "
                                          r"traced in eval mode"):
         with executor.micro_batch("mb"):
             model(x)
@@ -199,3 +199,27 @@ def test_a_gate_that_computes_with_grad_saves_nothing_and_the_moe_block_re_runs(
     with pytest.raises(ValueError, match=r"^deferred: the planner decides on graph .* not on the graph the plan "
                                          r"runs on"):
         apply_plan(inst, None, deferred=foreign)  # decided on the other model's graph silently before
+
+
+def test_a_cache_buffer_built_on_the_first_call_leaves_the_module_re_runnable():
+    class Cached(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(H, H)
+            self.register_buffer("scale", None)
+
+        def forward(self, x):
+            if self.scale is None:  # built on the first call (the trace), as rotary and mask caches are
+                self.register_buffer("scale", torch.full((H,), 0.5))
+            return torch.tanh(self.lin(x) * self.scale)
+
+    torch.manual_seed(0)
+    model, x = Net(Cached()), torch.randn(2, 8, H)
+    inst = instrument(model, {"fc1": "mlp_fc1", "middle": "mlp_act", "fc2": "mlp_fc2"})
+    graph = inst.trace_graph(x, hardware=CPU)
+    assert not inst.trace.mutating_ops  # refused as "changes its input in place" when the list of buffers grew
+    assert evaluate(graph, "mlp_act=RECOMPUTE").activation_bytes < graph.unmitigated_bytes
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    _, plain = _step(model, inst, x, None, state)
+    _, grads = _step(model, inst, x, "mlp_act=RECOMPUTE", state)
+    assert all(torch.equal(a, b) for a, b in zip(plain, grads))

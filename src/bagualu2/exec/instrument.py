@@ -49,6 +49,8 @@ SHAPE_KINDS = frozenset({"norm", "qkv", "rope", "core_attn", "attn_out", "router
 GENERIC_KIND = "residual"  # the graph kind of a label that names no cost-model kind: memory-bound, no role
 SUPPORTED_DEVICES = ("cpu", "cuda")
 _LABEL = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+DROPOUT_MODULES = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
+                   torch.nn.FeatureAlphaDropout)  # modules whose mode decides whether they draw and save a mask
 
 
 class _Held:
@@ -145,7 +147,8 @@ class InstrumentedModel:
         self.trace: TraceResult | None = None
         self.traced_autocast: tuple | None = None  # the autocast state the traced forward ran under
         self.traced_calls: dict[str, int] = {}
-        self.traced_training: list[bool] = []  # every module's training flag in the traced forward
+        self.traced_training: list[bool] = []  # the mode modules' training flags in the traced forward
+        self._mode_modules: list[tuple[str, torch.nn.Module]] = []  # mapped modules and dropout modules
         self.removed = False
         modules = dict(model.named_modules())
         self._hooked = [modules[path] for path in self.bindings]
@@ -220,24 +223,22 @@ class InstrumentedModel:
             TRACER.reset(token)
         self.trace = build_graph_of(recorder, self.model, hardware, activation_dtype=self._activation_dtype())
         self.traced_autocast = recorder.autocast
-        self.traced_training = [module.training for module in self.model.modules()]
+        self._mode_modules = [(path, module) for path, module in self.model.named_modules()
+                              if path in self.bindings or isinstance(module, DROPOUT_MODULES)]
+        self.traced_training = [module.training for _, module in self._mode_modules]
         self.traced_calls = dict(recorder.counts)  # module path -> its calls in the traced forward
         return self.trace.graph
 
     def _check_autocast(self, record) -> None:
         """The first mapped module of a micro-batch: ``ValueError`` when the forward runs under another autocast
         state than the traced one (its savings have other dtypes than the traced slots: the plan would not
-        apply), or with a module in another mode (``train()`` / ``eval()``: dropout draws, or does not, and saves
-        its mask, or does not) than traced."""
+        apply), or with a mapped module or a dropout module in another mode (``train()`` / ``eval()``: dropout
+        draws, or does not, and saves its mask, or does not) than traced."""
         record.autocast_checked = True
-        training = [module.training for module in self.model.modules()]
+        training = [module.training for _, module in self._mode_modules]
         if training != self.traced_training:
-            found = next(((path, module) for (path, module), then in
-                          zip(self.model.named_modules(), self.traced_training) if module.training != then), None)
-            if found is None:
-                raise ValueError(f"micro-batch {record.name!r}: the model's modules changed since trace_graph; "
-                                 "trace it again and make a new executor")
-            path, module = found
+            path, module = next((path, module) for (path, module), then in
+                                zip(self._mode_modules, self.traced_training) if module.training != then)
             mode = "train" if module.training else "eval"
             raise ValueError(f"micro-batch {record.name!r} runs module {path or type(module).__name__} in {mode} "
                              f"mode, but the model was traced in {'eval' if mode == 'train' else 'train'} mode: "
@@ -328,7 +329,7 @@ class InstrumentedModel:
             if tracer is not None:
                 if tracer.autocast is None:
                     tracer.autocast = autocast_of_forward()
-                tracer.enter(frame, args, kwargs, tuple(module.buffers()))
+                tracer.enter(frame, args, kwargs, tuple(module.named_buffers()))
             if active is not None:
                 executor, record = active
                 if not record.autocast_checked and executor.traced is not None:
@@ -352,7 +353,7 @@ class InstrumentedModel:
             active, tracer = ACTIVE.get(), TRACER.get()
             try:
                 if tracer is not None:
-                    tracer.exit(frame, output, tuple(module.buffers()))
+                    tracer.exit(frame, output, tuple(module.named_buffers()))
                 if active is not None:
                     executor, record = active
                     if frame.replay is not None:

@@ -26,7 +26,8 @@ def check_replayable(instrumented: InstrumentedModel, plan: Plan | str | None) -
                              "numbers; RECOMPUTE needs a deterministic module (e.g. no dropout in training)")
         if op in trace.mutating_ops:
             raise ValueError(f"plan: RECOMPUTE re-runs {op} (module {trace.modules[op][0]}), which changes its input "
-                             "in place: a re-run would change it again; keep, offload or quantize its savings")
+                             "in place or replaces one of its buffers: a re-run would not see what the forward saw; "
+                             "keep, offload or quantize its savings")
         if op in trace.stateful_ops:
             raise ValueError(f"plan: RECOMPUTE re-runs {op} (module {trace.modules[op][0]}), whose call takes a "
                              f"{trace.stateful_ops[op]} object: a re-run could change or read its state (a KV cache "

@@ -176,12 +176,13 @@ class TraceRecorder:
         self.reports[layer] = self.reports.get(layer, 0) + 1
 
     def enter(self, frame: Frame, args: tuple, kwargs: dict, buffers: tuple = ()) -> None:
-        """A mapped module's call begins (``buffers``: the module's, to see whether the call changes them)."""
+        """A mapped module's call begins (``buffers``: the module's ``(name, buffer)``, to see whether the call
+        changes them)."""
         binding = frame.binding
         frame.call = self.counts.get(binding.path, 0)
         self.counts[binding.path] = frame.call + 1
         call = frame.state = _Call(binding)
-        call.buffers = [(buffer, buffer._version) for buffer in buffers]
+        call.buffers = [(name, buffer, buffer._version) for name, buffer in buffers]
         self.calls.append(call)
         for value in (*args, *kwargs.values()):
             if not isinstance(value, torch.Tensor):
@@ -208,13 +209,14 @@ class TraceRecorder:
             call.start_s = time.perf_counter()
 
     def exit(self, frame: Frame, output: Any, buffers: tuple = ()) -> None:
-        """The call ends (``buffers``: the module's now: one replaced by another tensor cannot be restored for a
-        re-run, one changed in place can)."""
+        """The call ends (``buffers``: the module's ``(name, buffer)`` now: one replaced by another tensor cannot be
+        restored for a re-run, one changed in place can; one made by the call, a cache built on the first call, is
+        as a re-run finds it)."""
         call, op = frame.state, frame.binding.op
-        before = [buffer for buffer, _ in call.buffers]
+        now = dict(buffers)
         call.mutates = (any(tensor._version != version for tensor, version in call.versions)
-                        or [id(b) for b in buffers] != [id(b) for b in before])
-        call.updates_buffers = any(buffer._version != version for buffer, version in call.buffers)
+                        or any(name in now and now[name] is not buffer for name, buffer, _ in call.buffers))
+        call.updates_buffers = any(buffer._version != version for _, buffer, version in call.buffers)
         call.versions = call.buffers = []
         if self.timed:
             elapsed = time.perf_counter() - call.start_s
