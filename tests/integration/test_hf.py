@@ -239,3 +239,32 @@ def test_a_tensor_changed_in_place_after_its_op_is_never_recomputed(family, fiel
         cost = evaluate(graph, plan)
         assert (device_bytes, host_bytes) == (cost.activation_bytes, cost.host_bytes), plan
         assert torch.equal(loss, loss0) and all(torch.equal(a, b) for a, b in zip(grads, grads0)), plan
+
+
+@pytest.mark.parametrize("family", ["olmoe", "phimoe"])
+def test_graded_gate_replans_on_a_graph_without_fp8_keep_the_predicted_bytes_and_the_gradients_bitwise(family):
+    """A plan in force that overruns its budget, re-planned at every gate on the traced graph without FP8 storage
+    (``quantize=False``: the re-plan otherwise may quantise, olmoe's did): the bytes kept are ``evaluate``'s of the
+    final plan, within budget, and the gradients the plain run's bit for bit. phimoe's router draws random numbers
+    (its jitter), so it is never re-run and the gate leaves what it saved as the plan in force said (it re-planned
+    the router's saving, which exec had stored already: 8,192 bytes more than predicted, over budget)."""
+    import dataclasses
+
+    from bagualu2.exec import DeferredPlanner
+
+    model, ids, instrumented, graph, (loss0, grads0, _, _) = traced(family)
+    budget = graph.floor_bytes + (graph.unmitigated_bytes - graph.floor_bytes) // 2
+    planner = DeferredPlanner.for_graph(dataclasses.replace(graph, quantize=False), budget_bytes=budget)
+    torch.manual_seed(0)
+    executor = apply_plan(instrumented, Plan(), deferred=planner, verify=True)
+    model.zero_grad(set_to_none=True)
+    with executor.micro_batch("mb") as record:
+        out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    executor.release("mb")
+    cost = evaluate(graph, record.plan)
+    assert record.downgraded and Strategy.QUANTIZE not in {strategy for _, strategy in record.plan.entries}
+    assert (record.device_bytes, record.host_bytes) == (cost.activation_bytes, cost.host_bytes)
+    assert record.device_bytes <= budget
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()]
+    assert torch.equal(out.loss.detach(), loss0) and all(torch.equal(a, b) for a, b in zip(grads, grads0))

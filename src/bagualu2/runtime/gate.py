@@ -131,9 +131,14 @@ def gate_free_tensors(graph: OpGraph, layers=None) -> frozenset[str]:
                     if producer is not None and graph.op(producer).kind == "norm":
                         router_of.setdefault(producer, index)
 
+        # a module op that makes no tensor (a router that drew random numbers: its outputs have no producer) is
+        # never re-run, so exec cannot hold its savings for the gate: what it saved stays as the plan in force said
+        making = {spec.producer for spec in graph.tensors.values() if spec.producer is not None}
+
         def held(tensor: str) -> bool:  # every saving of it is held for the gate or made after its router
             router = router_of[graph.tensors[tensor].producer]
-            return all(saver in router_of or position[saver] > router for saver, _ in graph.consumers(tensor))
+            return all((saver in router_of and saver in making) or position[saver] > router
+                       for saver, _ in graph.consumers(tensor))
 
         found = memo[key] = after | frozenset(name for name, spec in graph.tensors.items()
                                               if spec.producer in router_of and held(name))
