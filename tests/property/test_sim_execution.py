@@ -19,7 +19,8 @@ from bagualu2.costmodel import Plan, Resource, Strategy, presets
 from bagualu2.fusion import build_chains
 from bagualu2.fusion.baselines import reruns_all_to_all
 from bagualu2.sim import simulate
-from bagualu2.sim.execution import COMM_SM_SHARE, EXECUTIONS, makespan_ns, order_of
+from bagualu2.fusion.interference import makespan_ns
+from bagualu2.sim.execution import COMM_SM_SHARE, EXECUTIONS, order_of
 from bagualu2.sim.stage import StageContext
 
 MODEL, PARALLEL = presets.model("glm-188b-a20b")

@@ -229,12 +229,12 @@ class InstrumentedModel:
         self.traced_calls = dict(recorder.counts)  # module path -> its calls in the traced forward
         return self.trace.graph
 
-    def _check_autocast(self, record) -> None:
+    def _check_forward_state(self, record) -> None:
         """The first mapped module of a micro-batch: ``ValueError`` when the forward runs under another autocast
         state than the traced one (its savings have other dtypes than the traced slots: the plan would not
         apply), or with a mapped module or a dropout module in another mode (``train()`` / ``eval()``: dropout
         draws, or does not, and saves its mask, or does not) than traced."""
-        record.autocast_checked = True
+        record.state_checked = True
         training = [module.training for _, module in self._mode_modules]
         if training != self.traced_training:
             path, module = next((path, module) for (path, module), then in
@@ -332,8 +332,8 @@ class InstrumentedModel:
                 tracer.enter(frame, args, kwargs, tuple(module.named_buffers()))
             if active is not None:
                 executor, record = active
-                if not record.autocast_checked and executor.traced is not None:
-                    self._check_autocast(record)
+                if not record.state_checked and executor.traced is not None:
+                    self._check_forward_state(record)
                 if record.forward_gate is not None:
                     record.forward_gate(binding.op)  # the dual-batch executor lets this op's stage run
                 standby = binding.op in executor.standby

@@ -51,7 +51,7 @@ class MicroBatchRecord:
     received_tokens: dict[int, int] = field(default_factory=dict)  # MoE layer -> routed copies received here
     group_max_tokens: dict[int, int] = field(default_factory=dict)  # MoE layer -> the most any EP rank received
     calls: dict[str, int] = field(default_factory=dict)  # instrumented module path -> calls so far (slot naming)
-    autocast_checked: bool = False  # its forward's autocast state was compared with the trace's
+    state_checked: bool = False  # its forward's autocast state and modules' modes were compared with the trace's
     forwarding: bool = False        # its micro_batch block is open
     backward_inside: bool = False   # a saving was read back while the block was open
     slot_hits: int = 0              # savings named by their traced slot

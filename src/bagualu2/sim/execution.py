@@ -39,10 +39,8 @@ collectives stay on the compute stream (synchronous; ``--tp-comm-overlap`` is no
 
 from __future__ import annotations
 
-from ..costmodel import Resource
 from ..fusion import Chains, Order
 from ..fusion.baselines import megatron_overlapped_groups
-from ..fusion.interference import makespan_ns
 
 OVERLAP = ("real", "released", "fused-only", "none")
 EXECUTIONS = ("serial", "megatron", "megatron-unpaired", "fused", "fused-pairs")

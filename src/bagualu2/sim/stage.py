@@ -13,7 +13,8 @@ from ..costmodel.graph import MATMUL_KINDS
 from ..costmodel.validate import require_int
 from ..fusion import build_chains
 from ..runtime import DecisionPath, Stage
-from .execution import makespan_ns, order_of
+from ..fusion.interference import makespan_ns
+from .execution import order_of
 
 
 class Choice(NamedTuple):
