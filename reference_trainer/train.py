@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -25,17 +26,32 @@ from .recipes import NONFINITE, RECIPES, SCHEDULES, TrainConfig, parse_bytes, re
 
 CHOICES = {"--schedule": SCHEDULES, "--policy": POLICIES, "--on-nonfinite": NONFINITE}
 
+
+def integer(text: str) -> int:
+    """An integer flag: decimal digits with an optional sign (``int`` would take ``1_0`` and non-ASCII digits)."""
+    if not re.fullmatch(r"[+-]?[0-9]{1,4000}", text.strip()):
+        raise ValueError(text)
+    return int(text)
+
+
+def number(text: str) -> float:
+    """A number flag: ``float`` without Python's digit separators (``1_0``) and non-ASCII digits."""
+    if "_" in text or not text.isascii():
+        raise ValueError(text)
+    return float(text)
+
+
 FLAGS = {  # flag -> (TrainConfig field, type)
-    "--steps": ("steps", int), "--pp": ("pp", int), "--dp": ("dp", int), "--ep": ("ep", int), "--vp": ("vp", int),
-    "--num-microbatches": ("num_microbatches", int), "--lr": ("lr", float), "--seed": ("seed", int),
+    "--steps": ("steps", integer), "--pp": ("pp", integer), "--dp": ("dp", integer), "--ep": ("ep", integer), "--vp": ("vp", integer),
+    "--num-microbatches": ("num_microbatches", integer), "--lr": ("lr", number), "--seed": ("seed", integer),
     "--schedule": ("schedule", str), "--policy": ("policy", str), "--downgrade": ("downgrade", str),
-    "--memory-cap": ("memory_cap_bytes", parse_bytes), "--memory-cap-fraction": ("memory_cap_fraction", float),
-    "--memory-cap-imbalance": ("memory_cap_imbalance", float),
-    "--spike-rate": ("spike_rate", float), "--spike-max": ("spike_max", float), "--device": ("device", str),
+    "--memory-cap": ("memory_cap_bytes", parse_bytes), "--memory-cap-fraction": ("memory_cap_fraction", number),
+    "--memory-cap-imbalance": ("memory_cap_imbalance", number),
+    "--spike-rate": ("spike_rate", number), "--spike-max": ("spike_max", number), "--device": ("device", str),
     "--hardware": ("hardware", str), "--data": ("data", str), "--metrics-file": ("metrics_file", str),
-    "--checkpoint-dir": ("checkpoint_dir", str), "--checkpoint-every": ("checkpoint_every", int),
-    "--bias-update-rate": ("bias_update_rate", float), "--warmup-steps": ("warmup_steps", int),
-    "--prediction-scale": ("prediction_scale", float), "--collective-timeout": ("collective_timeout_s", float),
+    "--checkpoint-dir": ("checkpoint_dir", str), "--checkpoint-every": ("checkpoint_every", integer),
+    "--bias-update-rate": ("bias_update_rate", number), "--warmup-steps": ("warmup_steps", integer),
+    "--prediction-scale": ("prediction_scale", number), "--collective-timeout": ("collective_timeout_s", number),
     "--on-nonfinite": ("on_nonfinite", str),
 }
 # TrainConfig field -> the flag that sets it (the fields no flag sets come from the recipe)

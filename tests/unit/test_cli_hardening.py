@@ -321,11 +321,26 @@ def test_a_plan_kind_the_model_lacks_is_refused() -> None:
     (["simulate", "--restart-s", "1_0"], "--restart-s"), (["simulate", "--plan-imbalance", "1_2"], "--plan-imbalance"),
     (["reproduce", "--restart-s", "2_84"], "--restart-s"), (["budget", "--spike-rate", "0_1"], "--spike-rate"),
     (["curve", "--max-imbalance", "1_5"], "--max-imbalance"), (["demo", "--max-imbalance", "2_0"], "--max-imbalance"),
+    (["simulate", "-n", "1_0"], "--iterations"), (["reproduce", "--seed", "1_1"], "--seed"),
+    (["plan", "--chunk", "0_1"], "--chunk"), (["memory", "-s", "0x1"], "--stage"), (["budget", "--seed", "1e3"], "--seed"),
+    (["demo", "--train-steps", "\u0663"], "--train-steps"), (["train", "--master-port", "2_9500"], "--master-port"),
 ])
 def test_numbers_with_underscores_are_refused(args, option) -> None:
     """Python reads ``1_0`` as ten; on a command line it is a typo, whether typer or the command parses the flag."""
     result = run(*args)
     assert result.exit_code == 2 and repr(args[-1]) in one_line_error(result.stderr, option)
+
+
+@pytest.mark.parametrize("args, option, bounds", [
+    (["demo", "--train-steps", "10001"], "--train-steps", "[0, 10000]"),
+    (["train", "--nproc-per-node", "0"], "--nproc-per-node", "[1, 1024]"),
+    (["train", "--master-port", "65536"], "--master-port", "[1, 65535]"),
+    (["train", "--node-rank", "-1"], "--node-rank", ">= 0"),
+])
+def test_integer_options_keep_their_bounds(args, option, bounds) -> None:
+    """An integer option's bounds hold although it has a parser of its own (typer drops ``min``/``max`` then)."""
+    result = run(*args)
+    assert result.exit_code == 2 and bounds in one_line_error(result.stderr, option)
 
 
 # ---- an output path is never one of the command's inputs ----------------------------------------------------

@@ -33,6 +33,9 @@ from reference_trainer.train import main, parse_args
     (["--vp", "2", "--num-microbatches", "2"], "needs --num-microbatches > --pp=2"),
     (["--paired", "--schedule", "plain"], "--paired needs --schedule runtime"),
     (["--paired", "--ep", "1"], "--paired needs --ep >= 2"),
+    (["--steps", "1_0"], "argument --steps: invalid integer value: '1_0'"),
+    (["--pp", "\u0662"], "argument --pp: invalid integer value"),
+    (["--lr", "1_0e-3"], "argument --lr: invalid number value: '1_0e-3'"),
 ])
 def test_bad_flags_fail_in_one_line(argv, message, capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)

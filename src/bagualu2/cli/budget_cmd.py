@@ -12,7 +12,7 @@ from rich.table import Table
 from bagualu2.costmodel import Plan
 from bagualu2.runtime import ForwardDecision, IterationReplay, replay_iteration
 
-from .common import (GIB, HARDWARE_HELP, MODEL_HELP, console, echo_json, handle_errors, json_help, number_option,
+from .common import (integer_option, GIB, HARDWARE_HELP, MODEL_HELP, console, echo_json, handle_errors, json_help, number_option,
                      progress_bar)
 from .iteration import (DEFAULT_HARDWARE, DEFAULT_MODEL, DOWNGRADE_HELP, MAX_IMBALANCE_HELP, SEED_HELP, SPIKE_HELP,
                         SPIKE_RATE_HELP, STAGE_HELP, Iteration, prepare)
@@ -63,8 +63,8 @@ def _table(replay: IterationReplay, show_all: bool) -> Table:
 def budget(
     model: Annotated[str, typer.Option("--model", "-m", help=MODEL_HELP)] = DEFAULT_MODEL,
     hardware: Annotated[str, typer.Option("--hardware", "-H", help=HARDWARE_HELP)] = DEFAULT_HARDWARE,
-    stage: Annotated[int, typer.Option("--stage", "-s", help=STAGE_HELP)] = 0,
-    seed: Annotated[int, typer.Option(help=SEED_HELP)] = 0,
+    stage: Annotated[int, typer.Option("--stage", "-s", parser=integer_option(), help=STAGE_HELP)] = 0,
+    seed: Annotated[int, typer.Option(parser=integer_option(), help=SEED_HELP)] = 0,
     spike_rate: Annotated[float, typer.Option(parser=number_option, help=SPIKE_RATE_HELP)] = 0.05,
     max_imbalance: Annotated[Optional[float], typer.Option(parser=number_option, help=MAX_IMBALANCE_HELP)] = None,
     spike: Annotated[Optional[list[str]], typer.Option("--spike", metavar="AT=R", help=SPIKE_HELP)] = None,

@@ -14,6 +14,7 @@ import functools
 import json
 import math
 import os
+import re
 import stat
 import sys
 from pathlib import Path
@@ -174,9 +175,9 @@ def check_rate(value: float, parallel: ParallelConfig | None, option: str = "--i
 
 
 def parse_float(text: str) -> float:
-    """``float(text)``, but ``ValueError`` for Python's digit separators: ``1_0`` (ten) is no number on a command
-    line."""
-    if "_" in text:
+    """``float(text)``, but ``ValueError`` for Python's digit separators (``1_0``, ten, is no number on a command
+    line) and non-ASCII digits."""
+    if "_" in text or not text.isascii():
         raise ValueError(f"not a number: {text!r}")
     return float(text)
 
@@ -190,6 +191,28 @@ def number_option(text) -> float:
         return parse_float(text)
     except ValueError:
         raise typer.BadParameter(f"must be a number, got {text!r}") from None
+
+
+def integer_option(*, minimum: int | None = None, maximum: int | None = None) -> Callable[[Any], int]:
+    """typer's parser of an integer option (``typer.Option(parser=integer_option(minimum=0))``): decimal digits with
+    an optional sign, within the bounds; one ``BadParameter`` line otherwise (``1_0``, ``0x10``, ``1e3`` and
+    non-ASCII digits are no integers on a command line). typer ignores ``min``/``max`` beside a parser, so the bounds
+    are checked here."""
+    def parse(text: Any) -> int:
+        if isinstance(text, int) and not isinstance(text, bool):  # the option's default
+            value = text
+        else:
+            digits = str(text).strip()
+            if not re.fullmatch(r"[+-]?[0-9]{1,4000}", digits):
+                raise typer.BadParameter(f"must be an integer, got {text!r}")
+            value = int(digits)
+        if minimum is not None and value < minimum or maximum is not None and value > maximum:
+            bounds = (f"in [{minimum}, {maximum}]" if minimum is not None and maximum is not None
+                      else f">= {minimum}" if minimum is not None else f"<= {maximum}")
+            raise typer.BadParameter(f"must be an integer {bounds}, got {value}")
+        return value
+
+    return parse
 
 
 def parse_imbalance(text: str, parallel: ParallelConfig | None = None, option: str = "--imbalance") -> float:

@@ -16,7 +16,7 @@ from rich.markup import escape
 
 from bagualu2.runtime import DecisionPath, replay_iteration
 
-from .common import (GIB, HARDWARE_HELP, MODEL_HELP, CliError, console, echo_json, handle_errors, json_help,
+from .common import (integer_option, GIB, HARDWARE_HELP, MODEL_HELP, CliError, console, echo_json, handle_errors, json_help,
                      number_option, output_path, progress_bar, write_output)
 from .iteration import (DEFAULT_HARDWARE, DEFAULT_MODEL, DOWNGRADE_HELP, MAX_IMBALANCE_HELP, SEED_HELP, SPIKE_HELP,
                         SPIKE_RATE_HELP, STAGE_HELP, Iteration, prepare)
@@ -109,8 +109,8 @@ def _print(run: Iteration, capacity: int, result: dict[str, list[int]], png: Any
 def curve(
     model: Annotated[str, typer.Option("--model", "-m", help=MODEL_HELP)] = DEFAULT_MODEL,
     hardware: Annotated[str, typer.Option("--hardware", "-H", help=HARDWARE_HELP)] = DEFAULT_HARDWARE,
-    stage: Annotated[int, typer.Option("--stage", "-s", help=STAGE_HELP)] = 0,
-    seed: Annotated[int, typer.Option(help=SEED_HELP)] = 0,
+    stage: Annotated[int, typer.Option("--stage", "-s", parser=integer_option(), help=STAGE_HELP)] = 0,
+    seed: Annotated[int, typer.Option(parser=integer_option(), help=SEED_HELP)] = 0,
     spike_rate: Annotated[float, typer.Option(parser=number_option, help=SPIKE_RATE_HELP)] = 0.05,
     max_imbalance: Annotated[Optional[float], typer.Option(parser=number_option, help=MAX_IMBALANCE_HELP)] = None,
     spike: Annotated[Optional[list[str]], typer.Option("--spike", metavar="AT=R", help=SPIKE_HELP)] = None,

@@ -24,7 +24,7 @@ from rich.table import Table
 from bagualu2.costmodel import stage_memory
 from bagualu2.runtime import replay_iteration
 
-from .common import (GIB, HARDWARE_HELP, JSON_HELP, MIB, MODEL_HELP, CliError, console, echo_json, handle_errors,
+from .common import (integer_option, GIB, HARDWARE_HELP, JSON_HELP, MIB, MODEL_HELP, CliError, console, echo_json, handle_errors,
                      number_option, one_thread_env, progress_bar, require_extra)
 from .iteration import MAX_IMBALANCE_HELP, SEED_HELP, SPIKE_RATE_HELP, prepare
 
@@ -35,11 +35,11 @@ PROGRESS_POLL_S = 0.5  # how often the progress bar reads the trainer's metrics 
 def demo(
     model: Annotated[str, typer.Option("--model", "-m", help=MODEL_HELP)] = "glm-1041b-a35b",
     hardware: Annotated[str, typer.Option("--hardware", "-H", help=HARDWARE_HELP)] = "paper-gpu",
-    stage: Annotated[int, typer.Option("--stage", "-s", help="Pipeline stage (0-based).")] = 0,
+    stage: Annotated[int, typer.Option("--stage", "-s", parser=integer_option(), help="Pipeline stage (0-based).")] = 0,
     spike_rate: Annotated[float, typer.Option(parser=number_option, help=SPIKE_RATE_HELP)] = 0.05,
     max_imbalance: Annotated[Optional[float], typer.Option(parser=number_option, help=MAX_IMBALANCE_HELP)] = None,
-    seed: Annotated[int, typer.Option(help=SEED_HELP)] = 0,
-    train_steps: Annotated[int, typer.Option("--train-steps", min=0, max=10_000, help="Steps of the tiny CPU "
+    seed: Annotated[int, typer.Option(parser=integer_option(), help=SEED_HELP)] = 0,
+    train_steps: Annotated[int, typer.Option("--train-steps", parser=integer_option(minimum=0, maximum=10_000), help="Steps of the tiny CPU "
                            "training run after the planning (0: skip it).")] = 20,
     details: Annotated[bool, typer.Option("--details", help="List every forward that mitigated.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,

@@ -13,7 +13,7 @@ from bagualu2.costmodel.graph import ITEM_BYTES
 from bagualu2.costmodel.strategy import tensor_offload_ns, tensor_quantize_ns
 from bagualu2.mitigation import Solution, check_conflicts, exact, greedy
 
-from .common import (GIB, HARDWARE_HELP, IMBALANCE_HELP, JSON_HELP, MIB, MODEL_HELP, CliError, check_graph,
+from .common import (integer_option, GIB, HARDWARE_HELP, IMBALANCE_HELP, JSON_HELP, MIB, MODEL_HELP, CliError, check_graph,
                      console, echo_json, handle_errors, load_hardware, load_model, parse_imbalance, parse_number)
 
 DEFAULT_MODEL = "glm-423b-a30b"
@@ -115,8 +115,8 @@ def plan(
     imbalance: Annotated[str, typer.Option("--imbalance", "-r", metavar="R", help=IMBALANCE_HELP)] = "1.0",
     solver: Annotated[str, typer.Option("--solver", metavar="NAME", help="greedy (improved Algorithm 2), "
                       "greedy-paper (Algorithm 2 as in the paper) or exact (CP-SAT).")] = "greedy",
-    stage: Annotated[int, typer.Option("--stage", "-s", help="Pipeline stage (0-based).")] = 0,
-    chunk: Annotated[int, typer.Option("--chunk", "-c", help="Virtual chunk of the stage (0-based).")] = 0,
+    stage: Annotated[int, typer.Option("--stage", "-s", parser=integer_option(), help="Pipeline stage (0-based).")] = 0,
+    chunk: Annotated[int, typer.Option("--chunk", "-c", parser=integer_option(), help="Virtual chunk of the stage (0-based).")] = 0,
     time_limit: Annotated[str, typer.Option("--time-limit", metavar="S", help="Seconds for --solver exact "
                           "(> 0); ignored by the greedy solvers.")] = "10",
     json_output: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,

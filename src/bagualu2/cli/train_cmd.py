@@ -21,7 +21,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .common import CliError, handle_errors, one_thread_env, require_extra
+from .common import integer_option, CliError, handle_errors, one_thread_env, require_extra
 
 TRAINER = "reference_trainer.train"
 MAX_PROCESSES = 1024  # per node
@@ -76,13 +76,13 @@ def _world_size(trainer_args: list[str], nnodes: int) -> int:
 def train(
     ctx: typer.Context,
     nproc_per_node: Annotated[Optional[int], typer.Option(
-        "--nproc-per-node", min=1, max=MAX_PROCESSES, help="Processes (ranks) on this node; default: the world size "
+        "--nproc-per-node", parser=integer_option(minimum=1, maximum=MAX_PROCESSES), help="Processes (ranks) on this node; default: the world size "
         "the trainer's flags need (--pp x --dp of the recipe and flags) over --nnodes.")] = None,
-    nnodes: Annotated[int, typer.Option("--nnodes", min=1, max=4096, help="Nodes of the job.")] = 1,
-    node_rank: Annotated[int, typer.Option("--node-rank", min=0, help="This node's rank (several nodes).")] = 0,
+    nnodes: Annotated[int, typer.Option("--nnodes", parser=integer_option(minimum=1, maximum=4096), help="Nodes of the job.")] = 1,
+    node_rank: Annotated[int, typer.Option("--node-rank", parser=integer_option(minimum=0), help="This node's rank (several nodes).")] = 0,
     master_addr: Annotated[str, typer.Option("--master-addr", help="Rendezvous host (several nodes).")]
     = "127.0.0.1",
-    master_port: Annotated[int, typer.Option("--master-port", min=1, max=65535,
+    master_port: Annotated[int, typer.Option("--master-port", parser=integer_option(minimum=1, maximum=65535),
                                              help="Rendezvous port (several nodes).")] = 29500,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the torchrun command instead of running it.")]
     = False,
