@@ -2,12 +2,15 @@
 
 * A cast or copy of a weight the experts make beside their routed rows is not routed, even when its size happens
   to be a multiple of the routed copies: it keeps its traced size when the graph is resized.
+* A gate whose report fits none of the experts' routed tensors (it counts something else) is refused at the trace:
+  the graph could not follow the imbalance.
 * A parameter, or a view of one, is never an activation, wherever its storage lives (FSDP gathers a sharded
   parameter into a parameter of a storage of its own for the forward and backward).
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -68,6 +71,18 @@ def test_a_weight_copy_beside_the_routed_rows_is_not_routed():
     doubled = at_imbalance(graph, 2.0)
     assert doubled.tensors[weight_copy].numel == 64  # the weight copy keeps its size
     assert all(doubled.tensors[name].numel == 2 * sizes[name] for name in routed)
+
+
+@pytest.mark.parametrize("received", [COPIES + 1, 3, 2**70])
+def test_a_gate_count_that_fits_no_routed_tensor_is_refused(received):
+    model = nn.ModuleDict({"layer": _Layer()})
+    instrumented = instrument(model["layer"], {"router": "router", "experts": "dispatch"},
+                              gate=lambda router, inputs, output: GateReport(received, sent=COPIES))
+    with pytest.raises(ValueError) as excinfo:
+        instrumented.trace_graph(torch.randn(TOKENS, DIM, requires_grad=True), hardware=HW)
+    message = str(excinfo.value)
+    assert "\n" not in message and f"experts received {received} routed token copies" in message
+    assert "no tensor its experts keep has a row per copy" in message
 
 
 def test_a_parameter_or_a_view_of_one_is_not_an_activation():
