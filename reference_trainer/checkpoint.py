@@ -330,6 +330,20 @@ def save(directory: str | os.PathLike[str], step: int, state: dict[str, Any], *,
     return Path(_on_rank0(finalize))
 
 
+def step_dirs(directory: str | os.PathLike[str]) -> list[str]:
+    """Collective: the names of the ``step-*`` entries in ``directory`` (complete or not), oldest first, as rank 0
+    sees them."""
+    root = Path(directory)
+
+    def scan() -> list[str]:
+        if not root.is_dir():
+            return []
+        steps = sorted((int(m.group(1)), p.name) for p in root.iterdir() if (m := _STEP_DIR.fullmatch(p.name)))
+        return [name for _, name in steps]
+
+    return _on_rank0(scan)
+
+
 def find_latest(directory: str | os.PathLike[str]) -> tuple[Path, int] | None:
     """The newest complete, verified checkpoint in ``directory`` as ``(path, step)``, or None.
 

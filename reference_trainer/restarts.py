@@ -1,8 +1,11 @@
 """Out-of-memory -> restart bookkeeping across torchrun's worker-group restarts (the paper's §II-B cost).
 
 A worker that runs out of activation memory writes ``oom-rank<r>.json`` (time, step, policy) into the run's state
-directory (``--checkpoint-dir``, else the metrics file's directory) and exits with ``OOM_EXIT_CODE``; torchrun's
-elastic agent (``--max-restarts``) stops the group and starts it again. The restarted rank 0 folds the markers into
+directory (:func:`state_directory`: ``--checkpoint-dir``, else the metrics file's directory, else one named after
+torchrun's run id in the temp directory) and exits with ``OOM_EXIT_CODE``; torchrun's elastic agent
+(``--max-restarts``) stops the group and starts it again. Rank 0 of the restarted group reads the markers and tells
+every rank the policy to run (the fallback of the one that ran out of memory; a fallback taken earlier stays in
+force across later restarts), then folds the markers into
 ``run_state.json``: OOM events, restarts, steps lost (the failed step minus the checkpoint it resumes from), and,
 once its first step completes, the restart seconds (from the error to that step). ``started_at`` is the first
 launch's time, so the effective tokens/s count every restart and every lost step. Files are written atomically.
@@ -12,7 +15,7 @@ Other faults restart the same way: a rank whose watchdog saw no progress, or who
 and its restart seconds alike. A rank killed outright leaves no marker: its restart's seconds are counted from the
 restarted launch's start (a lower bound) and its lost steps are unknown (not counted). A run stopped on a
 non-finite loss (``--on-nonfinite stop``) is recorded as ``stopped``: torchrun's automatic restarts refuse to go
-on; a new launch (``--resume``) may.
+on; a new launch (``--resume``) may, and clears it.
 """
 
 from __future__ import annotations
@@ -36,7 +39,23 @@ def _write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-MARKERS = ("oom-rank*.json", "fault-rank*.json")  # what failing workers leave for the restart
+MARKERS = ("oom-rank*.json", "fault-rank*.json", "refused.json")  # what failing workers leave for the restart
+
+
+def state_directory(checkpoint_dir: str | None, metrics_file: str | None) -> str | None:
+    """Where the run's restart history lives: ``checkpoint_dir``, else ``metrics_file``'s directory, else, under
+    torchrun with a run id of its own (``--standalone`` draws one; ``--rdzv-id``), ``bagualu2-run-<id>`` in the
+    system's temp directory, so that an out-of-memory restart still knows what ran out (None: one process, or a
+    run id of ``none``)."""
+    if checkpoint_dir:
+        return checkpoint_dir
+    if metrics_file:
+        return os.path.dirname(os.path.abspath(metrics_file))
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id in ("", "none") or "WORLD_SIZE" not in os.environ:
+        return None
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in run_id)[:64]
+    return os.path.join(tempfile.gettempdir(), f"bagualu2-run-{safe}")
 
 
 def marker_files(directory: Path) -> list[Path]:
@@ -49,7 +68,8 @@ def marker_files(directory: Path) -> list[Path]:
 class RunState:
     """The run's restart history in ``directory`` (None: nothing persisted, one launch only). ``fresh``: a new run
     (the history starts over); ``first_launch``: torchrun's first start of this launch, whose markers can only be
-    left over from an earlier launch (a ``--resume`` after a kill), so they are removed."""
+    left over from an earlier launch (a ``--resume`` after a kill), so they are removed; a ``--resume`` launch (not
+    fresh, first launch) clears a ``stopped`` mark: the operator launched it on purpose."""
 
     def __init__(self, directory: str | None, *, fresh: bool, first_launch: bool = False):
         self.dir = Path(directory) if directory else None
@@ -71,6 +91,31 @@ class RunState:
                 state = None
             if isinstance(state, dict):  # anything else (null, a list, a torn file) is no state
                 self.data.update(state)
+        if first_launch and not fresh:
+            self.data["stopped"] = None
+
+    def launched(self, policy: str, *, fresh: bool, is_logger: bool) -> None:
+        """A launch (not a torchrun restart) begins under ``policy``: a fresh run's history starts with it, a
+        resumed one's continues; the logger rank writes the state."""
+        policies = self.data["policies"]
+        self.data["policies"] = [policy] if fresh else policies + [policy] if policies[-1:] != [policy] else policies
+        if is_logger:
+            self.save()
+
+    def refuse(self, message: str) -> None:
+        """A launch refused to start (a user error found after set-up): its torchrun restarts refuse alike, even
+        where what they would find differs (the logger rank calls this)."""
+        if self.dir is not None:
+            _write_json(self.dir / "refused.json", {"time": time.time(), "message": message})
+
+    def refused(self) -> str | None:
+        """The message of a launch that refused to start, if this is one of its restarts."""
+        record = next(iter(self.markers("refused.json")), None)
+        return str(record.get("message", "")) if record is not None else None
+
+    def policy_in_force(self) -> str | None:
+        """The policy the last launch ran (None: no history)."""
+        return self.data["policies"][-1] if self.data["policies"] else None
 
     def markers(self, pattern: str = "oom-rank*.json") -> list[dict]:
         found = []

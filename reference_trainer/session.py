@@ -22,7 +22,7 @@ from .parallel import build_groups, is_expert_parameter, reduce_gradients
 from .policies import OOM_EXIT_CODE, fallback, fixed_plans
 from .provision import Provisioner
 from .resilience import NONFINITE_EXIT_CODE, Guard
-from .restarts import RunState
+from .restarts import RunState, state_directory
 from .routing import record_routing, routing_stats
 from .watchdog import find_cause
 from bagualu2.exec import ActivationOutOfMemoryError
@@ -67,15 +67,14 @@ class Session:
                                             timeout_s=config.collective_timeout_s)
         self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.resume = config.resume or (self.restarts > 0 and bool(config.checkpoint_dir))
-        state_dir = config.checkpoint_dir or (os.path.dirname(os.path.abspath(config.metrics_file))
-                                              if config.metrics_file else None)
-        self.run_state = RunState(state_dir, fresh=self.restarts == 0 and not config.resume,
-                                  first_launch=self.restarts == 0)
-        self.incident = self.run_state.last_oom() if self.restarts > 0 else None
+        self.run_state = RunState(state_directory(config.checkpoint_dir, config.metrics_file),
+                                  fresh=self.restarts == 0 and not config.resume, first_launch=self.restarts == 0)
         self.guard = Guard(timeout_s=config.collective_timeout_s, rank=groups.rank, world_size=groups.world_size,
                            launch=self.restarts, run_state=self.run_state)
-        if self.incident is not None:  # restarted after running out of memory: the operator's fallback
-            config = self.config = config.with_overrides(policy=fallback(self.incident["policy"]))
+        policy = self._policy_in_force(config.policy)
+        if policy != config.policy:  # the operator's fallback after running out of memory
+            config = self.config = config.with_overrides(policy=policy)
+        self.counts = {"skipped": 0, "checkpoint_failures": 0, "reruns": 0}  # over the run's steps (checkpointed)
         self.parallel = config.parallel
         torch.manual_seed(config.seed)
         model = GLMMoEModel(config.model, ep_group=groups.ep_group)
@@ -115,6 +114,20 @@ class Session:
         gc.collect()  # what set-up made (graphs, warmed plans) never needs scanning again: no later GC pauses
         gc.freeze()
         self.start_step = 0
+
+    def _policy_in_force(self, policy: str) -> str:
+        """After a torchrun restart, the policy to run, as rank 0 reads the state (broadcast: every rank runs the
+        same): the fallback of a policy that ran out of memory, else the one the last launch ran (a fallback stays
+        in force), else ``policy``."""
+        if self.restarts == 0:
+            return policy
+        box = [None, None]
+        if self.groups.rank == 0:
+            box = [self.run_state.last_oom(), self.run_state.policy_in_force()]
+        if dist.is_initialized():
+            dist.broadcast_object_list(box, src=0)
+        incident, previous = box
+        return fallback(incident["policy"]) if incident is not None else previous or policy
 
     # ---- model pieces -------------------------------------------------------------------------------------------
     def _chunk_layers(self, chunk: int) -> range:
@@ -163,7 +176,8 @@ class Session:
                 state.update(step=torch.zeros((), dtype=torch.float32, device=p.device),  # fused AdamW's step
                              exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
             optim[name] = state
-        extra = {"step": step, "data": self.run.batches.state_dict(), "provisioner": self.provisioner.state_dict()}
+        extra = {"step": step, "data": self.run.batches.state_dict(), "provisioner": self.provisioner.state_dict(),
+                 "counts": self.counts}
         return {"model": model_state, "optim": optim,
                 f"rank{self.groups.rank}": {"extra": checkpoint.pack_json(extra, size=1 << 16),
                                             **checkpoint.rng_state()}}
@@ -183,6 +197,7 @@ class Session:
         checkpoint.set_rng_state(mine)
         self.run.batches.load_state_dict(extra["data"])
         self.provisioner.load_state_dict(extra["provisioner"])
+        self.counts.update(extra.get("counts", {}))
         self.start_step = step
 
     # ---- steps --------------------------------------------------------------------------------------------------
@@ -280,8 +295,11 @@ class Session:
 
     def _user_error(self, message: str) -> None:
         """A user error every rank found alike after set-up: one line from rank 0, exit code 2 (the others wait a
-        moment first, so that torchrun does not stop rank 0 before it reports)."""
+        moment first, so that torchrun does not stop rank 0 before it reports); torchrun's restarts of this launch
+        refuse with the same line."""
         if self.groups.is_logger:
+            if self.restarts == 0:
+                self.run_state.refuse(message)
             sys.stderr.write(f"error: {message}\n")
             sys.stderr.flush()
         else:
@@ -290,6 +308,18 @@ class Session:
 
     def train(self) -> dict:
         config, groups = self.config, self.groups
+        if self.restarts > 0:  # a restart of a launch that refused to start refuses alike
+            box = [self.run_state.refused() if groups.rank == 0 else None]
+            if dist.is_initialized():
+                dist.broadcast_object_list(box, src=0)
+            if box[0] is not None:
+                self._user_error(box[0])
+        if self.restarts == 0 and not config.resume and config.checkpoint_dir:
+            earlier = checkpoint.step_dirs(config.checkpoint_dir)
+            if earlier:  # a new run would mix its checkpoints with another's and resume from the newest after a fault
+                self._user_error(f"--checkpoint-dir {config.checkpoint_dir} holds the checkpoints of an earlier run "
+                                 f"({', '.join(earlier[-2:])}); continue that run with --resume, or give an empty "
+                                 "directory")
         if self.resume:
             try:
                 self._resume()
@@ -298,9 +328,8 @@ class Session:
             if self.start_step > config.steps:  # every rank loaded the same checkpoint
                 self._user_error(f"--steps {config.steps} is below step {self.start_step} of the checkpoint --resume "
                                  "loads; --steps is the total, counting the steps already done")
-        if self.restarts == 0 and not config.resume and groups.is_logger:
-            self.run_state.data["policies"] = [config.policy]
-            self.run_state.save()
+        if self.restarts == 0:
+            self.run_state.launched(config.policy, fresh=not config.resume, is_logger=groups.is_logger)
         incident = None
         stopped = self.run_state.data.get("stopped")
         if self.restarts > 0 and stopped:  # torchrun restarted a run that stopped on purpose: do not go on
@@ -325,7 +354,7 @@ class Session:
         peak_flops = self.run.hardware.peak_flops
         began = time.perf_counter()
         totals = {"steps": 0, "planning_s": 0.0, "peak": 0, "recompute_flops": 0.0, "loss": None, "step_s": 0.0,
-                  "first_loss": None, "error": 0.0, "skipped": 0, "checkpoint_failures": 0}
+                  "first_loss": None, "error": 0.0}
         guard = self.guard
         self.provisioner.progress = lambda kind, name: (guard.forward(f"the forward of {name}") if kind == "forward"
                                                         else guard.beat(f"the backward of {name}"))
@@ -350,7 +379,7 @@ class Session:
                         self.optimizer.zero_grad(set_to_none=True)
                         for moe in self._moes():
                             routing_stats(moe).load = None
-                        totals["skipped"] += 1
+                        self.counts["skipped"] += 1
                     else:
                         reduce_gradients(self.params, groups)
                         self.optimizer.step()
@@ -375,12 +404,14 @@ class Session:
                 try:
                     guard.beat("the step's records")
                     gathered = self._gather(mine)
+                    if gathered is not None:  # the logger's counts (in its checkpoint) are the run's
+                        self.counts["reruns"] += sum(r["reruns"] for r in gathered)
                     guard.end_step(step)
                     self.run_state.step_done(groups.is_logger)
                     if config.checkpoint_every and config.checkpoint_dir and (step + 1) % config.checkpoint_every == 0:
                         warning = guard.save(config.checkpoint_dir, step + 1, self._state(step + 1))
                         if warning is not None:
-                            totals["checkpoint_failures"] += 1
+                            self.counts["checkpoint_failures"] += 1
                             if groups.is_logger:
                                 print(warning, file=sys.stderr, flush=True)
                 except Exception as exc:
@@ -398,7 +429,6 @@ class Session:
                 totals["step_s"] += record["step_s"]
                 totals["peak"] = max(totals["peak"], record["peak_activation_bytes"])
                 totals["recompute_flops"] += record["recompute_flops"]
-                totals["reruns"] = totals.get("reruns", 0) + record["reruns"]
                 totals["loss"] = record["loss"]
                 if totals["first_loss"] is None:
                     totals["first_loss"] = record["loss"]
@@ -468,9 +498,9 @@ class Session:
                 "seconds": elapsed,
                 "final_loss": finite(totals["loss"]) if totals["loss"] is not None else None,
                 "oom_events": state["oom_events"], "stalls": state.get("stalls", 0), "restarts": self.restarts,
-                "restart_s": state["restart_s"], "skipped_steps": totals["skipped"],
-                "checkpoint_failures": totals["checkpoint_failures"],
-                "steps_lost": state["steps_lost"], "reruns": totals.get("reruns", 0), "policy": self.config.policy,
+                "restart_s": state["restart_s"], "skipped_steps": self.counts["skipped"],
+                "checkpoint_failures": self.counts["checkpoint_failures"],
+                "steps_lost": state["steps_lost"], "reruns": self.counts["reruns"], "policy": self.config.policy,
                 "policies": state["policies"] or [self.config.policy],
                 "tokens_per_s": done_tokens / seconds,
                 "mfu": mfu(flops * done_tokens, seconds, peak_flops=peak_flops, num_devices=self.groups.world_size),

@@ -118,18 +118,37 @@ def test_a_diverged_collective_order_is_one_line(tmp_path):
                         "all_reduce(float32[1] SUM) on rank 0 but all_reduce(float32[1] MAX) on rank 1; exit code 78")
 
 
-def test_nonfinite_stop_names_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
-    metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
-    proc = alone("--steps", "4", "--metrics-file", str(metrics), "--checkpoint-dir", str(ckpt),
-                 "--checkpoint-every", "1", faults="nan@2")
+def test_nonfinite_stop_keeps_the_last_good_checkpoint_which_only_resume_continues(tmp_path):
+    """A stop names the step and keeps the last good checkpoint; a new run in that directory without --resume is
+    refused (its torchrun restart too: it must not pick up the other run's checkpoints); a --resume launch clears
+    the stop, recovers from a kill, ends bitwise as an uninterrupted run and counts what the checkpoint it resumed
+    from counted (a checkpoint write that failed before the stop)."""
+    metrics, ckpt, full = tmp_path / "m.jsonl", tmp_path / "ckpt", tmp_path / "full.jsonl"
+    args = ("--steps", "4", "--metrics-file", str(metrics), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1")
+    proc = alone(*args, faults="enospc@0,nan@2")
     assert proc.returncode == 65, proc.stderr[-3000:]
     lines = errors(proc)
     assert len(lines) == 1 and "non-finite loss or gradient at step 2 on rank 0" in lines[0], proc.stderr
     assert f"the last complete checkpoint is {ckpt / 'step-00000002'}" in lines[0]
     assert not has_traceback(proc.stderr)
     assert [s for s, _ in losses(metrics)] == [0, 1]
-    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step-")) == ["step-00000001",
-                                                                                    "step-00000002"]
+    steps = sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step-"))
+    assert steps == ["step-00000002"]
+
+    single = ("--pp", "1", "--dp", "1", "--ep", "1")
+    fresh = launch(1, *single, *args, restarts=1)
+    assert fresh.returncode != 0
+    refused = [line for line in errors(fresh) if "holds the checkpoints of an earlier run (step-00000002)" in line]
+    assert len(refused) == 2 and all("--resume" in line for line in refused), fresh.stderr[-3000:]
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step-")) == steps
+    assert not has_traceback(fresh.stderr)
+
+    resumed = launch(1, *single, *args, "--resume", faults="kill@3:rank=0", restarts=1)
+    ok(resumed)
+    ok(alone("--steps", "4", "--metrics-file", str(full)))
+    assert losses(metrics) == losses(full)
+    summary = records(metrics)[-1]
+    assert summary["restarts"] == 1 and summary["checkpoint_failures"] == 1 and summary["skipped_steps"] == 0
 
 
 def test_nonfinite_skip_drops_the_update_on_every_rank_alike(tmp_path):

@@ -191,16 +191,19 @@ def test_a_bad_flag_is_one_line_from_rank_0_and_the_others_exit_quietly():
 
 
 def test_static_under_runs_out_of_memory_is_restarted_by_torchrun_and_continues_as_static_over(tmp_path):
+    """...and stays static-over through a later restart (a rank killed in the restarted launch)."""
     metrics, ckpt = tmp_path / "under.jsonl", tmp_path / "ckpt"
-    proc = forked(FORKRUN, "--standalone", "--nproc_per_node=2", "--max-restarts", "1", "-m",
+    proc = forked(FORKRUN, "--standalone", "--nproc_per_node=2", "--max-restarts", "2", "-m",
                   "reference_trainer.train", "--pp", "1", "--dp", "2", "--ep", "2", "--policy", "static-under",
                   "--steps", "4", "--spike-rate", "0.5", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1",
-                  "--metrics-file", str(metrics), "--schedule", "plain", cwd=ROOT, env=ENV, timeout=TIMEOUT_S)
+                  "--metrics-file", str(metrics), "--schedule", "plain", cwd=ROOT,
+                  env={**ENV, "BAGUALU2_FAULTS": "kill@3:rank=1:launch=1"}, timeout=TIMEOUT_S)
     ok(proc)
     assert "ran out of activation memory" in proc.stderr and "exitcode: 75" in proc.stderr
+    assert proc.stderr.count("ran out of activation memory") == 1, proc.stderr[-4000:]
     rows = records(metrics)
     summary = rows[-1]
-    assert summary["oom_events"] == 1 and summary["restarts"] == 1 and summary["restart_s"] > 0
+    assert summary["oom_events"] == 1 and summary["restarts"] == 2 and summary["restart_s"] > 0
     assert summary["policies"] == ["static-under", "static-over"] and summary["policy"] == "static-over"
     oom = next(r for r in rows if r.get("oom") is True)
     assert oom["continues_as"] == "static-over"

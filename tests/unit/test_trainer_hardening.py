@@ -1,6 +1,7 @@
 """Inputs of the reference trainer that must end in one line, never block, and never lose a valid checkpoint: a
 pipe or device as data or as a checkpoint's manifest, an unusable run-state directory, a corrupt newer checkpoint
-beside valid ones, markers left by an earlier launch, ``--steps`` below the resumed checkpoint."""
+beside valid ones, markers left by an earlier launch, ``--steps`` below the resumed checkpoint; the restart history
+kept where an out-of-memory restart finds it, and carried across launches as documented."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ from reference_trainer.checkpoint import find_latest, save
 from reference_trainer.data import TokenCorpus, load_tokenizer
 from reference_trainer.loop import check_state_dir
 from reference_trainer.recipes import recipe
-from reference_trainer.restarts import STATE, RunState
+from reference_trainer.restarts import STATE, RunState, state_directory
 
 
 def test_a_pipe_or_a_device_as_data_is_refused_without_reading_it(tmp_path):
@@ -85,6 +87,43 @@ def test_markers_of_an_earlier_launch_are_removed_on_a_resumed_launch(tmp_path):
                                                            "message": "this launch"}))
     RunState(str(tmp_path), fresh=False, first_launch=False)  # a torchrun restart reads this launch's markers
     assert list(tmp_path.glob("fault-rank*.json"))
+
+
+def test_the_restart_history_lives_where_a_restart_finds_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert state_directory(str(tmp_path / "ck"), str(tmp_path / "m" / "x.jsonl")) == str(tmp_path / "ck")
+    assert state_directory(None, str(tmp_path / "m" / "x.jsonl")) == str(tmp_path / "m")
+    assert state_directory(None, None) is None  # one process: nothing restarts it
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's default id is no run's own
+    assert state_directory(None, None) is None
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "3f2a/../x y")  # --standalone draws a uuid; any id stays one name
+    folder = state_directory(None, None)
+    assert os.path.dirname(folder) == tempfile.gettempdir()
+    assert os.path.basename(folder) == "bagualu2-run-3f2a_.._x_y"
+
+
+def test_a_resumed_launch_clears_a_stop_and_a_fallback_stays_in_force(tmp_path):
+    first = RunState(str(tmp_path), fresh=True, first_launch=True)
+    first.launched("static-under", fresh=True, is_logger=True)
+    first.record_stop(step=2, message="nan", is_logger=True)
+    restart = RunState(str(tmp_path), fresh=False)  # torchrun's restart of that launch: still stopped
+    assert restart.data["stopped"] == {"step": 2, "message": "nan"}
+    resumed = RunState(str(tmp_path), fresh=False, first_launch=True)  # a --resume launch
+    assert resumed.data["stopped"] is None
+    resumed.launched("static-under", fresh=False, is_logger=True)
+    resumed.restarted(restart_count=1, resume_step=2, policy="static-over", is_logger=True)
+    again = RunState(str(tmp_path), fresh=False)
+    assert again.policy_in_force() == "static-over" and again.data["stopped"] is None
+    assert again.data["policies"] == ["static-under", "static-over"]
+
+
+def test_a_refused_launch_is_refused_by_its_restarts_only(tmp_path):
+    state = RunState(str(tmp_path), fresh=True, first_launch=True)
+    state.refuse("--checkpoint-dir x holds the checkpoints of an earlier run")
+    assert RunState(str(tmp_path), fresh=False).refused() == "--checkpoint-dir x holds the checkpoints of an earlier run"
+    assert RunState(str(tmp_path), fresh=True, first_launch=True).refused() is None  # a new launch starts over
 
 
 @pytest.mark.launch
