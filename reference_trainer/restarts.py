@@ -45,8 +45,8 @@ MARKERS = ("oom-rank*.json", "fault-rank*.json", "refused.json")  # what failing
 def state_directory(checkpoint_dir: str | None, metrics_file: str | None) -> str | None:
     """Where the run's restart history lives: ``checkpoint_dir``, else ``metrics_file``'s directory, else, under
     torchrun with a run id of its own (``--standalone`` draws one; ``--rdzv-id``), ``bagualu2-run-<id>`` in the
-    system's temp directory, so that an out-of-memory restart still knows what ran out (None: one process, or a
-    run id of ``none``)."""
+    system's temp directory, so that an out-of-memory restart still knows what ran out (None: one process, a run
+    id of ``none``, or a temp folder that cannot be made)."""
     if checkpoint_dir:
         return checkpoint_dir
     if metrics_file:
@@ -55,7 +55,12 @@ def state_directory(checkpoint_dir: str | None, metrics_file: str | None) -> str
     if run_id in ("", "none") or "WORLD_SIZE" not in os.environ:
         return None
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in run_id)[:64]
-    return os.path.join(tempfile.gettempdir(), f"bagualu2-run-{safe}")
+    folder = os.path.join(tempfile.gettempdir(), f"bagualu2-run-{safe}")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError:
+        return None
+    return folder if os.path.isdir(folder) and not os.path.islink(folder) else None
 
 
 def marker_files(directory: Path) -> list[Path]:

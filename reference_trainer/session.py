@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import shutil
 import sys
 import time
 
@@ -443,6 +444,8 @@ class Session:
         writer.write(summary)
         writer.close()
         print_summary(summary, rank=groups.rank)
+        if groups.is_logger and self.run_state.dir and not (config.checkpoint_dir or config.metrics_file):
+            shutil.rmtree(self.run_state.dir, ignore_errors=True)  # the temp folder of a run that finished
         return summary
 
     def _stop_nonfinite(self, step: int, ranks: list[int]) -> None:

@@ -92,6 +92,7 @@ def test_markers_of_an_earlier_launch_are_removed_on_a_resumed_launch(tmp_path):
 def test_the_restart_history_lives_where_a_restart_finds_it(tmp_path, monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     assert state_directory(str(tmp_path / "ck"), str(tmp_path / "m" / "x.jsonl")) == str(tmp_path / "ck")
     assert state_directory(None, str(tmp_path / "m" / "x.jsonl")) == str(tmp_path / "m")
     assert state_directory(None, None) is None  # one process: nothing restarts it
@@ -100,8 +101,10 @@ def test_the_restart_history_lives_where_a_restart_finds_it(tmp_path, monkeypatc
     assert state_directory(None, None) is None
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "3f2a/../x y")  # --standalone draws a uuid; any id stays one name
     folder = state_directory(None, None)
-    assert os.path.dirname(folder) == tempfile.gettempdir()
-    assert os.path.basename(folder) == "bagualu2-run-3f2a_.._x_y"
+    assert folder == str(tmp_path / "tmp" / "bagualu2-run-3f2a_.._x_y") and os.path.isdir(folder)
+    (tmp_path / "tmp" / "bagualu2-run-3f2a_.._x_y").rmdir()
+    (tmp_path / "tmp" / "bagualu2-run-3f2a_.._x_y").write_text("")  # a file of that name: nothing is kept
+    assert state_directory(None, None) is None
 
 
 def test_a_resumed_launch_clears_a_stop_and_a_fallback_stays_in_force(tmp_path):
