@@ -28,11 +28,15 @@ def test_dry_run_builds_the_torchrun_command():
     nodes = CliRunner().invoke(app, ["train", "--nnodes", "2", "--node-rank", "1", "--master-port", "29511",
                                      "--dry-run", "--json"])
     assert "--rdzv-endpoint=127.0.0.1:29511" in json.loads(nodes.stdout)["command"]
+    restarting = CliRunner().invoke(app, ["train", "--max-restarts", "3", "--dry-run", "--json"])
+    assert json.loads(restarting.stdout)["command"][:4] == ["torchrun", "--nnodes=1", "--nproc-per-node=4",
+                                                            "--max-restarts=3"]
 
 
 @pytest.mark.parametrize("args, option", [(["--node-rank", "2"], "--node-rank"),
                                           (["--nproc-per-node", "0"], "--nproc-per-node"),
                                           (["--master-port", "70000"], "--master-port"),
+                                          (["--max-restarts", "-1"], "--max-restarts"),
                                           (["--nnodes", "2", "--master-addr", "a b"], "--master-addr"),
                                           (["--nnodes", "2", "--master-addr", ""], "--master-addr"),
                                           (["--nnodes", "2", "--master-addr", "host:1234"], "--master-addr"),

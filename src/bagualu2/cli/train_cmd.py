@@ -21,7 +21,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .common import integer_option, CliError, handle_errors, one_thread_env, require_extra
+from .common import CliError, handle_errors, integer_option, one_thread_env, require_extra
 
 TRAINER = "reference_trainer.train"
 MAX_PROCESSES = 1024  # per node
@@ -30,10 +30,12 @@ HOST_NAME = re.compile(rf"(?=.{{1,253}}$){LABEL}(?:\.{LABEL})*\.?")
 
 
 def command(trainer_args: list[str], *, nproc_per_node: int, nnodes: int, node_rank: int, master_addr: str,
-            master_port: int) -> list[str]:
+            master_port: int, max_restarts: int = 0) -> list[str]:
     """The torchrun arguments (without the program) that run the trainer with ``trainer_args``."""
     require_extra("trainer")
     launcher = [f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}"]
+    if max_restarts:
+        launcher.append(f"--max-restarts={max_restarts}")
     if nnodes == 1:
         launcher.append("--standalone")
     else:
@@ -76,14 +78,21 @@ def _world_size(trainer_args: list[str], nnodes: int) -> int:
 def train(
     ctx: typer.Context,
     nproc_per_node: Annotated[Optional[int], typer.Option(
-        "--nproc-per-node", parser=integer_option(minimum=1, maximum=MAX_PROCESSES), help="Processes (ranks) on this node; default: the world size "
-        "the trainer's flags need (--pp x --dp of the recipe and flags) over --nnodes.")] = None,
-    nnodes: Annotated[int, typer.Option("--nnodes", parser=integer_option(minimum=1, maximum=4096), help="Nodes of the job.")] = 1,
-    node_rank: Annotated[int, typer.Option("--node-rank", parser=integer_option(minimum=0), help="This node's rank (several nodes).")] = 0,
+        "--nproc-per-node", parser=integer_option(minimum=1, maximum=MAX_PROCESSES), help="Processes (ranks) on "
+        "this node; default: the world size the trainer's flags need (--pp x --dp of the recipe and flags) over "
+        "--nnodes.")] = None,
+    nnodes: Annotated[int, typer.Option("--nnodes", parser=integer_option(minimum=1, maximum=4096),
+                                        help="Nodes of the job.")] = 1,
+    node_rank: Annotated[int, typer.Option("--node-rank", parser=integer_option(minimum=0),
+                                           help="This node's rank (several nodes).")] = 0,
     master_addr: Annotated[str, typer.Option("--master-addr", help="Rendezvous host (several nodes).")]
     = "127.0.0.1",
     master_port: Annotated[int, typer.Option("--master-port", parser=integer_option(minimum=1, maximum=65535),
                                              help="Rendezvous port (several nodes).")] = 29500,
+    max_restarts: Annotated[int, typer.Option("--max-restarts", parser=integer_option(minimum=0, maximum=1000),
+                                              help="torchrun's restarts of the job after a failure (an out-of-memory "
+                                              "error of a fixed policy, a stalled or killed rank): each resumes "
+                                              "from the last complete checkpoint (--checkpoint-dir).")] = 0,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the torchrun command instead of running it.")]
     = False,
     as_json: Annotated[bool, typer.Option("--json", help="With --dry-run: {\"command\": [...]}; else passed to "
@@ -106,7 +115,7 @@ def train(
     if as_json and not dry_run and "--json" not in trainer_args:
         trainer_args.append("--json")
     argv = command(trainer_args, nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
-                   master_addr=master_addr, master_port=master_port)
+                   master_addr=master_addr, master_port=master_port, max_restarts=max_restarts)
     if dry_run:  # the equivalent torchrun command line
         shown = ["torchrun", *argv]
         typer.echo(json.dumps({"command": shown}) if as_json else shlex.join(shown))
