@@ -42,7 +42,8 @@ def number(text: str) -> float:
 
 
 FLAGS = {  # flag -> (TrainConfig field, type)
-    "--steps": ("steps", integer), "--pp": ("pp", integer), "--dp": ("dp", integer), "--ep": ("ep", integer), "--vp": ("vp", integer),
+    "--steps": ("steps", integer), "--pp": ("pp", integer), "--dp": ("dp", integer), "--ep": ("ep", integer),
+    "--vp": ("vp", integer),
     "--num-microbatches": ("num_microbatches", integer), "--lr": ("lr", number), "--seed": ("seed", integer),
     "--schedule": ("schedule", str), "--policy": ("policy", str), "--downgrade": ("downgrade", str),
     "--memory-cap": ("memory_cap_bytes", parse_bytes), "--memory-cap-fraction": ("memory_cap_fraction", number),

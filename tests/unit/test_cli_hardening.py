@@ -322,7 +322,8 @@ def test_a_plan_kind_the_model_lacks_is_refused() -> None:
     (["reproduce", "--restart-s", "2_84"], "--restart-s"), (["budget", "--spike-rate", "0_1"], "--spike-rate"),
     (["curve", "--max-imbalance", "1_5"], "--max-imbalance"), (["demo", "--max-imbalance", "2_0"], "--max-imbalance"),
     (["simulate", "-n", "1_0"], "--iterations"), (["reproduce", "--seed", "1_1"], "--seed"),
-    (["plan", "--chunk", "0_1"], "--chunk"), (["memory", "-s", "0x1"], "--stage"), (["budget", "--seed", "1e3"], "--seed"),
+    (["plan", "--chunk", "0_1"], "--chunk"), (["memory", "-s", "0x1"], "--stage"),
+    (["budget", "--seed", "1e3"], "--seed"),
     (["demo", "--train-steps", "\u0663"], "--train-steps"), (["train", "--master-port", "2_9500"], "--master-port"),
 ])
 def test_numbers_with_underscores_are_refused(args, option) -> None:

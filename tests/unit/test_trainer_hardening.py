@@ -124,8 +124,9 @@ def test_a_resumed_launch_clears_a_stop_and_a_fallback_stays_in_force(tmp_path):
 
 def test_a_refused_launch_is_refused_by_its_restarts_only(tmp_path):
     state = RunState(str(tmp_path), fresh=True, first_launch=True)
-    state.refuse("--checkpoint-dir x holds the checkpoints of an earlier run")
-    assert RunState(str(tmp_path), fresh=False).refused() == "--checkpoint-dir x holds the checkpoints of an earlier run"
+    message = "--checkpoint-dir x holds the checkpoints of an earlier run"
+    state.refuse(message)
+    assert RunState(str(tmp_path), fresh=False).refused() == message
     assert RunState(str(tmp_path), fresh=True, first_launch=True).refused() is None  # a new launch starts over
 
 

@@ -12,8 +12,8 @@ from rich.table import Table
 from bagualu2.costmodel import Plan
 from bagualu2.runtime import ForwardDecision, IterationReplay, replay_iteration
 
-from .common import (integer_option, GIB, HARDWARE_HELP, MODEL_HELP, console, echo_json, handle_errors, json_help, number_option,
-                     progress_bar)
+from .common import (GIB, HARDWARE_HELP, MODEL_HELP, console, echo_json, handle_errors, integer_option, json_help,
+                     number_option, progress_bar)
 from .iteration import (DEFAULT_HARDWARE, DEFAULT_MODEL, DOWNGRADE_HELP, MAX_IMBALANCE_HELP, SEED_HELP, SPIKE_HELP,
                         SPIKE_RATE_HELP, STAGE_HELP, Iteration, prepare)
 

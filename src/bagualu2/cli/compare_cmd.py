@@ -21,8 +21,8 @@ from bagualu2.costmodel.validate import require_int
 from bagualu2.fusion import build_chains, dp, exact as exact_schedule
 from bagualu2.mitigation import exact, greedy
 
-from .common import (integer_option, HARDWARE_HELP, blame, check_graph, console, echo_json, handle_errors, json_help, load_hardware,
-                     load_model, parse_imbalance, parse_number, progress_bar)
+from .common import (HARDWARE_HELP, blame, check_graph, console, echo_json, handle_errors, integer_option, json_help,
+                     load_hardware, load_model, parse_imbalance, parse_number, progress_bar)
 
 DEFAULT_MODELS = ("glm-188b-a20b", "glm-1041b-a35b")
 DEFAULT_IMBALANCES = ("1.0", "2.0")
@@ -89,8 +89,9 @@ def compare(
     imbalance: Annotated[Optional[list[str]], typer.Option("--imbalance", "-r", metavar="R", help="Imbalance "
                          "(max/mean device load, in [1, ep]); repeatable; default: "
                          + ", ".join(DEFAULT_IMBALANCES) + " (those up to the model's ep).")] = None,
-    budgets: Annotated[int, typer.Option("--budgets", metavar="N", parser=integer_option(), help="Budgets per model and imbalance, evenly "
-                       f"between the floor M0 and the unmitigated bytes (1 to {MAX_BUDGETS}).")] = 3,
+    budgets: Annotated[int, typer.Option("--budgets", metavar="N", parser=integer_option(),
+                                         help="Budgets per model and imbalance, evenly between the floor M0 and "
+                                         f"the unmitigated bytes (1 to {MAX_BUDGETS}).")] = 3,
     time_limit: Annotated[str, typer.Option("--time-limit", metavar="S", help="Seconds per CP-SAT solve "
                           "(> 0, at most 600).")] = "2",
     json_output: Annotated[bool, typer.Option("--json", help=json_help(JSON_DOC))] = False,

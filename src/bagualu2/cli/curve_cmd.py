@@ -16,8 +16,8 @@ from rich.markup import escape
 
 from bagualu2.runtime import DecisionPath, replay_iteration
 
-from .common import (integer_option, GIB, HARDWARE_HELP, MODEL_HELP, CliError, console, echo_json, handle_errors, json_help,
-                     number_option, output_path, progress_bar, write_output)
+from .common import (GIB, HARDWARE_HELP, MODEL_HELP, CliError, console, echo_json, handle_errors, integer_option,
+                     json_help, number_option, output_path, progress_bar, write_output)
 from .iteration import (DEFAULT_HARDWARE, DEFAULT_MODEL, DOWNGRADE_HELP, MAX_IMBALANCE_HELP, SEED_HELP, SPIKE_HELP,
                         SPIKE_RATE_HELP, STAGE_HELP, Iteration, prepare)
 

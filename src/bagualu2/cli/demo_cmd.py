@@ -24,8 +24,8 @@ from rich.table import Table
 from bagualu2.costmodel import stage_memory
 from bagualu2.runtime import replay_iteration
 
-from .common import (integer_option, GIB, HARDWARE_HELP, JSON_HELP, MIB, MODEL_HELP, CliError, console, echo_json, handle_errors,
-                     number_option, one_thread_env, progress_bar, require_extra)
+from .common import (GIB, HARDWARE_HELP, JSON_HELP, MIB, MODEL_HELP, CliError, console, echo_json, handle_errors,
+                     integer_option, number_option, one_thread_env, progress_bar, require_extra)
 from .iteration import MAX_IMBALANCE_HELP, SEED_HELP, SPIKE_RATE_HELP, prepare
 
 PROGRESS_POLL_S = 0.5  # how often the progress bar reads the trainer's metrics file
@@ -39,8 +39,9 @@ def demo(
     spike_rate: Annotated[float, typer.Option(parser=number_option, help=SPIKE_RATE_HELP)] = 0.05,
     max_imbalance: Annotated[Optional[float], typer.Option(parser=number_option, help=MAX_IMBALANCE_HELP)] = None,
     seed: Annotated[int, typer.Option(parser=integer_option(), help=SEED_HELP)] = 0,
-    train_steps: Annotated[int, typer.Option("--train-steps", parser=integer_option(minimum=0, maximum=10_000), help="Steps of the tiny CPU "
-                           "training run after the planning (0: skip it).")] = 20,
+    train_steps: Annotated[int, typer.Option("--train-steps", parser=integer_option(minimum=0, maximum=10_000),
+                                             help="Steps of the tiny CPU training run after the planning (0: "
+                                             "skip it).")] = 20,
     details: Annotated[bool, typer.Option("--details", help="List every forward that mitigated.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
 ) -> None:

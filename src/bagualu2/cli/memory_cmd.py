@@ -10,8 +10,9 @@ from rich.table import Table
 
 from bagualu2.costmodel import Hardware, ModelConfig, ParallelConfig, Plan, StageMemory, build_graph, stage_memory
 
-from .common import (integer_option, GIB, HARDWARE_HELP, IMBALANCE_HELP, JSON_HELP, MIB, MODEL_HELP, PLAN_HELP, CliError, blame,
-                     console, echo_json, handle_errors, load_hardware, load_model, parse_imbalance, parse_plan)
+from .common import (GIB, HARDWARE_HELP, IMBALANCE_HELP, JSON_HELP, MIB, MODEL_HELP, PLAN_HELP, CliError, blame,
+                     console, echo_json, handle_errors, integer_option, load_hardware, load_model, parse_imbalance,
+                     parse_plan)
 
 DEFAULT_MODEL = "glm-423b-a30b"
 DEFAULT_HARDWARE = "paper-gpu"
@@ -65,7 +66,8 @@ def memory(
     hardware: Annotated[str, typer.Option("--hardware", "-H", help=HARDWARE_HELP)] = DEFAULT_HARDWARE,
     imbalance: Annotated[str, typer.Option("--imbalance", "-r", metavar="R", help=IMBALANCE_HELP)] = "1.0",
     plan: Annotated[str, typer.Option("--plan", "-p", metavar="SPEC", help=PLAN_HELP)] = "none",
-    stage: Annotated[Optional[int], typer.Option("--stage", "-s", parser=integer_option(), help="Only this pipeline stage "
+    stage: Annotated[Optional[int], typer.Option("--stage", "-s", parser=integer_option(),
+                                                 help="Only this pipeline stage "
                                                  "(0-based); default: every stage.")] = None,
     json_output: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
 ) -> None:

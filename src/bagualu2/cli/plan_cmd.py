@@ -13,8 +13,8 @@ from bagualu2.costmodel.graph import ITEM_BYTES
 from bagualu2.costmodel.strategy import tensor_offload_ns, tensor_quantize_ns
 from bagualu2.mitigation import Solution, check_conflicts, exact, greedy
 
-from .common import (integer_option, GIB, HARDWARE_HELP, IMBALANCE_HELP, JSON_HELP, MIB, MODEL_HELP, CliError, check_graph,
-                     console, echo_json, handle_errors, load_hardware, load_model, parse_imbalance, parse_number)
+from .common import (GIB, HARDWARE_HELP, IMBALANCE_HELP, JSON_HELP, MIB, MODEL_HELP, CliError, check_graph, console,
+                     echo_json, handle_errors, integer_option, load_hardware, load_model, parse_imbalance, parse_number)
 
 DEFAULT_MODEL = "glm-423b-a30b"
 DEFAULT_HARDWARE = "paper-gpu"
@@ -116,7 +116,8 @@ def plan(
     solver: Annotated[str, typer.Option("--solver", metavar="NAME", help="greedy (improved Algorithm 2), "
                       "greedy-paper (Algorithm 2 as in the paper) or exact (CP-SAT).")] = "greedy",
     stage: Annotated[int, typer.Option("--stage", "-s", parser=integer_option(), help="Pipeline stage (0-based).")] = 0,
-    chunk: Annotated[int, typer.Option("--chunk", "-c", parser=integer_option(), help="Virtual chunk of the stage (0-based).")] = 0,
+    chunk: Annotated[int, typer.Option("--chunk", "-c", parser=integer_option(),
+                                       help="Virtual chunk of the stage (0-based).")] = 0,
     time_limit: Annotated[str, typer.Option("--time-limit", metavar="S", help="Seconds for --solver exact "
                           "(> 0); ignored by the greedy solvers.")] = "10",
     json_output: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,

@@ -14,8 +14,8 @@ from bagualu2.sim.figures import figures
 from bagualu2.sim.report import headline, markdown
 from bagualu2.sim.reproduce import ReproduceConfig, WorkerDied, reproduce, steps, table_ii
 
-from .common import (integer_option, JSON_HELP, CliError, blame, check_device_room, check_output_path, console, echo_json,
-                     handle_errors, number_option, progress_bar)
+from .common import (JSON_HELP, CliError, blame, check_device_room, check_output_path, console, echo_json,
+                     handle_errors, integer_option, number_option, progress_bar)
 from .files import atomic_write_many
 
 # config field -> option
@@ -25,9 +25,11 @@ OPTIONS = {"iterations": "--iterations", "seed": "--seed", "restart_s": "--resta
 
 @handle_errors
 def reproduce_cmd(
-    iterations: Annotated[int, typer.Option("--iterations", "-n", parser=integer_option(), help="Paper-trace iterations per run (in [10, "
+    iterations: Annotated[int, typer.Option("--iterations", "-n", parser=integer_option(),
+                                            help="Paper-trace iterations per run (in [10, "
                                             "10**7]).")] = 1000,
-    seed: Annotated[int, typer.Option(parser=integer_option(), help="Seed of the paper trace (an integer in [0, 2**63)).")] = 0,
+    seed: Annotated[int, typer.Option(parser=integer_option(),
+                                      help="Seed of the paper trace (an integer in [0, 2**63)).")] = 0,
     restart_s: Annotated[float, typer.Option("--restart-s", parser=number_option,
                                               help="Seconds one OOM restart costs (in [0, 1e9]).")
                          ] = 284.0,
@@ -38,7 +40,8 @@ def reproduce_cmd(
                                       "when missing (its plots go to DIR/img).")] = "docs",
     json_output: Annotated[bool, typer.Option("--json", help=JSON_HELP + " (the report's ratios beside the "
                                               "paper's, after writing the files)")] = False,
-    jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", parser=integer_option(), help="Worker processes for the simulations (in "
+    jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", parser=integer_option(),
+                                                help="Worker processes for the simulations (in "
                                                 "[1, 1024]; default: the CPUs this process may use, at most one per "
                                                 "4 GiB of available memory). The report is the same for any value.")
                                  ] = None,

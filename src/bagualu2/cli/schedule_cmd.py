@@ -16,9 +16,9 @@ from bagualu2.fusion.baselines import BASELINES
 from bagualu2.fusion.gantt import gantt_png_bytes, gantt_text
 from bagualu2.mitigation import greedy
 
-from .common import (integer_option, GIB, HARDWARE_HELP, IMBALANCE_HELP, JSON_HELP, MODEL_HELP, CliError, check_graph, console,
-                     echo_json, handle_errors, load_hardware, load_model, output_path, parse_imbalance, parse_number,
-                     write_output)
+from .common import (GIB, HARDWARE_HELP, IMBALANCE_HELP, JSON_HELP, MODEL_HELP, CliError, check_graph, console,
+                     echo_json, handle_errors, integer_option, load_hardware, load_model, output_path, parse_imbalance,
+                     parse_number, write_output)
 
 DEFAULT_MODEL = "glm-1041b-a35b"
 DEFAULT_HARDWARE = "paper-gpu"
@@ -79,7 +79,8 @@ def schedule(
                           "default: midway between the floor M0 and the unmitigated bytes.")] = None,
     imbalance: Annotated[str, typer.Option("--imbalance", "-r", metavar="R", help=IMBALANCE_HELP)] = "1.0",
     stage: Annotated[int, typer.Option("--stage", "-s", parser=integer_option(), help="Pipeline stage (0-based).")] = 0,
-    chunk: Annotated[int, typer.Option("--chunk", "-c", parser=integer_option(), help="Virtual chunk of the stage (0-based).")] = 0,
+    chunk: Annotated[int, typer.Option("--chunk", "-c", parser=integer_option(),
+                                       help="Virtual chunk of the stage (0-based).")] = 0,
     time_limit: Annotated[str, typer.Option("--time-limit", metavar="S", help="Seconds for the exact CP-SAT "
                           "schedule (> 0).")] = "10",
     png: Annotated[Optional[str], typer.Option("--png", metavar="PATH", help="Also write the DP order's "

@@ -14,8 +14,9 @@ from bagualu2.sim import (ABLATION, ON_OOM, OVERLAP, POLICIES, PaperTrace, SimRe
                           simulate)
 from bagualu2.sim.simulate import MAX_ITERATIONS, MAX_RESTART_S
 
-from .common import (integer_option, HARDWARE_HELP, MODEL_HELP, CliError, blame, check_device_room, console, echo_json, handle_errors,
-                     json_help, load_hardware, load_model, number_option, output_path, progress_bar, write_output)
+from .common import (HARDWARE_HELP, MODEL_HELP, CliError, blame, check_device_room, console, echo_json, handle_errors,
+                     integer_option, json_help, load_hardware, load_model, number_option, output_path, progress_bar,
+                     write_output)
 
 DEFAULT_MODEL = "glm-423b-a30b"
 DEFAULT_ITERATIONS = 200
@@ -59,9 +60,11 @@ def simulate_cmd(
     ctx: typer.Context,
     model: Annotated[str, typer.Option("--model", "-m", help=MODEL_HELP)] = DEFAULT_MODEL,
     hardware: Annotated[str, typer.Option("--hardware", "-H", help=HARDWARE_HELP)] = "paper-gpu",
-    iterations: Annotated[int, typer.Option("--iterations", "-n", parser=integer_option(), help="Iterations of the paper trace (>= 1).")
+    iterations: Annotated[int, typer.Option("--iterations", "-n", parser=integer_option(),
+                                            help="Iterations of the paper trace (>= 1).")
                           ] = DEFAULT_ITERATIONS,
-    seed: Annotated[int, typer.Option(parser=integer_option(), help="Seed of the paper trace (an integer in [0, 2**63)).")] = 0,
+    seed: Annotated[int, typer.Option(parser=integer_option(),
+                                      help="Seed of the paper trace (an integer in [0, 2**63)).")] = 0,
     policy: Annotated[Optional[list[str]], typer.Option("--policy", "-p", help="Policy; repeatable; default: all "
                                                         f"of {', '.join(POLICIES)}; also the ablation levels "
                                                         f"{', '.join(ABLATION)} (Fig. 11).")] = None,
@@ -78,7 +81,8 @@ def simulate_cmd(
     trace: Annotated[Optional[str], typer.Option("--trace", metavar="FILE", help="The trainer's JSONL imbalance "
                                                  'log ({"iteration", "microbatch", "imbalance"} a line) instead '
                                                  "of the paper trace.")] = None,
-    spike_microbatches: Annotated[int, typer.Option("--spike-microbatches", parser=integer_option(), help="Micro-batches of a spike "
+    spike_microbatches: Annotated[int, typer.Option("--spike-microbatches", parser=integer_option(),
+                                                    help="Micro-batches of a spike "
                                                     "iteration the spike hits (paper trace; 0: every one, the "
                                                     "worst case for memory).")] = 1,
     overlap: Annotated[str, typer.Option("--overlap", help="Execution model: real (every policy the overlap of its "
