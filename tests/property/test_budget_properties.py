@@ -19,7 +19,8 @@ def configs(draw):
     m0_bytes = draw(st.integers(0, 10**6))
     m_max_bytes = num_warmup * m0_bytes + draw(st.one_of(st.integers(0, 10), st.integers(0, 10**8)))
     return dict(
-        m_max_bytes=m_max_bytes, m0_bytes=m0_bytes, num_microbatches=num_microbatches, num_warmup=num_warmup
+        m_max_bytes=m_max_bytes, m0_bytes=m0_bytes, num_microbatches=num_microbatches, num_warmup=num_warmup,
+        contain_overruns=draw(st.booleans()),
     )
 
 

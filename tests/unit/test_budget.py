@@ -10,10 +10,10 @@ import pytest
 from bagualu2.budget import BudgetAssigner, BudgetPhase
 
 
-def make(m_max_bytes=1200, m0_bytes=100, num_microbatches=6, num_warmup=4) -> BudgetAssigner:
+def make(m_max_bytes=1200, m0_bytes=100, num_microbatches=6, num_warmup=4, **kwargs) -> BudgetAssigner:
     return BudgetAssigner(
-        m_max_bytes=m_max_bytes, m0_bytes=m0_bytes, num_microbatches=num_microbatches, num_warmup=num_warmup
-    )
+        m_max_bytes=m_max_bytes, m0_bytes=m0_bytes, num_microbatches=num_microbatches, num_warmup=num_warmup,
+        **kwargs)
 
 
 # --------------------------------------------------------------------------------------------- warmup / steady
@@ -44,6 +44,7 @@ def test_warmup_formula_reserves_m0_for_each_remaining_batch():
 
 
 def test_steady_gives_freed_bytes_to_next_forward():
+    """All freed bytes to the next forward (no overrun to hold back)."""
     a = make()
     for mb, actual in enumerate([300, 250, 325, 300]):
         a.record_forward(mb, actual)
@@ -59,6 +60,34 @@ def test_steady_gives_freed_bytes_to_next_forward():
         a.record_backward(mb)
     assert a.in_flight_bytes == 0
     assert a.in_flight_microbatches == ()
+
+
+def test_a_steady_forward_does_not_inherit_an_overrun():
+    """A warmup forward that kept more than its budget and an even share (absorbed) leaves the next one less; when
+    its backward frees it, the overrun is held back from the forward after it, so the split is even again after
+    one round, where Algorithm 1 as printed passes the uneven split on for the whole iteration."""
+    runs = {}
+    for contain in (True, False):
+        a = make(num_microbatches=8, num_warmup=2, contain_overruns=contain)  # share 600
+        assert a.next_forward_budget() == 600
+        a.record_forward(0, 900)  # an overrun absorbed in warmup
+        a.record_forward(1, a.next_forward_budget())  # 300 left
+        budgets = []
+        for mb in range(2, 8):
+            a.record_backward(mb - 2)
+            budgets.append(a.next_forward_budget())
+            a.record_forward(mb, budgets[-1])
+        runs[contain] = budgets
+    assert runs[True] == [600, 600, 600, 600, 600, 600]  # 900 freed, 300 of it held back once
+    assert runs[False] == [900, 300, 900, 300, 900, 300]
+    b = make(num_microbatches=4, num_warmup=2)  # above the share but within its own budget: no overrun
+    b.record_forward(0, 500)
+    assert b.next_forward_budget() == 700  # the 100 mb 0 left unused passes on
+    b.record_forward(1, 650)
+    b.record_backward(1)
+    assert b.next_forward_budget() == 700  # 1200 - 500: all 650 freed pass on
+    with pytest.raises(ValueError, match="contain_overruns must be True or False"):
+        make(contain_overruns=1)
 
 
 def test_rebasing_overestimate_does_not_cascade():

@@ -24,6 +24,14 @@ Let ``in_flight`` be the *measured* bytes of the micro-batches whose forward was
 
       budget = M_max - in_flight
 
+  With ``contain_overruns`` (the default) a steady forward does not inherit an overrun: of the bytes a backward
+  frees, what its micro-batch kept beyond both its own budget and an even share ``M_max // B_w`` (a warmup overrun
+  absorbed, a spike that did not fit) is held back from the next forward, whose budget is then
+  ``M_max - in_flight - excess``. A plan's time is convex in its budget, and Algorithm 1 as printed
+  (``contain_overruns=False``) passes such an uneven split on for the whole iteration: the big micro-batch's bytes
+  go to one successor, whose own then go to the one after that, with the period of ``B_w``. Held back once, the
+  split is even again after one round; without overruns the two rules are the same.
+
 A budget is clamped at 0 when recorded overruns left ``in_flight`` above ``M_max``.
 
 Guarantees (proof)
@@ -40,7 +48,8 @@ between only increases ``R``.
 
 (3) *Steady budgets are >= M_0* when each steady forward is preceded by a backward of a micro-batch whose actual
 bytes were >= M_0 (true on hardware: M_0 is the full-recompute floor). By (1), ``in_flight <= M_max`` after the
-previous forward; the backward frees ``a_y >= M_0`` bytes, so ``budget = M_max - in_flight >= a_y >= M_0``.
+previous forward; the backward frees ``a_y >= M_0`` bytes, so ``M_max - in_flight >= a_y >= M_0``. What is held
+back of ``a_y`` leaves at least ``max(granted_y, M_max // B_w) >= M_0`` of it (``M_max >= B_w * M_0``).
 
 Deferred planning (§V-A): the MoE imbalance is only known after the gate; ``bagualu2.runtime.after_gate`` decides
 what the micro-batch runs then. In warmup an overrun up to :meth:`BudgetAssigner.absorb_limit_bytes` is accepted:
@@ -75,7 +84,8 @@ class BudgetAssigner:
     were launched) raises ValueError.
     """
 
-    def __init__(self, *, m_max_bytes: int, m0_bytes: int, num_microbatches: int, num_warmup: int) -> None:
+    def __init__(self, *, m_max_bytes: int, m0_bytes: int, num_microbatches: int, num_warmup: int,
+                 contain_overruns: bool = True) -> None:
         """Validate the configuration.
 
         Args:
@@ -83,7 +93,12 @@ class BudgetAssigner:
             m0_bytes: floor of one micro-batch in bytes (full recompute keeps only the block input), int >= 0.
             num_microbatches: forwards in this iteration (paper ``B``), int >= 1.
             num_warmup: forwards that stack before the first backward (paper ``B_w``), int in [1, num_microbatches].
+            contain_overruns: a steady forward does not inherit the overrun of the micro-batch whose backward
+                freed its bytes (see the module docstring); False: all free bytes to every steady forward, as the
+                paper prints Algorithm 1.
         """
+        if not isinstance(contain_overruns, bool):
+            raise ValueError(f"contain_overruns must be True or False, got {contain_overruns!r}")
         m_max_bytes = require_int("m_max_bytes", m_max_bytes, 0)
         m0_bytes = require_int("m0_bytes", m0_bytes, 0)
         num_microbatches = require_int("num_microbatches", num_microbatches, 1)
@@ -98,6 +113,8 @@ class BudgetAssigner:
         self._m0_bytes = m0_bytes
         self._num_microbatches = num_microbatches
         self._num_warmup = num_warmup
+        self._share_bytes = m_max_bytes // num_warmup
+        self._contain_overruns = contain_overruns
         self.reset()
 
     # ------------------------------------------------------------------ state
@@ -109,6 +126,7 @@ class BudgetAssigner:
         self._in_flight_bytes = 0
         self._peak_bytes = 0
         self._peeked: int | None = None  # what next_forward_budget returned, while nothing was recorded since
+        self._held_back_bytes = 0  # overruns freed since the last forward, not passed on to the next one
 
     # ------------------------------------------------------------ properties
     @property
@@ -130,6 +148,11 @@ class BudgetAssigner:
     def num_warmup(self) -> int:
         """Forwards that stack before the first backward (paper ``B_w``)."""
         return self._num_warmup
+
+    @property
+    def contain_overruns(self) -> bool:
+        """Whether a steady forward is kept from inheriting an overrun (the module docstring)."""
+        return self._contain_overruns
 
     @property
     def in_flight_bytes(self) -> int:
@@ -186,6 +209,7 @@ class BudgetAssigner:
             )
         remaining_bytes = self._m_max_bytes - self._in_flight_bytes
         if launched >= self._num_warmup:
+            remaining_bytes -= self._held_back_bytes
             self._peeked = budget = remaining_bytes if remaining_bytes > 0 else 0
             return budget, None
         later = self._num_warmup - launched - 1
@@ -228,6 +252,7 @@ class BudgetAssigner:
         self._in_flight_bytes = held = self._in_flight_bytes + actual_bytes
         if held > self._peak_bytes:
             self._peak_bytes = held
+        self._held_back_bytes = 0
         self._peeked = None
         return held
 
@@ -247,6 +272,8 @@ class BudgetAssigner:
             )
         self._in_flight_bytes -= freed
         self._peeked = None
+        if self._contain_overruns:  # an overrun beyond the micro-batch's budget and an even share: not passed on
+            self._held_back_bytes += max(0, freed - max(self._granted_bytes[microbatch], self._share_bytes))
         assert self._in_flight_bytes >= 0
 
     # ----------------------------------------------------------------- helpers
@@ -257,5 +284,6 @@ class BudgetAssigner:
         return (
             f"BudgetAssigner(m_max_bytes={self._m_max_bytes}, m0_bytes={self._m0_bytes}, "
             f"num_microbatches={self._num_microbatches}, num_warmup={self._num_warmup}, "
-            f"phase={self.phase.value}, num_launched={self.num_launched}, in_flight_bytes={self._in_flight_bytes})"
+            f"contain_overruns={self._contain_overruns}, phase={self.phase.value}, "
+            f"num_launched={self.num_launched}, in_flight_bytes={self._in_flight_bytes})"
         )

@@ -70,12 +70,14 @@ class NeedGrid:
 
 
 class PlannedImbalance:
-    """Per chunk, the floored minimum of the last ``window`` measured imbalances (1.0 before any), or a constant."""
+    """Per chunk, the floored minimum of the last ``window`` measured imbalances (``initial`` before any: 1.0,
+    balanced, by default), or a constant."""
 
-    def __init__(self, window: int, step: float, constant: float | None = None):
+    def __init__(self, window: int, step: float, constant: float | None = None, initial: float = 1.0):
         self.window = require_int("window", window, 1)
         self.step = step
         self.constant = None if constant is None else floor_bucket(constant, step)
+        self.initial = floor_bucket(initial, step)
         # chunk -> [the last `window` measured imbalances, their minimum, its floored bucket]
         self._slots: dict[int, list] = {}
 
@@ -87,14 +89,14 @@ class PlannedImbalance:
         if self.constant is not None:
             return self.constant
         slot = self._slots.get(chunk)
-        return 1.0 if slot is None else slot[2]
+        return self.initial if slot is None else slot[2]
 
     def observe(self, chunk: int, imbalance: float) -> float:
         """Remember a gate's measurement; returns the planned imbalance *before* it (amortised O(1): the minimum
         is recomputed only when it leaves the window)."""
         slot = self._slots.get(chunk)
         if slot is None:
-            slot = self._slots[chunk] = [deque(maxlen=self.window), math.inf, 1.0]
+            slot = self._slots[chunk] = [deque(maxlen=self.window), math.inf, self.initial]
         seen, lowest = slot[0], slot[1]
         planned = slot[2] if self.constant is None else self.constant
         evicted = seen[0] if len(seen) == seen.maxlen else None

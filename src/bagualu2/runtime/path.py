@@ -178,6 +178,16 @@ class DecisionPath:
     def graph(self, chunk: int, imbalance: float) -> OpGraph:
         return self.engine.graph(chunk, imbalance)
 
+    def expect(self, imbalance: float) -> None:
+        """Before any gate of a chunk was measured, its pre-gate plans are made for ``imbalance`` (default 1.0,
+        balanced): the load an operator plans for, as fixed plans are made for it. The first gate's measurement
+        replaces it (the planned imbalance follows the gates); the gates already measured are kept."""
+        planner = PlannedImbalance(self._planner.window, self.step, self.planned_imbalance, self._check(imbalance))
+        for chunk, values in sorted(self._planner.seen().items()):
+            for value in values:
+                planner.observe(chunk, value)
+        self._planner = planner
+
     def planned(self, chunk: int) -> float:
         """The imbalance the pre-gate plan of ``chunk`` is made for (a bucket, rounded down)."""
         return self._planner.get(chunk)
@@ -213,7 +223,7 @@ class DecisionPath:
             seen = {int(chunk): values for chunk, values in items}
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError):
             raise ValueError(shape) from None
-        planner = PlannedImbalance(self._planner.window, self.step, self.planned_imbalance)
+        planner = PlannedImbalance(self._planner.window, self.step, self.planned_imbalance, self._planner.initial)
         for chunk, values in sorted(seen.items()):
             if not isinstance(values, (list, tuple)):
                 raise ValueError(f"{shape}: chunk {chunk} holds {type(values).__name__}, not a list")

@@ -103,6 +103,12 @@ class StagePolicy:
         """The ways this policy may run a stage's iteration; the simulator takes the fastest (the oracle's)."""
         return (self,)
 
+    def state(self) -> tuple:
+        """What an iteration's decisions depend on besides its rates (the simulator's memo key): nothing for a
+        fixed plan; the imbalance each chunk's pre-gate plan starts from for a decision path that follows the
+        gates."""
+        return ()
+
 
 class Static(StagePolicy):
     """One plan per chunk, made before training at r=1; ``plan(chunk)`` says which."""
@@ -312,13 +318,24 @@ class FineStatic(StaticUnder):
 
 
 class Flexible(StagePolicy):
+    """The decision path (``ctx.path``); before any gate its pre-gate plans are made for ``plan_imbalance``, the
+    load the fixed plans are made for (``DecisionPath.expect``)."""
+
     name = "flexible"
     budgeted = True
     native = "fused"
 
+    def __init__(self, ctx, *, plan_imbalance: float = 1.0, overlap: str = "real"):
+        super().__init__(ctx, overlap=overlap)
+        ctx.path.expect(plan_imbalance)
+
     def forward(self, chunk, imbalance, phase, budget=0, limit=None):
         decision = self.ctx.path.forward(budget, imbalance, phase, chunk, limit_bytes=limit)
         return self.run(chunk, imbalance, decision.plan)._replace(kept_bytes=decision.kept_bytes)
+
+    def state(self) -> tuple:
+        path = self.ctx.path
+        return tuple(path.planned(chunk) for chunk in range(self.ctx.parallel.vp))
 
 
 class Unfused(Flexible):
@@ -359,12 +376,15 @@ class Oracle(OracleExact):
     """Knows every micro-batch's imbalance before planning, and so also what flexible would run: per stage and
     iteration the faster of the exact plans (:class:`OracleExact`) and flexible's decisions (``alternatives``)."""
 
-    def __init__(self, ctx, *, overlap: str = "real"):
+    def __init__(self, ctx, *, plan_imbalance: float = 1.0, overlap: str = "real"):
         super().__init__(ctx, overlap=overlap)
-        self.flexible = Flexible(ctx, overlap=overlap)
+        self.flexible = Flexible(ctx, plan_imbalance=plan_imbalance, overlap=overlap)
 
     def alternatives(self) -> tuple[StagePolicy, ...]:
         return (self, self.flexible)
+
+    def state(self) -> tuple:
+        return self.flexible.state()
 
 
 CLASSES = {cls.name: cls for cls in (Flexible, StaticUnder, StaticOver, Kwai, AdaPipe, Ideal, Oracle, LayerLevel,
@@ -379,9 +399,10 @@ def native_execution(name: str) -> str:
 def make_policy(name: str, ctx: StageContext, *, plan_imbalance: float = 1.0, overlap: str = "real"
                 ) -> StagePolicy:
     """Policy ``name`` (one of ``POLICIES`` or ``ABLATION``) on the stage of ``ctx``; the plans fixed before
-    training (static-*, kwai, adapipe, L1, L2) are made at ``plan_imbalance`` (default 1: balanced load);
+    training (static-*, kwai, adapipe, L1, L2) are made at ``plan_imbalance`` (default 1: balanced load), and the
+    decision paths (flexible, L3, L4, oracle's) make their pre-gate plans for it until their first gate;
     ``overlap``: the execution model (:data:`.execution.OVERLAP`)."""
     cls = CLASSES[check_policy(name)]
-    if issubclass(cls, Static):
+    if issubclass(cls, (Static, Flexible, Oracle)):
         return cls(ctx, plan_imbalance=plan_imbalance, overlap=overlap)
     return cls(ctx, overlap=overlap)

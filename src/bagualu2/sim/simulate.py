@@ -24,9 +24,9 @@ in force; ``on_oom="replan"`` (the paper's §VI-A baselines: "we adjust the redu
 observed imbalance rate and manually restart") under the same policy with its plans re-made for that iteration's
 highest rate (static-over if that still overruns), the next iteration back on the normal plans.
 
-Speed: whole iterations are memoised by (policy in force, planned imbalance, the iteration's rates). The decision
-path's caches make a flexible iteration depend slightly on what came before (its planned imbalance follows the
-last gates); the memo keeps the first result for each rate vector.
+Speed: whole iterations are memoised by (policy in force, planned imbalance, the iteration's rates, and for a
+decision path that follows the gates the imbalance each chunk's pre-gate plan starts from: what an iteration's
+decisions depend on besides its rates, ``StagePolicy.state``).
 """
 
 from __future__ import annotations
@@ -243,19 +243,21 @@ class _Run:
         self._memo: dict[tuple, IterationResult] = {}
 
     def iteration(self, name: str, key, plan_imbalance: float) -> IterationResult:
-        found = self._memo.get((name, plan_imbalance, key))
-        if found is not None:
-            return found
         policies = self._policies.get((name, plan_imbalance))
         if policies is None:
             policies = self._policies[(name, plan_imbalance)] = [
                 make_policy(name, ctx, plan_imbalance=plan_imbalance, overlap=self.config.overlap)
                 for ctx in self.stages]
+        memo_key = (name, plan_imbalance, key, tuple(policy.state() for policy in policies))
+        found = self._memo.get(memo_key)
+        if found is not None:
+            return found
         parallel = self.parallel
         rates = key if isinstance(key, tuple) else (key,) * parallel.num_microbatches
         busy, totals, peaks, oom = [], [], [], False
         for policy, extra in zip(policies, self.overheads):
-            timed = min((stage_time(way, rates) for way in policy.alternatives()), key=lambda t: t.busy_s)
+            timed = min((stage_time(way, rates) for way in policy.alternatives()),  # by the stage's whole time
+                        key=lambda t, extra=extra: t.busy_s + extra.sync_s(t.last_backward_s, t.first_forward_s))
             stage_s = timed.busy_s + extra.head_s
             busy.append(stage_s)
             totals.append(stage_s + extra.sync_s(timed.last_backward_s, timed.first_forward_s))
@@ -263,7 +265,7 @@ class _Run:
             oom = oom or (policy.bounded and timed.peak_bytes > policy.ctx.m_max_bytes)
         chunk_s = sum(busy) / len(busy) / (parallel.num_microbatches * parallel.vp)
         time_s = max(totals) + (parallel.pp - 1) * chunk_s  # Megatron's interleaved 1F1B bubble
-        found = self._memo[(name, plan_imbalance, key)] = IterationResult(
+        found = self._memo[memo_key] = IterationResult(
             time_s, self.flops / (time_s * self.hardware.peak_flops), tuple(peaks), oom, False, name)
         return found
 
