@@ -288,9 +288,9 @@ def test_flexible_keeps_up_with_a_static_plan_at_two_micro_batches_in_flight(nam
 
 
 @pytest.mark.slow
-def test_a_repeated_rate_is_timed_from_the_decision_paths_state_not_its_first_occurrence():
-    """The memo keys an iteration by the imbalance each chunk's pre-gate plan starts from: a second iteration at
-    the same rate, warm, is not the first one, cold (planned for balanced load, then absorbed)."""
+def test_a_decision_paths_first_iteration_is_not_replayed_for_the_later_ones():
+    """The memo keys an iteration by whether the path has measured a gate: a second iteration at the same rate,
+    warm, is not the first one, cold (planned for balanced load, then absorbed), which the whole run was charged."""
     model, base = presets.model("glm-423b-a30b")
     parallel = dataclasses.replace(base, pp=1, vp=1, dp=base.dp * base.pp, num_microbatches=4, paired=True)
     cold, warm = simulate(model, parallel, presets.hardware("h200"), "flexible", (2.0, 2.0)).iterations
@@ -307,3 +307,22 @@ def test_the_oracle_picks_its_way_by_the_stages_whole_time():
                         for policy in ("flexible", "oracle"))
     for fast, slow in zip(oracle.iterations, flexible.iterations):
         assert fast.mfu >= slow.mfu * (1 - 1e-12)
+
+
+@pytest.mark.slow
+def test_without_a_pipeline_or_pairing_copies_run_beside_their_own_pass_in_both_executions():
+    """pp = 1, unpaired: every forward and backward runs alone. The fused order ran the copies after the pass
+    (flexible 0.7% behind static-under with the same plan, rates and plans 2.0), the Megatron execution as if they
+    were another micro-batch's (free to start before the forward made them); both now run each copy beside its
+    own pass, so the same plan takes the same time."""
+    parallel = dataclasses.replace(PARALLEL, pp=1, vp=1, dp=64, paired=False, num_microbatches=8)
+    hardware = presets.hardware("h100")
+    flexible, static = (simulate(MODEL, parallel, hardware, policy, (2.0,), plan_imbalance=2.0)
+                        for policy in ("flexible", "static-under"))
+    assert static.oom_events == 0
+    assert flexible.iterations[0].time_s <= static.iterations[0].time_s * (1 + 1e-9)
+    ctx = StageContext(MODEL, parallel, hardware, 0)
+    plan = Plan.uniform({"expert_act": Strategy.OFFLOAD, "core_attn": Strategy.OFFLOAD})
+    fused, megatron = (ctx.choice(0, 2.0, plan, execution=execution, share=0.0)
+                       for execution in ("fused", "megatron"))
+    assert fused.forward_s == megatron.forward_s and fused.backward_s == megatron.backward_s

@@ -188,6 +188,11 @@ class DecisionPath:
                 planner.observe(chunk, value)
         self._planner = planner
 
+    @property
+    def warm(self) -> bool:
+        """Whether a gate was measured (the planned imbalance follows the gates from then on)."""
+        return any(self._planner.seen().values())
+
     def planned(self, chunk: int) -> float:
         """The imbalance the pre-gate plan of ``chunk`` is made for (a bucket, rounded down)."""
         return self._planner.get(chunk)

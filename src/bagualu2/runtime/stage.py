@@ -257,19 +257,36 @@ class Stage(_Engine):
     def order(self, chains: Chains, *, share: float = 0.0) -> Order:
         """The fused order of ``chains``: the DP's (``fusion.dp`` at the stage's ``point_relation``: 2, of F and
         B with O and R at the point's edges; 1, as at pp = 1 ``paired``, of F and B with their own copies beside
-        them), or the sequential order without a pipeline (F_i then B_i); memoised by what the DP reads, each
-        chain's stage resources and durations, so points that differ elsewhere share one order. ``share``: the
-        compute slowdown beside communication the DP orders for (``fusion.interference``; 0, the DP's own cost,
-        is what the decision path uses)."""
+        them), or without a pipeline or pairing, where F_i and B_i never share a point, F's then B's, each with
+        its own copies beside it (:meth:`_unpaired`); memoised by what the DP reads, each chain's stage resources
+        and durations, so points that differ elsewhere share one order. ``share``: the compute slowdown beside
+        communication the DP orders for (``fusion.interference``; 0, the DP's own cost, is what the decision
+        path uses)."""
         key = OrderKey(tuple(None if chain is None else tuple((s.resource, s.duration_ns) for s in chain.stages)
                              for chain in (chains.forward, chains.backward, chains.offload, chains.recovery)),
                        share)
         found = self._orders.get(key)
         if found is None:
             found = self._orders[key] = (
-                sequential(chains) if self.parallel.pp == 1 and not self.parallel.paired
+                self._unpaired(chains, share) if self.parallel.pp == 1 and not self.parallel.paired
                 else dp.solve(chains, pipeline_degree=self.point_relation, share=share))
         return found
+
+    @staticmethod
+    def _unpaired(chains: Chains, share: float) -> Order:
+        """pp = 1 without pairing: the forward with its offloads beside it (each once the forward made what it
+        copies), then the backward with its reloads ahead of the stages that read them (``dp.with_own_copies``),
+        as copy streams run them; a point of both (how the decision path ranks plans) is the two in turn."""
+        parts = [dp.solve(part, pipeline_degree=1, share=share)
+                 for part in (Chains(chains.forward, None, chains.offload, None),
+                              Chains(None, chains.backward, None, chains.recovery))
+                 if any(chain is not None for chain in part.present())]
+        if len(parts) == 1:
+            return parts[0]
+        if not parts:
+            return sequential(chains)
+        return Order(parts[0].groups + parts[1].groups, barriers=True,
+                     makespan_ns=parts[0].makespan_ns + parts[1].makespan_ns, solver="unpaired")
 
     def point_order(self, plan: Plan, imbalance: float, chunk: int, *, warmup: bool = False) -> Order:
         """The order of a scheduling point whose micro-batches run ``plan`` on the graph of (chunk, imbalance): in

@@ -104,9 +104,10 @@ class StagePolicy:
         return (self,)
 
     def state(self) -> tuple:
-        """What an iteration's decisions depend on besides its rates (the simulator's memo key): nothing for a
-        fixed plan; the imbalance each chunk's pre-gate plan starts from for a decision path that follows the
-        gates."""
+        """What the simulator's memo keys an iteration by besides its rates: nothing for a fixed plan; for a
+        decision path whether it has measured a gate (a path's first iteration plans for the expected load, the
+        later ones for what the gates measured; among those, the first result per rate vector stands for the
+        others, whose first gates start from another iteration's measurements)."""
         return ()
 
 
@@ -334,8 +335,7 @@ class Flexible(StagePolicy):
         return self.run(chunk, imbalance, decision.plan)._replace(kept_bytes=decision.kept_bytes)
 
     def state(self) -> tuple:
-        path = self.ctx.path
-        return tuple(path.planned(chunk) for chunk in range(self.ctx.parallel.vp))
+        return (self.ctx.path.warm,)
 
 
 class Unfused(Flexible):

@@ -25,8 +25,9 @@ observed imbalance rate and manually restart") under the same policy with its pl
 highest rate (static-over if that still overruns), the next iteration back on the normal plans.
 
 Speed: whole iterations are memoised by (policy in force, planned imbalance, the iteration's rates, and for a
-decision path that follows the gates the imbalance each chunk's pre-gate plan starts from: what an iteration's
-decisions depend on besides its rates, ``StagePolicy.state``).
+decision path whether it has measured a gate, ``StagePolicy.state``). A later iteration of a decision path depends
+slightly on what came before (its first gates start from the last ones measured); the memo keeps the first such
+result per rate vector.
 """
 
 from __future__ import annotations

@@ -92,7 +92,9 @@ class StageContext:
         self.point_leads = frozenset((group[0].microbatch, group[0].chunk)
                                      for group in points(parallel, stage) if len(group) == 2)
         self._choices = self.timing.memo.table(ChoiceKey)
-        self.own_copies = self.engine.point_relation == 1  # a point's copies are its own micro-batches'
+        # a step's copies are its own micro-batches': at points of relation 1, and without a pipeline or pairing,
+        # where each forward and backward runs alone
+        self.own_copies = self.engine.point_relation == 1 or (parallel.pp == 1 and not parallel.paired)
 
     @property
     def memory(self) -> StageMemory:
