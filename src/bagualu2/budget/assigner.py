@@ -27,10 +27,10 @@ Let ``in_flight`` be the *measured* bytes of the micro-batches whose forward was
   With ``contain_overruns`` (the default) a steady forward does not inherit an overrun: of the bytes a backward
   frees, what its micro-batch kept beyond both its own budget and an even share ``M_max // B_w`` (a warmup overrun
   absorbed, a spike that did not fit) is held back from the next forward, whose budget is then
-  ``M_max - in_flight - excess``. A plan's time is convex in its budget, and Algorithm 1 as printed
-  (``contain_overruns=False``) passes such an uneven split on for the whole iteration: the big micro-batch's bytes
-  go to one successor, whose own then go to the one after that, with the period of ``B_w``. Held back once, the
-  split is even again after one round; without overruns the two rules are the same.
+  ``M_max - in_flight - excess``. A plan's time grows faster the tighter its budget (the cheap savings go first),
+  and Algorithm 1 as printed (``contain_overruns=False``) passes such an uneven split on for the whole iteration:
+  the big micro-batch's bytes go to one successor, whose own then go to the one after that, with the period of
+  ``B_w``. Held back once, the split is even again after one round; without overruns the two rules are the same.
 
 A budget is clamped at 0 when recorded overruns left ``in_flight`` above ``M_max``.
 
