@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -42,25 +43,59 @@ def _write_json(path: Path, data: dict) -> None:
 MARKERS = ("oom-rank*.json", "fault-rank*.json", "refused.json")  # what failing workers leave for the restart
 
 
+REFUSED = "refused.json"
+
+
+def _run_id() -> str:
+    return os.environ.get("TORCHELASTIC_RUN_ID", "")
+
+
+def write_refusal(directory: str | None, message: str) -> None:
+    """A launch refused to start (another run's checkpoints in its directory): torchrun's restarts of it refuse
+    alike, where what they find differs (a restart resumes from what is there). Tagged with torchrun's run id, so
+    that no other job's restart reads it."""
+    if directory is not None:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        _write_json(Path(directory) / REFUSED, {"time": time.time(), "message": message, "run_id": _run_id()})
+
+
+def read_refusal(directory: str | None) -> str | None:
+    """The message of the refused launch this process is a torchrun restart of (same run id), else None."""
+    path = Path(directory) / REFUSED if directory is not None else None
+    if path is None or not path.is_file() or path.is_symlink():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("run_id") != _run_id():
+        return None
+    return str(record.get("message", ""))
+
+
 def state_directory(checkpoint_dir: str | None, metrics_file: str | None) -> str | None:
     """Where the run's restart history lives: ``checkpoint_dir``, else ``metrics_file``'s directory, else, under
-    torchrun with a run id of its own (``--standalone`` draws one; ``--rdzv-id``), ``bagualu2-run-<id>`` in the
-    system's temp directory, so that an out-of-memory restart still knows what ran out (None: one process, a run
-    id of ``none``, or a temp folder that cannot be made)."""
+    torchrun with a run id of its own (``--standalone`` draws one; ``--rdzv-id``) on one node, ``bagualu2-run-<id>``
+    in the system's temp directory (this user's), so that an out-of-memory restart still knows what ran out (None:
+    one process, a run id of ``none``, several nodes, or a temp folder that cannot be made or is not this
+    user's)."""
     if checkpoint_dir:
         return checkpoint_dir
     if metrics_file:
         return os.path.dirname(os.path.abspath(metrics_file))
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    if run_id in ("", "none") or "WORLD_SIZE" not in os.environ:
-        return None
+    run_id = _run_id()
+    world = os.environ.get("WORLD_SIZE")
+    if run_id in ("", "none") or world is None or os.environ.get("LOCAL_WORLD_SIZE", world) != world:
+        return None  # one process, no id of its own, or several nodes (whose temp folders rank 0 cannot read)
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in run_id)[:64]
     folder = os.path.join(tempfile.gettempdir(), f"bagualu2-run-{safe}")
     try:
-        os.makedirs(folder, exist_ok=True)
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        info = os.lstat(folder)
     except OSError:
         return None
-    return folder if os.path.isdir(folder) and not os.path.islink(folder) else None
+    owned = stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid()
+    return folder if owned else None
 
 
 def marker_files(directory: Path) -> list[Path]:
@@ -106,17 +141,6 @@ class RunState:
         self.data["policies"] = [policy] if fresh else policies + [policy] if policies[-1:] != [policy] else policies
         if is_logger:
             self.save()
-
-    def refuse(self, message: str) -> None:
-        """A launch refused to start (a user error found after set-up): its torchrun restarts refuse alike, even
-        where what they would find differs (the logger rank calls this)."""
-        if self.dir is not None:
-            _write_json(self.dir / "refused.json", {"time": time.time(), "message": message})
-
-    def refused(self) -> str | None:
-        """The message of a launch that refused to start, if this is one of its restarts."""
-        record = next(iter(self.markers("refused.json")), None)
-        return str(record.get("message", "")) if record is not None else None
 
     def policy_in_force(self) -> str | None:
         """The policy the last launch ran (None: no history)."""

@@ -23,7 +23,7 @@ from .parallel import build_groups, is_expert_parameter, reduce_gradients
 from .policies import OOM_EXIT_CODE, fallback, fixed_plans
 from .provision import Provisioner
 from .resilience import NONFINITE_EXIT_CODE, Guard
-from .restarts import RunState, state_directory
+from .restarts import RunState, read_refusal, state_directory, write_refusal
 from .routing import record_routing, routing_stats
 from .watchdog import find_cause
 from bagualu2.exec import ActivationOutOfMemoryError
@@ -68,8 +68,12 @@ class Session:
                                             timeout_s=config.collective_timeout_s)
         self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.resume = config.resume or (self.restarts > 0 and bool(config.checkpoint_dir))
-        self.run_state = RunState(state_directory(config.checkpoint_dir, config.metrics_file),
-                                  fresh=self.restarts == 0 and not config.resume, first_launch=self.restarts == 0)
+        state_dir = state_directory(config.checkpoint_dir, config.metrics_file)
+        self._refuse_another_runs_directory(state_dir)  # before this launch touches the directory
+        self.run_state = RunState(state_dir, fresh=self.restarts == 0 and not config.resume,
+                                  first_launch=self.restarts == 0)
+        if self.restarts == 0:  # the history a restart of this launch reads, whatever the directory held
+            self.run_state.launched(config.policy, fresh=not config.resume, is_logger=groups.is_logger)
         self.guard = Guard(timeout_s=config.collective_timeout_s, rank=groups.rank, world_size=groups.world_size,
                            launch=self.restarts, run_state=self.run_state)
         policy = self._policy_in_force(config.policy)
@@ -115,6 +119,28 @@ class Session:
         gc.collect()  # what set-up made (graphs, warmed plans) never needs scanning again: no later GC pauses
         gc.freeze()
         self.start_step = 0
+
+    def _refuse_another_runs_directory(self, state_dir: str | None) -> None:
+        """A launch without ``--resume`` into a checkpoint directory that holds checkpoints is refused (its
+        restart would resume from the newest there, another run's, and retention would delete its own), and so
+        are torchrun's restarts of it (rank 0 reads and tells every rank)."""
+        config, groups = self.config, self.groups
+        message = None
+        if self.restarts > 0:
+            box = [read_refusal(state_dir) if groups.rank == 0 else None]
+            if dist.is_initialized():
+                dist.broadcast_object_list(box, src=0)
+            message = box[0]
+        elif not config.resume and config.checkpoint_dir:
+            earlier = checkpoint.step_dirs(config.checkpoint_dir)
+            if earlier:
+                message = (f"--checkpoint-dir {config.checkpoint_dir} holds the checkpoints of an earlier run "
+                           f"({', '.join(earlier[-2:])}); continue that run with --resume, or give an empty "
+                           "directory")
+                if groups.is_logger:
+                    write_refusal(state_dir, message)
+        if message is not None:
+            self._user_error(message)
 
     def _policy_in_force(self, policy: str) -> str:
         """After a torchrun restart, the policy to run, as rank 0 reads the state (broadcast: every rank runs the
@@ -296,11 +322,8 @@ class Session:
 
     def _user_error(self, message: str) -> None:
         """A user error every rank found alike after set-up: one line from rank 0, exit code 2 (the others wait a
-        moment first, so that torchrun does not stop rank 0 before it reports); torchrun's restarts of this launch
-        refuse with the same line."""
+        moment first, so that torchrun does not stop rank 0 before it reports)."""
         if self.groups.is_logger:
-            if self.restarts == 0:
-                self.run_state.refuse(message)
             sys.stderr.write(f"error: {message}\n")
             sys.stderr.flush()
         else:
@@ -309,18 +332,6 @@ class Session:
 
     def train(self) -> dict:
         config, groups = self.config, self.groups
-        if self.restarts > 0:  # a restart of a launch that refused to start refuses alike
-            box = [self.run_state.refused() if groups.rank == 0 else None]
-            if dist.is_initialized():
-                dist.broadcast_object_list(box, src=0)
-            if box[0] is not None:
-                self._user_error(box[0])
-        if self.restarts == 0 and not config.resume and config.checkpoint_dir:
-            earlier = checkpoint.step_dirs(config.checkpoint_dir)
-            if earlier:  # a new run would mix its checkpoints with another's and resume from the newest after a fault
-                self._user_error(f"--checkpoint-dir {config.checkpoint_dir} holds the checkpoints of an earlier run "
-                                 f"({', '.join(earlier[-2:])}); continue that run with --resume, or give an empty "
-                                 "directory")
         if self.resume:
             try:
                 self._resume()
@@ -329,8 +340,6 @@ class Session:
             if self.start_step > config.steps:  # every rank loaded the same checkpoint
                 self._user_error(f"--steps {config.steps} is below step {self.start_step} of the checkpoint --resume "
                                  "loads; --steps is the total, counting the steps already done")
-        if self.restarts == 0:
-            self.run_state.launched(config.policy, fresh=not config.resume, is_logger=groups.is_logger)
         incident = None
         stopped = self.run_state.data.get("stopped")
         if self.restarts > 0 and stopped:  # torchrun restarted a run that stopped on purpose: do not go on

@@ -19,7 +19,7 @@ from reference_trainer.checkpoint import find_latest, save
 from reference_trainer.data import TokenCorpus, load_tokenizer
 from reference_trainer.loop import check_state_dir
 from reference_trainer.recipes import recipe
-from reference_trainer.restarts import STATE, RunState, state_directory
+from reference_trainer.restarts import STATE, RunState, read_refusal, state_directory, write_refusal
 
 
 def test_a_pipe_or_a_device_as_data_is_refused_without_reading_it(tmp_path):
@@ -97,6 +97,7 @@ def test_the_restart_history_lives_where_a_restart_finds_it(tmp_path, monkeypatc
     assert state_directory(None, str(tmp_path / "m" / "x.jsonl")) == str(tmp_path / "m")
     assert state_directory(None, None) is None  # one process: nothing restarts it
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's default id is no run's own
     assert state_directory(None, None) is None
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "3f2a/../x y")  # --standalone draws a uuid; any id stays one name
@@ -105,9 +106,15 @@ def test_the_restart_history_lives_where_a_restart_finds_it(tmp_path, monkeypatc
     (tmp_path / "tmp" / "bagualu2-run-3f2a_.._x_y").rmdir()
     (tmp_path / "tmp" / "bagualu2-run-3f2a_.._x_y").write_text("")  # a file of that name: nothing is kept
     assert state_directory(None, None) is None
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "other")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # two nodes: rank 0 could not read the other node's markers
+    assert state_directory(None, None) is None
 
 
 def test_a_resumed_launch_clears_a_stop_and_a_fallback_stays_in_force(tmp_path):
+    (tmp_path / STATE).write_text(json.dumps({"policies": ["static-under", "static-over"]}))  # an earlier run's
+    RunState(str(tmp_path), fresh=True, first_launch=True).launched("flexible", fresh=True, is_logger=True)
+    assert RunState(str(tmp_path), fresh=False).policy_in_force() == "flexible"  # a restart reads this run's
     first = RunState(str(tmp_path), fresh=True, first_launch=True)
     first.launched("static-under", fresh=True, is_logger=True)
     first.record_stop(step=2, message="nan", is_logger=True)
@@ -122,12 +129,18 @@ def test_a_resumed_launch_clears_a_stop_and_a_fallback_stays_in_force(tmp_path):
     assert again.data["policies"] == ["static-under", "static-over"]
 
 
-def test_a_refused_launch_is_refused_by_its_restarts_only(tmp_path):
-    state = RunState(str(tmp_path), fresh=True, first_launch=True)
+def test_a_refused_launch_is_refused_by_its_restarts_only(tmp_path, monkeypatch):
+    """The refusal carries torchrun's run id: a restart of that launch reads it, another job's never does, and a
+    new launch into the directory removes it."""
     message = "--checkpoint-dir x holds the checkpoints of an earlier run"
-    state.refuse(message)
-    assert RunState(str(tmp_path), fresh=False).refused() == message
-    assert RunState(str(tmp_path), fresh=True, first_launch=True).refused() is None  # a new launch starts over
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-b")
+    write_refusal(str(tmp_path), message)
+    assert read_refusal(str(tmp_path)) == message
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")  # a run still going in that directory
+    assert read_refusal(str(tmp_path)) is None
+    RunState(str(tmp_path), fresh=True, first_launch=True)  # a new launch starts over
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-b")
+    assert read_refusal(str(tmp_path)) is None and read_refusal(None) is None
 
 
 @pytest.mark.launch

@@ -92,7 +92,10 @@ def train(
     max_restarts: Annotated[int, typer.Option("--max-restarts", parser=integer_option(minimum=0, maximum=1000),
                                               help="torchrun's restarts of the job after a failure (an out-of-memory "
                                               "error of a fixed policy, a stalled or killed rank): each resumes "
-                                              "from the last complete checkpoint (--checkpoint-dir).")] = 0,
+                                              "from the last complete checkpoint with the trainer's "
+                                              "--checkpoint-dir, else from step 0; on several nodes a fixed "
+                                              "policy's fallback needs --checkpoint-dir or --metrics-file on a "
+                                              "shared file system.")] = 0,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the torchrun command instead of running it.")]
     = False,
     as_json: Annotated[bool, typer.Option("--json", help="With --dry-run: {\"command\": [...]}; else passed to "

@@ -143,27 +143,27 @@ def _mean_routed_tokens(recorder: TraceRecorder) -> int:
 def _with_routed_counts(recorder: TraceRecorder, graph: OpGraph) -> OpGraph:
     """``graph`` with the routed copies each MoE layer's experts received in the trace (the gate's reports; none
     without a gate): a routed tensor of a layer with no report, or not one row per reported copy, is not routed
-    (it keeps its traced size). A layer whose gate reported copies that none of its routed tensors holds a row
-    for is a ``ValueError``: the gate counts something else, and the graph could not follow the imbalance."""
+    (it keeps its traced size: experts padded to a capacity hold as many rows whatever the routing). A layer whose
+    gate reported more copies than any of its routed tensors has elements is a ``ValueError``: the gate counts
+    something else, and the graph could not follow the imbalance."""
     mean = _mean_routed_tokens(recorder)
     if not recorder.received or not mean:
         return graph
     tensors = dict(graph.tensors)
-    fitting: dict[int, int] = {}  # MoE layer -> its routed tensors with a row per reported copy
+    largest: dict[int, int] = {}  # MoE layer -> the most elements one of its routed tensors has
     for name, spec in graph.tensors.items():
         if spec.routed:
             layer = graph.tensor_layers[name]
+            largest[layer] = max(largest.get(layer, 0), spec.numel)
             received = recorder.received.get(layer)
-            fits = received is not None and not (received and spec.numel % received)
-            fitting[layer] = fitting.get(layer, 0) + fits
-            if not fits:
+            if received is None or (received and spec.numel % received):
                 tensors[name] = spec._replace(routed=False)
-    for layer, count in sorted(fitting.items()):
+    for layer, numel in sorted(largest.items()):
         received = recorder.received.get(layer)
-        if received and not count:
+        if received and received > numel:
             raise ValueError(f"gate: MoE layer {layer}'s report says its experts received {received} routed token "
-                             "copies, but no tensor its experts keep has a row per copy (a multiple of that many "
-                             "elements); the gate must report the token copies this rank's experts received")
+                             f"copies, more than the {numel} elements of the largest tensor they keep; the gate "
+                             "must report the token copies this rank's experts received")
     return dataclasses.replace(graph, tensors=tensors, mean_routed_tokens=mean,
                                layer_routed_tokens=dict(recorder.received))
 
