@@ -40,10 +40,8 @@ def _write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-MARKERS = ("oom-rank*.json", "fault-rank*.json", "refused.json")  # what failing workers leave for the restart
-
-
 REFUSED = "refused.json"
+MARKERS = ("oom-rank*.json", "fault-rank*.json", REFUSED)  # what failing workers leave for the restart
 
 
 def _run_id() -> str:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import time
 import traceback
@@ -23,22 +22,19 @@ from typing import Any, NoReturn, Sequence
 from . import startup
 from .policies import POLICIES
 from .recipes import NONFINITE, RECIPES, SCHEDULES, TrainConfig, parse_bytes, recipe
+from bagualu2.costmodel.validate import parse_float, parse_int
 
 CHOICES = {"--schedule": SCHEDULES, "--policy": POLICIES, "--on-nonfinite": NONFINITE}
 
 
 def integer(text: str) -> int:
-    """An integer flag: decimal digits with an optional sign (``int`` would take ``1_0`` and non-ASCII digits)."""
-    if not re.fullmatch(r"[+-]?[0-9]{1,4000}", text.strip()):
-        raise ValueError(text)
-    return int(text)
+    """An integer flag (argparse names the type by this function): decimal digits with an optional sign."""
+    return parse_int(text)
 
 
 def number(text: str) -> float:
     """A number flag: ``float`` without Python's digit separators (``1_0``) and non-ASCII digits."""
-    if "_" in text or not text.isascii():
-        raise ValueError(text)
-    return float(text)
+    return parse_float(text)
 
 
 FLAGS = {  # flag -> (TrainConfig field, type)

@@ -14,7 +14,6 @@ import functools
 import json
 import math
 import os
-import re
 import stat
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from bagualu2.costmodel import Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, presets, stage_memory
 from bagualu2.costmodel.build import check_imbalance
+from bagualu2.costmodel.validate import parse_float, parse_int, require_int
 
 from .files import atomic_write_bytes, atomic_write_text, check_output_path  # noqa: F401 (re-exported)
 
@@ -174,14 +174,6 @@ def check_rate(value: float, parallel: ParallelConfig | None, option: str = "--i
         raise CliError(f"must be a finite number {allowed}, got {value!r}", option) from None
 
 
-def parse_float(text: str) -> float:
-    """``float(text)``, but ``ValueError`` for Python's digit separators (``1_0``, ten, is no number on a command
-    line) and non-ASCII digits."""
-    if "_" in text or not text.isascii():
-        raise ValueError(f"not a number: {text!r}")
-    return float(text)
-
-
 def number_option(text) -> float:
     """typer's parser of the float options (``typer.Option(parser=number_option)``): :func:`parse_float`, one
     ``BadParameter`` line otherwise (the option's default comes in as a float)."""
@@ -199,18 +191,14 @@ def integer_option(*, minimum: int | None = None, maximum: int | None = None) ->
     non-ASCII digits are no integers on a command line). typer ignores ``min``/``max`` beside a parser, so the bounds
     are checked here."""
     def parse(text: Any) -> int:
-        if isinstance(text, int) and not isinstance(text, bool):  # the option's default
-            value = text
-        else:
-            digits = str(text).strip()
-            if not re.fullmatch(r"[+-]?[0-9]{1,4000}", digits):
-                raise typer.BadParameter(f"must be an integer, got {text!r}")
-            value = int(digits)
-        if minimum is not None and value < minimum or maximum is not None and value > maximum:
-            bounds = (f"in [{minimum}, {maximum}]" if minimum is not None and maximum is not None
-                      else f">= {minimum}" if minimum is not None else f"<= {maximum}")
-            raise typer.BadParameter(f"must be an integer {bounds}, got {value}")
-        return value
+        try:
+            value = text if isinstance(text, int) else parse_int(str(text))  # an int: the option's default
+        except ValueError:
+            raise typer.BadParameter(f"must be an integer, got {text!r}") from None
+        try:
+            return require_int("", value, minimum, maximum, high_open=False)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc).lstrip()) from None
 
     return parse
 

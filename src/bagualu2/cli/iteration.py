@@ -7,10 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bagualu2.costmodel import Hardware, ModelConfig, ParallelConfig, build_graph, stage_memory
-from bagualu2.costmodel.validate import require_int
+from bagualu2.costmodel.validate import parse_float, parse_int, require_int
 from bagualu2.runtime import DOWNGRADES, spike_trace
 
-from .common import CliError, blame, check_graph, check_index, check_rate, load_hardware, load_model, parse_float
+from .common import CliError, blame, check_graph, check_index, check_rate, load_hardware, load_model
 
 DEFAULT_MODEL = "glm-1041b-a35b"
 DEFAULT_HARDWARE = "paper-gpu"
@@ -49,9 +49,7 @@ def parse_spikes(values: list[str], parallel: ParallelConfig) -> dict[int, float
     for text in values:
         at, sep, rate = text.partition("=")
         try:
-            if "_" in at:  # digit separators: see parse_float
-                raise ValueError(at)
-            index, value = int(at), parse_float(rate)
+            index, value = parse_int(at), parse_float(rate)
         except ValueError:
             raise CliError(f"must be AT=R with AT a micro-batch in [0, {count}) and R an imbalance in "
                            f"[1, {parallel.ep}], got {text!r}", "--spike") from None

@@ -1,7 +1,8 @@
 """The one validation helper of the project: integers and finite numbers with a range, one-line ``ValueError``s
 naming the field and what is allowed. ``bool`` is never a number here; numpy scalars are accepted and returned as
-plain Python values. :func:`probe_folder`: can a folder take new files (made first if missing);
-:func:`refuse_non_file`: a path that exists is a regular file (never replace anything else)."""
+plain Python values. :func:`parse_int` / :func:`parse_float`: a number written on a command line;
+:func:`probe_folder`: can a folder take new files (made first if missing); :func:`refuse_non_file`: a path that
+exists is a regular file (never replace anything else)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import errno
 import math
 import numbers
 import os
+import re
 import stat
 import tempfile
 from typing import Any
@@ -35,6 +37,23 @@ def require_int(name: str, value: Any, low: int | None = None, high: int | None 
     if (low is not None and value < low) or (high is not None and (value >= high if high_open else value > high)):
         raise ValueError(f"{name} must be an integer{_range_text(low, high, False, high_open)}, got {value!r}")
     return value
+
+
+def parse_int(text: str) -> int:
+    """``int(text)`` for decimal digits with an optional sign only; ``ValueError`` for what ``int`` would also read
+    (``1_0``, non-ASCII digits) and everything else."""
+    digits = text.strip()
+    if not re.fullmatch(r"[+-]?[0-9]{1,4000}", digits):
+        raise ValueError(f"not an integer: {text!r}")
+    return int(digits)
+
+
+def parse_float(text: str) -> float:
+    """``float(text)``, but ``ValueError`` for Python's digit separators (``1_0``, ten, is no number on a command
+    line) and non-ASCII digits."""
+    if "_" in text or not text.isascii():
+        raise ValueError(f"not a number: {text!r}")
+    return float(text)
 
 
 def require_number(name: str, value: Any, low: float | None = None, high: float | None = None, *,
