@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import importlib
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -142,6 +143,59 @@ def test_a_model_under_transformers_activation_checkpointing_is_refused():
     model.activation_checkpointing_enable()
     with pytest.raises(ValueError, match="activation checkpointing is on"):
         inner.trace_graph(input_ids=ids, hardware=HW, loss=lambda out: out.logits.sum())
+
+
+def test_remove_puts_the_model_back_and_a_refused_instrument_changes_nothing():
+    model, ids = tiny("qwen3_moe")
+    experts = model.model.layers[0].mlp.experts
+
+    def state():
+        return (model.config.use_cache, model.config._experts_implementation,
+                [name for name, _ in experts.named_children()], sorted(vars(experts)))
+
+    before = state()
+    with torch.no_grad():
+        plain = model(input_ids=ids)
+    assert type(plain.past_key_values).__name__ == "DynamicCache"
+    with pytest.raises(ValueError, match="Qwen3MoeSparseMoeBlock has no routed-experts module"):
+        hf.instrument(model.model.layers[0].mlp)  # refused after the experts implementation was installed
+    assert state() == before
+    instrumented = hf.instrument(model)
+    assert state() != before  # the cache off, the experts split
+    instrumented.remove()
+    assert state() == before
+    with torch.no_grad():
+        again = model(input_ids=ids)
+    assert torch.equal(again.logits, plain.logits) and type(again.past_key_values) is type(plain.past_key_values)
+    hf.instrument(model).remove()  # instrumented again after remove
+    assert state() == before
+
+
+def test_a_batch_that_saves_what_the_trace_did_not_warns():
+    """A padded attention mask on a model traced without one takes another attention path, saving tensors no plan
+    names: they are kept beyond the plan's bytes, and the micro-batch says so."""
+    from bagualu2.exec import UntracedSavingsWarning
+
+    model, ids = tiny("mixtral")
+    instrumented = hf.instrument(model)
+    graph = instrumented.trace_graph(input_ids=ids, labels=ids, hardware=HW, loss=lambda out: out.loss)
+    plan = greedy.solve(graph, graph.floor_bytes).plan
+    executor = apply_plan(instrumented, plan, verify=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with executor.micro_batch("traced") as record:  # as traced: nothing unnamed, no warning
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        executor.release("traced")
+    assert record.device_bytes == evaluate(graph, plan).activation_bytes
+    mask = torch.ones_like(ids)
+    mask[-1, :2] = 0
+    with pytest.warns(UntracedSavingsWarning, match="keeps savings its traced forward did not make .L0.core_attn [0-9,]+ B"):
+        with executor.micro_batch("padded") as record:
+            loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+    loss.backward()
+    executor.release("padded")
+    assert record.unknown_bytes > 0
 
 
 def test_a_batch_routed_otherwise_than_the_traced_one_keeps_the_predicted_bytes():

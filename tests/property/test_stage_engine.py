@@ -135,6 +135,31 @@ def test_the_memo_is_bounded_and_a_memo_that_is_off_stores_nothing():
         engine.check_chunk(parallel.vp)
 
 
+
+@settings(max_examples=scaled(6), deadline=None)
+@given(name=st.sampled_from(PRESETS[:3]), stage=st.integers(0, 7), seed=st.integers(0, 10_000))
+def test_graphs_are_bounded_and_a_dropped_graph_decides_as_the_kept_one(name, stage, seed):
+    """Continuous rates (a trainer's measured trace) meet a new graph each; an engine keeps the balanced graphs and
+    at most ``max_graphs`` others, and decides the same as one that keeps them all."""
+    model, parallel, hardware = _setup(name, 8, 0.8)
+    stage %= parallel.pp
+    try:
+        small = Stage(model, parallel, hardware, stage=stage, max_graphs=2)
+    except ValueError:
+        return
+    large = Stage(model, parallel, hardware, stage=stage, max_graphs=10_000)
+    traces = [spike_trace(parallel.num_microbatches, spike_rate=0.3, base_imbalance=1.1, base_jitter=0.1,
+                          seed=seed + i) for i in range(3)]
+    decided = []
+    for engine in (small, large):
+        path = DecisionPath.on(engine)
+        decided.append([[dataclasses.astuple(d) for d in replay_iteration(model, parallel, hardware, t,
+                                                                          path=path).decisions] for t in traces])
+    assert decided[0] == decided[1]
+    assert len(small._graphs) <= parallel.vp + 2 < len(large._graphs)  # the small engine dropped graphs
+    with pytest.raises(ValueError, match="max_graphs"):
+        Stage(model, parallel, hardware, max_graphs=0)
+
 class _Kept:
     def __init__(self, kept_bytes):
         self.kept_bytes = kept_bytes

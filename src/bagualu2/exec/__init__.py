@@ -6,7 +6,7 @@ deferred MoE downgrade after the gate; FLOP counting in the cost model's convent
 :class:`~bagualu2.costmodel.OpGraph`)."""
 
 from .apply import MicroBatchRecord, PlanExecutor, apply_plan
-from .instrument import InstrumentedModel, instrument
+from .instrument import InstrumentedModel, UntracedSavingsWarning, instrument
 from .trace import TraceResult
 from .ops import OP_SCOPE, GateReport, after_gate, on_backward, op_scope, overlap_point, routed, run_op
 from .deferred import DeferredPlanner
@@ -26,7 +26,7 @@ def __getattr__(name: str):
 
 
 __all__ = ["ActivationOutOfMemoryError", "ActivationTracker", "CopyEngine", "DeferredPlanner", "DualBatchExecutor",
-           "HostPool", "InstrumentedModel", "PointAborted", "TraceResult", "instrument",
+           "HostPool", "InstrumentedModel", "PointAborted", "TraceResult", "UntracedSavingsWarning", "instrument",
            "MicroBatchRecord", "OP_SCOPE", "PlanExecutor", "after_gate", "apply_plan",
            "flop_counter", "GateReport", "on_backward", "op_scope", "overlap_point", "quantize_fp8", "routed", "run_op",
            "storage_bytes"]

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import re
+import warnings
 import weakref
 from typing import Any, Callable, Iterator, Mapping
 
@@ -134,6 +135,11 @@ def check_device(model: torch.nn.Module) -> None:
 _HOOKED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
+class UntracedSavingsWarning(UserWarning):
+    """A micro-batch of a traced model saved tensors its traced forward did not: they are kept, unplanned, beyond
+    the plan's bytes."""
+
+
 class InstrumentedModel:
     """A model with op-map hooks (see the module docstring). Call it like the model; :meth:`trace_graph` makes
     its :class:`OpGraph`; :func:`~bagualu2.exec.apply_plan` runs plans on it; :meth:`remove` takes the hooks
@@ -150,6 +156,7 @@ class InstrumentedModel:
         self.traced_training: list[bool] = []  # the mode modules' training flags in the traced forward
         self._mode_modules: list[tuple[str, torch.nn.Module]] = []  # mapped modules and dropout modules
         self.removed = False
+        self._restores: list[Callable[[], None]] = []  # what remove() undoes besides the hooks (on_remove)
         modules = dict(model.named_modules())
         self._hooked = [modules[path] for path in self.bindings]
         # the layers transformers' activation checkpointing switches (those with the attribute), found once: every
@@ -177,7 +184,8 @@ class InstrumentedModel:
         return self.trace.graph
 
     def remove(self) -> None:
-        """Take the hooks off the model (it runs as before instrumenting)."""
+        """Take the hooks off the model and undo what :meth:`on_remove` was given (it runs as before
+        instrumenting)."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -185,6 +193,17 @@ class InstrumentedModel:
             self.removed = True
             for module in self._hooked:
                 _HOOKED.discard(module)
+            while self._restores:
+                self._restores.pop()()
+
+    def on_remove(self, restore: Callable[[], None]) -> None:
+        """Call ``restore()`` when :meth:`remove` takes the hooks off: what an integration changed on the model to
+        instrument it is undone with them (the latest given first)."""
+        if not callable(restore):
+            raise ValueError(f"restore must be a callable, got {type(restore).__name__}")
+        if self.removed:
+            raise ValueError("the instrumented model's hooks were removed already")
+        self._restores.append(restore)
 
     # ---- tracing --------------------------------------------------------------------------------------------
     @property
@@ -274,6 +293,13 @@ class InstrumentedModel:
             raise ValueError(f"micro-batch {record.name!r}: {len(misses)} of {record.slot_fixed} savings have other "
                              f"sizes than traced (e.g. {name}: {now} bytes, traced {traced}): the input's shape "
                              "changed since trace_graph; trace at the shape the model runs and make a new executor")
+        untraced = {op: nbytes for op, nbytes in record.unknown_ops.items() if op is not None}
+        if untraced:  # savings of an op that met none of its traced slots
+            ops = ", ".join(f"{op} {nbytes:,} B" for op, nbytes in list(untraced.items())[:3])
+            warnings.warn(f"micro-batch {record.name!r} keeps savings its traced forward did not make ({ops}): it "
+                          "took another path through the model than the traced batch (an attention mask of another "
+                          "layout, a data-dependent branch, a cache the traced call built) and keeps other bytes "
+                          "than its plan's; trace with a batch like the ones it trains on, after a first call", UntracedSavingsWarning, stacklevel=2)
 
     def _activation_dtype(self) -> str:
         counts: dict[torch.dtype, int] = {}

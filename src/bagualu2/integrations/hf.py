@@ -17,7 +17,8 @@
 * :func:`instrument` runs the routed experts through the ``"bagualu2"`` experts implementation
   (:mod:`.hf_experts`), so that the experts' fc1, activation and fc2 are ops of their own; turns the KV cache off
   for training, as transformers' own activation checkpointing does (a re-run attention would update it a second
-  time); and reports every router's routed token copies to the gate.
+  time); and reports every router's routed token copies to the gate. ``remove()`` on what it returns undoes all
+  of it (and a refused model is left as it was).
 
 A model is supported when its routed experts are a module transformers' experts implementations run (its class
 decorated with ``use_experts_implementation``): the families in :data:`SUPPORTED_FAMILIES` and others built
@@ -219,19 +220,47 @@ def instrument(model: torch.nn.Module, *, gate: bool = True) -> InstrumentedMode
                          "nothing a plan could act on; call activation_checkpointing_disable() first (plans "
                          "recompute per tensor)")
     check_instrumentable(model)  # before anything on the model changes
-    install(model)
+    restores = [install(model)]
+    try:
+        instrumented = _instrument(model, gate, restores)
+    except BaseException:
+        _undo(restores)  # a refused model is left as it was
+        raise
+    instrumented.on_remove(lambda: _undo(restores))
+    return instrumented
+
+
+def _instrument(model: torch.nn.Module, gate: bool, restores: list) -> InstrumentedModel:
+    """:func:`instrument` once the experts implementation is installed; every change to the model goes on
+    ``restores`` (what undoes it)."""
     labels: Mapping[str, str] = op_map(model)
     for config in _configs(model):
+        restores.append(lambda config=config, then=config.use_cache: setattr(config, "use_cache", then))
         config.use_cache = False  # as transformers' activation checkpointing does: a re-run must not update it
     if not gate:
         for path, label in labels.items():
             if label == "dispatch":
-                setattr(model.get_submodule(path), GATE_ATTRIBUTE, False)
+                _flag(model.get_submodule(path), False, restores)
         return instrument_ops(model, labels)
     experts_of = _routers(model, labels)
     for experts in experts_of.values():
         if experts is not None:
-            setattr(experts, GATE_ATTRIBUTE, True)  # its count assumes each rank routes its own batch
+            _flag(experts, True, restores)  # its count assumes each rank routes its own batch
     return instrument_ops(model, labels,
                           gate=lambda router, inputs, output: _gate_report(router, inputs, output,
                                                                            experts_of.get(router)))
+
+
+def _flag(module: torch.nn.Module, value: bool, restores: list) -> None:
+    """Set the gate flag of an experts module (``restores`` gets what undoes it)."""
+    if GATE_ATTRIBUTE in vars(module):
+        restores.append(lambda then=vars(module)[GATE_ATTRIBUTE]: setattr(module, GATE_ATTRIBUTE, then))
+    else:
+        restores.append(lambda: delattr(module, GATE_ATTRIBUTE) if GATE_ATTRIBUTE in vars(module) else None)
+    setattr(module, GATE_ATTRIBUTE, value)
+
+
+def _undo(restores: list) -> None:
+    """Undo the changes in ``restores``, the latest first."""
+    while restores:
+        restores.pop()()

@@ -11,6 +11,8 @@ so the exec layer's hooks see them as ops and plan their saved tensors one by on
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 
 from bagualu2.exec import routed
@@ -134,18 +136,39 @@ def _unsort(weighted: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
         return weighted[inverse]
 
 
-def install(model: torch.nn.Module) -> list[str]:
+def install(model: torch.nn.Module) -> Callable[[], None]:
     """Register the ``"bagualu2"`` experts implementation, give every experts module of ``model`` its three parts
-    and select the implementation; returns the experts modules' paths."""
+    and select the implementation; returns what undoes it on the model (the parts taken off, the implementation
+    each config had selected again)."""
     from transformers.integrations.moe import ExpertsInterface
 
     ExpertsInterface.register(NAME, experts_forward)
-    paths = []
-    for path, module in model.named_modules():
+    added: list[tuple[torch.nn.Module, str]] = []
+    selected: dict[int, tuple[Any, Any]] = {}  # id(config) -> (config, the implementation it had)
+    for module in model.modules():
         if is_experts(module):
             for name, part in zip(PARTS, (ExpertsFC1, ExpertsAct, ExpertsFC2)):
                 if not isinstance(getattr(module, name, None), part):
                     module.add_module(name, part(module))
-            module.config._experts_implementation = NAME
-            paths.append(path)
-    return paths
+                    added.append((module, name))
+            for config in _with_sub_configs(module.config):
+                selected.setdefault(id(config), (config, getattr(config, "_experts_implementation", None)))
+            module.config._experts_implementation = NAME  # transformers sets it on the sub-configs too
+
+    def undo() -> None:
+        for module, name in reversed(added):
+            delattr(module, name)
+        for config, implementation in selected.values():  # a config before its sub-configs
+            config._experts_implementation = implementation
+
+    return undo
+
+
+def _with_sub_configs(config) -> list:
+    """``config`` and, after it, its sub-configs (transformers' ``sub_configs``), recursively."""
+    found = [config]
+    for key in getattr(config, "sub_configs", None) or ():
+        sub = getattr(config, key, None)
+        if sub is not None and hasattr(sub, "to_dict"):
+            found.extend(_with_sub_configs(sub))
+    return found

@@ -5,7 +5,9 @@ A :class:`Stage` owns
 * the stage's **memory** (``StageMemory``: ``M_max``, ``M0``, the in-flight count) and its **steps**: the
   (interleaved) 1F1B schedule's forwards and backwards in order, each a :class:`Step`;
 * its **graphs** per (chunk, imbalance): built once and shared by every user of the stage (the graph of an
-  imbalance reuses the balanced graph's decisions for tensors that do not scale with it);
+  imbalance reuses the balanced graph's decisions for tensors that do not scale with it); the balanced graphs are
+  kept, the others up to ``max_graphs``, least recently used dropped first (a trace of continuous rates would
+  otherwise keep one graph per rate seen);
 * the **chunk aliases**: virtual chunks whose graphs are the same up to layer numbering decide alike, so they share
   one canonical chunk's results and only the names in their plans move;
 * **one bounded memo** (:class:`Memo`) of pure results under typed keys: plan costs (``costmodel.evaluate``, the
@@ -20,6 +22,7 @@ A :class:`Stage` owns
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from typing import Hashable, NamedTuple
 
 from ..budget import BudgetPhase
@@ -34,6 +37,7 @@ from ..mitigation.space import share_decisions
 from .keys import chunk_aliases
 
 MAX_ENTRIES = 4096  # default bound of each key kind in the memo
+MAX_GRAPHS = 256  # default bound of an engine's graphs at imbalances other than 1 (~150 KB each at paper scale)
 
 
 class Step(NamedTuple):
@@ -109,6 +113,38 @@ class _Bounded(dict):
         dict.__setitem__(self, key, value)
 
 
+class _Graphs:
+    """An engine's graphs by (chunk, imbalance): those at imbalance 1 always kept, the others at most ``limit``,
+    the least recently used dropped first. A graph is a pure function of its key, so a dropped one is built again
+    (equal) when next asked for; the memo's results are keyed by (chunk, imbalance), never by a graph."""
+
+    __slots__ = ("limit", "_balanced", "_recent")
+
+    def __init__(self, limit: int):
+        self.limit = require_int("max_graphs", limit, 1)
+        self._balanced: dict[tuple[int, float], OpGraph] = {}
+        self._recent: OrderedDict[tuple[int, float], OpGraph] = OrderedDict()
+
+    def get(self, key: tuple[int, float]) -> OpGraph | None:
+        found = self._balanced.get(key)
+        if found is None:
+            found = self._recent.get(key)
+            if found is not None:
+                self._recent.move_to_end(key)
+        return found
+
+    def put(self, key: tuple[int, float], graph: OpGraph) -> None:
+        if key[1] == 1.0:
+            self._balanced[key] = graph
+            return
+        self._recent[key] = graph
+        if len(self._recent) > self.limit:
+            self._recent.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._balanced) + len(self._recent)
+
+
 class _Forgetful(dict):
     __slots__ = ()
 
@@ -157,7 +193,8 @@ class TracedStage(_Engine):
     resized (``costmodel.rescale.at_imbalance``); costs and decisions memoised as :class:`Stage` does. It has no
     schedule: what it serves is the decision after the gate (``exec.DeferredPlanner.for_graph``)."""
 
-    def __init__(self, graph: OpGraph, *, cache: bool = True, max_entries: int = MAX_ENTRIES):
+    def __init__(self, graph: OpGraph, *, cache: bool = True, max_entries: int = MAX_ENTRIES,
+                 max_graphs: int = MAX_GRAPHS):
         if not isinstance(graph, OpGraph):
             raise ValueError(f"graph must be an OpGraph (a traced graph), got {type(graph).__name__}")
         if not graph.mean_routed_tokens:
@@ -166,16 +203,17 @@ class TracedStage(_Engine):
                              "layer's router once, every layer sending the same number of copies")
         self.traced, self.hardware = graph, graph.hardware
         self.memo = Memo(enabled=cache, max_entries=max_entries)
-        self._graphs: dict[float, OpGraph] = {}
+        self._graphs = _Graphs(max_graphs)
         self._costs = self.memo.table(CostKey)
         self.graph(0, 1.0)  # a graph that cannot be rescaled (a layer that received nothing) is refused here
 
     def graph(self, chunk: int, imbalance: float) -> OpGraph:
         """The traced graph with every MoE layer at ``imbalance`` (built once per imbalance)."""
         self.check_chunk(chunk)
-        found = self._graphs.get(imbalance)
+        found = self._graphs.get((0, imbalance))
         if found is None:
-            found = self._graphs[imbalance] = at_imbalance(self.traced, imbalance)
+            found = at_imbalance(self.traced, imbalance)
+            self._graphs.put((0, imbalance), found)
         return found
 
     def check_chunk(self, chunk) -> tuple[int, int]:
@@ -193,13 +231,15 @@ class Stage(_Engine):
 
       cache         the memo on (default) or off (every result recomputed; for checks).
       max_entries   the most entries of one key type the memo holds.
+      max_graphs    the most graphs at imbalances other than 1 the engine keeps (least recently used dropped).
       m_max_bytes   the stage's activation capacity when a cap sets it (a trainer's ``--memory-cap``) instead of
                     what the profile's memory leaves (default); the decision paths over the engine anchor their
                     budget grid at it.
     """
 
     def __init__(self, model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, *, stage: int = 0,
-                 cache: bool = True, max_entries: int = MAX_ENTRIES, m_max_bytes: int | None = None):
+                 cache: bool = True, max_entries: int = MAX_ENTRIES, max_graphs: int = MAX_GRAPHS,
+                 m_max_bytes: int | None = None):
         check_compatible(model, parallel)
         check_hardware(hardware)
         self.model, self.parallel, self.hardware = model, parallel, hardware
@@ -208,7 +248,7 @@ class Stage(_Engine):
         if not isinstance(cache, bool):
             raise ValueError(f"cache must be True or False, got {cache!r}")
         self.memo = Memo(enabled=cache, max_entries=max_entries)
-        self._graphs: dict[tuple[int, float], OpGraph] = {}
+        self._graphs = _Graphs(max_graphs)
         self.memory: StageMemory = stage_memory(model, parallel, hardware, stage=self.stage)
         if m_max_bytes is not None:
             self.memory = dataclasses.replace(self.memory, m_max_bytes=require_int("m_max_bytes", m_max_bytes, 1))
@@ -247,11 +287,12 @@ class Stage(_Engine):
         key = (chunk, imbalance)
         found = self._graphs.get(key)
         if found is None:
-            found = self._graphs[key] = build_graph(self.model, self.parallel, self.hardware, imbalance=imbalance,
-                                                    stage=self.stage, chunk=chunk)
+            found = build_graph(self.model, self.parallel, self.hardware, imbalance=imbalance, stage=self.stage,
+                                chunk=chunk)
             balanced = self._graphs.get((chunk, 1.0))
             if balanced is not None:  # the decisions of tensors that do not scale with the imbalance, reused
                 share_decisions(found, balanced)
+            self._graphs.put(key, found)
         return found
 
     def order(self, chains: Chains, *, share: float = 0.0) -> Order:

@@ -39,7 +39,7 @@ class ChoiceKey(NamedTuple):
     share: float
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=32)
 def shared_engine(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, stage: int,
                   downgrade: str, hidden_copies: bool = True) -> Stage:
     """One memoised :class:`~bagualu2.runtime.Stage` per (model, layout, profile, stage, gate) for every simulation
