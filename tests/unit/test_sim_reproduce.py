@@ -108,7 +108,9 @@ def test_reproduce_reports_every_figure():
     for heading in ("## Fig. 8", "## §II-B", "## Fig. 9", "## Fig. 10", "(a) sparsity", "(b) sequence length", "## Fig. 11",
                     "## The baselines' overlap: a range", "## Runtime decision overhead", "## Where ours differ"):
         assert heading in text
-    assert f"--iterations {SMALL['iterations']} --seed {SMALL['seed']}" in text
+    # the command that makes this report, its non-default options included; one scale is not "the scales"
+    assert f"`bagualu2 reproduce --iterations {SMALL['iterations']} --seed {SMALL['seed']} --model {MODEL}`" in text
+    assert "across one Table II scale" in text and "across the Table II scales" not in text
     focus = report.focus
     assert focus.results["flexible"].oom_events == 0
     assert focus.mfu("flexible") >= max(focus.mfu(p) for p in ("kwai", "adapipe", "static-under", "static-over"))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from typing import Annotated, Optional
 
 import typer
@@ -51,4 +53,7 @@ def _root(
 
 def main() -> None:
     """Console-script entry point (``bagualu2``)."""
+    for stream in (sys.stdout, sys.stderr):  # a character the stream's encoding lacks (µ under ASCII) is escaped
+        with contextlib.suppress(AttributeError, ValueError):
+            stream.reconfigure(errors="backslashreplace")
     app()

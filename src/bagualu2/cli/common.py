@@ -124,7 +124,8 @@ def load_model(name: str) -> tuple[str, ModelConfig, ParallelConfig]:
         text = read_json_file(name, "--model")
         with blame("--model"):
             model, parallel = presets.model_from_json(text)
-        return Path(name).stem, model, parallel
+        stem = Path(name).stem  # the run's name in headers and JSON: one printable line whatever the file's name
+        return (stem if stem.isprintable() else stem.encode("unicode_escape").decode("ascii")), model, parallel
     try:
         model, parallel = presets.model(name)
     except ValueError as exc:
@@ -279,10 +280,18 @@ def json_help(doc: str, *, lead: str = JSON_HELP) -> str:
 
 
 # ---- output ------------------------------------------------------------------------------------------------
+MIN_COLUMNS = 20  # a COLUMNS below it is ignored
+
+
 def console() -> Console:
-    """A stdout console; wide (160 columns) when stdout is not a terminal and COLUMNS is unset."""
-    wide = not sys.stdout.isatty() and "COLUMNS" not in os.environ
-    return Console(width=160 if wide else None, highlight=False)
+    """A stdout console: COLUMNS wide when it is a usable width, else the terminal's, or 160 columns when stdout is
+    not a terminal."""
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) >= MIN_COLUMNS:
+        width = int(columns)
+    else:  # unset, or unusable (COLUMNS=0 would print nothing)
+        width = None if sys.stdout.isatty() else 160
+    return Console(width=width, highlight=False)
 
 
 def progress_bar(*, disable: bool = False) -> Progress:

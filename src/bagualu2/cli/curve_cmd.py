@@ -14,6 +14,7 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.markup import escape
 
+from bagualu2.fusion.gantt import png_bytes
 from bagualu2.runtime import DecisionPath, replay_iteration
 
 from .common import (GIB, HARDWARE_HELP, MODEL_HELP, CliError, console, echo_json, handle_errors, integer_option,
@@ -68,8 +69,6 @@ def sparkline(values: list[int], top: int, width: int = WIDTH) -> list[tuple[str
 
 def curve_png(capacity: int, result: dict[str, list[int]], title: str) -> bytes:
     """A step plot of every policy's curve (GiB) with the capacity line, as PNG bytes (matplotlib, Agg)."""
-    import io
-
     from matplotlib.figure import Figure  # lazy: no pyplot, no global backend state
 
     figure = Figure(figsize=(10, 4), dpi=100)
@@ -82,10 +81,7 @@ def curve_png(capacity: int, result: dict[str, list[int]], title: str) -> bytes:
     axes.set_title(title, fontsize=10)
     axes.set_ylim(bottom=0)
     axes.legend(loc="center", fontsize=8)
-    figure.tight_layout()
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png")
-    return buffer.getvalue()
+    return png_bytes(figure)
 
 
 def _print(run: Iteration, capacity: int, result: dict[str, list[int]], png: Any) -> None:

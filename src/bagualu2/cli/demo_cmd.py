@@ -66,9 +66,9 @@ def demo(
     out.print(f"[bold]{escape(name)}[/bold] on {escape(hw.name)}, stage {stage}: activation capacity M_max "
               f"{replay.m_max_bytes / GIB:.2f} GiB, floor M0 {replay.m0_bytes / GIB:.3f} GiB per chunk; "
               f"a static plan sized for the worst spike ({max(trace):g}x) would need "
-              f"{unmitigated.activation_peak_bytes / GIB:.2f} GiB unmitigated.")
+              f"{unmitigated.activation_peak_bytes / GIB:.2f} GiB unmitigated.", soft_wrap=True)
     actions = Counter(d.action for d in replay.decisions)
-    out.print("gate decisions: " + ", ".join(f"{action} {count}" for action, count in sorted(actions.items())))
+    out.print("gate decisions: " + ", ".join(f"{action} {count}" for action, count in sorted(actions.items())), soft_wrap=True)
     if details:
         out.print(_table(replay))
     total_ms = sum(d.overhead_s for d in replay.decisions) * 1e3
@@ -76,7 +76,7 @@ def demo(
     out.print(f"{len(replay.decisions)} forwards, peak in flight {replay.peak_in_flight_bytes / GIB:.2f} GiB of "
               f"{replay.m_max_bytes / GIB:.2f} GiB ({verdict}); mitigation overhead {total_ms:.1f} ms (serial); "
               f"decision cache {replay.cache_hits} hits / {replay.cache_misses} misses; decisions took "
-              f"{replay.decision_time_s * 1e3:.1f} ms.")
+              f"{replay.decision_time_s * 1e3:.1f} ms.", soft_wrap=True)
     if training is not None:
         exact = "exactly the predicted bytes" if training["max_prediction_error"] == 0 else \
             f"the predicted bytes within {100 * training['max_prediction_error']:.3f}%"
@@ -85,7 +85,7 @@ def demo(
                   f"loss {training['first_loss']:.3f} -> {training['final_loss']:.3f}; every micro-batch kept {exact}; "
                   "peak "
                   f"{training['peak_activation_bytes'] / MIB:.2f} MiB of the "
-                  f"{training['memory_cap_bytes'] / MIB:.2f} MiB cap.")
+                  f"{training['memory_cap_bytes'] / MIB:.2f} MiB cap.", soft_wrap=True)
 
 
 def _train(steps: int, seed: int, *, quiet: bool = False) -> dict:

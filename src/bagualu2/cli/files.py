@@ -1,10 +1,11 @@
 """Output files of the CLI (``--png``): checked before any work, written atomically, never onto a non-file.
 
 :func:`check_output_path` refuses, with one line naming the option, a path whose folder is missing or not
-writable, whose name is too long, or that exists and is not a regular file (a directory, symlink, FIFO or device
-node is never replaced). :func:`atomic_write_bytes` writes a temp file in the same folder (short name, so any legal
-target name works), fsyncs it and ``os.replace``-s it onto the target: the target is the old file or the new one;
-:func:`atomic_write_many` does that for a set of files, renaming only once every temp file is written.
+writable, whose name is too long, that exists and is not a regular file (a directory, symlink, FIFO or device
+node is never replaced) or that is read-only. :func:`atomic_write_bytes` writes a temp file in the same folder
+(short name, so any legal target name works) with the old file's permissions, fsyncs it and ``os.replace``-s it
+onto the target: the target is the old file or the new one; :func:`atomic_write_many` does that for a set of
+files, renaming only once every temp file is written.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from bagualu2.costmodel.validate import probe_folder, refuse_non_file
+from bagualu2.costmodel.validate import probe_folder, refuse_non_file, replacement_mode
 
 TEMP_NAME_CHARS = 32  # of the target's name in the temp file's name
 
@@ -36,6 +37,8 @@ def check_output_path(value: str, what: str = "file.png") -> Path:
     if limit is not None and len(os.fsencode(target.name)) > limit:
         raise ValueError(f"file name is {len(os.fsencode(target.name))} bytes long; at most {limit} allowed")
     refuse_non_file(target)
+    if target.exists() and not os.access(target, os.W_OK):
+        raise ValueError(f"file {value!r} is read-only (not replaced)")
     try:  # os.access says yes to root everywhere: make (and remove) a file there before any work
         probe_folder(folder, make=False)
     except OSError as exc:
@@ -79,9 +82,7 @@ def _write_temp(target: Path, data: bytes) -> str:
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name[:TEMP_NAME_CHARS]}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as handle:
-            umask = os.umask(0)
-            os.umask(umask)
-            os.fchmod(handle.fileno(), 0o666 & ~umask)
+            os.fchmod(handle.fileno(), replacement_mode(target))
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())

@@ -10,11 +10,12 @@ import sys
 
 
 class _NoWorkerFailure(logging.Filter):
-    """Drops the lines that only repeat a worker's failure (its exit code, the SIGTERM to its peers)."""
+    """Drops the lines that only repeat a worker's failure (its exit code, the SIGTERM to its peers) or the signal
+    that stopped the launch (the one line :func:`main` prints says it)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        return "failed (exitcode" not in message and "closing signal" not in message
+        return not any(repeat in message for repeat in ("failed (exitcode", "closing signal", "death signal"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,7 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_NoWorkerFailure())
+    for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
+        logging.getLogger(name).addFilter(_NoWorkerFailure())
     try:
         torchrun_main(sys.argv[1:] if argv is None else argv)
     except ChildFailedError as exc:

@@ -66,7 +66,7 @@ def _ms(seconds: float) -> str:
 def _print(graph: OpGraph, solution: Solution, rows: list[dict[str, Any]], violations: list, budget: int,
            header: str) -> None:
     out, cost = console(), solution.cost
-    out.print(escape(header))
+    out.print(escape(header), soft_wrap=True)
     if solution.ok:
         table = Table(title="mitigated tensors (recompute time: see the total below)")
         for name, justify in (("tensor", "left"), ("consumers", "left"), ("strategy", "left"),
@@ -103,6 +103,9 @@ def _print(graph: OpGraph, solution: Solution, rows: list[dict[str, Any]], viola
               f"(saved {(graph.unmitigated_bytes - kept) / GIB:.3f} GiB, host {cost.host_bytes / GIB:.3f} GiB)")
     out.print(overhead)
     out.print(status)
+    if solution.reason:  # e.g. CP-SAT's time limit reached: the greedy seed it started from
+        out.print(f"[yellow]note: {escape(solution.reason)}[/yellow]", soft_wrap=True)
+    out.print(f"plan {escape(str(solution.plan)) or 'none'}", soft_wrap=True)  # Plan.from_str reads it back
 
 
 @handle_errors

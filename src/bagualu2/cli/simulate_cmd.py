@@ -10,6 +10,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from bagualu2.fusion.gantt import png_bytes
 from bagualu2.sim import (ABLATION, ON_OOM, OVERLAP, POLICIES, PaperTrace, SimResult, load_trace, paper_trace,
                           simulate)
 from bagualu2.sim.simulate import MAX_ITERATIONS, MAX_RESTART_S
@@ -33,8 +34,6 @@ def result_json(result: SimResult, model: str, hardware: str) -> dict[str, Any]:
 def simulate_png(rates, results: list[SimResult], title: str) -> bytes:
     """The iterations' imbalance (max over micro-batches) above, each policy's MFU per iteration below (restarts
     show as drops), as PNG bytes (matplotlib, Agg)."""
-    import io
-
     from matplotlib.figure import Figure  # lazy: no pyplot, no global backend state
 
     figure = Figure(figsize=(10, 5), dpi=100)
@@ -49,10 +48,7 @@ def simulate_png(rates, results: list[SimResult], title: str) -> bytes:
     bottom.set_ylabel("MFU")
     bottom.set_ylim(bottom=0)
     bottom.legend(loc="lower right", fontsize=8, ncol=4)
-    figure.tight_layout()
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png")
-    return buffer.getvalue()
+    return png_bytes(figure)
 
 
 @handle_errors

@@ -110,6 +110,9 @@ def train(
     if "--help" in trainer_args or "-h" in trainer_args:  # the trainer's own help, once
         require_extra("trainer")
         raise typer.Exit(code=subprocess.run([sys.executable, "-m", TRAINER, "--help"]).returncode)
+    if "--world-size" in trainer_args:  # the trainer's answer (the ranks its flags need), once, not per rank
+        require_extra("trainer")
+        raise typer.Exit(code=subprocess.run([sys.executable, "-m", TRAINER, *trainer_args]).returncode)
     if nproc_per_node is None:
         nproc_per_node = _world_size(trainer_args, nnodes)
     elif dry_run and nproc_per_node * nnodes != (world := _world_size(trainer_args, 1)):

@@ -331,9 +331,10 @@ class Hardware:
                 else:
                     _plain(self, name, require_number(name, value, low, high))
             except (ValueError, OverflowError):  # OverflowError: an int too large for a float
-                kind = "an integer" if name in ("hbm_bytes", "devices_per_node", "reserved_bytes") else "a finite number"
-                raise ValueError(f"{name} must be {kind} in [{low:g}, {high:g}] ({HARDWARE_UNITS[name]}), "
-                                 f"got {_short(value)}") from None
+                integral = name in ("hbm_bytes", "devices_per_node", "reserved_bytes")
+                bounds = f"[{int(low)}, {int(high)}]" if integral else f"[{low:g}, {high:g}]"
+                raise ValueError(f"{name} must be {'an integer' if integral else 'a finite number'} in {bounds} "
+                                 f"({HARDWARE_UNITS[name]}), got {_short(value)}") from None
         if self.reserved_bytes >= self.hbm_bytes:
             raise ValueError(f"reserved_bytes must be below hbm_bytes ({self.hbm_bytes}), got {self.reserved_bytes}")
         for name, like in (("attention_efficiency", "matmul_efficiency"), ("copy_launch_s", "kernel_launch_s")):

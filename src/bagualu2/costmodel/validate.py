@@ -85,6 +85,20 @@ def check_solver_options(time_limit_s: Any, num_workers: Any, seed: Any) -> None
     require_int("seed", seed, 0, 2 ** 31)
 
 
+def replacement_mode(target: str | os.PathLike[str]) -> int:
+    """The permission bits a file written in place of ``target`` gets: the existing regular file's (a rewrite never
+    widens them), else what a new file gets under the process's umask."""
+    try:
+        found = os.stat(target)
+    except OSError:
+        found = None
+    if found is not None and stat.S_ISREG(found.st_mode):
+        return stat.S_IMODE(found.st_mode)
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def probe_folder(directory: str | os.PathLike[str], *, make: bool = True) -> None:
     """Make ``directory`` (with its parents, unless ``make`` is false) and create and remove a file in it: the only
     check that holds for root, to which ``os.access`` says yes everywhere. ``OSError`` when it cannot."""

@@ -6,7 +6,7 @@ costs nothing. Both charts take the :class:`~bagualu2.fusion.simulate.Timeline` 
 
 from __future__ import annotations
 
-from ..costmodel.validate import require_int
+from ..costmodel.validate import replacement_mode, require_int
 
 import contextlib
 import errno
@@ -14,6 +14,7 @@ import io
 import os
 import stat
 import tempfile
+import warnings
 from pathlib import Path
 
 from ..costmodel import Resource
@@ -91,9 +92,7 @@ def _write_atomic(target: Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+        os.chmod(tmp, replacement_mode(target))
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -127,9 +126,17 @@ def gantt_png_bytes(timeline: Timeline, *, title: str = "") -> bytes:
     axes.set_xlim(0, max(timeline.makespan_ns * 1e-6, 1e-9))
     axes.set_xlabel("time (ms)")
     axes.set_title(title or f"makespan {timeline.makespan_ns * 1e-6:.3f} ms")
-    figure.tight_layout()
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", bbox_inches="tight")
+    return png_bytes(figure, bbox_inches="tight")
+
+
+def png_bytes(figure, **savefig) -> bytes:
+    """``figure`` (matplotlib) laid out and rendered as PNG bytes; a character its font lacks (a title in another
+    script) is drawn as a box, without a warning on stderr."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Glyph .* missing from font", category=UserWarning)
+        figure.tight_layout()
+        buffer = io.BytesIO()
+        figure.savefig(buffer, format="png", **savefig)
     return buffer.getvalue()
 
 

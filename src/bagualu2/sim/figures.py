@@ -3,8 +3,7 @@ so the simulator never needs it)."""
 
 from __future__ import annotations
 
-import io
-
+from ..fusion.gantt import png_bytes
 from .policies import ABLATION
 from .reproduce import Report
 
@@ -18,10 +17,7 @@ def _figure(width: float, height: float):
 
 
 def _png(figure) -> bytes:
-    figure.tight_layout()
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png")
-    return buffer.getvalue()
+    return png_bytes(figure)
 
 
 def _bars(axes, labels, series: dict[str, list[float]], ylabel: str) -> None:
