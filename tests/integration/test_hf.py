@@ -190,7 +190,8 @@ def test_a_batch_that_saves_what_the_trace_did_not_warns():
     assert record.device_bytes == evaluate(graph, plan).activation_bytes
     mask = torch.ones_like(ids)
     mask[-1, :2] = 0
-    with pytest.warns(UntracedSavingsWarning, match="keeps savings its traced forward did not make .L0.core_attn [0-9,]+ B"):
+    untraced = "keeps savings its traced forward did not make .L0.core_attn [0-9,]+ B"
+    with pytest.warns(UntracedSavingsWarning, match=untraced):
         with executor.micro_batch("padded") as record:
             loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
     loss.backward()

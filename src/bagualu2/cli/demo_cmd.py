@@ -68,7 +68,8 @@ def demo(
               f"a static plan sized for the worst spike ({max(trace):g}x) would need "
               f"{unmitigated.activation_peak_bytes / GIB:.2f} GiB unmitigated.", soft_wrap=True)
     actions = Counter(d.action for d in replay.decisions)
-    out.print("gate decisions: " + ", ".join(f"{action} {count}" for action, count in sorted(actions.items())), soft_wrap=True)
+    out.print("gate decisions: " + ", ".join(f"{action} {count}" for action, count in sorted(actions.items())),
+              soft_wrap=True)
     if details:
         out.print(_table(replay))
     total_ms = sum(d.overhead_s for d in replay.decisions) * 1e3

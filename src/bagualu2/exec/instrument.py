@@ -299,7 +299,8 @@ class InstrumentedModel:
             warnings.warn(f"micro-batch {record.name!r} keeps savings its traced forward did not make ({ops}): it "
                           "took another path through the model than the traced batch (an attention mask of another "
                           "layout, a data-dependent branch, a cache the traced call built) and keeps other bytes "
-                          "than its plan's; trace with a batch like the ones it trains on, after a first call", UntracedSavingsWarning, stacklevel=2)
+                          "than its plan's; trace with a batch like the ones it trains on, after a first call",
+                          UntracedSavingsWarning, stacklevel=2)
 
     def _activation_dtype(self) -> str:
         counts: dict[torch.dtype, int] = {}
