@@ -282,6 +282,10 @@ try:
     (model(tokens).float().pow(2).mean() + model(tokens).float().pow(2).mean()).backward()
 except ValueError as exc:
     print("two forwards:", exc)
+try:
+    model_and_converter("--compile.enable", "--compile.components", "model")
+except ValueError as exc:
+    print("compile:", exc)
 model, converter, tokens = model_and_converter("--bagualu2.policy", "off")
 model(tokens).float().pow(2).mean().backward()
 converter.post_optimizer_hook([model])
@@ -292,14 +296,38 @@ print("off measures:", sorted(converter.step_metrics()))
 @pytest.mark.launch
 def test_misuse_of_the_converter_is_one_line_and_off_measures():
     """In a process of its own (the harness's CPU stand-ins for torchtitan's GPU kernels): a model converted twice,
-    two forwards before a backward without a pipeline, and ``policy = "off"``, which measures without a cap."""
+    two forwards before a backward without a pipeline, a compiled model, and ``policy = "off"``, which measures
+    without a cap."""
     proc = subprocess.run([sys.executable, "-c", MISUSE], cwd=ROOT, capture_output=True, text=True,
                           timeout=TIMEOUT_S, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = dict(line.split(": ", 1) for line in proc.stdout.splitlines() if ": " in line)
     assert "converted by bagualu2 already" in lines["twice"]
+    assert lines["compile"].startswith("compile.enable with compile.components including model is not supported")
     assert "each forward's backward must run before the next forward" in lines["two forwards"]
     assert "bagualu2/stage0/kept_mib/mb0" in lines["off measures"]
+
+
+@pytest.mark.launch
+def test_a_resumed_run_counts_on_and_a_stage_without_layers_runs_unplanned(assets, tmp_path):
+    """Four pipeline stages of the 4-layer model: torchtitan's split leaves the last only the norm and the output,
+    which runs unplanned. Two steps with checkpoints, then a launch resumed to three: the converter's steps (its log,
+    its report, which keeps the first launch's lines) go on from the checkpoint's."""
+    _, assets_path, data = assets
+    layout = ("--model.name", "deepseek_v3", "--model.flavor", "debugmodel_4l", "--training.local_batch_size", "5",
+              "--training.seq_len", "64", "--parallelism.pipeline_parallel_degree", "4",
+              "--parallelism.pipeline_parallel_schedule", "1F1B", "--parallelism.pipeline_parallel_microbatch_size",
+              "1", "--parallelism.data_parallel_shard_degree", "1")
+    common = ("--model.converters", "bagualu2", "--bagualu2.memory_cap_mib", "9", "--bagualu2.no-quantize",
+              "--bagualu2.report_path", str(tmp_path / "report.{rank}.jsonl"), "--checkpoint.enable",
+              "--checkpoint.no-last_save_model_only", "--checkpoint.interval", "1", "--checkpoint.folder",
+              str(tmp_path / "checkpoints"))
+    first = launch(tmp_path / "first", assets_path, data, 4, layout, "--training.steps", "2", *common)
+    assert "pipeline stage 3 holds no transformer layer: it runs unplanned" in first
+    resumed = launch(tmp_path / "resumed", assets_path, data, 4, layout, "--training.steps", "3", *common)
+    assert "Training starts at step 3" in resumed and "bagualu2 step 3 stage 0:" in resumed
+    assert "bagualu2 step 1 stage 0:" not in resumed
+    assert read_report(tmp_path / "report.0.jsonl")["step_numbers"] == [1, 2, 3]
 
 
 FAMILIES = """

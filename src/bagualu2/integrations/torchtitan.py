@@ -86,6 +86,11 @@ class Bagualu2Converter:
         if mode != "none":
             raise ValueError("activation_checkpoint.mode must be none with the bagualu2 converter: it decides what "
                              f"each micro-batch recomputes; got {mode!r}")
+        compile_config = getattr(job_config, "compile", None)
+        if getattr(compile_config, "enable", False) and "model" in (getattr(compile_config, "components", ()) or ()):
+            raise ValueError("compile.enable with compile.components including model is not supported with the "
+                             "bagualu2 converter: a compiled block hides the modules its plans name (compile the "
+                             "loss only, or turn compile off)")
         if parallel_dims.tp_enabled or parallel_dims.cp_enabled:
             raise ValueError("the bagualu2 converter supports pipeline, data and expert parallelism; "
                              "tensor_parallel_degree and context_parallel_degree must be 1")
@@ -111,6 +116,7 @@ class Bagualu2Converter:
             raise ValueError(f"{name} must be an integer >= 1, got {size!r}")
         self.schedule = ScheduleInfo(pipelined=pipelined, num_microbatches=max(local // size, 1))
         self.provisioners: dict[int, object] = {}
+        self.unplanned: set[int] = set()  # pipeline stages without a transformer layer: they run unplanned
         self.step = 0
         self._tracing = False
         self.metrics = None  # torchtitan's metrics processor, once the trainer built it (a supported model)
@@ -146,8 +152,15 @@ class Bagualu2Converter:
         if where is None:
             return None, None
         stage_index, num_stages, microbatch = where
+        if stage_index in self.unplanned:
+            return None, None
         found = self.provisioners.get(stage_index)
+        if found is None and not any(layer is not None for layer in getattr(part, "layers", {}).values()):
+            self.unplanned.add(stage_index)  # the split left it only the norm and the output (or the embedding)
+            _warn(f"bagualu2: pipeline stage {stage_index} holds no transformer layer: it runs unplanned")
+            return None, None
         if found is None:
+            self.step = self._steps_taken()  # a resumed run: the steps its checkpoint had taken
             self._tracing = True  # the trace runs the part: its forwards are not micro-batches
             try:
                 found = self.provisioners[stage_index] = StageProvisioner(
@@ -172,8 +185,23 @@ class Bagualu2Converter:
             provisioner.end(failed=output is None)
         return None
 
+    def _steps_taken(self) -> int:
+        """The optimizer steps taken so far: as the optimizer's state counts them where it does (torchtitan's Adam
+        and AdamW keep a step per parameter, restored with a checkpoint, so a resumed run counts on from the step it
+        resumed at), else as this converter counted them."""
+        optimizers = getattr(self.metrics, "optimizers", None)
+        for optimizer in getattr(optimizers, "optimizers", None) or ():
+            for state in getattr(optimizer, "state", {}).values():
+                step = state.get("step") if isinstance(state, Mapping) else None
+                if step is not None:
+                    try:
+                        return int(step.item() if isinstance(step, torch.Tensor) else step)
+                    except (TypeError, ValueError, RuntimeError):
+                        return self.step
+        return self.step
+
     def post_optimizer_hook(self, model_parts) -> None:
-        self.step += 1
+        self.step = max(self._steps_taken(), self.step + 1)
         for provisioner in self.provisioners.values():
             provisioner.end_step(self.step)
         metrics = self.metrics

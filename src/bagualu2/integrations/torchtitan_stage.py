@@ -345,11 +345,14 @@ def _refuse_non_file(path: str) -> None:
 
 
 def write_report(pattern: str, stage: int, step: int, rows: list[dict], *, fresh: bool) -> bool:
-    """One JSON line ``{"stage", "step", "rows"}`` for the finished ``step``: appended, or (``fresh``: the run's first)
-    as a new file written to a temporary file and renamed over any earlier run's. Returns True."""
+    """One JSON line ``{"stage", "step", "rows"}`` for the finished ``step``: appended, or (``fresh``: the launch's
+    first) as a new file written to a temporary file and renamed over any earlier one, keeping its lines of the
+    steps before ``step`` (a run resumed from a checkpoint continues its report). Returns True."""
     path = report_file(pattern, stage)
     _refuse_non_file(path)
     line = json.dumps({"stage": stage, "step": step, "rows": rows}) + "\n"
+    if fresh and step > 1 and os.path.isfile(path):
+        line = "".join(_lines_before(path, step)) + line
     directory = os.path.dirname(os.path.abspath(path))
     temporary = None
     try:
@@ -371,6 +374,18 @@ def write_report(pattern: str, stage: int, step: int, rows: list[dict], *, fresh
         if isinstance(exc, OSError):
             raise ValueError(f"bagualu2.report_path {path!r}: cannot write it ({exc.strerror or exc})") from None
         raise
+
+
+def _lines_before(path: str, step: int) -> list[str]:
+    """The lines of the report file ``path`` of the steps before ``step`` (an unreadable line is dropped)."""
+    kept = []
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        for line in handle:
+            with contextlib.suppress(ValueError, TypeError, AttributeError):
+                number = json.loads(line).get("step")
+                if type(number) is int and number < step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+    return kept
 
 
 def read_report(path: str | os.PathLike[str]) -> dict:
