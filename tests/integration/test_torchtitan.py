@@ -197,6 +197,23 @@ def test_qwen3_moe_without_a_pipeline_under_autocast(assets):
     assert "bagualu2 step 2 stage 0: kept MiB per micro-batch [" in log
 
 
+FSDP = ("--model.name", "deepseek_v3", "--model.flavor", "debugmodel_4l", "--training.local_batch_size", "2",
+        "--training.seq_len", "64", "--training.steps", "2", "--parallelism.data_parallel_shard_degree", "2")
+FSDP_CAP_MIB = 18  # a micro-batch keeps ~19.5 MiB unmitigated
+
+
+@pytest.mark.launch
+def test_fsdp_in_bf16_without_a_pipeline(assets):
+    """FSDP2 over two ranks, bf16 parameters: the norms save fp32 copies of their inputs (no op saves the inputs),
+    so they cannot re-run and never stand by for the gate; the plans re-run the MoE modules. Bitwise gradients,
+    exact bytes."""
+    grads, reports, _ = _pair(*assets, "fsdp", 2, FSDP, FSDP_CAP_MIB)
+    assert grads["planned"] == grads["plain"] and len(grads["plain"][0]) == 2
+    rows = [row for report in reports for step in report["steps"] for row in step]
+    assert len(rows) == 4 and all("RECOMPUTE" in row["plan"] for row in rows)
+    assert all(row["kept_bytes"] == row["predicted_bytes"] <= row["budget_bytes"] for row in rows)
+
+
 # ---- expert parallelism: a spike overflows a plan fixed for balanced routing, flexible re-plans at the gate -------
 EP_STEPS = 4
 EP_CAP_MIB = 16  # stage 0 holds two micro-batches of ~7.8 MiB unmitigated, ~8.2 MiB when a spike doubles its rows
