@@ -225,3 +225,48 @@ def test_a_cache_buffer_built_on_the_first_call_leaves_the_module_re_runnable():
         _, plain = _step(model, inst, x, None, state)
         _, grads = _step(model, inst, x, "mlp_act=RECOMPUTE", state)
     assert all(torch.equal(a, b) for a, b in zip(plain, grads))
+
+
+class UpcastNorm(nn.Module):
+    """A bf16 RMS norm that computes in fp32: it saves its fp32 copy of the input, never the input itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(H, dtype=torch.bfloat16))
+
+    def forward(self, x):
+        wide = x.float()
+        return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * self.weight
+
+
+class Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc0, self.norm, self.fc1, self.fc2 = nn.Linear(H, H), UpcastNorm(), nn.Linear(H, H), nn.Linear(H, H)
+
+    def forward(self, x):
+        h = self.fc0(x) + 1.0  # made between ops (fc0 is none): no op makes it, the norm keeps only its fp32 copy
+        return h + self.fc2(F.gelu(self.fc1(self.norm(h))))
+
+
+def test_an_op_whose_input_nothing_keeps_is_never_re_run():
+    """What such an op makes has no producer in the traced graph: kept, offloaded or quantised, never recomputed
+    (a re-run in backward would find no input); every greedy plan keeps its predicted bytes, gradients bitwise."""
+    from bagualu2.mitigation import greedy
+
+    torch.manual_seed(0)
+    model, x = Residual().to(torch.bfloat16), torch.randn(2, 8, H, dtype=torch.bfloat16)
+    inst = instrument(model, {"norm": "norm2", "fc1": "mlp_fc1", "fc2": "mlp_fc2"})
+    graph = inst.trace_graph(x, hardware=CPU)
+    made = [name for name, spec in graph.tensors.items() if name.startswith("norm2.")]
+    assert made and all(graph.tensors[name].producer is None for name in made)
+    assert evaluate(graph, "norm2/norm2.saved0=RECOMPUTE").unavailable == ("norm2.saved0",)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    _, plain = _step(model, inst, x, None, state)
+    with pytest.raises(ValueError, match="RECOMPUTE would regenerate norm2.saved0, which no re-run"):
+        _step(model, inst, x, "norm2/norm2.saved0=RECOMPUTE", state)
+    for budget in (graph.floor_bytes, (graph.floor_bytes + graph.unmitigated_bytes) // 2):
+        plan = greedy.solve(graph, budget).plan
+        kept, grads = _step(model, inst, x, plan, state)
+        assert kept == evaluate(graph, plan).activation_bytes <= budget
+        assert all(torch.equal(a, b) for a, b in zip(plain, grads))

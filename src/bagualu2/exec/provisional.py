@@ -9,8 +9,7 @@ which no op may store (a traced model whose experts save only what they gather f
 replays under ``downgrade="paper"`` as well. :func:`settle` then packs each under the plan in force, exactly as the pack hook would have, and
 activates each standby replay if the plan re-runs it or a handle packed before the gate already reads it (it
 then takes its holds), else forgets it. Under graded planning these ops always run as standby replays, also when
-the plan in force before the gate re-runs them: the gate may drop them from the re-run set. An op with an input
-that no op makes or saves never stands by (a norm whose bf16 input only its own fp32 copy keeps): no plan re-runs it.
+the plan in force before the gate re-runs them: the gate may drop them from the re-run set.
 """
 
 from __future__ import annotations
@@ -51,11 +50,7 @@ def standby_ops(graph: OpGraph, deferred) -> tuple[frozenset[str], frozenset[str
     if deferred is None:
         return frozenset(), frozenset()
     free = gate_free_tensors(graph)
-    saved = {saving.tensor for op in graph.ops for saving in op.saves}
-    # an op with an input that no op makes or saves (a norm whose input the residual add made, saved by the norm
-    # only as an upcast copy) can never re-run: no plan the gate switches to re-runs it (PlanCost.unavailable)
-    ops = frozenset(op for op in (graph.tensors[t].producer for t in free - after_router_tensors(graph))
-                    if all(graph.tensors[t].producer is not None or t in saved for t in graph.op(op).inputs))
+    ops = frozenset(graph.tensors[t].producer for t in free - after_router_tensors(graph))
     if getattr(deferred, "mode", "paper") != "graded":
         return ops, frozenset()
     return ops, frozenset(t for t in free if graph.tensors[t].producer in ops)

@@ -82,6 +82,7 @@ def build_graph_of(recorder: TraceRecorder, model: torch.nn.Module, hardware: Ha
                                       attention_flops=FLASH_BACKWARD_FACTOR * attention)
         ops.append(Op(name, kind, layer, Resource.COMM if comm else Resource.COMPUTE, inputs, outputs,
                       tuple(Saving(t, d) for t, d in saves), flops, moved, forward_ns, backward_ns))
+    tensors = _without_unrunnable_producers(ops, tensors)
     unmapped = _unmapped_op(recorder, names, tensors, {op.name for op in ops})
     pinned = frozenset()
     if unmapped is not None:
@@ -200,6 +201,25 @@ def _not_regenerable(recorder: TraceRecorder, unrepeatable: set) -> set:
                       if recorder.storages[k].role == "saved" and recorder.storages[k].producer != c.binding.op}
     return {k for k, info in recorder.storages.items()
             if info.producer in unrepeatable or info.modified} | read_elsewhere
+
+
+def _without_unrunnable_producers(ops: list, tensors: dict) -> dict:
+    """``tensors`` with no producer for what an op that can never re-run makes: an op with an input that no op
+    makes or saves (made between modules and kept only as another copy: a norm whose bf16 input only its own fp32
+    copy keeps, experts that keep bf16 copies of fp32 rows) cannot re-run in backward, nor can an op that reads what
+    only such an op makes. Their tensors stay graph tensors: kept, offloaded or quantised, never recomputed."""
+    saved = {saving.tensor for op in ops for saving in op.saves}
+    never: set[str] = set()
+    grown = True
+    while grown:
+        grown = False
+        for op in ops:
+            if op.name not in never and any(t not in saved and (tensors[t].producer is None or
+                                                                tensors[t].producer in never) for t in op.inputs):
+                never.add(op.name)
+                grown = True
+    return {name: (spec._replace(producer=None) if spec.producer in never else spec)
+            for name, spec in tensors.items()}
 
 
 def _unique(items) -> tuple:
