@@ -270,3 +270,22 @@ def test_an_op_whose_input_nothing_keeps_is_never_re_run():
         kept, grads = _step(model, inst, x, plan, state)
         assert kept == evaluate(graph, plan).activation_bytes <= budget
         assert all(torch.equal(a, b) for a, b in zip(plain, grads))
+
+
+def test_remove_runs_every_restore_even_when_one_fails():
+    model = Net(nn.Identity())
+    inst = instrument(model, {"fc1": "mlp_fc1", "fc2": "mlp_fc2"})
+    ran = []
+
+    def broken():
+        raise RuntimeError("restore failed")
+
+    for restore in (lambda: ran.append("first"), broken, lambda: ran.append("last")):
+        inst.on_remove(restore)
+    with pytest.raises(RuntimeError, match="restore failed"):
+        inst.remove()
+    assert ran == ["last", "first"] and inst.removed  # the latest first, and the one after the failure too
+    with pytest.raises(ValueError, match="removed already"):
+        inst.on_remove(lambda: None)
+    with pytest.raises(ValueError, match="restore must be a callable"):
+        instrument(model, {"fc1": "mlp_fc1"}).on_remove("later")

@@ -135,7 +135,6 @@ def test_the_memo_is_bounded_and_a_memo_that_is_off_stores_nothing():
         engine.check_chunk(parallel.vp)
 
 
-
 @settings(max_examples=scaled(6), deadline=None)
 @given(name=st.sampled_from(PRESETS[:3]), stage=st.integers(0, 7), seed=st.integers(0, 10_000))
 def test_graphs_are_bounded_and_a_dropped_graph_decides_as_the_kept_one(name, stage, seed):
@@ -159,6 +158,7 @@ def test_graphs_are_bounded_and_a_dropped_graph_decides_as_the_kept_one(name, st
     assert len(small._graphs) <= parallel.vp + 2 < len(large._graphs)  # the small engine dropped graphs
     with pytest.raises(ValueError, match="max_graphs"):
         Stage(model, parallel, hardware, max_graphs=0)
+
 
 class _Kept:
     def __init__(self, kept_bytes):

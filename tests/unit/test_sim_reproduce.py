@@ -127,6 +127,15 @@ def test_reproduce_reports_every_figure():
 
 
 @pytest.mark.slow
+def test_the_recorded_command_makes_the_same_report():
+    from bagualu2.sim.report import command
+
+    assert command(ReproduceConfig()) == "bagualu2 reproduce --iterations 1000 --seed 0"
+    odd = ReproduceConfig(iterations=12, seed=5, restart_s=284.1234567, hardware="h200", models=("glm-188b-a20b",))
+    assert command(odd) == ("bagualu2 reproduce --iterations 12 --seed 5 --restart-s 284.1234567 --hardware h200 "
+                            "--model glm-188b-a20b")
+
+
 def test_a_trace_without_spikes_reports_dashes_not_nan():
     report = reproduce(ReproduceConfig(**{**SMALL, "iterations": 10, "overhead_iterations": 1}))
     assert not report.spikes()

@@ -289,8 +289,15 @@ def console() -> Console:
     columns = os.environ.get("COLUMNS", "")
     if columns.isdigit() and int(columns) >= MIN_COLUMNS:
         width = int(columns)
-    else:  # unset, or unusable (COLUMNS=0 would print nothing)
-        width = None if sys.stdout.isatty() else 160
+    elif not sys.stdout.isatty():
+        width = 160
+    elif columns:  # unusable (COLUMNS=0 would print nothing), which rich would read: the terminal's own width
+        try:
+            width = max(os.get_terminal_size(sys.stdout.fileno()).columns, MIN_COLUMNS)
+        except (OSError, ValueError):
+            width = 80
+    else:
+        width = None  # rich asks the terminal
     return Console(width=width, highlight=False)
 
 

@@ -105,7 +105,7 @@ def _print(graph: OpGraph, solution: Solution, rows: list[dict[str, Any]], viola
     out.print(status)
     if solution.reason:  # e.g. CP-SAT's time limit reached: the greedy seed it started from
         out.print(f"[yellow]note: {escape(solution.reason)}[/yellow]", soft_wrap=True)
-    out.print(f"plan {escape(str(solution.plan)) or 'none'}", soft_wrap=True)  # Plan.from_str reads it back
+    out.print(f"plan {escape(str(solution.plan))}", soft_wrap=True)  # Plan.from_str reads it back
 
 
 @handle_errors

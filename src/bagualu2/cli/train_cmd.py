@@ -110,7 +110,7 @@ def train(
     if "--help" in trainer_args or "-h" in trainer_args:  # the trainer's own help, once
         require_extra("trainer")
         raise typer.Exit(code=subprocess.run([sys.executable, "-m", TRAINER, "--help"]).returncode)
-    if "--world-size" in trainer_args:  # the trainer's answer (the ranks its flags need), once, not per rank
+    if "--world-size" in trainer_args and not dry_run:  # the trainer's answer (the ranks its flags need), once
         require_extra("trainer")
         raise typer.Exit(code=subprocess.run([sys.executable, "-m", TRAINER, *trainer_args]).returncode)
     if nproc_per_node is None:

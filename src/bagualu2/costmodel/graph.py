@@ -206,11 +206,11 @@ class OpGraph:
 
     @cached_property
     def tensor_layers(self) -> Mapping[str, int]:
-        """The layer of every tensor: its producer's; a graph input's, that of the first op that reads or saves
-        it."""
+        """The layer of every tensor: its producer's; one without a producer, that of the first op that reads,
+        makes or saves it."""
         layers: dict[str, int] = {}
         for op in self.ops:
-            for name in (*op.inputs, *(s.tensor for s in op.saves)):
+            for name in (*op.inputs, *op.outputs, *(s.tensor for s in op.saves)):
                 layers.setdefault(name, op.layer)
         for name, spec in self.tensors.items():
             if spec.producer is not None:

@@ -193,8 +193,14 @@ class InstrumentedModel:
             self.removed = True
             for module in self._hooked:
                 _HOOKED.discard(module)
-            while self._restores:
-                self._restores.pop()()
+            failed = None
+            while self._restores:  # every one, the latest first, whatever one of them raises
+                try:
+                    self._restores.pop()()
+                except BaseException as exc:  # noqa: BLE001 - re-raised once the others ran
+                    failed = failed or exc
+            if failed is not None:
+                raise failed
 
     def on_remove(self, restore: Callable[[], None]) -> None:
         """Call ``restore()`` when :meth:`remove` takes the hooks off: what an integration changed on the model to

@@ -145,15 +145,6 @@ def install(model: torch.nn.Module) -> Callable[[], None]:
     ExpertsInterface.register(NAME, experts_forward)
     added: list[tuple[torch.nn.Module, str]] = []
     selected: dict[int, tuple[Any, Any]] = {}  # id(config) -> (config, the implementation it had)
-    for module in model.modules():
-        if is_experts(module):
-            for name, part in zip(PARTS, (ExpertsFC1, ExpertsAct, ExpertsFC2)):
-                if not isinstance(getattr(module, name, None), part):
-                    module.add_module(name, part(module))
-                    added.append((module, name))
-            for config in _with_sub_configs(module.config):
-                selected.setdefault(id(config), (config, getattr(config, "_experts_implementation", None)))
-            module.config._experts_implementation = NAME  # transformers sets it on the sub-configs too
 
     def undo() -> None:
         for module, name in reversed(added):
@@ -161,14 +152,31 @@ def install(model: torch.nn.Module) -> Callable[[], None]:
         for config, implementation in selected.values():  # a config before its sub-configs
             config._experts_implementation = implementation
 
+    try:
+        for module in model.modules():
+            if is_experts(module):
+                for name, part in zip(PARTS, (ExpertsFC1, ExpertsAct, ExpertsFC2)):
+                    if not isinstance(getattr(module, name, None), part):
+                        module.add_module(name, part(module))
+                        added.append((module, name))
+                for config in _with_sub_configs(module.config):
+                    selected.setdefault(id(config), (config, getattr(config, "_experts_implementation", None)))
+                module.config._experts_implementation = NAME  # transformers sets it on the sub-configs too
+    except BaseException:
+        undo()  # what it changed before failing
+        raise
     return undo
 
 
-def _with_sub_configs(config) -> list:
-    """``config`` and, after it, its sub-configs (transformers' ``sub_configs``), recursively."""
+def _with_sub_configs(config, seen: set | None = None) -> list:
+    """``config`` and, after it, its sub-configs (transformers' ``sub_configs``), recursively, each once."""
+    seen = set() if seen is None else seen
+    if id(config) in seen:
+        return []
+    seen.add(id(config))
     found = [config]
     for key in getattr(config, "sub_configs", None) or ():
         sub = getattr(config, key, None)
         if sub is not None and hasattr(sub, "to_dict"):
-            found.extend(_with_sub_configs(sub))
+            found.extend(_with_sub_configs(sub, seen))
     return found

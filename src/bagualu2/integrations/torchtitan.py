@@ -190,15 +190,16 @@ class Bagualu2Converter:
         and AdamW keep a step per parameter, restored with a checkpoint, so a resumed run counts on from the step it
         resumed at), else as this converter counted them."""
         optimizers = getattr(self.metrics, "optimizers", None)
+        counted = []  # a parameter that had no gradient at a step (an expert nothing reached) lags: the largest
         for optimizer in getattr(optimizers, "optimizers", None) or ():
             for state in getattr(optimizer, "state", {}).values():
                 step = state.get("step") if isinstance(state, Mapping) else None
                 if step is not None:
                     try:
-                        return int(step.item() if isinstance(step, torch.Tensor) else step)
+                        counted.append(int(step.item() if isinstance(step, torch.Tensor) else step))
                     except (TypeError, ValueError, RuntimeError):
                         return self.step
-        return self.step
+        return max(counted, default=self.step)
 
     def post_optimizer_hook(self, model_parts) -> None:
         self.step = max(self._steps_taken(), self.step + 1)

@@ -381,7 +381,7 @@ def _lines_before(path: str, step: int) -> list[str]:
     kept = []
     with open(path, encoding="utf-8", errors="replace") as handle:
         for line in handle:
-            with contextlib.suppress(ValueError, TypeError, AttributeError):
+            with contextlib.suppress(ValueError, TypeError, AttributeError, RecursionError):
                 number = json.loads(line).get("step")
                 if type(number) is int and number < step:
                     kept.append(line if line.endswith("\n") else line + "\n")

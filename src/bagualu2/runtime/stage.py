@@ -4,10 +4,10 @@ A :class:`Stage` owns
 
 * the stage's **memory** (``StageMemory``: ``M_max``, ``M0``, the in-flight count) and its **steps**: the
   (interleaved) 1F1B schedule's forwards and backwards in order, each a :class:`Step`;
-* its **graphs** per (chunk, imbalance): built once and shared by every user of the stage (the graph of an
-  imbalance reuses the balanced graph's decisions for tensors that do not scale with it); the balanced graphs are
-  kept, the others up to ``max_graphs``, least recently used dropped first (a trace of continuous rates would
-  otherwise keep one graph per rate seen);
+* its **graphs** per (chunk, imbalance): built when first asked for and shared by every user of the stage (the
+  graph of an imbalance reuses the balanced graph's decisions for tensors that do not scale with it); the
+  balanced graphs are kept, the others up to ``max_graphs``, least recently used dropped first (a trace of
+  continuous rates would otherwise keep one graph per rate seen);
 * the **chunk aliases**: virtual chunks whose graphs are the same up to layer numbering decide alike, so they share
   one canonical chunk's results and only the names in their plans move;
 * **one bounded memo** (:class:`Memo`) of pure results under typed keys: plan costs (``costmodel.evaluate``, the
@@ -116,7 +116,8 @@ class _Bounded(dict):
 class _Graphs:
     """An engine's graphs by (chunk, imbalance): those at imbalance 1 always kept, the others at most ``limit``,
     the least recently used dropped first. A graph is a pure function of its key, so a dropped one is built again
-    (equal) when next asked for; the memo's results are keyed by (chunk, imbalance), never by a graph."""
+    (equal) when next asked for. The bound is this table's: a memo entry that holds a graph (a point's chains) keeps
+    it until the memo drops the entry, and one keyed by a graph's id checks that it is the same graph."""
 
     __slots__ = ("limit", "_balanced", "_recent")
 
@@ -208,7 +209,7 @@ class TracedStage(_Engine):
         self.graph(0, 1.0)  # a graph that cannot be rescaled (a layer that received nothing) is refused here
 
     def graph(self, chunk: int, imbalance: float) -> OpGraph:
-        """The traced graph with every MoE layer at ``imbalance`` (built once per imbalance)."""
+        """The traced graph with every MoE layer at ``imbalance`` (built when first asked for; again if dropped)."""
         self.check_chunk(chunk)
         found = self._graphs.get((0, imbalance))
         if found is None:
@@ -283,7 +284,7 @@ class Stage(_Engine):
         return tuple(steps)
 
     def graph(self, chunk: int, imbalance: float) -> OpGraph:
-        """The graph of ``chunk`` at ``imbalance`` (built once)."""
+        """The graph of ``chunk`` at ``imbalance`` (built when first asked for; again if it was dropped)."""
         key = (chunk, imbalance)
         found = self._graphs.get(key)
         if found is None:

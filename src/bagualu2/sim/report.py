@@ -311,7 +311,8 @@ def command(config) -> str:
     words = ["--iterations", str(config.iterations), "--seed", str(config.seed)]
     default = type(config)()
     if config.restart_s != default.restart_s:
-        words += ["--restart-s", f"{config.restart_s:g}"]
+        restart_s = float(config.restart_s)
+        words += ["--restart-s", str(int(restart_s)) if restart_s.is_integer() else repr(restart_s)]
     if config.hardware != default.hardware:
         words += ["--hardware", config.hardware]
     if config.models != default.models:
