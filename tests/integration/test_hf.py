@@ -197,6 +197,12 @@ def test_a_batch_that_saves_what_the_trace_did_not_warns():
     loss.backward()
     executor.release("padded")
     assert record.unknown_bytes > 0
+    with warnings.catch_warnings():  # said once per trace: a second such micro-batch is quiet
+        warnings.simplefilter("error")
+        with executor.micro_batch("padded again"):
+            loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+        loss.backward()
+        executor.release("padded again")
 
 
 def test_a_batch_routed_otherwise_than_the_traced_one_keeps_the_predicted_bytes():
