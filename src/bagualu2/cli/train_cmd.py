@@ -107,12 +107,12 @@ def train(
         raise CliError(f"must be below --nnodes={nnodes}, got {node_rank}", "--node-rank")
     master_addr = rendezvous_host(master_addr)
     trainer_args = list(ctx.args)
-    if "--help" in trainer_args or "-h" in trainer_args:  # the trainer's own help, once
+    # the trainer's own answer, once (not once per rank): its help, or the ranks its flags need
+    asked = (["--help"] if "--help" in trainer_args or "-h" in trainer_args else
+             trainer_args if "--world-size" in trainer_args and not dry_run else None)
+    if asked is not None:
         require_extra("trainer")
-        raise typer.Exit(code=subprocess.run([sys.executable, "-m", TRAINER, "--help"]).returncode)
-    if "--world-size" in trainer_args and not dry_run:  # the trainer's answer (the ranks its flags need), once
-        require_extra("trainer")
-        raise typer.Exit(code=subprocess.run([sys.executable, "-m", TRAINER, *trainer_args]).returncode)
+        raise typer.Exit(code=subprocess.run([sys.executable, "-m", TRAINER, *asked]).returncode)
     if nproc_per_node is None:
         nproc_per_node = _world_size(trainer_args, nnodes)
     elif dry_run and nproc_per_node * nnodes != (world := _world_size(trainer_args, 1)):

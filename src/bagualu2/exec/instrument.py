@@ -157,8 +157,9 @@ class InstrumentedModel:
         self._mode_modules: list[tuple[str, torch.nn.Module]] = []  # mapped modules and dropout modules
         self.removed = False
         self._restores: list[Callable[[], None]] = []  # what remove() undoes besides the hooks (on_remove)
-        self.warned_untraced = False  # UntracedSavingsWarning is given once per trace (a routing-dependent model
-        # would otherwise give it at every micro-batch)
+        # UntracedSavingsWarning once per trace: a model whose savings follow the routing would give it at every
+        # micro-batch
+        self._warned_untraced = False
         modules = dict(model.named_modules())
         self._hooked = [modules[path] for path in self.bindings]
         # the layers transformers' activation checkpointing switches (those with the attribute), found once: every
@@ -249,7 +250,7 @@ class InstrumentedModel:
         finally:
             TRACER.reset(token)
         self.trace = build_graph_of(recorder, self.model, hardware, activation_dtype=self._activation_dtype())
-        self.warned_untraced = False  # a new trace: its first untraced saving is said again
+        self._warned_untraced = False  # a new trace: its first untraced saving is said again
         self.traced_autocast = recorder.autocast
         self._mode_modules = [(path, module) for path, module in self.model.named_modules()
                               if path in self.bindings or isinstance(module, DROPOUT_MODULES)]
@@ -303,8 +304,8 @@ class InstrumentedModel:
                              f"sizes than traced (e.g. {name}: {now} bytes, traced {traced}): the input's shape "
                              "changed since trace_graph; trace at the shape the model runs and make a new executor")
         untraced = {op: nbytes for op, nbytes in record.unknown_ops.items() if op is not None}
-        if untraced and not self.warned_untraced:  # savings of an op that met none of its traced slots: said once
-            self.warned_untraced = True
+        if untraced and not self._warned_untraced:  # savings of an op that met none of its traced slots: said once
+            self._warned_untraced = True
             ops = ", ".join(f"{op} {nbytes:,} B" for op, nbytes in list(untraced.items())[:3])
             warnings.warn(f"micro-batch {record.name!r} keeps savings its traced forward did not make ({ops}): it "
                           "took another path through the model than the traced batch (an attention mask of another "

@@ -6,8 +6,6 @@ costs nothing. Both charts take the :class:`~bagualu2.fusion.simulate.Timeline` 
 
 from __future__ import annotations
 
-from ..costmodel.validate import replacement_mode, require_int
-
 import contextlib
 import errno
 import io
@@ -18,6 +16,7 @@ import warnings
 from pathlib import Path
 
 from ..costmodel import Resource
+from ..costmodel.validate import replacement_mode, require_int
 from .chains import CHAIN_KINDS, Chains
 from .simulate import Timeline
 
