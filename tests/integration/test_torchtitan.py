@@ -269,6 +269,35 @@ def test_expert_parallel_flexible_fits_a_spike_that_static_under_does_not(expert
     assert any(row["downgraded_layers"] for rank in (0, 1) for rows in reports[rank]["steps"][1:] for row in rows)
 
 
+FP32_STEPS = 2
+FP32_CAP_MIB = 12  # stage 1 keeps ~12.50 MiB at balanced rows under its pre-gate plan: a spike must be re-planned
+FP32 = (*EXPERT_PARALLEL, "--training.steps", str(FP32_STEPS), "--training.mixed_precision_param", "float32")
+
+
+@pytest.mark.launch
+def test_expert_parallel_in_fp32_with_a_pipeline(assets, tmp_path):
+    """PP 2 x EP 2 with fp32 parameters: the grouped GEMMs keep only their own bf16 casts of the rows, which no op
+    makes and nothing can recompute. The gate may still offload them (they are stored after it), and the full
+    downgrade every expert-parallel rank runs when any rank's gate changed its plan offloads them: bit for bit,
+    kept bytes as predicted and within the cap (the gate once kept a plan that fit only balanced rows)."""
+    _, tokenizer, data = assets
+    launch(tmp_path / "plain", tokenizer, data, 4, FP32, "--model.converters", "probe", env=SPIKE)
+    launch(tmp_path / "planned", tokenizer, data, 4, FP32, "--model.converters", "bagualu2,probe",
+           "--bagualu2.memory_cap_mib", str(FP32_CAP_MIB), "--bagualu2.no-quantize", "--bagualu2.report_path",
+           str(tmp_path / "planned" / "report.{rank}.jsonl"), env=SPIKE)
+    for rank in range(4):
+        plain, planned = ((tmp_path / kind / f"grads.{rank}.json").read_text() for kind in ("plain", "planned"))
+        assert json.loads(planned) == json.loads(plain) and len(json.loads(plain)) == FP32_STEPS
+    cap = FP32_CAP_MIB << 20
+    rows = [row for rank in range(4) for steps in read_report(tmp_path / "planned" / f"report.{rank}.jsonl")["steps"]
+            for row in steps]
+    assert len(rows) == 4 * FP32_STEPS * MICROBATCHES
+    for row in rows:
+        assert abs(row["kept_bytes"] - row["predicted_bytes"]) <= EP_SLACK_BYTES and row["kept_bytes"] <= cap
+    assert any(row["stage"] == 1 and row["downgraded_layers"] and ".dispatch." in row["plan"]
+               and "OFFLOAD" in row["plan"] for row in rows)  # the rows' casts offloaded after the gate
+
+
 MISUSE = """
 import copy, sys
 sys.path.insert(0, "tests/integration")

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from bagualu2.costmodel import Op, OpGraph, Plan, Resource, Saving, TensorSpec, evaluate, presets
+from bagualu2.costmodel import Op, OpGraph, Plan, Resource, Saving, Strategy, TensorSpec, evaluate, presets
 from bagualu2.runtime import GateAction, after_gate, after_router_tensors, downgrade_plan, gate_free_tensors
-from bagualu2.runtime.gate import copy_windows
+from bagualu2.runtime.gate import copy_windows, unmade_after_router
 
 HW = presets.hardware("cpu")
 
@@ -73,3 +73,39 @@ def test_keep_fits_is_the_callers_exact_answer_for_the_plan_in_force():
 
 def test_copies_are_priced_in_full_then_free_up_to_the_window_and_up_to_half_of_it():
     assert copy_windows(0) == (0,) and copy_windows(1) == (0, 1) and copy_windows(9) == (0, 9, 4)
+
+
+def cast_graph() -> OpGraph:
+    """router -> experts whose GEMM keeps only its own cast of the rows (``c``: no op makes it, as traced from fp32
+    grouped GEMMs), and a norm before the router that keeps a graph input ``y`` no op makes either."""
+    ops = (
+        _op("norm", "norm", ["x", "y"], ["h"], ["x", "y"]),
+        _op("router", "router", ["h"], ["w"], ["h"]),
+        _op("dispatch", "dispatch", ["h", "w"], ["rows"], []),
+        _op("expert_fc1", "expert_fc1", ["rows", "c"], ["e"], ["c"]),
+        _op("expert_act", "expert_act", ["e"], ["a"], ["e"]),
+    )
+    tensors = {name: TensorSpec(name, 256 if name == "c" else 64, "fp32", producer, routed)
+               for name, producer, routed in (("x", None, False), ("y", None, False), ("h", "norm", False),
+                                              ("w", "router", False), ("rows", "dispatch", True),
+                                              ("c", None, True), ("e", "expert_fc1", True), ("a", "expert_act", True))}
+    return OpGraph(ops=ops, tensors=tensors, hardware=HW, pinned=frozenset({("norm", "x")}), activation_dtype="fp32",
+                   mean_routed_tokens=4)
+
+
+def test_what_only_ops_after_the_router_keep_and_no_op_makes_can_still_be_offloaded():
+    g = cast_graph()
+    assert unmade_after_router(g) == {"c"}  # not y: the norm, before the router, stored it already
+    assert "c" in gate_free_tensors(g) and "y" not in gate_free_tensors(g)
+    full = downgrade_plan(g)
+    assert full.explicit()[("expert_fc1", "c")] is Strategy.OFFLOAD  # nothing can recompute it
+    assert full.explicit()[("expert_act", "e")] is Strategy.RECOMPUTE
+    assert not evaluate(g, full).unavailable
+    keep = evaluate(g, Plan())
+    c_bytes = g.tensors["c"].nbytes
+    # only offloading c fits (c is 4x each other tensor): the gate must find it, graded and paper
+    budget = keep.activation_bytes - c_bytes
+    for mode in ("graded", "paper"):
+        decision = after_gate(g, Plan(), budget, downgrade=mode)
+        assert decision.cost.activation_bytes <= budget, mode
+        assert decision.plan.explicit()[("expert_fc1", "c")] is Strategy.OFFLOAD, mode

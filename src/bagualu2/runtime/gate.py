@@ -14,8 +14,9 @@ built at the measured imbalance:
 * ``replan``    graded re-planning: greedy over the tensors of the MoE module (:func:`gate_free_tensors`: made
                 by the norm feeding the router, the router and after it), the rest fixed, at the measured
                 imbalance — the cheapest plan of that part that fits;
-* ``downgrade`` the paper's full MoE-module recompute (every tensor made after the router RECOMPUTE): the
-                fallback when nothing cheaper fits, and the only option with ``downgrade="paper"``.
+* ``downgrade`` the paper's full MoE-module recompute (every tensor made after the router RECOMPUTE; what an op
+                after the router keeps that no op makes, on a traced graph, OFFLOAD): the fallback when nothing
+                cheaper fits, and the only option with ``downgrade="paper"``.
 
 Among the options that fit, the cheapest (``PlanCost.overhead_ns``) wins, so a re-plan never costs more than the
 full downgrade and fits whenever it does. When nothing fits the full downgrade is returned (an overrun the caller
@@ -106,6 +107,29 @@ def after_router_tensors(graph: OpGraph, layers=None) -> frozenset[str]:
     return found
 
 
+def unmade_after_router(graph: OpGraph, layers=None) -> frozenset[str]:
+    """Tensors no op makes (on a traced graph: what an op that can never re-run keeps, e.g. the rows a grouped GEMM
+    casts for itself) that only MoE ops after the router (of ``layers``, default all) save: not stored yet when
+    the gate decides, never recomputable, so the gate may still offload them."""
+    check_graph(graph)
+    memo = _AFTER.setdefault(graph, {})
+    key = ("unmade", layers_key(layers))
+    found = memo.get(key)
+    if found is None:
+        after_router_tensors(graph, layers)  # refuses a layer with no MoE module
+        wanted, routed, savers = key[1], set(), set()
+        for op in graph.ops:
+            if op.kind == "router":
+                routed.add(op.layer)
+            elif op.kind in MOE_KINDS and op.layer in routed and (wanted is None or op.layer in wanted):
+                savers.add(op.name)
+        found = memo[key] = frozenset(
+            name for name, spec in graph.tensors.items()
+            if spec.producer is None and graph.consumers(name)
+            and all(saver in savers for saver, _ in graph.consumers(name)))
+    return found
+
+
 def gate_free_tensors(graph: OpGraph, layers=None) -> frozenset[str]:
     """What the graded re-plan may change after the gate of ``layers`` (default all MoE layers): the tensors of the
     whole MoE module — made by the norm that feeds the router, by the router and after it (one the norm or the
@@ -140,25 +164,30 @@ def gate_free_tensors(graph: OpGraph, layers=None) -> frozenset[str]:
             return all((saver in router_of and saver in making) or position[saver] > router
                        for saver, _ in graph.consumers(tensor))
 
-        found = memo[key] = after | frozenset(name for name, spec in graph.tensors.items()
-                                              if spec.producer in router_of and held(name))
+        found = memo[key] = after | unmade_after_router(graph, layers) | frozenset(
+            name for name, spec in graph.tensors.items() if spec.producer in router_of and held(name))
     return found
 
 
 def downgrade_plan(graph: OpGraph, plan: Plan | None = None, *, layers=None) -> Plan:
     """``plan`` with the MoE modules of ``layers`` (default: all) downgraded after their gate: every saving of a
-    tensor made by a MoE op after the router set to RECOMPUTE (pinned savings stay)."""
+    tensor made by a MoE op after the router set to RECOMPUTE, and of one no op makes that only ops after the
+    router save (:func:`unmade_after_router`, which nothing can recompute) to OFFLOAD; pinned savings stay."""
     check_graph(graph)
     plan = Plan.coerce(plan)
     memo = _AFTER.setdefault(graph, {})  # a pure function of its arguments: the gate asks again at every need level
     key = ("downgrade", None if plan is None else plan.entries, layers_key(layers))
     found = memo.get(key)
     if found is None:
-        after = after_router_tensors(graph, layers)
+        after, unmade = after_router_tensors(graph, layers), unmade_after_router(graph, layers)
         entries = dict(plan.entries) if plan is not None else {}
         for op, saving in graph.savings:
-            if saving.tensor in after and (op.name, saving.tensor) not in graph.pinned:
+            if (op.name, saving.tensor) in graph.pinned:
+                continue
+            if saving.tensor in after:
                 entries[f"{op.name}/{saving.tensor}"] = Strategy.RECOMPUTE
+            elif saving.tensor in unmade:
+                entries[f"{op.name}/{saving.tensor}"] = Strategy.OFFLOAD
         found = memo[key] = Plan(tuple(entries.items()))
     return found
 
