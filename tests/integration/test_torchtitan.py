@@ -30,6 +30,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -296,6 +297,20 @@ def test_expert_parallel_in_fp32_with_a_pipeline(assets, tmp_path):
         assert abs(row["kept_bytes"] - row["predicted_bytes"]) <= EP_SLACK_BYTES and row["kept_bytes"] <= cap
     assert any(row["stage"] == 1 and row["downgraded_layers"] and ".dispatch." in row["plan"]
                and "OFFLOAD" in row["plan"] for row in rows)  # the rows' casts offloaded after the gate
+
+    # the least a stage can keep grows with the rows a rank receives (the module around the experts keeps what it
+    # saves): a cap the start-up check accepts runs through the spike, even one just above what it refuses
+    refused = launch(tmp_path / "refused", tokenizer, data, 4, FP32, "--model.converters", "bagualu2",
+                     "--bagualu2.memory_cap_mib", "1", "--bagualu2.no-quantize", env=SPIKE, ok=False)
+    needs = [int(k) * int(n) for k, n in re.findall(r"needs: (\d+) micro-batch\(es\) in flight x (\d+) bytes", refused)]
+    assert needs, refused[-3000:]
+    least_mib = f"{(max(needs) + 64) / (1 << 20):.7f}"
+    launch(tmp_path / "least", tokenizer, data, 4, FP32, "--model.converters", "bagualu2,probe",
+           "--bagualu2.memory_cap_mib", least_mib, "--bagualu2.no-quantize", "--bagualu2.report_path",
+           str(tmp_path / "least" / "report.{rank}.jsonl"), env=SPIKE)
+    for rank in range(4):
+        assert ((tmp_path / "least" / f"grads.{rank}.json").read_text()
+                == (tmp_path / "plain" / f"grads.{rank}.json").read_text())
 
 
 MISUSE = """

@@ -7,8 +7,9 @@ micro-batch (one extra forward and backward: gradients computed, not accumulated
 and the random state restored), and applies plans through ``exec.apply_plan``. Per micro-batch:
 
 1. **budget** — Algorithm 1 (``budget.BudgetAssigner``): ``M_max`` the stage's cap, ``M0`` the least a micro-batch
-   can keep (``graph.floor_bytes``), the in-flight count of the stage under 1F1B (``pp - stage``, at most the
-   number of micro-batches); a new assigner every step;
+   can keep whatever the routing (``graph.floor_bytes`` at the most rows a rank's experts can receive), the
+   in-flight count of the stage under 1F1B (``pp - stage``, at most the number of micro-batches); a new assigner
+   every step;
 2. **plan** — ``flexible``: greedy on the traced graph at balanced routing for the budget; the gate then re-plans
    the MoE modules for the routing it measured (``exec.DeferredPlanner.for_graph``, the runtime's one after-gate
    decision). ``static-under`` / ``static-over``: one plan for ``cap / in-flight`` at balanced routing / at the
@@ -138,13 +139,17 @@ class StageProvisioner:
         self.graph: OpGraph = planned_graph(graph, quantize=config.quantize,
                                             expert_parallel=expert_parallel_degree > 1)
         self.cap_bytes = cap = config.cap_bytes
-        floor = self.graph.floor_bytes
+        routed = bool(self.graph.mean_routed_tokens)
+        self.engine = TracedStage(self.graph) if routed else None
+        # the least a micro-batch keeps (M0) grows with the rows its experts receive where what the module around
+        # them saves is kept (under expert parallelism): M0 at the most rows a rank can receive, for every routing
+        most = float(expert_parallel_degree) if routed else 1.0
+        self.floor_bytes = floor = self.engine.graph(0, most).floor_bytes if routed else self.graph.floor_bytes
         if cap is not None and cap < self.in_flight * floor:
             raise ValueError(f"bagualu2.memory_cap_mib={config.memory_cap_mib} is below what pipeline stage "
                              f"{stage_index} needs: {self.in_flight} micro-batch(es) in flight x {floor} bytes each "
-                             f"at least (full recompute) = {self.in_flight * floor / 2**20:.2f} MiB")
-        routed = bool(self.graph.mean_routed_tokens)
-        self.engine = TracedStage(self.graph) if routed else None
+                             f"at least (full recompute, whatever the routing) = "
+                             f"{self.in_flight * floor / 2**20:.4f} MiB")
         policy = config.policy if cap is not None else "off"
         self.policy = policy
         self.planner = None
@@ -198,7 +203,7 @@ class StageProvisioner:
 
     def _begin_round(self) -> None:
         """A run of the pipeline schedule (one per step, or one per gradient-accumulation micro-step)."""
-        self.assigner = (BudgetAssigner(m_max_bytes=self.cap_bytes, m0_bytes=self.graph.floor_bytes,
+        self.assigner = (BudgetAssigner(m_max_bytes=self.cap_bytes, m0_bytes=self.floor_bytes,
                                         num_microbatches=self.num_microbatches, num_warmup=self.in_flight)
                          if self.policy == "flexible" else None)
         self._names: dict[int, str] = {}
