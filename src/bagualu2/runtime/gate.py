@@ -12,8 +12,9 @@ built at the measured imbalance:
                 keeps at most ``limit_bytes`` (what still leaves ``M0`` for every not-yet-launched warmup
                 batch): accepted, the next budgets shrink (paper §V-A);
 * ``replan``    graded re-planning: greedy over the tensors of the MoE module (:func:`gate_free_tensors`: made
-                by the norm feeding the router, the router and after it), the rest fixed, at the measured
-                imbalance — the cheapest plan of that part that fits;
+                by the norm feeding the router, the router and after it, and what only ops after the router keep
+                that no op makes), the rest fixed, at the measured imbalance — the cheapest plan of that part
+                that fits;
 * ``downgrade`` the paper's full MoE-module recompute (every tensor made after the router RECOMPUTE; what an op
                 after the router keeps that no op makes, on a traced graph, OFFLOAD): the fallback when nothing
                 cheaper fits, and the only option with ``downgrade="paper"``.
@@ -133,7 +134,8 @@ def unmade_after_router(graph: OpGraph, layers=None) -> frozenset[str]:
 def gate_free_tensors(graph: OpGraph, layers=None) -> frozenset[str]:
     """What the graded re-plan may change after the gate of ``layers`` (default all MoE layers): the tensors of the
     whole MoE module — made by the norm that feeds the router, by the router and after it (one the norm or the
-    router made that an op before the router already stored, a shared expert some models run first, is not).
+    router made that an op before the router already stored, a shared expert some models run first, is not),
+    and those no op makes that only ops after the router keep (:func:`unmade_after_router`: offload only).
     Their ops either have not run yet or have just run and can still be re-run in backward from the module input
     (the paper's "full recompute of the MoE module" restarts from there); ``exec`` holds the savings of the norm and the router
     provisionally until the gate settles them."""
