@@ -7,7 +7,8 @@ torchrun's run id in the temp directory) and exits with ``OOM_EXIT_CODE``; torch
 every rank the policy to run (the fallback of the one that ran out of memory; a fallback taken earlier stays in
 force across later restarts), then folds the markers into
 ``run_state.json``: OOM events, restarts, steps lost (the failed step minus the checkpoint it resumes from), and,
-once its first step completes, the restart seconds (from the error to that step). ``started_at`` is the first
+once its first step completes, the restart seconds (from the error to that step); restarts count over every
+launch of the run (a ``--resume`` launch goes on from the earlier launches' count). ``started_at`` is the first
 launch's time, so the effective tokens/s count every restart and every lost step. Files are written atomically.
 
 Other faults restart the same way: a rank whose watchdog saw no progress, or whose collective failed, writes
@@ -137,6 +138,7 @@ class RunState:
         resumed one's continues; the logger rank writes the state."""
         policies = self.data["policies"]
         self.data["policies"] = [policy] if fresh else policies + [policy] if policies[-1:] != [policy] else policies
+        self.data["restarts_before"] = self.data["restarts"]  # this launch's restarts count on from the run's
         if is_logger:
             self.save()
 
@@ -165,7 +167,7 @@ class RunState:
         markers = self.markers()  # read once: the logger rank deletes them below while the others read
         faults = self.markers("fault-rank*.json")
         incident = min(markers, key=lambda m: m["time"]) if markers else None
-        self.data["restarts"] = max(self.data["restarts"], restart_count)
+        self.data["restarts"] = max(self.data["restarts"], self.data.get("restarts_before", 0) + restart_count)
         self.pending_error_at = self.launched_at  # a rank killed outright: from this launch's start (lower bound)
         if incident is not None:
             incident = {**incident, "peak_activation_bytes": max(m.get("peak_activation_bytes", 0) for m in markers)}

@@ -509,7 +509,7 @@ class Session:
                 "steps_run": steps, "first_loss": totals["first_loss"], "max_prediction_error": totals["error"],
                 "seconds": elapsed,
                 "final_loss": finite(totals["loss"]) if totals["loss"] is not None else None,
-                "oom_events": state["oom_events"], "stalls": state.get("stalls", 0), "restarts": self.restarts,
+                "oom_events": state["oom_events"], "stalls": state.get("stalls", 0), "restarts": state["restarts"],
                 "restart_s": state["restart_s"], "skipped_steps": self.counts["skipped"],
                 "checkpoint_failures": self.counts["checkpoint_failures"],
                 "steps_lost": state["steps_lost"], "reruns": self.counts["reruns"], "policy": self.config.policy,

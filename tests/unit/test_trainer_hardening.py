@@ -178,3 +178,23 @@ def test_a_run_state_that_is_not_an_object_is_no_state(tmp_path, text):
     (tmp_path / "oom-rank0.json").write_text(text)
     state = RunState(str(tmp_path), fresh=False)
     assert state.data["restarts"] == 0 and state.markers() == [] and state.last_oom() is None
+
+
+def test_restarts_count_over_every_launch_of_the_run(tmp_path):
+    """A run restarted once by torchrun, killed, and resumed by a new launch that is restarted once more: two
+    restarts, like its OOM events and restart seconds (the summary's ``restarts``), not the last launch's one."""
+    from reference_trainer.restarts import RunState
+
+    first = RunState(str(tmp_path), fresh=True, first_launch=True)
+    first.launched("static-under", fresh=True, is_logger=True)
+    RunState(str(tmp_path), fresh=False).restarted(restart_count=1, resume_step=0, policy="static-under",
+                                                   is_logger=True)
+    resumed = RunState(str(tmp_path), fresh=False, first_launch=True)  # --resume: a new launch, torchrun count 0
+    resumed.launched("static-under", fresh=False, is_logger=True)
+    assert resumed.data["restarts"] == 1
+    again = RunState(str(tmp_path), fresh=False)
+    again.restarted(restart_count=1, resume_step=0, policy="static-under", is_logger=True)
+    assert again.data["restarts"] == 2
+    again.restarted(restart_count=1, resume_step=0, policy="static-under", is_logger=False)  # another rank: the same
+    assert RunState(str(tmp_path), fresh=False).data["restarts"] == 2
+    assert RunState(str(tmp_path), fresh=True).data["restarts"] == 0  # a new run starts over
