@@ -34,3 +34,21 @@ def test_paper_fast_path_equals_the_runtime_decision(plan, layer, rate, fraction
     if got is not None:
         assert got == want.plan
     assert PLANNER.decisions[-1] == (layer, imbalance, evaluate(graph, plan).activation_bytes, want.changed)
+
+
+def test_what_no_op_makes_is_neither_standby_nor_provisional():
+    """A tensor no op makes that only ops after the router keep (the gate may offload it) is stored after the
+    gate: exec holds nothing of it, and no ``None`` producer enters the standby ops."""
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from bagualu2.exec.provisional import standby_ops
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_gate_program_order import cast_graph
+
+    for mode in ("graded", "paper"):
+        ops, provisional = standby_ops(cast_graph(), SimpleNamespace(mode=mode))
+        assert None not in ops and ops == {"norm", "router"}, mode
+        assert "c" not in provisional, mode

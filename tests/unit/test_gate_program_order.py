@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 
 from bagualu2.costmodel import Op, OpGraph, Plan, Resource, Saving, Strategy, TensorSpec, evaluate, presets
-from bagualu2.runtime import GateAction, after_gate, after_router_tensors, downgrade_plan, gate_free_tensors
-from bagualu2.runtime.gate import copy_windows, unmade_after_router
+from bagualu2.runtime import (GateAction, after_gate, after_router_tensors, downgrade_plan, gate_free_tensors,
+                              unmade_after_router)
+from bagualu2.runtime.gate import copy_windows
 
 HW = presets.hardware("cpu")
 
@@ -109,3 +110,11 @@ def test_what_only_ops_after_the_router_keep_and_no_op_makes_can_still_be_offloa
         decision = after_gate(g, Plan(), budget, downgrade=mode)
         assert decision.cost.activation_bytes <= budget, mode
         assert decision.plan.explicit()[("expert_fc1", "c")] is Strategy.OFFLOAD, mode
+
+
+def test_what_a_pinned_saving_keeps_is_not_offloaded():
+    g = cast_graph()
+    pinned = OpGraph(ops=g.ops, tensors=g.tensors, hardware=HW, pinned=g.pinned | {("expert_fc1", "c")},
+                     activation_dtype="fp32", mean_routed_tokens=4)
+    assert unmade_after_router(pinned) == frozenset()
+    assert ("expert_fc1", "c") not in downgrade_plan(pinned).explicit()

@@ -20,7 +20,7 @@ import torch
 
 from bagualu2.costmodel.graph import OpGraph
 from bagualu2.costmodel.strategy import Strategy
-from bagualu2.runtime import after_router_tensors, gate_free_tensors
+from bagualu2.runtime import after_router_tensors, gate_free_tensors, unmade_after_router
 
 from .packing import unpack
 from .record import MicroBatchRecord
@@ -49,7 +49,7 @@ def standby_ops(graph: OpGraph, deferred) -> tuple[frozenset[str], frozenset[str
     without a deferred planner."""
     if deferred is None:
         return frozenset(), frozenset()
-    free = gate_free_tensors(graph)
+    free = gate_free_tensors(graph) - unmade_after_router(graph)  # what no op makes is stored after the gate
     ops = frozenset(graph.tensors[t].producer for t in free - after_router_tensors(graph))
     if getattr(deferred, "mode", "paper") != "graded":
         return ops, frozenset()

@@ -6,7 +6,7 @@ Python: never imports torch."""
 
 from .buckets import ceil_bucket, floor_bucket
 from .gate import (DOWNGRADES, GateAction, GateDecision, after_gate, after_router_tensors, check_downgrade,
-                   downgrade_plan, gate_free_tensors)
+                   downgrade_plan, gate_free_tensors, unmade_after_router)
 from .iteration import Forward, Iteration, IterationRun, run_iteration
 from .path import DecisionPath
 from .records import Decision
@@ -17,4 +17,4 @@ from .stage import Memo, Stage, Step, TracedStage
 __all__ = ["DOWNGRADES", "Decision", "DecisionPath", "Forward", "ForwardDecision", "GateAction", "GateDecision",
            "Iteration", "IterationReplay", "IterationRun", "Memo", "PointOrders", "Stage", "Step", "TracedStage", "after_gate",
            "after_router_tensors", "ceil_bucket", "check_downgrade", "downgrade_plan", "floor_bucket",
-           "gate_free_tensors", "replay_iteration", "run_iteration", "spike_trace"]
+           "gate_free_tensors", "replay_iteration", "run_iteration", "spike_trace", "unmade_after_router"]

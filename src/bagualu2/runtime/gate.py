@@ -124,10 +124,10 @@ def unmade_after_router(graph: OpGraph, layers=None) -> frozenset[str]:
                 routed.add(op.layer)
             elif op.kind in MOE_KINDS and op.layer in routed and (wanted is None or op.layer in wanted):
                 savers.add(op.name)
-        found = memo[key] = frozenset(
+        found = memo[key] = frozenset(  # one a pinned saving keeps on the device would be copied for nothing
             name for name, spec in graph.tensors.items()
             if spec.producer is None and graph.consumers(name)
-            and all(saver in savers for saver, _ in graph.consumers(name)))
+            and all(saver in savers and (saver, name) not in graph.pinned for saver, _ in graph.consumers(name)))
     return found
 
 
@@ -137,8 +137,9 @@ def gate_free_tensors(graph: OpGraph, layers=None) -> frozenset[str]:
     router made that an op before the router already stored, a shared expert some models run first, is not),
     and those no op makes that only ops after the router keep (:func:`unmade_after_router`: offload only).
     Their ops either have not run yet or have just run and can still be re-run in backward from the module input
-    (the paper's "full recompute of the MoE module" restarts from there); ``exec`` holds the savings of the norm and the router
-    provisionally until the gate settles them."""
+    (the paper's "full recompute of the MoE module" restarts from there), and what no op makes is stored only
+    after the gate; ``exec`` holds the savings of the norm and the router provisionally until the gate settles
+    them."""
     check_graph(graph)
     memo = _AFTER.setdefault(graph, {})
     key = ("module", layers_key(layers))
