@@ -118,6 +118,7 @@ class Bagualu2Converter:
         self.provisioners: dict[int, object] = {}
         self.unplanned: set[int] = set()  # pipeline stages without a transformer layer: they run unplanned
         self.step = 0
+        self._counted = False  # whether self.step went on from the optimizer's count (post_optimizer_hook)
         self._tracing = False
         self.metrics = None  # torchtitan's metrics processor, once the trainer built it (a supported model)
         _CONVERTERS.add(self)
@@ -202,7 +203,10 @@ class Bagualu2Converter:
         return max(counted, default=self.step)
 
     def post_optimizer_hook(self, model_parts) -> None:
-        self.step = max(self._steps_taken(), self.step + 1)
+        # the optimizer's count is read at the launch's first step only (one read per parameter, a device sync
+        # each where the steps live on the device); then the steps are counted here
+        self.step = self.step + 1 if self._counted else max(self._steps_taken(), self.step + 1)
+        self._counted = True
         for provisioner in self.provisioners.values():
             provisioner.end_step(self.step)
         metrics = self.metrics

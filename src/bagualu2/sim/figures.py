@@ -16,10 +16,6 @@ def _figure(width: float, height: float):
     return Figure(figsize=(width, height), dpi=100)
 
 
-def _png(figure) -> bytes:
-    return png_bytes(figure)
-
-
 def _bars(axes, labels, series: dict[str, list[float]], ylabel: str) -> None:
     width = 0.8 / len(series)
     for i, (name, values) in enumerate(series.items()):
@@ -39,7 +35,7 @@ def fig8(report: Report) -> bytes:
     top.set_title("Fig. 8: throughput and MFU across scales (simulated)", fontsize=10)
     _bars(bottom, labels, {p: [r.mfu(p) for r in runs] for p in policies}, "MFU")
     bottom.legend(fontsize=7, ncol=len(policies), loc="upper center")
-    return _png(figure)
+    return png_bytes(figure)
 
 
 def fig9(report: Report) -> bytes:
@@ -56,7 +52,7 @@ def fig9(report: Report) -> bytes:
     bottom.set_ylabel("MFU")
     bottom.set_ylim(bottom=0)
     bottom.legend(fontsize=8, ncol=len(FIG9_POLICIES), loc="lower right")
-    return _png(figure)
+    return png_bytes(figure)
 
 
 def fig10(report: Report) -> bytes:
@@ -68,7 +64,7 @@ def fig10(report: Report) -> bytes:
         _bars(axes, [r.label for r in runs], {p: [r.mfu(p) for r in runs] for p in policies}, "MFU")
         axes.set_title(f"Fig. 10{title} (simulated)", fontsize=10)
     panels[1].legend(fontsize=7)
-    return _png(figure)
+    return png_bytes(figure)
 
 
 def fig11(report: Report) -> bytes:
@@ -81,7 +77,7 @@ def fig11(report: Report) -> bytes:
         axes.annotate(f"{b / a:.2f}x", (x, b), ha="center", va="bottom", fontsize=8)
     axes.set_ylabel("MFU")
     axes.set_title(f"Fig. 11: ablation, {report.config.focus} (simulated)", fontsize=10)
-    return _png(figure)
+    return png_bytes(figure)
 
 
 def figures(report: Report) -> dict[str, bytes]:
