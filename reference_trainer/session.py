@@ -221,6 +221,9 @@ class Session:
         step = checkpoint.load(path, state)
         mine = state[f"rank{self.groups.rank}"]
         extra = checkpoint.unpack_json(mine.pop("extra"))
+        if extra.get("step") != step:  # every rank saved the step it agreed on; only an edited manifest differs
+            raise checkpoint.CheckpointError(f"checkpoint {path}: its manifest records step {step}, its ranks saved "
+                                             f"step {extra.get('step')}")
         checkpoint.set_rng_state(mine)
         self.run.batches.load_state_dict(extra["data"])
         self.provisioner.load_state_dict(extra["provisioner"])

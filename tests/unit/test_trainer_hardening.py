@@ -144,7 +144,7 @@ def test_a_refused_launch_is_refused_by_its_restarts_only(tmp_path, monkeypatch)
 
 
 @pytest.mark.launch
-def test_steps_below_the_resumed_checkpoint_is_one_line(tmp_path):
+def test_steps_below_the_resumed_checkpoint_and_an_edited_manifest_are_one_line(tmp_path):
     base = [sys.executable, "-m", "reference_trainer.train", "--pp", "1", "--dp", "1", "--ep", "1",
             "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "2"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
@@ -153,6 +153,15 @@ def test_steps_below_the_resumed_checkpoint_is_one_line(tmp_path):
     again = subprocess.run(base + ["--steps", "1", "--resume"], capture_output=True, text=True, env=env, timeout=300)
     lines = [line for line in again.stderr.splitlines() if line.strip()]
     assert again.returncode == 2 and lines == [lines[0]] and "--steps 1 is below step 2" in lines[0], again.stderr
+    # a manifest edited to another step (its directory renamed to match) disagrees with what the ranks saved
+    moved = tmp_path / "ck" / "step-00000005"
+    (tmp_path / "ck" / "step-00000002").rename(moved)
+    manifest = json.loads((moved / checkpoint.MANIFEST).read_text())
+    (moved / checkpoint.MANIFEST).write_text(json.dumps({**manifest, "step": 5}))
+    edited = subprocess.run(base + ["--steps", "6", "--resume"], capture_output=True, text=True, env=env, timeout=300)
+    lines = [line for line in edited.stderr.splitlines() if line.strip()]
+    assert edited.returncode == 2 and lines == [lines[0]], edited.stderr
+    assert "manifest records step 5, its ranks saved step 2" in lines[0], edited.stderr
 
 
 def test_a_full_disk_stops_the_metrics_log_with_one_warning_not_the_run(tmp_path, capsys):
