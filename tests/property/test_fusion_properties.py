@@ -1,6 +1,7 @@
 """The fusion DP against the simulator, the baselines and the exact CP-SAT schedule on random chains."""
 
 import itertools
+import math
 import warnings
 
 import pytest
@@ -251,3 +252,48 @@ def test_warmup_and_cooldown_points():
                           offload=Chain("O", (Stage("o", Resource.D2H, 4),)))
     assert dp.solve(forward_only).makespan_ns == 7
     assert dp.solve(Chains()).makespan_ns == 0
+
+
+@given(random_chains(), st.sampled_from([0.0, 20 / 132]))
+def test_chains_over_the_table_bound_are_ordered_in_two_steps_and_never_lose_to_a_baseline(chains, share):
+    """Past ``MAX_STATES`` (here lowered so that small chains cross it) the order is F and B by the DP with the
+    copies beside them or at the edges, or a baseline's: valid, timed right, no better than the one-table DP and no
+    worse than any baseline."""
+    optimum = dp.solve(chains, share=share)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dp, "MAX_STATES", 6)
+        order = dp.solve(chains, share=share)
+    _order_keeps_chains(order, chains)
+    assert order.makespan_ns == (makespan_ns(order, chains, share) if share else simulate(order, chains).makespan_ns)
+    assert optimum.makespan_ns <= order.makespan_ns <= chains.sequential_ns
+    for name, baseline in baselines.BASELINES.items():
+        assert order.makespan_ns <= makespan_ns(baseline(chains), chains, share), name
+
+
+def test_long_chains_never_build_a_table_past_the_bound():
+    """A 50-layer chunk's point (201 F and B stages, 16 copy pieces each way: 11.7 million states) is ordered
+    without building its table: F and B alone (40,804 states) by the DP."""
+    def chain(kind, resources, count):
+        return Chain(kind, tuple(Stage(f"{kind}{i}", resources[i % len(resources)], 100 + (i * 37) % 50)
+                                 for i in range(count)))
+
+    compute_comm = (Resource.COMPUTE, Resource.COMM)
+    chains = Chains(chain("F", compute_comm, 201), chain("B", compute_comm, 201), chain("O", (Resource.D2H,), 16),
+                    chain("R", (Resource.H2D,) * 8 + (Resource.COMPUTE,), 16))
+    built = []
+    make = dp._levels.make
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dp._levels, "make", lambda shape: built.append(shape) or make(shape))
+        order = dp.solve(chains, share=20 / 132)
+    assert built and all(math.prod(shape) <= dp.MAX_STATES for shape in built)
+    _order_keeps_chains(order, chains)
+    assert order.makespan_ns == makespan_ns(order, chains, 20 / 132)
+
+
+def test_the_layout_cache_holds_a_bounded_number_of_states():
+    cache = dp._ShapeCache(lambda shape: math.prod(shape))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dp, "CACHED_STATES", 100)
+        for shape in [(5, 5, 2, 1), (4, 4, 2, 1), (3, 3, 3, 1), (5, 5, 2, 1)]:  # 50 + 32 + 27: the first goes
+            assert cache(shape) == math.prod(shape)
+    assert cache.states == 77 and list(cache.entries) == [(3, 3, 3, 1), (5, 5, 2, 1)]

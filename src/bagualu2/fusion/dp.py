@@ -11,6 +11,12 @@ advancing non-empty chains); the states are laid out and processed by anti-diago
 the level by 1 to 4) with numpy, one vector step per level. The transfer points are not stored: walking back from
 the last state, each state's first minimising transition is recomputed from the table of best times.
 
+The table takes about a kilobyte per state, so it is bounded: chains with more than ``MAX_STATES`` states
+(long chunks: over ~30 layers with many copies) are ordered in two steps instead, F and B by the DP with O and R
+at the point's edges (:func:`with_edges`; Megatron-Core's combined 1F1B where even F and B exceed it), and the
+fastest of that and the baseline orders of the same chains is taken (:func:`bounded`). Layouts are cached per
+shape up to ``CACHED_STATES`` states in all.
+
 At pipeline degree 2 the offload and the recovery copy the same micro-batch: the DP orders F and B, and O and R
 run at the point's edges (:func:`with_edges`). At degree 1 (no pipeline, F_(y+1) beside B_y) the copies are the
 micro-batches' own and run beside their own F and B (:func:`with_own_copies`).
@@ -19,13 +25,13 @@ micro-batches' own and run beside their own F and B (:func:`with_own_copies`).
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from collections import OrderedDict
 
 import numpy as np
 
 from ..costmodel import Resource
 from ..costmodel.validate import require_int
-from .baselines import combined_1f1b_groups, sequential, with_copies
+from .baselines import BASELINES, combined_1f1b_groups, sequential, with_copies
 from .chains import CHAIN_KINDS, Chains
 from .interference import check_share, makespan_ns, slowed_compute
 from .order import Order
@@ -36,10 +42,30 @@ RESOURCE_INDEX = {r: i for i, r in enumerate(RESOURCES)}
 COMPUTE, COMM = RESOURCE_INDEX[Resource.COMPUTE], RESOURCE_INDEX[Resource.COMM]
 INF = np.int64(1) << 62
 MASKS = tuple(range(1, 16))  # bit c set: chain CHAIN_KINDS[c] advances by one stage
+MAX_STATES = 1 << 17  # states of one DP table (~1 KiB each while it is solved)
+CACHED_STATES = 1 << 19  # states of the layouts kept between solves, all shapes together
 
 
-@lru_cache(maxsize=256)
-def _levels(shape: tuple[int, int, int, int]):
+class _ShapeCache:
+    """Least-recently-used values per state-grid shape, holding at most ``CACHED_STATES`` states in all."""
+
+    def __init__(self, make):
+        self.make, self.entries, self.states = make, OrderedDict(), 0
+
+    def __call__(self, shape: tuple[int, int, int, int]):
+        found = self.entries.get(shape)
+        if found is not None:
+            self.entries.move_to_end(shape)
+            return found
+        found = self.entries[shape] = self.make(shape)
+        self.states += math.prod(shape)
+        while self.states > CACHED_STATES and len(self.entries) > 1:
+            evicted, _ = self.entries.popitem(last=False)
+            self.states -= math.prod(evicted)
+        return found
+
+
+def _make_levels(shape: tuple[int, int, int, int]):
     """The state grid of ``shape`` laid out by level (a position per state, level by level, each level in flat
     index order) and the masks that can ever apply (those advancing only non-empty chains; any other mask has no
     valid predecessor anywhere, so dropping it changes neither the minimum nor the first mask reaching it).
@@ -72,12 +98,15 @@ def _levels(shape: tuple[int, int, int, int]):
     return masks, coords, levels, prev
 
 
-@lru_cache(maxsize=256)
-def _walk_tables(shape: tuple[int, int, int, int]) -> tuple[list[list[int]], list[list[int]]]:
+def _make_walk_tables(shape: tuple[int, int, int, int]) -> tuple[list[list[int]], list[list[int]]]:
     """``_levels(shape)``'s ``prev`` and ``coords`` as Python lists per position (``prev_at[p][m]``,
     ``coords_at[p][c]``): the walk back visits one position at a time, where list indexing beats numpy's."""
     _, coords, _, prev = _levels(shape)
     return prev.T.tolist(), coords.T.tolist()
+
+
+_levels = _ShapeCache(_make_levels)
+_walk_tables = _ShapeCache(_make_walk_tables)
 
 
 def _group_times(chains: Chains, masks: tuple[int, ...], coords: np.ndarray, share: float = 0.0) -> np.ndarray:
@@ -132,6 +161,8 @@ def solve(chains: Chains, *, pipeline_degree: int | None = None, share: float = 
         return Order(tuple(((chain.kind, i),) for i in range(len(chain))), barriers=True,
                      makespan_ns=chain.duration_ns, solver="dp")
     shape = tuple(n + 1 for n in chains.counts())
+    if math.prod(shape) > MAX_STATES:
+        return bounded(chains, share=share)
     masks, coords, levels, prev = _levels(shape)
     size = coords.shape[1]
     times = _group_times(chains, masks, coords, share)
@@ -159,6 +190,22 @@ def _rebuild(best: list[int], times: np.ndarray, masks: tuple[int, ...], shape: 
         groups.append(tuple((kind, at[c] - 1) for c, kind in enumerate(CHAIN_KINDS) if (mask >> c) & 1))
         position = before[m]
     return tuple(reversed(groups))
+
+
+def bounded(chains: Chains, *, share: float = 0.0) -> Order:
+    """The order of chains too long for one DP table (over ``MAX_STATES`` states): F and B by the DP (Megatron-Core's
+    combined 1F1B where they alone exceed it) with the copies beside their groups or O and R at the point's edges,
+    or a baseline order of the same chains (:data:`~.baselines.BASELINES`) where that is faster."""
+    plain = Chains(chains.forward, chains.backward)
+    if math.prod(n + 1 for n in plain.counts()) <= MAX_STATES:
+        core = solve(plain, share=share).groups
+    else:
+        core = combined_1f1b_groups(chains)
+    candidates = [_timed(with_copies(core, chains), chains, share)]
+    if chains.offload is not None and chains.recovery is not None:
+        candidates.append(with_edges(Order(core, barriers=True), chains, share=share))
+    candidates += [_timed(baseline(chains).groups, chains, share) for baseline in BASELINES.values()]
+    return min(candidates, key=lambda order: order.makespan_ns)  # the first of equals
 
 
 def _timed(groups, chains: Chains, share: float) -> Order:
