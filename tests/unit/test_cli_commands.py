@@ -53,6 +53,15 @@ def test_budget_json_matches_replay_iteration() -> None:
             d.budget_bytes, d.kept_bytes, d.action, d.plan)
     spiked = [row for row in data["forwards"] if row["microbatch"] == 30]
     assert spiked and all(row["imbalance"] == 2.6 and row["action"] in ("replan", "downgrade") for row in spiked)
+    base = min(trace)
+    assert data["spikes"] == {str(i): r for i, r in enumerate(trace) if r > base}
+
+
+@pytest.mark.parametrize("args", [("--spike", "0=1"), ("--spike-rate", "1")])
+def test_budget_spikes_are_the_micro_batches_above_the_base_imbalance(args) -> None:
+    """Not those above the trace's least rate: a micro-batch forced below the base, or every one a spike."""
+    data = json.loads(run("budget", *args, "--json").stdout)
+    assert data["spikes"] == {str(i): r for i, r in enumerate(data["trace"]) if r > 1.1}
 
 
 def test_replay_reports_its_progress_per_forward_and_decides_the_same() -> None:

@@ -82,7 +82,7 @@ def budget(
     """
     run = prepare(model=model, hardware=hardware, stage=stage, seed=seed, spike_rate=spike_rate,
                   max_imbalance=max_imbalance, spikes=spike, downgrade=downgrade)
-    spikes = {i: r for i, r in enumerate(run.trace) if r > min(run.trace)}
+    spikes = run.spikes
     with progress_bar(disable=json_output) as bar:
         task = bar.add_task("deciding", total=run.parallel.num_microbatches * run.parallel.vp)
         replay = replay_iteration(run.model, run.parallel, run.hardware, run.trace, stage=run.stage,

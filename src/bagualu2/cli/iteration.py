@@ -40,6 +40,12 @@ class Iteration:
     stage: int
     trace: tuple[float, ...]
     downgrade: str = "graded"
+    base_imbalance: float = 1.0  # the rate of the micro-batches that are no spike
+
+    @property
+    def spikes(self) -> dict[int, float]:
+        """The micro-batches above the base imbalance: ``{micro-batch: imbalance}``."""
+        return {i: r for i, r in enumerate(self.trace) if r > self.base_imbalance}
 
 
 def parse_spikes(values: list[str], parallel: ParallelConfig) -> dict[int, float]:
@@ -83,9 +89,10 @@ def prepare(*, model: str, hardware: str, stage: int, seed: int, spike_rate: flo
     largest = check_rate(largest, parallel, "--max-imbalance")
     forced = parse_spikes(spikes or [], parallel)
     mode = check_downgrade_option(downgrade)
+    base = min(BASE_IMBALANCE, largest)
     with blame("--spike-rate"):
         trace = list(spike_trace(parallel.num_microbatches, spike_rate=spike_rate, max_imbalance=largest,
-                                 base_imbalance=min(BASE_IMBALANCE, largest), seed=seed))
+                                 base_imbalance=base, seed=seed))
     for index, rate in forced.items():
         trace[index] = rate
     worst = max(trace)
@@ -95,4 +102,4 @@ def prepare(*, model: str, hardware: str, stage: int, seed: int, spike_rate: flo
     with blame("--hardware"):
         memory.check_room(hw, stage)
     return Iteration(name=name, model=model_config, parallel=parallel, hardware=hw, stage=stage,
-                     trace=tuple(trace), downgrade=mode)
+                     trace=tuple(trace), downgrade=mode, base_imbalance=base)
