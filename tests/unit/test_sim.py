@@ -309,6 +309,24 @@ def test_a_layout_with_no_room_for_activations_is_one_line_before_any_iteration(
     assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
 
 
+def test_the_no_room_line_names_the_last_stages_logits():
+    """What the last stage's logits take is named beside the weights, so the line's numbers add up."""
+    import dataclasses
+
+    from bagualu2.costmodel import stage_memory
+    from bagualu2.costmodel.memory import logits_bytes
+
+    model, parallel = presets.model("tiny-moe")
+    model = dataclasses.replace(model, seq_length=1 << 24)
+    last = parallel.pp - 1
+    memory = stage_memory(model, parallel, HARDWARE, stage=last)
+    assert memory.logits_bytes == logits_bytes(model, parallel) > 0 and memory.m_max_bytes == 0
+    with pytest.raises(ValueError, match=rf"on stage {last} \(64\.0 GiB less 4\.0 reserved, 0\.00 of weights, "
+                                         r"gradients and optimizer states and [0-9.]+ of logits\)"):
+        memory.check_room(HARDWARE, last)
+    assert stage_memory(model, parallel, HARDWARE, stage=0).logits_bytes == 0
+
+
 def test_a_tuple_of_equal_rates_is_the_scalar_iteration():
     """One iteration, two spellings: the memo keys them alike, so flexible's history cannot tell them apart."""
     model, parallel = presets.model("glm-423b-a30b")

@@ -94,6 +94,7 @@ class StageMemory:
     chunk_bytes: tuple[int, ...]
     inflight_chunks: int
     inflight_microbatches: float
+    logits_bytes: int = 0  # the last stage's fp32 logits of the micro-batch in flight, outside M_max
 
     @property
     def fits(self) -> bool:
@@ -116,8 +117,9 @@ class StageMemory:
         gib = 2 ** 30
         where = (f"the activation cap m_max_bytes={self.m_max_bytes} on stage {stage}" if capped else
                  f"hardware {hardware.name!r} leaves {self.m_max_bytes / gib:.2f} GiB for activations on stage "
-                 f"{stage} ({hardware.hbm_bytes / gib:.1f} GiB less {hardware.reserved_bytes / gib:.1f} reserved and "
-                 f"{self.static_bytes / gib:.2f} of weights, gradients and optimizer states)")
+                 f"{stage} ({hardware.hbm_bytes / gib:.1f} GiB less {hardware.reserved_bytes / gib:.1f} reserved, "
+                 f"{self.static_bytes / gib:.2f} of weights, gradients and optimizer states"
+                 + (f" and {self.logits_bytes / gib:.2f} of logits)" if self.logits_bytes else ")"))
         floor = f"{self.floor_bytes / gib:.2f} GiB" if self.floor_bytes >= gib // 100 else f"{self.floor_bytes} bytes"
         raise ValueError(f"{where}, below the {floor} its {self.inflight_chunks} in-flight "
                          "chunks keep fully recomputed: nothing fits; use a larger hardware profile, more pipeline "
@@ -164,4 +166,5 @@ def stage_memory(model: ModelConfig, parallel: ParallelConfig, hardware: Hardwar
         chunk_bytes=chunk_bytes,
         inflight_chunks=inflight_chunks(parallel, stage),
         inflight_microbatches=inflight_microbatches(parallel, stage),
+        logits_bytes=extra,
     )
