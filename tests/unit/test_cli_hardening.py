@@ -91,6 +91,7 @@ BAD = [
     (["plan", "-b", "1", "--solver", "exact", "-H", "@slowok"], "--hardware"),
     (["schedule", "--time-limit", "1", "-H", "@slowok"], "--hardware"),
     (["budget", "-H", "@slowok"], "--hardware"),
+    (["simulate", "-n", "2", "-H", "@slowok"], "--hardware"),
     (["memory", "-H", "@deep"], "--hardware"),
     (["memory", "-H", "@fifo.json"], "--hardware"),  # never read (it would block)
     (["memory", "-m", "@deep"], "--model"),

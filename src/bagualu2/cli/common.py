@@ -23,7 +23,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from bagualu2.costmodel import Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, presets, stage_memory
+from bagualu2.costmodel import Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, build_graph, presets, stage_memory
 from bagualu2.costmodel.build import check_imbalance
 from bagualu2.costmodel.validate import parse_float, parse_int, require_int
 
@@ -222,10 +222,13 @@ def check_index(value: int, count: int, option: str, what: str) -> int:
 
 def check_device_room(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware) -> None:
     """One line blaming ``--hardware`` when some pipeline stage of the layout leaves no room for even fully
-    recomputed activations (``StageMemory.check_room``): a device too small, refused before any work."""
+    recomputed activations (``StageMemory.check_room``): a device too small, refused before any work; or whose
+    first and last stages' first chunk is beyond what :func:`check_graph` takes (a device too slow)."""
     with blame("--hardware"):
         for stage in range(parallel.pp):
             stage_memory(model, parallel, hardware, stage=stage).check_room(hardware, stage)
+    for stage in sorted({0, parallel.pp - 1}):
+        check_graph(build_graph(model, parallel, hardware, stage=stage, chunk=0))
 
 
 def check_graph(graph: OpGraph) -> OpGraph:
