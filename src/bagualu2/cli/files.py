@@ -37,8 +37,8 @@ def check_output_path(value: str, what: str = "file.png") -> Path:
     if limit is not None and len(os.fsencode(target.name)) > limit:
         raise ValueError(f"file name is {len(os.fsencode(target.name))} bytes long; at most {limit} allowed")
     refuse_non_file(target)
-    if target.exists() and not os.access(target, os.W_OK):
-        raise ValueError(f"file {value!r} is read-only (not replaced)")
+    if target.exists() and (not os.access(target, os.W_OK) or not replacement_mode(target) & 0o222):
+        raise ValueError(f"file {value!r} is read-only (not replaced)")  # root may write it; no one is meant to
     try:  # os.access says yes to root everywhere: make (and remove) a file there before any work
         probe_folder(folder, make=False)
     except OSError as exc:
