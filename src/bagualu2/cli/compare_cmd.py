@@ -30,7 +30,8 @@ MAX_BUDGETS = 50
 JSON_DOC = ("JSON (--json): {inputs: {models, hardware, imbalances, budgets, time_limit_s}, points: [{model, "
             "imbalance, budget_fraction, budget_bytes, floor_bytes, unmitigated_bytes, greedy_overhead_s, "
             "exact_overhead_s, exact_status, mitigation_ratio (greedy/exact; null without an exact plan), "
-            "dp_makespan_s, exact_makespan_s, exact_schedule (exact|exact-feasible), fusion_ratio (dp/exact)}], "
+            "dp_makespan_s, exact_makespan_s (null with none), exact_schedule (exact|exact-feasible|none), "
+            "fusion_ratio (dp/exact; null with none)}], "
             "summary: {num_points, mitigation: {median, p95, max}, fusion: {median, p95, max}}}.")
 
 
