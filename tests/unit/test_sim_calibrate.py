@@ -106,7 +106,12 @@ def test_predict_charges_the_measured_restart_seconds_and_lost_steps():
                                            ({"peak_activation_bytes": -1}, "peak_activation_bytes"),
                                            ({"restart_s": float("nan")}, "restart_s"),
                                            ({"steps_lost": -1}, "steps_lost"), ({"trace": ()}, "trace"),
-                                           ({"other_s": -0.5}, "other_s"), ({"warmup_s": -1.0}, "warmup_s")])
+                                           ({"other_s": -0.5}, "other_s"), ({"warmup_s": -1.0}, "warmup_s"),
+                                           ({"policy": "foo"}, "policy"), ({"policy": None}, "policy"),
+                                           ({"trace": 5}, "trace"), ({"trace": "abc"}, "trace"),
+                                           ({"trace": ((1.0, 0.5),)}, r"trace\[0\]"),
+                                           ({"trace": (1.0, float("nan"))}, r"trace\[1\]"),
+                                           ({"trace": ((),)}, r"trace\[0\]")])
 def test_measured_rejects_bad_fields(fields, match):
     good = dict(policy="ideal", trace=TRACE, step_s=0.1, tokens_per_s=10.0, peak_activation_bytes=1)
     with pytest.raises(ValueError, match=match):

@@ -18,12 +18,16 @@ Pure: never imports torch (``reference_trainer.experiments.calibrate`` measures 
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..costmodel import Hardware, ModelConfig, ParallelConfig
 from ..costmodel.config import HARDWARE_RANGES
 from ..costmodel.validate import require_int, require_number
+from .policies import ABLATION, POLICIES
 from .simulate import SimResult, simulate
 
 FIT_STEPS = 60  # bisection steps on log(kernel_launch_s)
@@ -58,8 +62,20 @@ class Measured:
         require_number("tokens_per_s", self.tokens_per_s, 0, low_open=True)
         require_int("peak_activation_bytes", self.peak_activation_bytes, 0)
         require_number("restart_s", self.restart_s, 0)
-        if not self.trace:
-            raise ValueError("trace must have at least one step")
+        if self.policy not in POLICIES + ABLATION:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES + ABLATION)}, got {self.policy!r}")
+        if isinstance(self.trace, (str, bytes, dict)) or not isinstance(self.trace, Sequence) or not self.trace:
+            raise ValueError(f"trace must be a non-empty sequence of steps (a rate, or one rate per micro-batch "
+                             f"each), got {self.trace!r:.60}")
+        for i, step in enumerate(self.trace):
+            rates = step if isinstance(step, Sequence) and not isinstance(step, (str, bytes)) else (step,)
+            if not rates or not all(_is_rate(rate) for rate in rates):
+                raise ValueError(f"trace[{i}] must be an imbalance rate >= 1 or a non-empty sequence of them, got "
+                                 f"{step!r:.60}")
+
+
+def _is_rate(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value >= 1
 
 
 CPU_OVERLAP = "fused-only"
