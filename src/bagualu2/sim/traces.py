@@ -87,6 +87,9 @@ class PaperTrace:
             require_int("num_microbatches", self.num_microbatches, 1, MAX_MICROBATCHES, high_open=False)
         most = MAX_MICROBATCHES if self.num_microbatches is None else self.num_microbatches
         require_int("spike_microbatches", self.spike_microbatches, 1, most, high_open=False)
+        if self.num_microbatches is None and (self.spike_microbatches != 1 or self.spike_microbatch_share is not None):
+            raise ValueError("spike_microbatches and spike_microbatch_share need num_microbatches (without it an "
+                             "iteration is one rate, on every micro-batch)")
         if self.spike_microbatch_share is not None:
             require_number("spike_microbatch_share", self.spike_microbatch_share, 0, 1, low_open=True,
                            high_open=False)
