@@ -70,7 +70,8 @@ def require_extra(extra: str, option: str | None = None) -> None:
 
 def _one_line(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
-        text = exc.strerror if exc.filename is None else f"cannot access {exc.filename}: {exc.strerror}"
+        name = exc.filename or repr(exc.filename)  # an empty path shows as ''
+        text = exc.strerror if exc.filename is None else f"cannot access {name}: {exc.strerror}"
     else:
         text = str(exc) or type(exc).__name__
     return " ".join(text.split())
