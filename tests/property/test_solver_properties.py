@@ -3,7 +3,8 @@ import pytest
 
 import dataclasses
 
-from hypothesis import assume, given
+from conftest import scaled
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from bagualu2.costmodel import Op, OpGraph, Plan, Resource, Saving, Strategy, TensorSpec, evaluate, presets
@@ -88,6 +89,57 @@ def test_exact_equals_brute_force(graph, fraction):
     if reference.ok:
         assert best.status is SolveStatus.OPTIMAL
         assert best.cost.overhead_ns == reference.cost.overhead_ns
+
+
+def _layered(num_layers, pinned_inputs, traced_names, sizes, times, first_times, internal) -> OpGraph:
+    """Layers of f: x -> a (saves x) and g: a -> the next block input (saves a, with ``internal`` its own s), layer
+    0 taking ``first_times``; block inputs pinned (as the builder pins them) or not, named ``L{l}.x`` or after the op
+    that makes them (``L{l-1}.g.out``, as a trace names them)."""
+    tensors = {"L0.x": TensorSpec("L0.x", sizes[0], "bf16", None)}
+    ops, pinned = [], set()
+    for layer in range(num_layers):
+        x = "L0.x" if layer == 0 else f"L{layer - 1}.g.out" if traced_names else f"L{layer}.x"
+        a, out = f"L{layer}.a", f"L{layer}.g.out" if traced_names else f"L{layer + 1}.x"
+        tensors[a] = TensorSpec(a, sizes[1], "bf16", f"L{layer}.f")
+        tensors[out] = TensorSpec(out, sizes[0], "bf16", f"L{layer}.g")
+        saves = [Saving(a, "bf16")]
+        if internal:
+            tensors[f"L{layer}.s"] = TensorSpec(f"L{layer}.s", sizes[2], "bf16", f"L{layer}.g")
+            saves.append(Saving(f"L{layer}.s", "bf16"))
+        f_ns, g_ns = first_times if layer == 0 else times
+        ops += [Op(f"L{layer}.f", "norm", layer, Resource.COMPUTE, (x,), (a,), (Saving(x, "bf16"),), 0, 0, f_ns,
+                   2 * f_ns),
+                Op(f"L{layer}.g", "mlp_fc1", layer, Resource.COMPUTE, (a,), (out,), tuple(saves), 0, 0, g_ns,
+                   2 * g_ns)]
+        if pinned_inputs:
+            pinned.add((f"L{layer}.f", x))
+    return OpGraph(ops=tuple(ops), tensors=tensors, hardware=HW, pinned=frozenset(pinned))
+
+
+@st.composite
+def layered_graphs(draw):
+    times = [draw(st.integers(0, 2000)) for _ in range(2)]
+    graph = _layered(draw(st.integers(2, 3)), draw(st.booleans()), draw(st.booleans()),
+                     [8 * draw(st.integers(1, 64)) for _ in range(3)], times,
+                     [draw(st.sampled_from([t, 2 * t + 1])) for t in times], draw(st.booleans()))
+    assume(1 <= len(graph.decisions) <= 7)
+    return graph
+
+
+@settings(max_examples=scaled(200), deadline=None)
+@given(layered_graphs(), budget_fraction, st.booleans())
+@example(_layered(2, False, False, [64, 64, 128], [1000, 10], [1000, 10], True), 70, False)  # cut off by the order
+@example(_layered(3, False, True, [64, 64, 64], [1000, 10], [1000, 1000], True), 40, True)  # the hint's renaming
+def test_exact_equals_brute_force_on_layered_graphs(graph, fraction, hint):
+    """Identical layers get their kept bytes ordered (symmetry breaking) only where no decision crosses a layer:
+    with unpinned block inputs the layers share them, and the order would cut the optimum off."""
+    budget = _budget(graph, fraction)
+    best = exact.solve(graph, budget, time_limit_s=20, seed=0, hint=hint)
+    reference = brute.solve(graph, budget)
+    assert best.ok == reference.ok
+    if reference.ok:
+        assert best.status is SolveStatus.OPTIMAL and best.cost.overhead_ns == reference.cost.overhead_ns
+        assert best.cost.activation_bytes <= budget
 
 
 @pytest.mark.slow

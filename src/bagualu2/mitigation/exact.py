@@ -128,17 +128,36 @@ def _relayer(name: str, rename: dict[int, int]) -> str:
 
 
 def _identical_layers(graph: OpGraph, exact: ExactModel) -> list[list[int]]:
-    """Groups of layers whose ops, sizes and times are identical (interchangeable in any solution)."""
+    """Groups of layers interchangeable in any solution: their ops, sizes and times are identical, and no decision
+    crosses a layer: every tensor an op of layer l reads, makes or saves is named ``L{l}.`` and made in layer l,
+    or is pinned (always stored: no decision) or read by no op. Builder graphs, whose block inputs are pinned, have such layers; a
+    traced graph's layers share their unpinned block inputs and form no group."""
+    fixed = {t for _, t in graph.pinned}  # pinned, or neither read nor saved by any op: no decision, no re-run
+    read = {t for op in graph.ops for t in op.inputs} | {s.tensor for op in graph.ops for s in op.saves}
+    fixed |= {t for op in graph.ops for t in op.outputs if t not in read}
     signature: dict[int, list] = {}
+    coupled: set[int] = set()
     for op in graph.ops:
-        if _layer(op.name) != op.layer:
+        layer = _layer(op.name)
+        if layer != op.layer:
             return []  # not a builder graph: no layer naming to rely on
-        signature.setdefault(op.layer, []).append(
-            (op.name.split(".", 1)[1], op.forward_ns, tuple((s.tensor.split(".", 1)[-1], s.dtype,
-                                                               graph.tensors[s.tensor].numel) for s in op.saves)))
+        parts = []
+        for tensor in (*op.inputs, *op.outputs, *(s.tensor for s in op.saves)):
+            spec = graph.tensors[tensor]
+            if tensor in fixed:
+                parts.append(("fixed", spec.numel))
+                continue
+            producer = spec.producer
+            for other in (_layer(tensor), layer if producer is None else _layer(producer)):
+                if other != layer:
+                    coupled.update((layer, other))
+            parts.append((tensor.split(".", 1)[-1], spec.numel, producer and producer.split(".", 1)[-1]))
+        signature.setdefault(layer, []).append((op.name.split(".", 1)[1], op.kind, op.forward_ns, tuple(parts),
+                                                tuple(s.dtype for s in op.saves)))
     groups: dict[tuple, list[int]] = {}
     for layer in sorted(signature):
-        groups.setdefault(tuple(signature[layer]), []).append(layer)
+        if layer not in coupled:
+            groups.setdefault(tuple(signature[layer]), []).append(layer)
     return [layers for layers in groups.values() if len(layers) > 1]
 
 
