@@ -127,3 +127,24 @@ def test_an_imbalance_above_the_expert_parallel_degree_is_refused():
     with pytest.raises(ValueError, match="received_tokens must be at most ep x the mean"):
         planner.after_gate(Plan(), router, 2 * mean + 1)
     assert ceil_bucket(1.95, 0.3, 2.0) == 2.0 and ceil_bucket(1.95, 0.3) == 2.1 and ceil_bucket(2.5, 0.3, 2.0) == 2.5
+
+
+def test_a_measured_imbalance_just_above_a_bucket_edge_never_rounds_below_it():
+    """Within the float tolerance above a multiple of the step the bucket is the measured rate itself: the
+    multiple's graph can hold one routed token fewer (round half to even), and a decision made on it kept more
+    than its budget."""
+    from bagualu2.costmodel import ModelConfig, ParallelConfig, build_graph
+    from bagualu2.runtime import ceil_bucket
+
+    rate = 1.02 + 1e-11
+    assert ceil_bucket(rate, 0.02) >= rate and ceil_bucket(1.02, 0.02) == 1.02 and ceil_bucket(1.1, 0.05) == 1.1
+    model = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=2, num_query_groups=1, head_dim=8,
+                        ffn_hidden_size=32, moe_ffn_hidden_size=64, num_experts=4, top_k=3, vocab_size=64,
+                        seq_length=25)
+    parallel = ParallelConfig(dp=2, ep=2, num_microbatches=1)
+    hw = presets.hardware("cpu")
+    assert build_graph(model, parallel, hw, imbalance=1.02).routed_tokens(1.02) < build_graph(
+        model, parallel, hw, imbalance=rate).routed_tokens(rate)  # 76.5 rounds to 76, a hair above it to 77
+    path = DecisionPath(model, parallel, hw, engine=Stage(model, parallel, hw, m_max_bytes=18064))
+    replay = replay_iteration(model, parallel, hw, [rate], path=path)
+    assert replay.fits and all(d.kept_bytes <= d.budget_bytes for d in replay.decisions)

@@ -19,6 +19,8 @@ def ceil_bucket(imbalance: float, step: float, ceiling: float | None = None) -> 
     returned as it is, for the graph builder to refuse."""
     _check_step(step)
     bucket = max(round(math.ceil(imbalance / step - 1e-9) * step, 9), 1.0)
+    if bucket < imbalance:  # within the float tolerance above a multiple: never below what was measured
+        bucket = float(imbalance)
     return bucket if ceiling is None else min(bucket, max(imbalance, ceiling))
 
 
