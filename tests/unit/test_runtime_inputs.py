@@ -148,3 +148,12 @@ def test_a_measured_imbalance_just_above_a_bucket_edge_never_rounds_below_it():
     path = DecisionPath(model, parallel, hw, engine=Stage(model, parallel, hw, m_max_bytes=18064))
     replay = replay_iteration(model, parallel, hw, [rate], path=path)
     assert replay.fits and all(d.kept_bytes <= d.budget_bytes for d in replay.decisions)
+
+
+@pytest.mark.parametrize("field", ["need_step", "pregate_need_step"])
+@pytest.mark.parametrize("step", [1e-17, 2.3e-16, 0.0, 1.5])
+def test_a_need_grid_step_below_what_floating_point_resolves_is_refused(field, step):
+    """1 + 1e-17 is 1.0: the grid's logarithm would divide by zero (or never end); the finest step is 1e-6."""
+    with pytest.raises(ValueError, match=rf"{field} must be a finite number in \[1e-06, 1\]"):
+        DecisionPath(MODEL, PARALLEL, HW, **{field: step})
+    DecisionPath(MODEL, PARALLEL, HW, **{field: 1e-6})

@@ -24,6 +24,7 @@ from .buckets import floor_bucket
 
 
 BUDGET_KEYS = 1 << 62  # the budget grid's keys are j - BUDGET_KEYS: negative, rising with the need
+MIN_STEP = 1e-6  # the finest need grid: ratio 1 + step stays above 1 in floating point
 
 
 class NeedGrid:
@@ -39,7 +40,7 @@ class NeedGrid:
 
     def __init__(self, quantum: int, step: float, *, anchor_bytes: int, name: str = "need_step"):
         self.quantum = require_int("budget_quantum_bytes", quantum, 1)
-        self.step = require_number(name, step, 0, 1, low_open=True)
+        self.step = require_number(name, step, MIN_STEP, 1)  # below it, 1 + step rounds to 1
         self.anchor = require_int("anchor_bytes", anchor_bytes, 1)
         self.ratio = 1.0 + self.step
         self._log = math.log(self.ratio)  # the grid's own ratio, as rounded

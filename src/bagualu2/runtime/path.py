@@ -88,8 +88,8 @@ class DecisionPath:
       imbalance_step        imbalance bucket width up to ``spike_threshold`` (> 0).
       spike_threshold       imbalances above it (spikes: rare, each a new value) are bucketed by ``spike_step``.
       spike_step            bucket width of spikes (> 0).
-      need_step             ratio - 1 of the need grid of gate decisions (in (0, 1]).
-      pregate_need_step     ratio - 1 of the need grid of pre-gate plans (in (0, 1]).
+      need_step             ratio - 1 of the need grid of gate decisions (in [1e-6, 1]).
+      pregate_need_step     ratio - 1 of the need grid of pre-gate plans (in [1e-6, 1]).
       reuse_levels          how many need levels away a decision made may stand in (>= 0).
       hidden_copies         also plan with copies priced by what they leave exposed (``greedy.GreedyConfig``'s
                             ``copy_window_ns`` = the steady point's time under the plan priced in full, and half
