@@ -157,3 +157,18 @@ def test_a_need_grid_step_below_what_floating_point_resolves_is_refused(field, s
     with pytest.raises(ValueError, match=rf"{field} must be a finite number in \[1e-06, 1\]"):
         DecisionPath(MODEL, PARALLEL, HW, **{field: step})
     DecisionPath(MODEL, PARALLEL, HW, **{field: 1e-6})
+
+
+def test_the_stage_engine_takes_a_plan_as_evaluate_takes_it():
+    """A Plan, its text form or None (no mitigation), as ``evaluate`` does; anything else is one line."""
+    from bagualu2.costmodel import evaluate
+
+    engine = Stage(MODEL, PARALLEL, HW)
+    graph = engine.graph(0, 1.0)
+    text = "expert_act=RECOMPUTE"
+    assert engine.cost(text, 1.0, 0) == engine.cost(Plan.from_str(text), 1.0, 0) == evaluate(graph, text)
+    assert engine.cost(None, 1.0, 0) == engine.cost("none", 1.0, 0) == evaluate(graph, None)
+    assert engine.point_order(text, 1.0, 0) == engine.point_order(Plan.from_str(text), 1.0, 0)
+    assert engine.point_order(None, 1.0, 0, warmup=True) == engine.point_order(Plan(), 1.0, 0, warmup=True)
+    with pytest.raises(ValueError, match="plan must be a Plan, its text form or None, got int"):
+        engine.cost(3, 1.0, 0)

@@ -173,8 +173,11 @@ class _Engine:
     def graph(self, chunk: int, imbalance: float) -> OpGraph:
         raise NotImplementedError
 
-    def cost(self, plan: Plan, imbalance: float, chunk: int) -> PlanCost:
-        """``evaluate(graph(chunk, imbalance), plan)``, memoised."""
+    def cost(self, plan: Plan | str | None, imbalance: float, chunk: int) -> PlanCost:
+        """``evaluate(graph(chunk, imbalance), plan)``, memoised (``plan`` as ``evaluate`` takes it: its text form
+        or None too)."""
+        if not isinstance(plan, Plan):
+            plan = Plan.coerce(plan) or Plan()
         key = CostKey(plan.entries, imbalance, chunk)
         found = self._costs.get(key)
         if found is None:
@@ -330,9 +333,12 @@ class Stage(_Engine):
         return Order(parts[0].groups + parts[1].groups, barriers=True,
                      makespan_ns=parts[0].makespan_ns + parts[1].makespan_ns, solver="unpaired")
 
-    def point_order(self, plan: Plan, imbalance: float, chunk: int, *, warmup: bool = False) -> Order:
-        """The order of a scheduling point whose micro-batches run ``plan`` on the graph of (chunk, imbalance): in
-        the steady phase F_x B_y (O and R from the same plan); in warmup F_x with the offload of x-1 only."""
+    def point_order(self, plan: Plan | str | None, imbalance: float, chunk: int, *, warmup: bool = False) -> Order:
+        """The order of a scheduling point whose micro-batches run ``plan`` (a Plan, its text form or None) on the
+        graph of (chunk, imbalance): in the steady phase F_x B_y (O and R from the same plan); in warmup F_x with
+        the offload of x-1 only."""
+        if not isinstance(plan, Plan):
+            plan = Plan.coerce(plan) or Plan()
         key = PointKey(plan.entries, imbalance, chunk, warmup)
         found = self._points.get(key)
         if found is None:
