@@ -153,3 +153,16 @@ def test_a_warmup_forward_is_never_paired():
                         if len(point) == 2:
                             assert forwards.index(point[0]) >= num_warmup(parallel, stage)
         assert all(len(point) == 1 for point in points(ParallelConfig(pp=pp, num_microbatches=pp, paired=True), 0))
+
+
+def test_memory_curve_entries_are_byte_counts():
+    """An int of any integral type (numpy's too) or ``vp`` of them; anything else is one line naming the entry,
+    never a ``TypeError`` nor a string read character by character."""
+    import numpy as np
+
+    parallel = ParallelConfig(pp=2, vp=2, num_microbatches=4)
+    assert memory_curve(parallel, [np.int64(3)] * 4) == memory_curve(parallel, [3] * 4)
+    assert memory_curve(parallel, [(np.int32(3), 3)] * 4) == memory_curve(parallel, [3] * 4)
+    for bad in ("12", True, 1.5, None, (1.5, 2), (1, 2, 3), b"12"):
+        with pytest.raises(ValueError, match="bytes of micro-batch 0 must be an int or 2 per-chunk ints"):
+            memory_curve(parallel, [bad] * 4)

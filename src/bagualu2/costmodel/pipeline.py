@@ -10,12 +10,12 @@ giving a micro-batch more bytes.
 
 from __future__ import annotations
 
-from .validate import require_int
-
+import numbers
 from dataclasses import dataclass
 from typing import Sequence, Union
 
 from .config import ParallelConfig
+from .validate import require_int
 
 ChunkBytes = Union[int, Sequence[int]]
 
@@ -128,12 +128,17 @@ def inflight_microbatches(parallel: ParallelConfig, stage: int = 0) -> float:
     return inflight_chunks(parallel, stage) / parallel.vp
 
 
+def _is_count(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _chunk_bytes(per_microbatch: Sequence[ChunkBytes], microbatch: int, chunk: int, vp: int) -> int:
     entry = per_microbatch[microbatch]
-    if isinstance(entry, int) and not isinstance(entry, bool):
-        return entry
-    if len(entry) != vp:
-        raise ValueError(f"bytes of micro-batch {microbatch} must be an int or {vp} per-chunk ints")
+    if _is_count(entry):
+        return int(entry)
+    if (isinstance(entry, (str, bytes)) or not isinstance(entry, Sequence) or len(entry) != vp
+            or not all(_is_count(value) for value in entry)):
+        raise ValueError(f"bytes of micro-batch {microbatch} must be an int or {vp} per-chunk ints, got {entry!r:.60}")
     return int(entry[chunk])
 
 
