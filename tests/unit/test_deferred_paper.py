@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from conftest import scaled
 from hypothesis import strategies as st
 
-from bagualu2.costmodel import evaluate, presets
+from bagualu2.costmodel import Plan, evaluate, presets
 from bagualu2.exec import DeferredPlanner
 from bagualu2.mitigation import greedy
-from bagualu2.runtime import after_gate, ceil_bucket
+from bagualu2.runtime import GateAction, after_gate, ceil_bucket
 
 MODEL, PARALLEL = presets.model("glm-188b-a20b")
 HW = presets.hardware("paper-gpu")
@@ -52,3 +53,15 @@ def test_what_no_op_makes_is_neither_standby_nor_provisional():
         ops, provisional = standby_ops(cast_graph(), SimpleNamespace(mode=mode))
         assert None not in ops and ops == {"norm", "router"}, mode
         assert "c" not in provisional, mode
+
+
+@pytest.mark.parametrize("mode", ["graded", "paper"])
+def test_a_graph_without_moe_layers_keeps_its_plan_at_the_gate(mode):
+    """Nothing after a router to downgrade: an overrun is kept as it is (no change reported), not a DOWNGRADE
+    that runs the same plan."""
+    from bagualu2.costmodel import build_graph
+
+    model, parallel = presets.model("tiny-dense")
+    graph = build_graph(model, parallel, presets.hardware("cpu"))
+    decision = after_gate(graph, Plan(), graph.floor_bytes, downgrade=mode)
+    assert decision.action is GateAction.KEEP and not decision.changed and decision.plan == Plan()

@@ -243,12 +243,14 @@ def after_gate(graph: OpGraph, plan: Plan | None, budget_bytes: int, *, limit_by
         if fits:
             return keep
         full = downgrade_plan(graph, plan, layers=layers if downgrade_layers is None else downgrade_layers)
+        if full == plan:  # nothing after a router to downgrade (no MoE layer, or all of it recomputed already)
+            return keep
         downgraded = GateDecision(full, GateAction.DOWNGRADE, cost(full))
         return keep if downgraded.cost.unavailable else downgraded
     if not fits and limit_bytes is not None and in_force.activation_bytes <= limit_bytes:
         return GateDecision(plan, GateAction.ABSORB, in_force)
     full = downgrade_plan(graph, plan, layers=layers if downgrade_layers is None else downgrade_layers)
-    downgraded = GateDecision(full, GateAction.DOWNGRADE, cost(full))
+    downgraded = GateDecision(full, GateAction.DOWNGRADE, cost(full)) if full != plan else keep
     if downgraded.cost.unavailable:  # a re-run would need a tensor nothing regenerates (a traced random router)
         downgraded = keep
     options = [downgraded]
