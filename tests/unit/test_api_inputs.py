@@ -38,6 +38,7 @@ def test_plans_are_built_only_from_what_reads_back():
         refused(lambda: Plan.of(bad), "plan decisions must be")
     refused(lambda: Plan(None), "plan entries must be a tuple")
     refused(lambda: Plan.from_csv(5), "plan CSV must be a string")
+    refused(lambda: Plan.from_csv("key,strategy\n" + "x" * 200_000 + ",KEEP"), "plan CSV is malformed: field larger")
     refused(lambda: Plan.from_json("[" * 100000), "plan JSON must be")
 
 

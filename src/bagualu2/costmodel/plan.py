@@ -145,7 +145,10 @@ class Plan:
     def from_csv(cls, text: str) -> "Plan":
         if not isinstance(text, str):
             raise ValueError(f"plan CSV must be a string, got {type(text).__name__}")
-        rows = list(csv.reader(io.StringIO(text)))
+        try:
+            rows = list(csv.reader(io.StringIO(text)))
+        except csv.Error as exc:  # a field over the csv module's limit, a NUL byte
+            raise ValueError(f"plan CSV is malformed: {exc}") from None
         if not rows or [c.strip() for c in rows[0]] != ["key", "strategy"]:
             raise ValueError("plan CSV must start with the header 'key,strategy'")
         items = []
