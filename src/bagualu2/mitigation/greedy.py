@@ -219,7 +219,8 @@ def solve(graph: OpGraph, budget_bytes: int, *, config: GreedyConfig | None = No
 
     A partial solve (the runtime's re-plan after the MoE gate): ``free`` names the tensors the solver may change,
     starting from KEEP; every other tensor keeps its strategy in ``fixed`` (default KEEP; one strategy per tensor,
-    else ``ValueError``). With ``fixed`` alone nothing may change: the result is ``fixed`` if it fits.
+    else ``ValueError``). With ``fixed`` alone nothing may change: the result is ``fixed`` if it fits (as
+    per-tensor entries: a kind policy comes back spelt out tensor by tensor, with the same strategies).
     """
     started = time.perf_counter()
     check_graph(graph)
