@@ -51,6 +51,14 @@ def test_orders_check_every_field_and_read_back():
     refused(lambda: Order.from_str("F\u00b2"), "stage 'F\u00b2' must be a chain kind")
     refused(lambda: Order.from_str("Order('F0', makespan_ns=abc, solver='x')"), "makespan_ns must be an integer")
     refused(lambda: Order.from_str("Order('F0', makespan_ns=1, solver='x', solver='y')"), "'solver' is given twice")
+    for text in (">", "F0>>F1", "F0||F1", ">F0", "F0>F1>"):
+        refused(lambda: Order.from_str(text), "order text has an empty group")
+    assert Order.from_str("F0>") == Order(((("F", 0),),), barriers=False)  # an issue order of one stage
+    for args, message in (((1, "t", Strategy.KEEP), "op must be a non-empty name"),
+                          (("op", "", Strategy.KEEP), "tensor must be a non-empty name"),
+                          (("L0.a/b", "t", Strategy.KEEP), "op must be an op's name"),
+                          (("op", "t", "KEEP"), "strategy must be a Strategy")):
+        refused(lambda: Plan().with_decision(*args), message)
 
 
 def test_the_decision_path_validates_what_its_memo_would_find():

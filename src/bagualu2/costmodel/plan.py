@@ -171,6 +171,14 @@ class Plan:
         return {k: s for k, s in self.entries if "/" not in k}
 
     def with_decision(self, op: str, tensor: str, strategy: Strategy) -> "Plan":
+        """This plan with ``op`` saving ``tensor`` under ``strategy`` (the key ``op/tensor``)."""
+        for field, name in (("op", op), ("tensor", tensor)):
+            if not isinstance(name, str) or not name.strip():
+                raise ValueError(f"{field} must be a non-empty name, got {name!r}")
+        if "/" in op:
+            raise ValueError(f"op must be an op's name (no '/'), got {op!r}")
+        if not isinstance(strategy, Strategy):
+            raise ValueError(f"strategy must be a Strategy, got {strategy!r}")
         entries = dict(self.entries)
         entries[f"{op}/{tensor}"] = strategy
         return Plan(tuple(entries.items()))

@@ -112,6 +112,10 @@ class Order:
         barriers = ">" not in body
         if not barriers and "|" in body:
             raise ValueError("an order uses either '|' (barriers) or '>' (issue order), not both")
-        parts = body.split("|") if barriers else [p for p in body.split(">") if p.strip()]
+        parts = body.split("|" if barriers else ">")
+        if not barriers and len(parts) == 2 and not parts[1].strip():
+            parts = parts[:1]  # "F0>": an issue order of one stage
+        if not all(part.strip() for part in parts):
+            raise ValueError(f"order text has an empty group: {body!r:.80}")
         groups = tuple(tuple(_parse_ref(ref) for ref in group.split("+")) for group in parts)
         return cls(groups, barriers=barriers, makespan_ns=makespan, solver=solver)
