@@ -242,3 +242,14 @@ def _section_of(section):
                           training=SimpleNamespace(local_batch_size=4))
     dims = SimpleNamespace(tp_enabled=False, cp_enabled=False, ep_enabled=False, ep=1, pp_enabled=True)
     return Bagualu2Converter(job, dims).config
+
+
+def test_a_graph_too_slow_for_int64_nanoseconds_is_one_line_not_an_overflow():
+    """Each field in range, together beyond any int64 sum of nanoseconds: refused where the graph is built, not
+    an OverflowError in the DP or a TypeError in CP-SAT."""
+    from bagualu2.costmodel import ModelConfig, ParallelConfig
+
+    model = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=4096, num_query_groups=8, head_dim=512,
+                        ffn_hidden_size=64, vocab_size=64, seq_length=1 << 24)
+    refused(lambda: build_graph(model, ParallelConfig(), presets.hardware("cpu")),
+            r"take 4\.13e\+10 s of one micro-batch .* so that every sum of nanoseconds stays an int64")

@@ -16,8 +16,9 @@ from typing import Any
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 ACTIVATIONS = ("swiglu", "gelu")
 NORMALIZATIONS = ("rmsnorm", "layernorm")
-# Physical ranges of the Hardware fields: wide enough for any real device, narrow enough that op durations (integer
-# nanoseconds for the solvers) and byte counts stay far from int64 / float overflow.
+# Physical ranges of the Hardware fields: wide enough for any real device, narrow enough that one op's duration
+# (integer nanoseconds for the solvers) and byte counts stay far from int64 / float overflow; a whole graph's
+# durations are bounded where it is built (``graph.MAX_GRAPH_NS``: the slowest devices with the largest models).
 HARDWARE_RANGES = {
     "peak_flops": (1e9, 1e18), "hbm_bytes": (1 << 20, 1 << 50), "hbm_bytes_per_s": (1e6, 1e15),
     "h2d_bytes_per_s": (1e6, 1e15), "d2h_bytes_per_s": (1e6, 1e15), "intra_node_bytes_per_s": (1e6, 1e15),

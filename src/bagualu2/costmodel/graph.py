@@ -18,6 +18,7 @@ from .config import Hardware
 
 ITEM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "bool": 1, "int32": 4, "int64": 8, "complex64": 8}
 FLOAT_DTYPES = frozenset({"fp32", "bf16", "fp16"})  # may be quantised to FP8
+MAX_GRAPH_NS = 1 << 56  # forward + backward of all ops of a graph: ~2.3 years, far from int64 in any sum the solvers make
 
 OP_KINDS = (
     "norm", "qkv", "rope", "core_attn", "attn_out", "residual", "router", "permute", "dispatch",
@@ -142,6 +143,11 @@ class OpGraph:
                 if saving.dtype not in ITEM_BYTES:
                     raise ValueError(f"op {op.name!r} saves {saving.tensor!r} as unknown dtype {saving.dtype!r}")
                 consumers.setdefault(saving.tensor, []).append((op.name, saving.dtype))
+        total_ns = sum(op.forward_ns + op.backward_ns for op in self.ops)
+        if total_ns > MAX_GRAPH_NS:
+            raise ValueError(f"the ops of {self.label or 'the graph'} take {total_ns * 1e-9:.3g} s of one micro-batch "
+                             f"(forward and backward; at most {MAX_GRAPH_NS * 1e-9:.3g} s, so that every sum of "
+                             "nanoseconds stays an int64): a faster hardware profile or a smaller model")
         for name, spec in self.tensors.items():
             if spec.producer is not None and spec.producer not in index:
                 raise ValueError(f"tensor {name!r} has unknown producer {spec.producer!r}")
