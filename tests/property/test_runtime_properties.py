@@ -136,17 +136,18 @@ def test_graded_gate_never_costs_more_than_the_full_downgrade_and_fits_when_it_d
        share=st.floats(0.0, 1.2))
 def test_paper_downgrade_is_the_behaviour_before_graded_replanning(name, planned, measured, pre_share, share):
     """Before: keep the plan in force if it fits the budget at the measured imbalance, else recompute every
-    tensor the MoE modules make after their routers."""
+    tensor the MoE modules make after their routers (kept as it is where it recomputes them all already)."""
     before = graph_at(name, 0, 0, planned)
     pre = greedy.solve(before, before.floor_bytes
                        + int((before.unmitigated_bytes - before.floor_bytes) * pre_share)).plan
     after = graph_at(name, 0, 0, measured)
     budget = int(after.unmitigated_bytes * share)
     decision = after_gate(after, pre, budget, downgrade="paper", limit_bytes=2 * budget + 1)
-    if evaluate(after, pre).activation_bytes <= budget:
+    full = downgrade_plan(after, pre)
+    if evaluate(after, pre).activation_bytes <= budget or full == pre:
         assert decision.action is GateAction.KEEP and decision.plan == pre
     else:
-        assert decision.action is GateAction.DOWNGRADE and decision.plan == downgrade_plan(after, pre)
+        assert decision.action is GateAction.DOWNGRADE and decision.plan == full
 
 
 @given(m0=st.integers(1, 10**6), warmup=st.integers(1, 12), extra=st.integers(0, 10**8), data=st.data())
