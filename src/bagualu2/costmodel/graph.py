@@ -18,7 +18,7 @@ from .config import Hardware
 
 ITEM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "bool": 1, "int32": 4, "int64": 8, "complex64": 8}
 FLOAT_DTYPES = frozenset({"fp32", "bf16", "fp16"})  # may be quantised to FP8
-MAX_GRAPH_NS = 1 << 56  # forward + backward of all ops of a graph: ~2.3 years, far from int64 in any sum the solvers make
+MAX_GRAPH_NS = 1 << 56  # forward + backward of all ops of a graph (~2.3 years): far from int64 in any solver's sum
 
 OP_KINDS = (
     "norm", "qkv", "rope", "core_attn", "attn_out", "residual", "router", "permute", "dispatch",

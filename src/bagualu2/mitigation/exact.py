@@ -130,8 +130,8 @@ def _relayer(name: str, rename: dict[int, int]) -> str:
 def _identical_layers(graph: OpGraph, exact: ExactModel) -> list[list[int]]:
     """Groups of layers interchangeable in any solution: their ops, sizes and times are identical, and no decision
     crosses a layer: every tensor an op of layer l reads, makes or saves is named ``L{l}.`` and made in layer l,
-    or is pinned (always stored: no decision) or read by no op. Builder graphs, whose block inputs are pinned, have such layers; a
-    traced graph's layers share their unpinned block inputs and form no group."""
+    or is pinned (always stored: no decision) or read by no op. Builder graphs, whose block inputs are pinned,
+    have such layers; a traced graph's layers share their unpinned block inputs and form no group."""
     fixed = {t for _, t in graph.pinned}  # pinned, or neither read nor saved by any op: no decision, no re-run
     read = {t for op in graph.ops for t in op.inputs} | {s.tensor for op in graph.ops for s in op.saves}
     fixed |= {t for op in graph.ops for t in op.outputs if t not in read}
