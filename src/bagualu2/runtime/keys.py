@@ -74,11 +74,13 @@ class PlannedImbalance:
     """Per chunk, the floored minimum of the last ``window`` measured imbalances (``initial`` before any: 1.0,
     balanced, by default), or a constant."""
 
-    def __init__(self, window: int, step: float, constant: float | None = None, initial: float = 1.0):
+    def __init__(self, window: int, step: float, constant: float | None = None, initial: float = 1.0,
+                 least: float = 1.0):
         self.window = require_int("window", window, 1)
         self.step = step
         self.constant = None if constant is None else floor_bucket(constant, step)
-        self.initial = floor_bucket(initial, step)
+        self.least = floor_bucket(least, step)  # never planned below it (the load the operator expects)
+        self.initial = max(floor_bucket(initial, step), self.least)
         # chunk -> [the last `window` measured imbalances, their minimum, its floored bucket]
         self._slots: dict[int, list] = {}
 
@@ -110,7 +112,7 @@ class PlannedImbalance:
                 return planned
         else:
             return planned
-        slot[1], slot[2] = lowest, floor_bucket(lowest, self.step)
+        slot[1], slot[2] = lowest, max(floor_bucket(lowest, self.step), self.least)
         return planned
 
 

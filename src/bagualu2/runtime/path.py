@@ -178,11 +178,17 @@ class DecisionPath:
     def graph(self, chunk: int, imbalance: float) -> OpGraph:
         return self.engine.graph(chunk, imbalance)
 
-    def expect(self, imbalance: float) -> None:
+    def expect(self, imbalance: float, *, at_least: bool = False) -> None:
         """Before any gate of a chunk was measured, its pre-gate plans are made for ``imbalance`` (default 1.0,
         balanced): the load an operator plans for, as fixed plans are made for it. The first gate's measurement
-        replaces it (the planned imbalance follows the gates); the gates already measured are kept."""
-        planner = PlannedImbalance(self._planner.window, self.step, self.planned_imbalance, self._check(imbalance))
+        replaces it (the planned imbalance follows the gates); with ``at_least`` the gates only raise it (the
+        pre-gate plans are never made for less: a lower rate just measured says little of the next micro-batch's
+        when the operator expects this load). The gates already measured are kept."""
+        if not isinstance(at_least, bool):
+            raise ValueError(f"at_least must be true or false, got {at_least!r}")
+        imbalance = self._check(imbalance)
+        planner = PlannedImbalance(self._planner.window, self.step, self.planned_imbalance, imbalance,
+                                   least=imbalance if at_least else 1.0)
         for chunk, values in sorted(self._planner.seen().items()):
             for value in values:
                 planner.observe(chunk, value)

@@ -319,30 +319,34 @@ class FineStatic(StaticUnder):
 
 
 class Flexible(StagePolicy):
-    """The decision path (``ctx.path``); before any gate its pre-gate plans are made for ``plan_imbalance``, the
-    load the fixed plans are made for (``DecisionPath.expect``)."""
+    """The decision path (``ctx.path``); its pre-gate plans are made for at least ``plan_imbalance``, the load the
+    fixed plans are made for (``DecisionPath.expect(..., at_least=True)``: the gates may raise it, never lower it)."""
 
     name = "flexible"
     budgeted = True
     native = "fused"
+    hidden_copies: bool | None = None  # the path's pricing of copies: the simulation's (None), or this
 
     def __init__(self, ctx, *, plan_imbalance: float = 1.0, overlap: str = "real"):
         super().__init__(ctx, overlap=overlap)
-        ctx.path.expect(plan_imbalance)
+        self.path = ctx.path if self.hidden_copies is None else ctx.path_with(hidden_copies=self.hidden_copies)
+        self.path.expect(plan_imbalance, at_least=True)
 
     def forward(self, chunk, imbalance, phase, budget=0, limit=None):
-        decision = self.ctx.path.forward(budget, imbalance, phase, chunk, limit_bytes=limit)
+        decision = self.path.forward(budget, imbalance, phase, chunk, limit_bytes=limit)
         return self.run(chunk, imbalance, decision.plan)._replace(kept_bytes=decision.kept_bytes)
 
     def state(self) -> tuple:
-        return (self.ctx.path.warm,)
+        return (self.path.warm,)
 
 
 class Unfused(Flexible):
-    """L3: flexible's per-micro-batch decisions on Megatron-Core's execution, without the dual-batch overlap."""
+    """L3: flexible's per-micro-batch decisions on Megatron-Core's execution, without the dual-batch overlap;
+    copies priced in full (Algorithm 2's pricing: what the fused order would hide is not its own to count on)."""
 
     name = "L3"
     native = "megatron"
+    hidden_copies = False
 
 
 class FlexibleL4(Flexible):

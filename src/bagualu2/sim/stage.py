@@ -83,6 +83,8 @@ class StageContext:
             self.timing = (Stage(model, parallel, hardware, stage=stage, cache=False) if self.separate_timing
                            else self.engine)
         self.path = DecisionPath.on(self.engine, downgrade=downgrade, hidden_copies=hidden_copies)
+        self._paths = {hidden_copies: self.path}
+        self._path_args = (model, parallel, stage, downgrade, cache)
         if m_max_bytes is not None:
             m_max_bytes = require_int("m_max_bytes", m_max_bytes, 1)
         self._plan_memory = _capped(self.engine.memory, m_max_bytes)
@@ -95,6 +97,18 @@ class StageContext:
         # a step's copies are its own micro-batches': at points of relation 1, and without a pipeline or pairing,
         # where each forward and backward runs alone
         self.own_copies = self.engine.point_relation == 1 or (parallel.pp == 1 and not parallel.paired)
+
+    def path_with(self, *, hidden_copies: bool) -> DecisionPath:
+        """``path``, or (made on first use) a decision path over an engine of its own that prices copies as
+        ``hidden_copies`` says: paths that price copies differently decide differently."""
+        found = self._paths.get(hidden_copies)
+        if found is None:
+            model, parallel, stage, downgrade, cache = self._path_args
+            engine = (shared_engine(model, parallel, self.plan_hardware, stage, downgrade, hidden_copies) if cache
+                      else Stage(model, parallel, self.plan_hardware, stage=stage, cache=False))
+            found = self._paths[hidden_copies] = DecisionPath.on(engine, downgrade=downgrade,
+                                                                 hidden_copies=hidden_copies)
+        return found
 
     @property
     def memory(self) -> StageMemory:
