@@ -172,3 +172,17 @@ def test_the_stage_engine_takes_a_plan_as_evaluate_takes_it():
     assert engine.point_order(None, 1.0, 0, warmup=True) == engine.point_order(Plan(), 1.0, 0, warmup=True)
     with pytest.raises(ValueError, match="plan must be a Plan, its text form or None, got int"):
         engine.cost(3, 1.0, 0)
+
+
+def test_expect_at_least_keeps_the_planned_imbalance_from_falling_below_the_expected_load():
+    path = DecisionPath(MODEL, PARALLEL, HW)
+    path.expect(1.5)
+    path.observe(0, 1.0)
+    assert path.planned(0) == 1.0  # the gates replace what was expected
+    path.expect(1.5, at_least=True)  # the gates measured so far are kept, and only raise it from now on
+    assert path.planned(0) == 1.5
+    path.observe(0, 1.8)
+    path.observe(0, 1.1)
+    assert path.planned(0) == 1.5
+    with pytest.raises(ValueError, match="at_least must be true or false"):
+        path.expect(1.5, at_least=1)
