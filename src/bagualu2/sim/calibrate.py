@@ -18,8 +18,6 @@ Pure: never imports torch (``reference_trainer.experiments.calibrate`` measures 
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -69,13 +67,10 @@ class Measured:
                              f"each), got {self.trace!r:.60}")
         for i, step in enumerate(self.trace):
             rates = step if isinstance(step, Sequence) and not isinstance(step, (str, bytes)) else (step,)
-            if not rates or not all(_is_rate(rate) for rate in rates):
-                raise ValueError(f"trace[{i}] must be an imbalance rate >= 1 or a non-empty sequence of them, got "
-                                 f"{step!r:.60}")
-
-
-def _is_rate(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value >= 1
+            if not rates:
+                raise ValueError(f"trace[{i}] must be an imbalance rate >= 1 or a non-empty sequence of them")
+            for rate in rates:
+                require_number(f"trace[{i}] (an imbalance rate)", rate, 1)
 
 
 CPU_OVERLAP = "fused-only"

@@ -84,7 +84,7 @@ class StageContext:
                            else self.engine)
         self.path = DecisionPath.on(self.engine, downgrade=downgrade, hidden_copies=hidden_copies)
         self._paths = {hidden_copies: self.path}
-        self._path_args = (model, parallel, stage, downgrade, cache)
+        self.downgrade, self.cache = downgrade, cache
         if m_max_bytes is not None:
             m_max_bytes = require_int("m_max_bytes", m_max_bytes, 1)
         self._plan_memory = _capped(self.engine.memory, m_max_bytes)
@@ -103,10 +103,10 @@ class StageContext:
         ``hidden_copies`` says: paths that price copies differently decide differently."""
         found = self._paths.get(hidden_copies)
         if found is None:
-            model, parallel, stage, downgrade, cache = self._path_args
-            engine = (shared_engine(model, parallel, self.plan_hardware, stage, downgrade, hidden_copies) if cache
-                      else Stage(model, parallel, self.plan_hardware, stage=stage, cache=False))
-            found = self._paths[hidden_copies] = DecisionPath.on(engine, downgrade=downgrade,
+            engine = (shared_engine(self.model, self.parallel, self.plan_hardware, self.stage, self.downgrade,
+                                    hidden_copies) if self.cache
+                      else Stage(self.model, self.parallel, self.plan_hardware, stage=self.stage, cache=False))
+            found = self._paths[hidden_copies] = DecisionPath.on(engine, downgrade=self.downgrade,
                                                                  hidden_copies=hidden_copies)
         return found
 
