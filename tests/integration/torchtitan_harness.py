@@ -5,9 +5,12 @@ assumes a GPU — its MoE kernels module imports triton at import time (a stub m
 only the grouped-GEMM path, which is off on CPU); its device selection falls back to CUDA without an accelerator
 (the modules that copied ``device_type`` / ``device_module`` get "cpu" and a CPU stand-in with the memory calls its
 metrics make); its router counts tokens per expert with ``torch.histc`` on int64, which CPU lacks (its MoE module
-gets a ``torch`` whose ``histc`` counts integers through float, returning int64 as CUDA does). Then a 4-layer
-flavor of the DeepSeek-V3 debug model, and a probe converter that writes, per rank and step, a digest of every
-gradient and the converter's micro-batch rows to ``$BAGUALU2_PROBE_DIR``.
+gets a ``torch`` whose ``histc`` counts integers through float, returning int64 as CUDA does). One more shim saves
+test time only: rank 0 of torchtitan's trainer sleeps 2 s after its last step "for other ranks to complete", and
+here nothing needs it (the last step's collectives have completed on every rank; torchrun's agent holds the store
+and waits for every worker). Then a 4-layer flavor of the DeepSeek-V3 debug model, and a probe converter that
+writes, per rank and step, a digest of every gradient and the converter's micro-batch rows to
+``$BAGUALU2_PROBE_DIR``.
 """
 
 from __future__ import annotations
@@ -188,6 +191,23 @@ def setup() -> None:
     _flavor()
 
 
+def _no_final_wait() -> None:
+    """torchtitan's trainer module gets a ``time`` whose ``sleep`` returns at once (test time only, see above)."""
+    import time
+
+    import torchtitan.train
+
+    class TimeWithoutTheFinalWait(types.ModuleType):
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+        @staticmethod
+        def sleep(seconds):
+            pass
+
+    torchtitan.train.time = TimeWithoutTheFinalWait("time")
+
+
 def main() -> None:
     torch.set_num_threads(1)
     setup()
@@ -197,6 +217,7 @@ def main() -> None:
     import bagualu2.integrations.torchtitan  # noqa: F401  (registers the "bagualu2" converter)
 
     register_model_converter(Probe, "probe")
+    _no_final_wait()
     train(Trainer)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -126,7 +126,7 @@ def layered_graphs(draw):
     return graph
 
 
-@settings(max_examples=scaled(200), deadline=None)
+@settings(max_examples=scaled(60), deadline=None)
 @given(layered_graphs(), budget_fraction, st.booleans())
 @example(_layered(2, False, False, [64, 64, 128], [1000, 10], [1000, 10], True), 70, False)  # cut off by the order
 @example(_layered(3, False, True, [64, 64, 64], [1000, 10], [1000, 1000], True), 40, True)  # the hint's renaming
