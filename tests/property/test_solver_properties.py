@@ -126,10 +126,10 @@ def layered_graphs(draw):
     return graph
 
 
-@settings(max_examples=scaled(60), deadline=None)
+@settings(max_examples=scaled(120), deadline=None)
 @given(layered_graphs(), budget_fraction, st.booleans())
 @example(_layered(2, False, False, [64, 64, 128], [1000, 10], [1000, 10], True), 70, False)  # cut off by the order
-@example(_layered(3, False, True, [64, 64, 64], [1000, 10], [1000, 1000], True), 40, True)  # the hint's renaming
+@example(_layered(3, False, True, [64, 64, 64], [1000, 10], [1000, 1000], False), 40, True)  # the hint's renaming
 def test_exact_equals_brute_force_on_layered_graphs(graph, fraction, hint):
     """Identical layers get their kept bytes ordered (symmetry breaking) only where no decision crosses a layer:
     with unpinned block inputs the layers share them, and the order would cut the optimum off."""
