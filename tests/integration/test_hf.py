@@ -171,6 +171,62 @@ def test_remove_puts_the_model_back_and_a_refused_instrument_changes_nothing():
     assert state() == before
 
 
+def test_models_that_share_a_config_keep_their_own_instrumentation():
+    """Two models from one config object (a teacher beside a student): the one not instrumented runs as it did,
+    and taking one model's instrumentation off leaves the other's in force, its plan exact, until the last is off."""
+    from transformers import AutoModelForCausalLM
+
+    student, ids = tiny("mixtral")
+    config = student.config
+    teacher = AutoModelForCausalLM.from_config(config).float().train()
+    assert teacher.config is config
+    with torch.no_grad():
+        plain = teacher(input_ids=ids).logits
+    first = hf.instrument(student)
+    with torch.no_grad():
+        assert torch.equal(teacher(input_ids=ids).logits, plain)  # the teacher's experts are not split
+    second = hf.instrument(teacher)
+    graph = second.trace_graph(input_ids=ids, labels=ids, hardware=HW, loss=lambda out: out.loss)
+    plan = Plan(tuple((f"{op}/{tensor}", Strategy.OFFLOAD) for op, tensor in graph.decisions
+                      if (op, tensor) not in graph.pinned))
+    first.remove()
+    assert config.use_cache is False  # the teacher still holds the cache off
+    executor = apply_plan(second, plan, verify=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with executor.micro_batch("teacher") as record:
+            loss = teacher(input_ids=ids, labels=ids).loss
+        loss.backward()
+        executor.release("teacher")
+    assert record.device_bytes == evaluate(graph, plan).activation_bytes
+    second.remove()
+    assert config.use_cache is True and config._experts_implementation != "bagualu2"
+    with torch.no_grad():
+        assert torch.equal(teacher(input_ids=ids).logits, plain)
+
+
+def test_savings_outside_the_modules_beyond_the_traced_ones_warn():
+    """Traced with transformers' loss, trained with another one (or the instrumented module called inside a
+    model around it): what the micro-batch saves outside every mapped module exceeds the trace's, kept beyond the
+    plan's bytes, and it says so once."""
+    from bagualu2.exec import UntracedSavingsWarning
+
+    model, ids = tiny("mixtral")
+    instrumented = hf.instrument(model)
+    graph = instrumented.trace_graph(input_ids=ids, labels=ids, hardware=HW, loss=lambda out: out.loss)
+    plan = greedy.solve(graph, graph.floor_bytes).plan
+    executor = apply_plan(instrumented, plan, verify=True)
+    outside = "keeps [0-9,]+ B saved outside every mapped module, its traced forward [0-9,]+ B"
+    with pytest.warns(UntracedSavingsWarning, match=outside):
+        with executor.micro_batch("z-loss") as record:
+            logits = model(input_ids=ids).logits.float()
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+            loss = loss + 1e-2 * logits.logsumexp(-1).pow(2).mean()
+    loss.backward()
+    executor.release("z-loss")
+    assert record.device_bytes > evaluate(graph, plan).activation_bytes
+
+
 def test_a_batch_that_saves_what_the_trace_did_not_warns():
     """A padded attention mask on a model traced without one takes another attention path, saving tensors no plan
     names: they are kept beyond the plan's bytes, and the micro-batch says so."""

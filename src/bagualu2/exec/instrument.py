@@ -160,6 +160,7 @@ class InstrumentedModel:
         # UntracedSavingsWarning once per trace: a model whose savings follow the routing would give it at every
         # micro-batch
         self._warned_untraced = False
+        self._warned_outside = False
         modules = dict(model.named_modules())
         self._hooked = [modules[path] for path in self.bindings]
         # the layers transformers' activation checkpointing switches (those with the attribute), found once: every
@@ -250,7 +251,7 @@ class InstrumentedModel:
         finally:
             TRACER.reset(token)
         self.trace = build_graph_of(recorder, self.model, hardware, activation_dtype=self._activation_dtype())
-        self._warned_untraced = False  # a new trace: its first untraced saving is said again
+        self._warned_untraced = self._warned_outside = False  # a new trace: its first untraced saving is said again
         self.traced_autocast = recorder.autocast
         self._mode_modules = [(path, module) for path, module in self.model.named_modules()
                               if path in self.bindings or isinstance(module, DROPOUT_MODULES)]
@@ -312,6 +313,14 @@ class InstrumentedModel:
                           "layout, a data-dependent branch, a cache the traced call built) and keeps other bytes "
                           "than its plan's; trace with a batch like the ones it trains on, after a first call",
                           UntracedSavingsWarning, stacklevel=2)
+        outside = record.unknown_ops.get(None, 0)
+        if self.trace is not None and outside > self.trace.outside_bytes and not self._warned_outside:
+            self._warned_outside = True  # said once per trace, as above
+            warnings.warn(f"micro-batch {record.name!r} keeps {outside:,} B saved outside every mapped module, its "
+                          f"traced forward {self.trace.outside_bytes:,} B: the code around the modules differs from "
+                          "the traced call (another loss, a model around the instrumented one) and the micro-batch "
+                          "keeps more than its plan's bytes; trace with the loss it trains with, on the module it "
+                          "calls", UntracedSavingsWarning, stacklevel=2)
 
     def _activation_dtype(self) -> str:
         counts: dict[torch.dtype, int] = {}

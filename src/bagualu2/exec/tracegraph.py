@@ -99,9 +99,10 @@ def build_graph_of(recorder: TraceRecorder, model: torch.nn.Module, hardware: Ha
     modules = {name: _unique(c.binding.path for c in calls) for name, calls in by_op.items()}
     dependent = _flag_enclosing(enclosing, {name for name, calls in by_op.items()
                                             if any(c.value_dependent for c in calls)})
+    kept_outside = graph.copies_bytes({(s.tensor, s.dtype) for s in unmapped.saves}) if unmapped else 0
     return TraceResult(graph, slots, saved, sum(outside.values()), recorder.num_unmapped, frozenset(random_ops),
                        frozenset(dependent), modules, stateful, frozenset(mutating),
-                       frozenset(c.binding.path for c in recorder.calls if c.updates_buffers))
+                       frozenset(c.binding.path for c in recorder.calls if c.updates_buffers), kept_outside)
 
 
 def _enclosing_ops(by_op: dict) -> dict[str, set]:

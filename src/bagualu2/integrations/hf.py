@@ -204,6 +204,29 @@ def _configs(model: torch.nn.Module) -> list:
     return configs
 
 
+# id(config) -> [config, the use_cache it had, the instrumented models that hold it off]: models that share a
+# config share its KV-cache switch, which the last of them taken off turns back
+_CACHE_OFF: dict[int, list] = {}
+
+
+def _cache_off(config, restores: list) -> None:
+    """``config.use_cache = False`` while this model is instrumented (``restores`` gets what undoes it)."""
+    entry = _CACHE_OFF.get(id(config))
+    if entry is None or entry[0] is not config:
+        entry = _CACHE_OFF[id(config)] = [config, config.use_cache, 0]
+    entry[2] += 1
+    config.use_cache = False
+
+    def restore() -> None:
+        entry[2] -= 1
+        if entry[2] == 0:
+            if _CACHE_OFF.get(id(config)) is entry:
+                del _CACHE_OFF[id(config)]
+            config.use_cache = entry[1]
+
+    restores.append(restore)
+
+
 def instrument(model: torch.nn.Module, *, gate: bool = True) -> InstrumentedModel:
     """:func:`bagualu2.exec.instrument` with :func:`op_map`, the experts split into three ops, the KV cache off for
     training and, with ``gate``, every router's routed copies reported to the gate (see the module docstring)."""
@@ -235,8 +258,7 @@ def _instrument(model: torch.nn.Module, gate: bool, restores: list) -> Instrumen
     ``restores`` (what undoes it)."""
     labels: Mapping[str, str] = op_map(model)
     for config in _configs(model):
-        restores.append(lambda config=config, then=config.use_cache: setattr(config, "use_cache", then))
-        config.use_cache = False  # as transformers' activation checkpointing does: a re-run must not update it
+        _cache_off(config, restores)  # as transformers' activation checkpointing does: a re-run must not update it
     if not gate:
         for path, label in labels.items():
             if label == "dispatch":

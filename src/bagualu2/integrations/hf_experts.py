@@ -11,6 +11,7 @@ so the exec layer's hooks see them as ops and plan their saved tensors one by on
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable
 
 import torch
@@ -138,19 +139,25 @@ def _unsort(weighted: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
 
 def install(model: torch.nn.Module) -> Callable[[], None]:
     """Register the ``"bagualu2"`` experts implementation, give every experts module of ``model`` its three parts
-    and select the implementation; returns what undoes it on the model (the parts taken off, the implementation
-    each config had selected again)."""
+    and select the implementation for these modules alone; returns what undoes it on the model (the parts taken
+    off, each module's own config back).
+
+    transformers selects an experts implementation through a config that other models may share (two models from
+    one config object, a teacher beside a student): each experts module here gets a shallow copy of its config
+    that selects ``"bagualu2"``, so a model that shares the config and is not instrumented runs as it did, and
+    taking one model's instrumentation off leaves another's in force."""
     from transformers.integrations.moe import ExpertsInterface
 
     ExpertsInterface.register(NAME, experts_forward)
     added: list[tuple[torch.nn.Module, str]] = []
-    selected: dict[int, tuple[Any, Any]] = {}  # id(config) -> (config, the implementation it had)
+    configs: list[tuple[torch.nn.Module, Any]] = []  # (experts module, the config it had)
+    own: dict[int, Any] = {}  # id(shared config) -> its copy that selects NAME
 
     def undo() -> None:
         for module, name in reversed(added):
             delattr(module, name)
-        for config, implementation in selected.values():  # a config before its sub-configs
-            config._experts_implementation = implementation
+        for module, config in reversed(configs):
+            module.config = config
 
     try:
         for module in model.modules():
@@ -159,24 +166,24 @@ def install(model: torch.nn.Module) -> Callable[[], None]:
                     if not isinstance(getattr(module, name, None), part):
                         module.add_module(name, part(module))
                         added.append((module, name))
-                for config in _with_sub_configs(module.config):
-                    selected.setdefault(id(config), (config, getattr(config, "_experts_implementation", None)))
-                module.config._experts_implementation = NAME  # transformers sets it on the sub-configs too
+                if getattr(module.config, "_experts_implementation", None) != NAME:
+                    config = module.config
+                    if id(config) not in own:
+                        own[id(config)] = _selecting(config)
+                    configs.append((module, config))
+                    module.config = own[id(config)]
     except BaseException:
         undo()  # what it changed before failing
         raise
     return undo
 
 
-def _with_sub_configs(config, seen: set | None = None) -> list:
-    """``config`` and, after it, its sub-configs (transformers' ``sub_configs``), recursively, each once."""
-    seen = set() if seen is None else seen
-    if id(config) in seen:
-        return []
-    seen.add(id(config))
-    found = [config]
-    for key in getattr(config, "sub_configs", None) or ():
-        sub = getattr(config, key, None)
-        if sub is not None and hasattr(sub, "to_dict"):
-            found.extend(_with_sub_configs(sub, seen))
-    return found
+def _selecting(config: Any) -> Any:
+    """A shallow copy of ``config`` that selects the ``"bagualu2"`` implementation (the copy alone: transformers'
+    setter would also set it on the sub-configs the copy shares with ``config``)."""
+    selecting = copy.copy(config)
+    if isinstance(getattr(type(config), "_experts_implementation", None), property):
+        selecting._experts_implementation_internal = NAME
+    else:
+        selecting._experts_implementation = NAME
+    return selecting
