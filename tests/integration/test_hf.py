@@ -115,6 +115,15 @@ def test_op_map_names_the_unsupported_class():
         hf.op_map(dense)
     with pytest.raises(ValueError, match="torch.nn.Module"):
         hf.op_map("mixtral")
+    nested, _ = tiny("mixtral")  # experts one level deeper than a MoE block's child (modality-split MoE blocks)
+    for layer in nested.model.layers:
+        inner = torch.nn.Module()
+        inner.experts = layer.mlp.experts
+        del layer.mlp.experts
+        layer.mlp.text = inner
+    with pytest.raises(ValueError, match=r"keeps its routed experts at model\.layers\.0\.mlp\.text\.experts and 1 "
+                                         "more, deeper than op_map reads them"):
+        hf.op_map(nested)
     with pytest.raises(ValueError, match="gate must be True or False"):
         hf.instrument(dense, gate="yes")
     with pytest.raises(ValueError, match="model must be a torch.nn.Module"):

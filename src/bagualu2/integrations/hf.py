@@ -142,8 +142,14 @@ def op_map(model: torch.nn.Module) -> dict[str, str]:
             elif name in MIXER_NAMES and not _is_norm(child):  # a linear-attention or state-space token mixer
                 labels[path] = "mixer:core_attn"
     if not found_experts:
+        deeper = [path for path, module in model.named_modules() if is_experts(module)]
+        if deeper:
+            more = f" and {len(deeper) - 1} more" if len(deeper) > 1 else ""
+            raise ValueError(f"{type(model).__name__} keeps its routed experts at {deeper[0]}{more}, deeper than "
+                             "op_map reads them (a decoder layer's child or its MoE block's child): not supported")
         raise ValueError(f"{type(model).__name__} has no routed-experts module that transformers' experts "
-                         f"implementations run; supported: {', '.join(SUPPORTED_FAMILIES)}")
+                         "implementations run (a config whose layers are all dense has none); supported: "
+                         f"{', '.join(SUPPORTED_FAMILIES)}")
     return labels
 
 
