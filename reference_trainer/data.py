@@ -143,7 +143,10 @@ class TokenCorpus:
         if not root.exists():
             raise ValueError(f"{path}: no such file or directory ({_ALLOWED})")
         if root.is_dir():
-            files = sorted(p for p in root.iterdir() if p.is_file() and p.suffix in (".txt", ".jsonl"))
+            files = sorted(p for p in root.iterdir() if p.suffix in (".txt", ".jsonl"))
+            odd = next((p for p in files if not p.is_file()), None)
+            if odd is not None:  # a dangling link, a device, a pipe or a folder named like a data file
+                raise ValueError(f"{odd}: not a regular file ({_ALLOWED}); remove it from {path} or make it one")
             if not files:
                 raise ValueError(f"{path}: no .txt or .jsonl files in this directory ({_ALLOWED})")
         elif root.suffix in (".txt", ".jsonl"):

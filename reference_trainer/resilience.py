@@ -57,6 +57,7 @@ class Guard:
                                  describe=self.recorder.describe if self.recorder is not None else None,
                                  on_stall=self._stalled)
         self.step = 0
+        self.done = 0  # the steps whose update is applied (a fault after step s's update loses s + 1 - resume)
 
     def start(self) -> None:
         self.watchdog.start()
@@ -69,8 +70,13 @@ class Guard:
     # ---- progress -----------------------------------------------------------------------------------------------
     def beat(self, label: str, step: int | None = None) -> None:
         if step is not None:
-            self.step = step
+            self.step = self.done = step
         self.watchdog.beat(label, step)
+
+    def updated(self, step: int) -> None:
+        """Step ``step``'s update is applied (or skipped on every rank alike): a fault from here on, in its records
+        or its checkpoint, loses it too."""
+        self.done = step + 1
 
     def forward(self, label: str) -> None:
         """A forward starts (the provisioner's progress hook)."""
@@ -78,7 +84,7 @@ class Guard:
         self.faults.forward(self.step)
 
     def _stalled(self, line: str, step: int) -> None:
-        self.run_state.record_fault(rank=self.rank, step=step, kind="stall", message=line)
+        self.run_state.record_fault(rank=self.rank, step=step, kind="stall", message=line, done=self.done)
 
     # ---- failures -----------------------------------------------------------------------------------------------
     def fatal(self, exc: BaseException, step: int) -> None:
@@ -95,7 +101,7 @@ class Guard:
         line = (f"error: rank {self.rank}: a collective failed at step {step} in {self.watchdog.label} "
                 f"({type(failed).__name__}: {message}); exit code {STALL_EXIT_CODE} (torchrun --max-restarts "
                 "restarts from the last complete checkpoint)")
-        self.run_state.record_fault(rank=self.rank, step=step, kind="collective", message=line)
+        self.run_state.record_fault(rank=self.rank, step=step, kind="collective", message=line, done=self.done)
         self.watchdog.stop()  # its limit may pass while exit_after_failure waits for torchrun: one line, not two
         exit_after_failure(failed, line)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,13 +33,29 @@ from typing import Any
 STATE = "run_state.json"
 
 
-def _write_json(path: Path, data: dict) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _write_json(path: Path, data: dict) -> bool:
+    """Write ``path`` atomically (a temp file, then a rename). A write the file system refuses (a full disk, a
+    folder made read-only) leaves nothing behind and prints one warning: the run goes on without that record
+    (its restart then knows less: an out-of-memory restart without its marker runs the same policy again). False
+    when refused."""
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return True
+    except OSError as exc:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        print(f"warning: cannot write {path}: {exc.strerror or exc}; the run's restart history goes on without "
+              "this record", file=sys.stderr, flush=True)
+        return False
 
 
 REFUSED = "refused.json"
@@ -177,7 +194,8 @@ class RunState:
         elif faults:
             first = min(faults, key=lambda m: m["time"])
             self.data["stalls"] = self.data.get("stalls", 0) + 1
-            self.data["steps_lost"] += max(first["step"] - resume_step, 0)
+            done = first.get("done", first["step"])
+            self.data["steps_lost"] += max((done if isinstance(done, int) else first["step"]) - resume_step, 0)
             self.pending_error_at = first["time"]
         self.data["policies"] = [*self.data["policies"], policy] if self.data["policies"][-1:] != [policy] else \
             self.data["policies"]
@@ -209,11 +227,13 @@ class RunState:
                                                            "policy": policy, "message": message,
                                                            "peak_activation_bytes": peak_bytes})
 
-    def record_fault(self, *, rank: int, step: int, kind: str, message: str) -> None:
-        """This rank stalled or lost a collective (called right before it exits)."""
+    def record_fault(self, *, rank: int, step: int, kind: str, message: str, done: int | None = None) -> None:
+        """This rank stalled or lost a collective at ``step`` (called right before it exits); ``done``: the steps
+        whose update was applied by then (``step`` + 1 in the step's records or its checkpoint)."""
         if self.dir is not None:
             _write_json(self.dir / f"fault-rank{rank}.json", {"time": time.time(), "step": step, "rank": rank,
-                                                             "kind": kind, "message": message})
+                                                             "kind": kind, "message": message,
+                                                             "done": step if done is None else done})
 
     def record_stop(self, *, step: int, message: str, is_logger: bool) -> None:
         """The run stopped on purpose at ``step`` (a non-finite loss): automatic restarts must not go on."""

@@ -72,8 +72,8 @@ class Session:
         self._refuse_another_runs_directory(state_dir)  # before this launch touches the directory
         self.run_state = RunState(state_dir, fresh=self.restarts == 0 and not config.resume,
                                   first_launch=self.restarts == 0)
-        if self.restarts == 0:  # the history a restart of this launch reads, whatever the directory held
-            self.run_state.launched(config.policy, fresh=not config.resume, is_logger=groups.is_logger)
+        if self.restarts == 0:  # the history a restart of this launch reads (saved once --resume is accepted)
+            self.run_state.launched(config.policy, fresh=not config.resume, is_logger=False)
         self.guard = Guard(timeout_s=config.collective_timeout_s, rank=groups.rank, world_size=groups.world_size,
                            launch=self.restarts, run_state=self.run_state)
         policy = self._policy_in_force(config.policy)
@@ -343,6 +343,8 @@ class Session:
             if self.start_step > config.steps:  # every rank loaded the same checkpoint
                 self._user_error(f"--steps {config.steps} is below step {self.start_step} of the checkpoint --resume "
                                  "loads; --steps is the total, counting the steps already done")
+        if self.restarts == 0 and groups.is_logger:  # a refused launch leaves the run's history as it was
+            self.run_state.save()
         incident = None
         stopped = self.run_state.data.get("stopped")
         if self.restarts > 0 and stopped:  # torchrun restarted a run that stopped on purpose: do not go on
@@ -407,6 +409,7 @@ class Session:
                     # the completed steps' peak (all ranks' on the logger, this rank's elsewhere); the failed
                     # step is lost, as in the simulator
                     self._out_of_memory(step, oom, max(totals["peak"], own_peak))
+                guard.updated(step)
                 step_s = time.perf_counter() - started
                 own_peak = max(own_peak, self.provisioner.tracker.peak_bytes)
                 mine = {"loss_sum": loss_sum, "count": count, "peak": self.provisioner.tracker.peak_bytes,

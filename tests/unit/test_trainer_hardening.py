@@ -31,6 +31,14 @@ def test_a_pipe_or_a_device_as_data_is_refused_without_reading_it(tmp_path):
         with pytest.raises(ValueError, match="not a regular file") as info:
             TokenCorpus.from_path(str(path), load_tokenizer())
         assert "\n" not in str(info.value) and str(path) in str(info.value)
+    folder = tmp_path / "corpus"  # the same inside a directory, and a dangling link: never skipped in silence
+    folder.mkdir()
+    (folder / "a.txt").write_text("some text\n")
+    for name, target in (("b.txt", tmp_path / "missing.txt"), ("z.jsonl", "/dev/zero")):
+        (folder / name).symlink_to(target)
+        with pytest.raises(ValueError, match=f"{name}: not a regular file"):
+            TokenCorpus.from_path(str(folder), load_tokenizer())
+        (folder / name).unlink()
 
 
 @pytest.mark.slow
@@ -150,9 +158,12 @@ def test_steps_below_the_resumed_checkpoint_and_an_edited_manifest_are_one_line(
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     first = subprocess.run(base + ["--steps", "2"], capture_output=True, text=True, env=env, timeout=300)
     assert first.returncode == 0, first.stderr[-2000:]
-    again = subprocess.run(base + ["--steps", "1", "--resume"], capture_output=True, text=True, env=env, timeout=300)
+    history = (tmp_path / "ck" / STATE).read_text()
+    again = subprocess.run(base + ["--steps", "1", "--resume", "--policy", "ideal"], capture_output=True, text=True,
+                           env=env, timeout=300)
     lines = [line for line in again.stderr.splitlines() if line.strip()]
     assert again.returncode == 2 and lines == [lines[0]] and "--steps 1 is below step 2" in lines[0], again.stderr
+    assert (tmp_path / "ck" / STATE).read_text() == history  # a refused launch leaves the run's history as it was
     # a manifest edited to another step (its directory renamed to match) disagrees with what the ranks saved
     moved = tmp_path / "ck" / "step-00000005"
     (tmp_path / "ck" / "step-00000002").rename(moved)
@@ -177,6 +188,38 @@ def test_a_full_disk_stops_the_metrics_log_with_one_warning_not_the_run(tmp_path
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "no more records are written, training continues" in warnings[0]
     assert (tmp_path / "m.jsonl").read_text() == '{"step": 0}\n'
+
+
+def test_a_full_disk_under_the_run_state_is_one_warning_per_record_and_leaves_nothing(tmp_path, monkeypatch, capsys):
+    import errno
+
+    first = RunState(str(tmp_path), fresh=True, first_launch=True)
+    first.launched("flexible", fresh=True, is_logger=True)
+    history = (tmp_path / STATE).read_text()
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    first.record_fault(rank=1, step=3, kind="collective", message="error: ...")
+    first.record_oom(rank=0, step=3, policy="flexible", message="out of memory")
+    first.step_done(is_logger=True)
+    first.record_stop(step=3, message="non-finite loss", is_logger=True)
+    RunState(str(tmp_path), fresh=False).restarted(restart_count=1, resume_step=2, policy="flexible", is_logger=True)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert warnings and all(line.startswith("warning: cannot write ") and "No space left on device" in line
+                            for line in warnings)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [STATE] and (tmp_path / STATE).read_text() == history
+
+
+def test_a_fault_after_the_steps_update_loses_that_step_too(tmp_path):
+    for done, lost in ((3, 1), (None, 0)):  # in the step's checkpoint write; mid-step
+        state = RunState(str(tmp_path), fresh=True, first_launch=True)
+        state.launched("flexible", fresh=True, is_logger=True)
+        state.record_fault(rank=1, step=2, kind="collective", message="error: ...", done=done)
+        restart = RunState(str(tmp_path), fresh=False)
+        restart.restarted(restart_count=1, resume_step=2, policy="flexible", is_logger=True)
+        assert restart.data["steps_lost"] == lost and restart.data["stalls"] == 1
 
 
 @pytest.mark.parametrize("text", ["null", "[1, 2]", "7", '"x"'])
