@@ -19,10 +19,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, collectives
+from . import checkpoint, collectives, startup
 from .faults import Faults
 from .parallel import collective_device
-from .watchdog import STALL_EXIT_CODE, Watchdog, collective_failure, exit_after_failure
+from .watchdog import STALL_EXIT_CODE, Heartbeats, Watchdog, collective_failure, exit_after_failure
 
 NONFINITE_EXIT_CODE = 65  # EX_DATAERR: a non-finite loss or gradient under --on-nonfinite stop
 
@@ -53,9 +53,11 @@ class Guard:
         self.faults = Faults.from_env(rank=rank, launch=launch)
         self.recorder = (collectives.CollectiveRecorder().install()
                          if collectives.enabled() and dist.is_initialized() else None)
+        self.heartbeats = (Heartbeats(startup.store(), rank=rank, world_size=world_size)
+                           if dist.is_initialized() and world_size > 1 and "MASTER_ADDR" in os.environ else None)
         self.watchdog = Watchdog(timeout_s=timeout_s, rank=rank,
                                  describe=self.recorder.describe if self.recorder is not None else None,
-                                 on_stall=self._stalled)
+                                 on_stall=self._stalled, heartbeats=self.heartbeats)
         self.step = 0
         self.done = 0  # the steps whose update is applied (a fault after step s's update loses s + 1 - resume)
 
@@ -98,9 +100,10 @@ class Guard:
         if failed is None:
             return
         message = " ".join(str(failed).split())[:300]
+        silent = self.heartbeats.silent() if self.heartbeats is not None else ""
         line = (f"error: rank {self.rank}: a collective failed at step {step} in {self.watchdog.label} "
-                f"({type(failed).__name__}: {message}); exit code {STALL_EXIT_CODE} (torchrun --max-restarts "
-                "restarts from the last complete checkpoint)")
+                f"({type(failed).__name__}: {message}){'; ' + silent if silent else ''}; exit code "
+                f"{STALL_EXIT_CODE} (torchrun --max-restarts restarts from the last complete checkpoint)")
         self.run_state.record_fault(rank=self.rank, step=step, kind="collective", message=line, done=self.done)
         self.watchdog.stop()  # its limit may pass while exit_after_failure waits for torchrun: one line, not two
         exit_after_failure(failed, line)

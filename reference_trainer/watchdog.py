@@ -11,11 +11,17 @@ job, which resumes from its last complete checkpoint.
 The same ``--collective-timeout`` is the process groups' timeout, so a collective whose peer died or stopped raises
 on the live ranks at about the same time; :func:`collective_failure` recognises that error (anywhere in an
 exception's chain) so the loop reports it in one line and exits with the same code instead of a traceback.
+
+A stopped or killed rank cannot say so itself. Under torchrun every rank's watchdog thread also publishes a
+heartbeat (:class:`Heartbeats`: the time, its step and what it was doing) to the launch's store about once a
+second; the line of a live rank whose collective failed or whose watchdog fired names the ranks whose heartbeat
+stopped (``rank 2 stopped answering 11 s ago (last heard at step 3, in the forward of c0.m1)``).
 """
 
 from __future__ import annotations
 
 import faulthandler
+import json
 import os
 import sys
 import threading
@@ -80,11 +86,13 @@ class Watchdog:
     """
 
     def __init__(self, *, timeout_s: float, rank: int, describe: Callable[[], str] | None = None,
-                 on_stall: Callable[[str, int], None] | None = None, exit_code: int = STALL_EXIT_CODE):
+                 on_stall: Callable[[str, int], None] | None = None, exit_code: int = STALL_EXIT_CODE,
+                 heartbeats: "Heartbeats | None" = None):
         if not timeout_s > 0:
             raise ValueError(f"--collective-timeout must be > 0 seconds, got {timeout_s!r}")
         self.timeout_s, self.rank, self.describe, self.on_stall = float(timeout_s), rank, describe, on_stall
         self.exit_code = exit_code
+        self.heartbeats = heartbeats
         self.step = -1
         self.label = "starting"
         self._last = time.monotonic()
@@ -93,6 +101,8 @@ class Watchdog:
 
     def start(self) -> "Watchdog":
         self._last = time.monotonic()
+        if self.heartbeats is not None:
+            self.heartbeats.publish(self.step, self.label)
         self._thread.start()
         return self
 
@@ -112,6 +122,8 @@ class Watchdog:
             idle_s = time.monotonic() - self._last
             if idle_s >= self.timeout_s:
                 self._stalled(idle_s)
+            if self.heartbeats is not None:
+                self.heartbeats.publish(self.step, self.label)
 
     def _stalled(self, idle_s: float) -> None:
         context = ""
@@ -120,6 +132,8 @@ class Watchdog:
                 context = self.describe()
             except Exception:  # noqa: BLE001 - the report must go out whatever the context does
                 context = ""
+        silent = self.heartbeats.silent() if self.heartbeats is not None else ""
+        context = "; ".join(part for part in (context, silent) if part)
         line = (f"error: rank {self.rank} made no progress for {idle_s:.0f} s (--collective-timeout "
                 f"{self.timeout_s:g}) at step {self.step} in {self.label}{'; ' + context if context else ''}; "
                 f"stacks above; exit code {self.exit_code} (torchrun --max-restarts restarts from the last "
@@ -138,3 +152,37 @@ class Watchdog:
         sys.stderr.write(line + "\n")
         sys.stderr.flush()
         os._exit(self.exit_code)
+
+
+class Heartbeats:
+    """Every rank's heartbeat in the launch's ``store`` (see the module docstring): :meth:`publish` from the
+    watchdog thread, :meth:`silent` on a failure. Store errors are ignored: a heartbeat is a diagnosis, never a
+    reason to fail. The ages compare wall clocks, so across nodes they assume synchronised clocks."""
+
+    def __init__(self, store, *, rank: int, world_size: int, stale_s: float = 3.0):
+        self.store, self.rank, self.world_size, self.stale_s = store, rank, world_size, stale_s
+
+    def publish(self, step: int, label: str) -> None:
+        try:
+            self.store.set(f"heartbeat/{self.rank}", json.dumps([time.time(), step, label]))
+        except Exception:  # noqa: BLE001
+            pass
+
+    def silent(self) -> str:
+        """The other ranks whose heartbeat is older than ``stale_s`` (stopped, killed), as one clause ("" if
+        none)."""
+        now, parts = time.time(), []
+        for rank in range(self.world_size):
+            if rank == self.rank:
+                continue
+            key = f"heartbeat/{rank}"
+            try:
+                if not self.store.check([key]):
+                    continue  # not started yet (the first beat comes with the first step)
+                at, step, label = json.loads(self.store.get(key))
+            except Exception:  # noqa: BLE001
+                continue
+            if now - at > self.stale_s:
+                parts.append(f"rank {rank} stopped answering {now - at:.0f} s ago (last heard at step {step}, in "
+                             f"{label})")
+        return "; ".join(parts)

@@ -103,6 +103,7 @@ def test_sigstop_is_detected_within_the_collective_timeout_restarted_and_resumed
     assert losses(metrics) == uninterrupted
     stalled = [line for line in errors(proc) if "made no progress" in line or "a collective failed" in line]
     assert stalled and all("exit code 76" in line and "step 2" in line for line in stalled), proc.stderr[-3000:]
+    assert any("rank 1 stopped answering" in line for line in stalled), proc.stderr[-3000:]  # the stopped rank
     assert "stacks of every thread" in proc.stderr or "a collective failed" in proc.stderr
     assert not has_traceback(proc.stderr)
     summary = records(metrics)[-1]

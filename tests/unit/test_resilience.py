@@ -88,6 +88,28 @@ def test_the_watchdog_dumps_stacks_and_exits_with_one_line():
     assert "Thread" in proc.stderr and "time.sleep" not in lines[0]  # faulthandler's dump precedes the line
 
 
+def test_heartbeats_name_the_ranks_that_stopped_answering(monkeypatch):
+    """Three ranks' heartbeats in one real TCP store: rank 2 stops publishing; the live ranks' lines name it, its
+    step and what it was doing, and never themselves or a rank that has not started yet."""
+    import datetime
+    import time
+
+    from reference_trainer.watchdog import Heartbeats
+
+    store = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=datetime.timedelta(seconds=5),
+                                       wait_for_workers=False)
+    beats = [Heartbeats(store, rank=rank, world_size=4, stale_s=3.0) for rank in range(4)]
+    now = time.time()
+    monkeypatch.setattr(time, "time", lambda: now)
+    beats[2].publish(3, "the forward of c0.m1")
+    now += 11
+    beats[0].publish(4, "the gradient reduction")
+    beats[1].publish(4, "the gradient reduction")
+    assert beats[0].silent() == "rank 2 stopped answering 11 s ago (last heard at step 3, in the forward of c0.m1)"
+    assert beats[1].silent() == beats[0].silent()  # rank 3 never published: not named
+    assert beats[2].silent() == ""  # what rank 2 would say of the others: they answer
+
+
 def test_the_watchdog_stays_quiet_while_beats_come_and_refuses_a_bad_timeout():
     dog = Watchdog(timeout_s=0.3, rank=0, on_stall=lambda *_: pytest.fail("stalled"))
     dog._stalled = lambda idle: pytest.fail("stalled")  # must not be reached
