@@ -12,7 +12,7 @@ The same ``--collective-timeout`` is the process groups' timeout, so a collectiv
 on the live ranks at about the same time; :func:`collective_failure` recognises that error (anywhere in an
 exception's chain) so the loop reports it in one line and exits with the same code instead of a traceback.
 
-A stopped or killed rank cannot say so itself. Under torchrun every rank's watchdog thread also publishes a
+A stopped or killed rank cannot say so itself. Under torchrun every rank also publishes a
 heartbeat (:class:`Heartbeats`: the time, its step and what it was doing) to the launch's store about once a
 second; the line of a live rank whose collective failed or whose watchdog fired names the ranks whose heartbeat
 stopped (``rank 2 stopped answering 11 s ago (last heard at step 3, in the forward of c0.m1)``).
@@ -101,9 +101,9 @@ class Watchdog:
 
     def start(self) -> "Watchdog":
         self._last = time.monotonic()
-        if self.heartbeats is not None:
-            self.heartbeats.publish(self.step, self.label)
         self._thread.start()
+        if self.heartbeats is not None:
+            self.heartbeats.start(lambda: (self.step, self.label))
         return self
 
     def beat(self, label: str, step: int | None = None) -> None:
@@ -115,6 +115,8 @@ class Watchdog:
 
     def stop(self) -> None:
         self._stop.set()
+        if self.heartbeats is not None:
+            self.heartbeats.stop()
 
     def _watch(self) -> None:
         poll_s = min(1.0, self.timeout_s / 10)
@@ -122,8 +124,6 @@ class Watchdog:
             idle_s = time.monotonic() - self._last
             if idle_s >= self.timeout_s:
                 self._stalled(idle_s)
-            if self.heartbeats is not None:
-                self.heartbeats.publish(self.step, self.label)
 
     def _stalled(self, idle_s: float) -> None:
         context = ""
@@ -155,12 +155,29 @@ class Watchdog:
 
 
 class Heartbeats:
-    """Every rank's heartbeat in the launch's ``store`` (see the module docstring): :meth:`publish` from the
-    watchdog thread, :meth:`silent` on a failure. Store errors are ignored: a heartbeat is a diagnosis, never a
-    reason to fail. The ages compare wall clocks, so across nodes they assume synchronised clocks."""
+    """Every rank's heartbeat in the launch's ``store`` (see the module docstring): :meth:`start` publishes what
+    ``source`` says (step, label) every ``period_s`` from a thread of its own (a store that stops answering never
+    holds up the watchdog), :meth:`silent` names the ranks whose heartbeat is older than ``stale_s``. Store errors
+    are ignored: a heartbeat is a diagnosis, never a reason to fail. The ages compare wall clocks, so across nodes
+    they assume synchronised clocks."""
 
-    def __init__(self, store, *, rank: int, world_size: int, stale_s: float = 3.0):
-        self.store, self.rank, self.world_size, self.stale_s = store, rank, world_size, stale_s
+    def __init__(self, store, *, rank: int, world_size: int, period_s: float = 1.0, stale_s: float = 3.0,
+                 answer_s: float = 2.0):
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.period_s, self.stale_s, self.answer_s = period_s, stale_s, answer_s
+        self._stop = threading.Event()
+
+    def start(self, source: Callable[[], tuple[int, str]]) -> None:
+        def run() -> None:
+            while True:
+                self.publish(*source())
+                if self._stop.wait(self.period_s):
+                    return
+
+        threading.Thread(target=run, name="bagualu2-heartbeat", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
 
     def publish(self, step: int, label: str) -> None:
         try:
@@ -169,9 +186,16 @@ class Heartbeats:
             pass
 
     def silent(self) -> str:
-        """The other ranks whose heartbeat is older than ``stale_s`` (stopped, killed), as one clause ("" if
-        none)."""
-        now, parts = time.time(), []
+        """The other ranks whose heartbeat is older than ``stale_s`` (stopped, killed), as one clause; "" if none,
+        or if the store does not answer within ``answer_s``."""
+        found: list[str] = []
+        reader = threading.Thread(target=self._read, args=(found,), daemon=True)
+        reader.start()
+        reader.join(self.answer_s)
+        return "; ".join(found) if not reader.is_alive() else ""
+
+    def _read(self, found: list[str]) -> None:
+        now = time.time()
         for rank in range(self.world_size):
             if rank == self.rank:
                 continue
@@ -183,6 +207,5 @@ class Heartbeats:
             except Exception:  # noqa: BLE001
                 continue
             if now - at > self.stale_s:
-                parts.append(f"rank {rank} stopped answering {now - at:.0f} s ago (last heard at step {step}, in "
+                found.append(f"rank {rank} stopped answering {now - at:.0f} s ago (last heard at step {step}, in "
                              f"{label})")
-        return "; ".join(parts)
