@@ -53,8 +53,9 @@ def _write_json(path: Path, data: dict) -> bool:
                 os.unlink(tmp)
             except OSError:
                 pass
-        print(f"warning: cannot write {path}: {exc.strerror or exc}; the run's restart history goes on without "
-              "this record", file=sys.stderr, flush=True)
+        sys.stderr.write(f"warning: cannot write {path}: {exc.strerror or exc}; the run's restart history goes on "
+                         "without this record\n")  # one write: ranks that share a log do not interleave it
+        sys.stderr.flush()
         return False
 
 
