@@ -219,6 +219,17 @@ def test_a_bagualu2_section_from_elsewhere_is_checked_field_by_field(tmp_path):
         with pytest.raises(ValueError) as excinfo:
             _converter(section=section)
         assert message in one_line(excinfo)
+    for field, value, message in (("policy", "x", "bagualu2.policy must be one of"),  # changed after it was built
+                                  ("memory_cap_mib", float("nan"), "bagualu2.memory_cap_mib must be a number"),
+                                  ("memory_cap_mib", -5.0, "bagualu2.memory_cap_mib must be a number"),
+                                  ("downgrade", "bogus", "bagualu2.downgrade must be graded or paper"),
+                                  ("quantize", "no", "bagualu2.quantize must be true or false"),
+                                  ("report_path", 5, "bagualu2.report_path must be a path string")):
+        section = Bagualu2Config(memory_cap_mib=8)
+        setattr(section, field, value)
+        with pytest.raises(ValueError) as excinfo:
+            _converter(section=section)
+        assert message in one_line(excinfo)
     with pytest.raises(ValueError) as excinfo:
         _converter(microbatch_size=0)
     assert "parallelism.pipeline_parallel_microbatch_size must be an integer >= 1" in one_line(excinfo)

@@ -53,8 +53,8 @@ def _warn(message: str) -> None:
 
 
 def _section(config) -> Bagualu2Config:
-    """A ``[bagualu2]`` section that is not the config dataclass (a dict, another dataclass) as one: one
-    ``ValueError`` naming what does not fit."""
+    """The ``[bagualu2]`` section as a :class:`Bagualu2Config` checked now (a field set after it was built, a dict,
+    another dataclass): one ``ValueError`` naming what does not fit."""
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
         config = dataclasses.asdict(config)
     if isinstance(config, Mapping):
@@ -78,8 +78,8 @@ class Bagualu2Converter:
             _warn("bagualu2: the job config has no [bagualu2] section (set job.custom_config_module = "
                            "\"bagualu2.integrations.torchtitan\"): running with its defaults, no memory cap")
             config = Bagualu2Config()
-        elif not isinstance(config, Bagualu2Config):  # tyro gives back the dataclass; a dict from elsewhere
-            config = _section(config)
+        else:  # tyro gives back the dataclass, a dict may come from elsewhere; either may have been changed since
+            config = _section(config)  # it was built, so its fields are checked again here
         self.config = config
         parallelism = job_config.parallelism
         mode = getattr(job_config.activation_checkpoint, "mode", "none")
