@@ -113,7 +113,8 @@ def op_map(model: torch.nn.Module) -> dict[str, str]:
         raise ValueError(f"model must be a torch.nn.Module (a transformers model), got {type(model).__name__}")
     labels: dict[str, str] = {}
     found_experts = False
-    for layer_path, layer in _layers(model):
+    layers = _layers(model)
+    for layer_path, layer in layers:
         norms = [name for name, child in layer.named_children() if _is_norm(child)]
         ordered = [n for n in NORM_ORDER if n in norms] + [n for n in norms if n not in NORM_ORDER]
         for i, name in enumerate(ordered, start=1):
@@ -142,7 +143,8 @@ def op_map(model: torch.nn.Module) -> dict[str, str]:
             elif name in MIXER_NAMES and not _is_norm(child):  # a linear-attention or state-space token mixer
                 labels[path] = "mixer:core_attn"
     if not found_experts:
-        deeper = [path for path, module in model.named_modules() if is_experts(module)]
+        inside = tuple(f"{layer_path}." for layer_path, _ in layers)
+        deeper = [path for path, module in model.named_modules() if is_experts(module) and path.startswith(inside)]
         if deeper:
             more = f" and {len(deeper) - 1} more" if len(deeper) > 1 else ""
             raise ValueError(f"{type(model).__name__} keeps its routed experts at {deeper[0]}{more}, deeper than "
