@@ -28,8 +28,8 @@ class Bagualu2Config:
       downgrade       the gate's mode: ``graded`` (re-plan the MoE module) or ``paper`` (keep or full recompute).
       quantize        plans may store activations in FP8 (``false``: exact plans only, KEEP / OFFLOAD /
                       RECOMPUTE, whose gradients equal the plain run's bit for bit).
-      report_path     a JSON file rewritten after every step with each micro-batch's budget, plan and bytes ("":
-                      none); ``{rank}`` in it is replaced by the rank.
+      report_path     a JSON-lines file, one line appended after every step with each micro-batch's budget,
+                      plan and bytes ("": none); ``{rank}`` in it is replaced by the rank.
     """
 
     policy: str = "flexible"
