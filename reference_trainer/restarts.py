@@ -195,7 +195,7 @@ class RunState:
         elif faults:
             first = min(faults, key=lambda m: m["time"])
             self.data["stalls"] = self.data.get("stalls", 0) + 1
-            done = first.get("done", first["step"])
+            done = first.get("done")  # the steps whose update was applied (a marker without it: its step)
             self.data["steps_lost"] += max((done if isinstance(done, int) else first["step"]) - resume_step, 0)
             self.pending_error_at = first["time"]
         self.data["policies"] = [*self.data["policies"], policy] if self.data["policies"][-1:] != [policy] else \

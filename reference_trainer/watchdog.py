@@ -12,10 +12,10 @@ The same ``--collective-timeout`` is the process groups' timeout, so a collectiv
 on the live ranks at about the same time; :func:`collective_failure` recognises that error (anywhere in an
 exception's chain) so the loop reports it in one line and exits with the same code instead of a traceback.
 
-A stopped or killed rank cannot say so itself. Under torchrun every rank also publishes a
-heartbeat (:class:`Heartbeats`: the time, its step and what it was doing) to the launch's store about once a
-second; the line of a live rank whose collective failed or whose watchdog fired names the ranks whose heartbeat
-stopped (``rank 2 stopped answering 11 s ago (last heard at step 3, in the forward of c0.m1)``).
+A stopped or killed rank cannot say so itself. Under torchrun every rank also publishes a heartbeat
+(:class:`Heartbeats`: the time, its step and what it was doing) to the launch's store about once a second; the line
+of a live rank whose collective failed or whose watchdog fired names the ranks whose heartbeat stopped (``rank 2
+stopped answering 11 s ago (last heard at step 3, in the forward of c0.m1)``).
 """
 
 from __future__ import annotations
