@@ -289,3 +289,56 @@ def test_remove_runs_every_restore_even_when_one_fails():
         inst.on_remove(lambda: None)
     with pytest.raises(ValueError, match="restore must be a callable"):
         instrument(model, {"fc1": "mlp_fc1"}).on_remove("later")
+
+
+class LayerScaleAct(nn.Module):
+    """``tanh(x * scale)``: the multiply saves ``x`` (another op's output) only while ``scale`` requires grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(H))
+
+    def forward(self, x):
+        return torch.tanh(x * self.scale) * 1.0
+
+
+def test_a_module_that_saves_other_tensors_than_traced_never_gets_another_ops_tensor_back():
+    """``scale.requires_grad_(False)`` after the trace: the call no longer saves its input, so its next saving (the
+    tanh output) meets the slot where the trace saved the input, ``L0.mlp_fc1.out0``. Named so, a plan that
+    re-runs ``mlp_fc1`` would hand backward fc1's output in place of the tanh output; it is kept as it is, and the
+    micro-batch warns."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.ModuleDict(
+                {"fc": nn.Linear(H, H), "act": LayerScaleAct(), "out": nn.Linear(H, H)})])
+
+        def forward(self, x):
+            layer = self.layers[0]
+            return layer["out"](layer["act"](layer["fc"](x)))
+
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(4, H, requires_grad=True)
+    instrumented = instrument(model, {"layers.*.fc": "mlp_fc1", "layers.*.act": "mlp_act", "layers.*.out": "mlp_fc2"})
+    instrumented.trace_graph(x, hardware=CPU, loss=lambda y: y.pow(2).sum())
+    model.layers[0]["act"].scale.requires_grad_(False)
+
+    def run(plan):
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        executor = apply_plan(instrumented, plan, verify=True)
+        with executor.micro_batch("mb"):
+            y = model(x)
+        y.pow(2).sum().backward()
+        executor.release("mb")
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None] + [x.grad.clone()]
+
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plain = run(None)
+    grads = run("L0.mlp_act/L0.mlp_fc1.out0=RECOMPUTE")
+    assert len(grads) == len(plain) and all(torch.equal(a, b) for a, b in zip(grads, plain))
+    assert any(issubclass(w.category, UntracedSavingsWarning) and "requires_grad" in str(w.message) for w in caught)

@@ -310,8 +310,9 @@ class InstrumentedModel:
             ops = ", ".join(f"{op} {nbytes:,} B" for op, nbytes in list(untraced.items())[:3])
             warnings.warn(f"micro-batch {record.name!r} keeps savings its traced forward did not make ({ops}): it "
                           "took another path through the model than the traced batch (an attention mask of another "
-                          "layout, a data-dependent branch, a cache the traced call built) and keeps other bytes "
-                          "than its plan's; trace with a batch like the ones it trains on, after a first call",
+                          "layout, a data-dependent branch, a cache the traced call built, a parameter's "
+                          "requires_grad changed since) and keeps other bytes than its plan's; trace with a batch "
+                          "like the ones it trains on, after a first call",
                           UntracedSavingsWarning, stacklevel=2)
         outside = record.unknown_ops.get(None, 0)
         if self.trace is not None and outside > self.trace.outside_bytes and not self._warned_outside:
@@ -344,6 +345,9 @@ class InstrumentedModel:
         if found[1] != dtype:
             record.slot_dtype_misses += 1
             return None
+        if found[3] and key not in frame.inputs:  # the traced call saved its input here, another op's tensor: a
+            record.slot_input_misses.append((found[0], frame.binding.path))  # re-run of that op must not stand in
+            return None  # for it (kept as it is, unnamed: the micro-batch warns)
         record.slot_hits += 1
         name = found[0]
         if frame.binding.kind in SHAPE_KINDS:
@@ -379,6 +383,9 @@ class InstrumentedModel:
                 tracer.enter(frame, args, kwargs, tuple(module.named_buffers()))
             if active is not None:
                 executor, record = active
+                if self.trace is not None:  # what a saving of the call's input must be (name_saving)
+                    frame.inputs = frozenset(storage_key(value) for value in (*args, *kwargs.values())
+                                             if isinstance(value, torch.Tensor))
                 if not record.state_checked and executor.traced is not None:
                     self._check_forward_state(record)
                 if record.forward_gate is not None:

@@ -58,6 +58,8 @@ class MicroBatchRecord:
     slot_dtype_misses: int = 0      # savings whose traced slot has another dtype (left unnamed)
     slot_fixed: int = 0             # named savings of ops every token passes (sizes: the input's shape)
     slot_size_misses: list[tuple[str, int, int]] = field(default_factory=list)  # (tensor, bytes, traced bytes)
+    # (tensor, module path): a saving in the slot where the traced call saved that input, which is not the input now
+    slot_input_misses: list[tuple[str, str]] = field(default_factory=list)
 
     def hold_name(self, name: str | None, dtype: torch.dtype) -> None:
         """Backward will look ``name`` up for a reader of ``dtype``: hold its copies in *other* precisions (the

@@ -36,7 +36,7 @@ class Frame:
     the savings made so far while it is the innermost mapped module; ``replay`` is set while it is recorded as a
     replay."""
 
-    __slots__ = ("binding", "parent", "call", "slot", "tokens", "replay", "state")
+    __slots__ = ("binding", "parent", "call", "slot", "tokens", "replay", "state", "inputs")
 
     def __init__(self, binding: OpBinding, parent: "Frame | None", call: int = 0):
         self.binding, self.parent, self.call = binding, parent, call
@@ -44,3 +44,4 @@ class Frame:
         self.tokens = None
         self.replay = None
         self.state = None  # the tracer's per-call record
+        self.inputs: frozenset = frozenset()  # storage keys of the call's tensor arguments (a micro-batch's)

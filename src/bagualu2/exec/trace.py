@@ -51,7 +51,7 @@ COPIES = frozenset({torch.ops.aten._to_copy, torch.ops.aten.clone})  # what cast
 @dataclass(frozen=True)
 class TraceResult:
     """What :meth:`InstrumentedModel.trace_graph` found. ``slots`` names the savings of a call: ``(module path,
-    call, slot) -> (tensor, dtype, storage bytes)``; ``saved_bytes`` is every storage ``model(...)`` saved
+    call, slot) -> (tensor, dtype, storage bytes, whether the call took it as an input)``; ``saved_bytes`` is every storage ``model(...)`` saved
     (deduplicated, as the tracker counts), ``unmapped_bytes`` those saved only outside mapped modules (not in the
     graph, never mitigated); ``outside_bytes`` what a forward like the traced one keeps outside every mapped module,
     counted as the executor counts it (the pinned ``unmapped`` op's savings, a storage a mapped op also saved
@@ -61,7 +61,7 @@ class TraceResult:
     starts from the buffers as the forward found them)."""
 
     graph: OpGraph
-    slots: Mapping[tuple[str, int, int], tuple[str, str, int]]
+    slots: Mapping[tuple[str, int, int], tuple[str, str, int, bool]]
     saved_bytes: int
     unmapped_bytes: int
     num_unmapped_savings: int
@@ -161,7 +161,7 @@ class TraceRecorder:
         self.constants: set[tuple] = set()  # storages passed to a mapped module that need no grad and nothing made
         self.unmapped: dict[tuple, tuple[int, torch.dtype]] = {}  # storage -> (bytes, dtype), saved outside
         self.num_unmapped = 0
-        self.slots: list[tuple[str, int, int, tuple, str]] = []
+        self.slots: list[tuple[str, int, int, tuple, str, bool]] = []  # ..., whether the call took it as input
         self.counts: dict[str, int] = {}
         self.alive: list[torch.Tensor] = []  # storages stay alive until the trace ends: no address is reused
         self.events: list[tuple[float, str]] = []  # (time, op) when the gradient of an op's output was ready
@@ -267,7 +267,7 @@ class TraceRecorder:
         elif self.storages[key].producer != binding.op:
             self.storages[key].seen(tensor)  # saved by another op: as that op reads it
         frame.state.saves.append((key, dtype))
-        self.slots.append((binding.path, frame.call, frame.slot, key, dtype))
+        self.slots.append((binding.path, frame.call, frame.slot, key, dtype, key in frame.state.inputs))
         frame.slot += 1
         return tensor.detach()
 

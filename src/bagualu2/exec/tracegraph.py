@@ -94,8 +94,8 @@ def build_graph_of(recorder: TraceRecorder, model: torch.nn.Module, hardware: Ha
     mapped = {k for c in recorder.calls for k, _ in c.saves}
     outside = {k: b for k, (b, _) in recorder.unmapped.items() if k not in mapped}
     saved = sum(recorder.storages[k].nbytes for k in mapped) + sum(outside.values())
-    slots = {(path, call, slot): (names[key], dtype, recorder.storages[key].nbytes)
-             for path, call, slot, key, dtype in recorder.slots}
+    slots = {(path, call, slot): (names[key], dtype, recorder.storages[key].nbytes, was_input)
+             for path, call, slot, key, dtype, was_input in recorder.slots}
     modules = {name: _unique(c.binding.path for c in calls) for name, calls in by_op.items()}
     dependent = _flag_enclosing(enclosing, {name for name, calls in by_op.items()
                                             if any(c.value_dependent for c in calls)})
