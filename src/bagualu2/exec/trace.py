@@ -50,14 +50,14 @@ COPIES = frozenset({torch.ops.aten._to_copy, torch.ops.aten.clone})  # what cast
 
 @dataclass(frozen=True)
 class TraceResult:
-    """What :meth:`InstrumentedModel.trace_graph` found. ``slots`` names the savings of a call: ``(module path,
-    call, slot) -> (tensor, dtype, storage bytes, whether the call took it as an input)``; ``saved_bytes`` is
-    every storage ``model(...)`` saved (deduplicated, as the tracker counts), ``unmapped_bytes`` those saved only outside mapped modules (not in the
-    graph, never mitigated); ``outside_bytes`` what a forward like the traced one keeps outside every mapped module,
-    counted as the executor counts it (the pinned ``unmapped`` op's savings, a storage a mapped op also saved
-    included); ``random_ops`` the ops that drew random numbers; ``modules`` the module paths of each
-    op; ``mutating_ops`` the ops that changed one of their inputs in place (a re-run would change it again) or
-    replaced a buffer; ``buffer_modules`` the module paths whose calls changed their buffers in place (a re-run
+    """What :meth:`InstrumentedModel.trace_graph` found. ``slots`` names the savings of a call: ``(module path, call,
+    slot) -> (tensor, dtype, storage bytes, whether the call took it as an input)``; ``saved_bytes`` is every
+    storage ``model(...)`` saved (deduplicated, as the tracker counts), ``unmapped_bytes`` those saved only outside
+    mapped modules (not in the graph, never mitigated); ``outside_bytes`` what a forward like the traced one keeps
+    outside every mapped module, counted as the executor counts it (the pinned ``unmapped`` op's savings, a storage
+    a mapped op also saved included); ``random_ops`` the ops that drew random numbers; ``modules`` the module paths
+    of each op; ``mutating_ops`` the ops that changed one of their inputs in place (a re-run would change it again)
+    or replaced a buffer; ``buffer_modules`` the module paths whose calls changed their buffers in place (a re-run
     starts from the buffers as the forward found them)."""
 
     graph: OpGraph
