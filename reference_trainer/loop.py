@@ -47,6 +47,10 @@ def prepare(config: TrainConfig) -> "Run":
     parse(os.environ.get(ENV, ""))  # fault injections (tests, chaos runs): a bad spec is a user error
     if config.checkpoint_dir and os.path.exists(config.checkpoint_dir) and not os.path.isdir(config.checkpoint_dir):
         raise ValueError(f"--checkpoint-dir {config.checkpoint_dir} exists and is not a directory")
+    if config.checkpoint_dir and config.metrics_file and (
+            os.path.abspath(config.metrics_file) == os.path.abspath(config.checkpoint_dir)):
+        raise ValueError(f"--metrics-file {config.metrics_file} is the --checkpoint-dir: the metrics are a file in "
+                         "or beside that folder")
     if config.metrics_file:
         from .metrics import check_path
 

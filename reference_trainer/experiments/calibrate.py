@@ -36,6 +36,7 @@ from bagualu2.costmodel import presets
 from bagualu2.sim import load_trace
 from bagualu2.sim.calibrate import Measured, fit_hardware, predict
 
+from .args import OneLineParser, check_output_file
 from .compare import add_run_arguments, check_run_arguments, run_policy, write_block
 from ..policies import describe
 from ..recipes import default_cap, recipe
@@ -115,7 +116,7 @@ def table(rows: list[dict], hardware, fit_steps: int, mode: str, command: str, o
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m reference_trainer.experiments.calibrate",
+    parser = OneLineParser(prog="python -m reference_trainer.experiments.calibrate",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--fit", choices=("each", "once"), default="each",
                         help="fit right before every policy's run (default) or once before the first")
@@ -129,13 +130,14 @@ def main(argv=None) -> None:
         parser.error("--fit-steps and --steps must be at least 3")
     if args.write is not None and not args.write.is_file():
         parser.error(f"--write {args.write}: not an existing regular file")
+    check_output_file(parser, "--hardware-out", args.hardware_out)
+    if args.keep is not None and not args.keep.is_dir():
+        parser.error(f"--keep {args.keep}: not an existing folder")
     check_run_arguments(parser, args)
     config = recipe(args.recipe)
     cap = default_cap(config)
     offloads = kwai_offloads(config, cap)
     model, parallel, base = config.model, config.parallel, presets.hardware(config.hardware)
-    if args.keep is not None and not args.keep.is_dir():
-        parser.error(f"--keep {args.keep}: not an existing folder")
     rows, profiles = [], []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp) if args.keep is None else args.keep

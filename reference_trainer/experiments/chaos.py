@@ -13,9 +13,9 @@ between the ``chaos`` markers; ``--json`` prints the rows.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
+import math
 import os
 import re
 import signal
@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..policies import POLICIES
+from ..recipes import recipe
+from .args import OneLineParser
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYOUTS = {  # name -> (trainer flags, processes)
@@ -83,6 +85,13 @@ def run_one(policy: str, layout: str, seed: int, spike_rate: float, *, steps: in
             _kill_workers(tmp)
             return Outcome(policy, layout, seed, rate, "hang", time.monotonic() - started, 0,
                            f"no end within {bound_s:g} s")
+        except BaseException:  # stopped (Ctrl-C, SIGTERM): the run it launched stops too
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            _kill_workers(tmp)
+            raise
         seconds = time.monotonic() - started
         summary = _summary(metrics)
         restarts = int(summary.get("restarts", 0)) if summary else 0
@@ -94,6 +103,11 @@ def run_one(policy: str, layout: str, seed: int, spike_rate: float, *, steps: in
             tail = [line for line in stderr.splitlines() if line.strip()][-1:] or ["(no output)"]
             return Outcome(policy, layout, seed, rate, "traceback", seconds, restarts, tail[0][:200])
         return Outcome(policy, layout, seed, rate, "error", seconds, restarts, lines[-1][:200])
+
+
+def _terminated(signum, frame) -> None:
+    """SIGTERM: unwind (the current run's process group is killed and its folder removed on the way out)."""
+    raise SystemExit(128 + signum)
 
 
 def has_traceback(stderr: str) -> bool:
@@ -160,7 +174,7 @@ def write_docs(text: str, path: Path = ROOT / "docs" / "trainer.md") -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m reference_trainer.experiments.chaos", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m reference_trainer.experiments.chaos", description=__doc__.splitlines()[0])
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
@@ -175,8 +189,15 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("steps", "max_restarts"):
         if getattr(args, name) < (1 if name == "steps" else 0):
             parser.error(f"--{name.replace('_', '-')} must be >= {1 if name == 'steps' else 0}")
-    if args.bound_s <= 0 or args.collective_timeout <= 0:
-        parser.error("--bound-s and --collective-timeout must be > 0")
+    if not (math.isfinite(args.bound_s) and args.bound_s > 0):
+        parser.error(f"--bound-s must be a finite number of seconds > 0, got {args.bound_s}")
+    try:  # what every run's trainer would refuse, refused once before any launch
+        for seed, rate in itertools.product(args.seeds, args.spike_rates):
+            recipe("glm_moe_debug").with_overrides(seed=seed, spike_rate=rate, steps=args.steps,
+                                                   collective_timeout_s=args.collective_timeout)
+    except ValueError as exc:  # the trainer's flags, named as this command's
+        parser.error(str(exc).replace("--seed ", "--seeds ", 1).replace("--spike-rate ", "--spike-rates ", 1))
+    signal.signal(signal.SIGTERM, _terminated)  # a stopped chaos run stops the run it launched, and cleans up
     grid = []
     for layout, policy, seed in itertools.product(args.layouts, args.policies, args.seeds):
         rates = args.spike_rates if _expert_parallel(layout) else [0.0]

@@ -28,8 +28,10 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Sequence
 
 from ..policies import POLICIES, describe
+from .args import OneLineParser, error_line
 from ..recipes import RECIPES, default_cap, recipe
 
 BEGIN, END = "<!-- compare:begin -->", "<!-- compare:end -->"
@@ -54,7 +56,7 @@ def run_policy(policy: str, args, workdir: Path, seed: int | None = None) -> dic
     summary = next((r for r in reversed(records) if r.get("summary")), None)
     if proc.returncode != 0 or summary is None:
         raise SystemExit(f"error: policy {policy} (seed {seed}) failed (exit {proc.returncode}): "
-                         f"{(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
+                         f"{error_line(proc.stderr)}")
     steps = [r for r in records if not r.get("summary") and "loss" in r]
     summary["spikes"] = sum(1 for r in steps for mb in r["microbatches"] if max(mb["imbalance"] or [0]) >= 1.75)
     summary["microbatches"] = sum(len(r["microbatches"]) for r in steps)
@@ -145,27 +147,34 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
 
 
-def check_run_arguments(parser: argparse.ArgumentParser, args) -> None:
-    """One line and exit code 2 for a flag the runs would reject (before any run starts)."""
+def check_run_arguments(parser: argparse.ArgumentParser, args, seeds: Sequence[int] = ()) -> None:
+    """One line and exit code 2 for a flag the runs would reject (before any run starts): ``--seed`` and every
+    one of ``seeds`` included, and a CUDA recipe where torch sees no CUDA device."""
+    flag = "--seed"
     try:
-        recipe(args.recipe).with_overrides(**{k: v for k, v in (
-            ("steps", args.steps), ("spike_rate", args.spike_rate), ("spike_max", args.spike_max)) if v is not None},
-            checkpoint_every=args.checkpoint_every, checkpoint_dir="runs")  # each run's own folder
+        for flag, seed in (("--seed", args.seed), *(("--seeds", seed) for seed in seeds)):
+            config = recipe(args.recipe).with_overrides(**{k: v for k, v in (
+                ("steps", args.steps), ("spike_rate", args.spike_rate), ("spike_max", args.spike_max))
+                if v is not None}, checkpoint_every=args.checkpoint_every, checkpoint_dir="runs",  # each run's own
+                seed=seed)
     except ValueError as exc:
-        parser.error(str(exc))
+        parser.error(str(exc).replace("--seed ", f"{flag} ", 1))
+    if config.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error(f"--recipe {args.recipe} runs on CUDA, and torch sees no CUDA device here")
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m reference_trainer.experiments.compare",
+    parser = OneLineParser(prog="python -m reference_trainer.experiments.compare",
                                      description=__doc__.splitlines()[0])
     add_run_arguments(parser)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
                         help="one run of every policy per seed (default: 0 1 2); --seed is ignored")
     parser.add_argument("--write", type=Path, help="the markdown file whose compare block is replaced")
     args = parser.parse_args(argv)
-    check_run_arguments(parser, args)
-    if any(seed < 0 for seed in args.seeds):
-        parser.error(f"--seeds must be >= 0, got {args.seeds}")
+    check_run_arguments(parser, args, args.seeds)
     if args.write is not None and not args.write.is_file():
         parser.error(f"--write {args.write}: not an existing regular file")
     config = recipe(args.recipe)

@@ -32,17 +32,12 @@ backward all-to-alls need every rank); rank 0 measures and prints, the other ran
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from typing import Any, NoReturn, Sequence
 
-EXIT_USAGE = 2
+from .args import EXIT_USAGE, OneLineParser
 
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, exit 2 (argparse prints the usage too)
-        self.exit(EXIT_USAGE, f"error: {' '.join(message.split())}\n")
 
 
 def _fail(message: str, quiet: bool = False) -> NoReturn:
@@ -198,7 +193,7 @@ def measure(preset: str, *, imbalance: float = 1.0, plan: str = "none", seq_leng
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _Parser(prog="python -m reference_trainer.experiments.measure", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m reference_trainer.experiments.measure", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", required=True, help="model preset (bagualu2 presets list)")
     parser.add_argument("--imbalance", type=float, default=1.0,
                         help="max/mean device load R realised on rank 0 (1 <= R <= --ep; 1.0 in a single process)")

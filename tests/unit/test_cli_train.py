@@ -99,6 +99,8 @@ def test_under_torchrun_only_rank_0_reports_one_line():
     ("train", ["--pp", "2", "--dp", "1", "--ep", "2"], "error: --ep=2 must divide --dp=1"),
     ("train", ["--checkpoint-every", "1"], "error: --checkpoint-every needs --checkpoint-dir"),
     ("train", ["--metrics-file", ""], "error: --metrics-file must be a path"),
+    ("train", ["--pp", "1", "--dp", "2", "--ep", "2", "--metrics-file", "same.jsonl", "--checkpoint-dir", "same.jsonl"],
+     "error: --metrics-file same.jsonl is the --checkpoint-dir"),
     ("train", ["--num-microbatches", "20000", "--world-size"], "error: --num-microbatches: num_microbatches must"),
 ])
 def test_reference_trainer_modules_reject_bad_flags_in_one_line(module, args, message, monkeypatch, capsys):

@@ -45,17 +45,48 @@ def test_table_has_a_row_per_policy_and_sums_restarts_over_seeds():
     assert block.rstrip().endswith("a note")
 
 
-@pytest.mark.parametrize("argv, message", [(["--spike-rate", "2"], "--spike-rate"), (["--steps", "0"], "--steps"),
-                                           (["--recipe", "nope"], "--recipe"), (["--seeds", "-1"], "--seeds")])
+def one_error_line(capsys) -> str:
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines  # no usage block, no traceback
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--spike-rate", "2"], "--spike-rate"), (["--steps", "0"], "--steps"), (["--recipe", "nope"], "--recipe"),
+    (["--seeds", "-1"], "--seeds must be an integer"), (["--seeds", "0", str(2**63)], "--seeds must be an integer"),
+    (["--seed", "-1"], "--seed must be an integer"), (["--seeds"], "--seeds: expected at least one argument"),
+    (["--recipe", "glm_moe_small"], "runs on CUDA")])
 def test_bad_flags_exit_2_with_one_line_before_any_run(argv, message, capsys):
+    if message == "runs on CUDA":
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("a CUDA device is here")
     with pytest.raises(SystemExit) as exit_info:
         compare.main(argv)
-    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in one_error_line(capsys)
 
 
 @pytest.mark.parametrize("argv, message", [(["--fit-steps", "2"], "--fit-steps"), (["--steps", "2"], "--steps"),
-                                           (["--spike-max", "0.5"], "--spike-max")])
+                                           (["--spike-max", "0.5"], "--spike-max"),
+                                           (["--seed", "-1"], "--seed must be an integer"),
+                                           (["--hardware-out", "."], "--hardware-out .: not a regular file"),
+                                           (["--hardware-out", "/nonexistent/x.json"], "does not exist")])
 def test_calibrate_bad_flags_exit_2_before_any_run(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         calibrate.main(argv)
-    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in one_error_line(capsys)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "0"], "--steps must be >= 1"), (["--bound-s", "nan"], "--bound-s must be a finite number"),
+    (["--seeds", "-1"], "--seeds must be an integer"), (["--spike-rates", "5"], "--spike-rates must be a finite"),
+    (["--collective-timeout", "inf"], "--collective-timeout must be a finite"),
+    (["--layouts", "nope"], "argument --layouts: invalid choice")])
+def test_chaos_bad_flags_exit_2_with_one_line_before_any_launch(argv, message, capsys, monkeypatch):
+    from reference_trainer.experiments import chaos
+
+    monkeypatch.setattr(chaos, "run_one", lambda *a, **k: pytest.fail("a run was launched"))
+    with pytest.raises(SystemExit) as exit_info:
+        chaos.main(argv)
+    assert exit_info.value.code == 2 and message in one_error_line(capsys)
