@@ -174,8 +174,9 @@ class TrainConfig:
                              "all-to-alls beside the other's compute)")
         self.check_layout()
         if self.spike_rate > 0 and self.ep < 2:
-            raise ValueError("--spike-rate > 0 needs --ep >= 2 (a spike forces routing towards one expert-parallel "
-                             "rank; with ep=1 every expert is local)")
+            raise ValueError(f"--spike-rate {self.spike_rate:g} needs --ep >= 2 (a spike forces routing towards one "
+                             "expert-parallel rank; with ep=1 every expert is local); --spike-rate 0 runs without "
+                             "spikes (a recipe may set a rate of its own)")
         require_number("--spike-max", self.spike_max, 1, 1e9)  # spikes are drawn up to min(spike_max, ep)
         if self.model.tie_embeddings and self.pp > 1:
             raise ValueError("a model with tie_embeddings needs --pp 1 (the embedding and the output layer on one "

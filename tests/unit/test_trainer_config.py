@@ -26,7 +26,7 @@ from reference_trainer.train import main, parse_args
     (["--memory-cap", "1.5"], "--memory-cap must be a whole number of bytes"),
     (["--policy", "kwai", "--prediction-scale", "0.6"], "--prediction-scale applies to --policy flexible only"),
     (["--spike-rate", "0.1", "--spike-max", "0.5"], "--spike-max"),
-    (["--spike-rate", "0.1", "--ep", "1"], "--spike-rate > 0 needs --ep >= 2"),
+    (["--spike-rate", "0.1", "--ep", "1"], "--spike-rate 0.1 needs --ep >= 2"),
     (["--resume"], "--resume needs --checkpoint-dir"),
     (["--pp", "1", "--dp", "1", "--ep", "1"], None),  # fine: the world size check follows (WORLD_SIZE unset)
     (["--num-microbatches", "1"], "--num-microbatches=1 must be >= --pp=2"),
