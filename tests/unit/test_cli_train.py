@@ -167,3 +167,25 @@ def test_state_and_metrics_paths_that_are_not_regular_files_are_refused(tmp_path
     err = capsys.readouterr().err
     assert exited.value.code == 2 and "oom-rank0.json exists and is not a regular file" in err
     assert (tmp_path / "oom-rank0.json").is_dir()
+
+
+@pytest.mark.launch
+def test_a_demo_stopped_by_sigterm_stops_its_trainer_and_removes_its_folder(tmp_path):
+    """SIGTERM to ``bagualu2 demo`` alone (not its process group): the trainer it started stops too, and its
+    temporary folder (under this test's TMPDIR) is removed."""
+    import os
+    import signal
+    import time
+
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    demo = subprocess.Popen([sys.executable, "-m", "bagualu2.cli", "demo", "--train-steps", "500"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob("bagualu2-demo-*/metrics.jsonl")) and time.monotonic() < deadline:
+        time.sleep(0.2)  # until the trainer logs a step
+    demo.send_signal(signal.SIGTERM)
+    _, stderr = demo.communicate(timeout=60)
+    assert demo.returncode == 128 + signal.SIGTERM and "Traceback" not in stderr, stderr
+    time.sleep(1)
+    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
+    assert not left and not list(tmp_path.glob("bagualu2-demo-*"))

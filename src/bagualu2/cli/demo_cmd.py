@@ -10,9 +10,11 @@ one line (0 skips it).
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from collections import Counter
 from pathlib import Path
 from typing import Annotated, Optional
@@ -94,26 +96,45 @@ def _train(steps: int, seed: int, *, quiet: bool = False) -> dict:
     summary record; a progress bar on stderr (not with ``quiet``) follows the steps the trainer's metrics file
     records."""
     require_extra("trainer", "--train-steps")
-    with tempfile.TemporaryDirectory(prefix="bagualu2-demo-") as folder:
-        metrics = Path(folder) / "metrics.jsonl"
-        proc = subprocess.Popen([sys.executable, "-m", "reference_trainer.train", "--recipe", "glm_moe_debug",
-                                 "--pp", "1", "--dp", "1", "--ep", "1", "--steps", str(steps), "--seed", str(seed),
-                                 "--json", "--metrics-file", str(metrics)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=one_thread_env())
-        with progress_bar(disable=quiet) as bar:
-            task = bar.add_task("training glm_moe_debug", total=steps)
-            while True:
-                try:
-                    out, err = proc.communicate(timeout=PROGRESS_POLL_S)
-                    break
-                except subprocess.TimeoutExpired:
-                    bar.update(task, completed=_steps_logged(metrics))
+    main_thread = threading.current_thread() is threading.main_thread()  # where a handler may be set
+    previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None  # SIGTERM unwinds: the
+    try:  # trainer stops, its folder goes
+        with tempfile.TemporaryDirectory(prefix="bagualu2-demo-") as folder:
+            metrics = Path(folder) / "metrics.jsonl"
+            proc = subprocess.Popen([sys.executable, "-m", "reference_trainer.train", "--recipe", "glm_moe_debug",
+                                     "--pp", "1", "--dp", "1", "--ep", "1", "--steps", str(steps), "--seed",
+                                     str(seed), "--json", "--metrics-file", str(metrics)],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=one_thread_env())
+            try:
+                out, err = _follow(proc, metrics, steps, quiet)
+            except BaseException:  # stopped (Ctrl-C to this process alone, SIGTERM): the trainer stops too
+                proc.kill()
+                proc.communicate()
+                raise
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     if proc.returncode != 0:
         last = (err.strip().splitlines() or ["the trainer failed"])[-1]
         raise CliError(last.removeprefix("error: "), "--train-steps")
     record = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
     record.pop("log", None)
     return record
+
+
+def _follow(proc: subprocess.Popen, metrics: Path, steps: int, quiet: bool) -> tuple[str, str]:
+    """The trainer's output once it ends, a progress bar following the steps its metrics file records."""
+    with progress_bar(disable=quiet) as bar:
+        task = bar.add_task("training glm_moe_debug", total=steps)
+        while True:
+            try:
+                return proc.communicate(timeout=PROGRESS_POLL_S)
+            except subprocess.TimeoutExpired:
+                bar.update(task, completed=_steps_logged(metrics))
+
+
+def _terminated(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _steps_logged(metrics: Path) -> int:

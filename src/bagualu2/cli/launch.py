@@ -6,6 +6,7 @@ torchrun's traceback and failure summary are not printed. Everything else is tor
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 
 
@@ -18,7 +19,24 @@ class _NoWorkerFailure(logging.Filter):
         return not any(repeat in message for repeat in ("failed (exitcode", "closing signal", "death signal"))
 
 
+def _unraisable(info) -> None:
+    """Ctrl-C inside an import's lock callback is reported as "Exception ignored in ..." with a traceback: the one
+    line below says it already."""
+    if not issubclass(info.exc_type, KeyboardInterrupt):
+        sys.__unraisablehook__(info)
+
+
 def main(argv: list[str] | None = None) -> int:
+    sys.unraisablehook = _unraisable
+    try:
+        return _agent(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt:  # Ctrl-C before torchrun's own handlers stand (importing torch, the rendezvous)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the same Ctrl-C forwarded by ``bagualu2 train`` too
+        print("stopped by signal 2; the workers were stopped", file=sys.stderr, flush=True)
+        return 130
+
+
+def _agent(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
@@ -26,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
         logging.getLogger(name).addFilter(_NoWorkerFailure())
     try:
-        torchrun_main(sys.argv[1:] if argv is None else argv)
+        torchrun_main(argv)
     except ChildFailedError as exc:
         codes = [failure.exitcode for failure in exc.failures.values()]
         return next((code for code in codes if code > 0), 1)
