@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 from typing import NoReturn
+
+from bagualu2.costmodel.validate import probe_folder, refuse_non_file
 
 EXIT_USAGE = 2
 
@@ -18,17 +19,20 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def check_output_file(parser: argparse.ArgumentParser, flag: str, path: Path | None) -> None:
-    """Before any run: ``path`` must name a file that can be written (its folder exists and takes new files; an
-    existing path is a regular file), else one line naming ``flag``."""
+    """Before any run: ``path`` must name a file that can be written (an existing path is a regular file, its
+    folder exists and takes new files), else one line naming ``flag``."""
     if path is None:
         return
-    folder = path.parent if str(path.parent) else Path(".")
-    if path.exists() and (path.is_dir() or not path.is_file() or path.is_symlink()):
-        parser.error(f"{flag} {path}: not a regular file")
-    if not folder.is_dir():
-        parser.error(f"{flag} {path}: its folder {folder} does not exist")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        parser.error(f"{flag} {path}: its folder {folder} is not writable")
+    try:
+        refuse_non_file(path)
+    except OSError as exc:
+        parser.error(f"{flag} {path}: not a regular file; it {exc.strerror}")
+    if not path.parent.is_dir():
+        parser.error(f"{flag} {path}: its folder {path.parent} does not exist")
+    try:
+        probe_folder(path.parent, make=False)
+    except OSError as exc:
+        parser.error(f"{flag} {path}: cannot write files in {path.parent} ({exc.strerror or exc})")
 
 
 def error_line(stderr: str) -> str:

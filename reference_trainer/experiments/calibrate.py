@@ -117,7 +117,7 @@ def table(rows: list[dict], hardware, fit_steps: int, mode: str, command: str, o
 
 def main(argv=None) -> None:
     parser = OneLineParser(prog="python -m reference_trainer.experiments.calibrate",
-                                     description=__doc__.splitlines()[0])
+                           description=__doc__.splitlines()[0])
     parser.add_argument("--fit", choices=("each", "once"), default="each",
                         help="fit right before every policy's run (default) or once before the first")
     parser.add_argument("--fit-steps", type=int, default=8)

@@ -168,7 +168,7 @@ def check_run_arguments(parser: argparse.ArgumentParser, args, seeds: Sequence[i
 
 def main(argv=None) -> None:
     parser = OneLineParser(prog="python -m reference_trainer.experiments.compare",
-                                     description=__doc__.splitlines()[0])
+                           description=__doc__.splitlines()[0])
     add_run_arguments(parser)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
                         help="one run of every policy per seed (default: 0 1 2); --seed is ignored")

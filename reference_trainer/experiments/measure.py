@@ -39,7 +39,6 @@ from typing import Any, NoReturn, Sequence
 from .args import EXIT_USAGE, OneLineParser
 
 
-
 def _fail(message: str, quiet: bool = False) -> NoReturn:
     if not quiet:
         sys.stderr.write(f"error: {' '.join(message.split())}\n")
