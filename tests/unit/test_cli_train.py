@@ -82,10 +82,22 @@ def test_train_runs_the_trainer_under_torchrun():
 @pytest.mark.launch
 @pytest.mark.integration
 def test_under_torchrun_only_rank_0_reports_one_line():
-    proc = subprocess.run([sys.executable, "-m", "bagualu2.cli", "train", "--nproc-per-node", "2", "--",
-                           "--lr", "inf"], capture_output=True, text=True, timeout=300)
+    # --max-restarts: a user error ends the launch at once; a restart would only fail and report it again
+    proc = subprocess.run([sys.executable, "-m", "bagualu2.cli", "train", "--nproc-per-node", "2", "--max-restarts",
+                           "2", "--", "--lr", "inf"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["error: --lr must be a finite number in (0, 10000.0], got inf"]
+
+
+def test_the_launcher_restarts_only_failures_a_restart_can_mend():
+    from bagualu2.cli.launch import FINAL_EXIT_CODES
+    from reference_trainer.collectives import DIVERGENCE_EXIT_CODE
+    from reference_trainer.policies import OOM_EXIT_CODE
+    from reference_trainer.resilience import NONFINITE_EXIT_CODE
+    from reference_trainer.watchdog import STALL_EXIT_CODE
+
+    assert FINAL_EXIT_CODES == {2, NONFINITE_EXIT_CODE, DIVERGENCE_EXIT_CODE}
+    assert not FINAL_EXIT_CODES & {OOM_EXIT_CODE, STALL_EXIT_CODE}
 
 
 @pytest.mark.parametrize("module, args, message", [

@@ -1,13 +1,19 @@
 """``python -m bagualu2.cli.launch TORCHRUN-ARGS``: torchrun's own main, but a failed worker ends the launch with the
 worker's exit code and nothing more — the worker has already reported its one-line error (rank 0 only), so
 torchrun's traceback and failure summary are not printed. Everything else is torchrun's (rendezvous, restarts,
-``--max-restarts``); its logs keep their levels except the one that repeats a worker's failure."""
+``--max-restarts``); its logs keep their levels except the one that repeats a worker's failure. A worker group that
+failed only with one of :data:`FINAL_EXIT_CODES` is not restarted: the same launch would fail the same way again."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import sys
+
+# The reference trainer's exit codes that a restart repeats: a user error (bad flags or data: 2), a non-finite
+# loss or gradient under ``--on-nonfinite stop`` (65), a diverged collective order (78, a bug).
+FINAL_EXIT_CODES = frozenset({2, 65, 78})
 
 
 class _NoWorkerFailure(logging.Filter):
@@ -36,13 +42,34 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def _no_restart_after_final_failures(agent_class) -> None:
+    """Wraps the agent's worker monitor: a failed round whose every failure has a final exit code spends the
+    remaining restarts, so torchrun stops there instead of launching the same failure again."""
+    monitor = agent_class._monitor_workers
+    if getattr(monitor, "final_exit_codes", None) is not None:
+        return
+
+    @functools.wraps(monitor)
+    def wrapped(agent, worker_group):
+        result = monitor(agent, worker_group)
+        failures = getattr(result, "failures", None) or {}
+        if result.is_failed() and failures and all(f.exitcode in FINAL_EXIT_CODES for f in failures.values()):
+            agent._remaining_restarts = 0
+        return result
+
+    wrapped.final_exit_codes = FINAL_EXIT_CODES
+    agent_class._monitor_workers = wrapped
+
+
 def _agent(argv: list[str]) -> int:
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
     for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
         logging.getLogger(name).addFilter(_NoWorkerFailure())
+    _no_restart_after_final_failures(LocalElasticAgent)
     try:
         torchrun_main(argv)
     except ChildFailedError as exc:
