@@ -19,8 +19,9 @@ from typing import Any
 from .recipes import TrainConfig, default_cap, minimum_cap
 
 
-def prepare(config: TrainConfig) -> "Run":
-    """Validate everything that depends on user input and load the data; no collective yet."""
+def prepare(config: TrainConfig, *, dry_run: bool = False) -> "Run":
+    """Validate everything that depends on user input and load the data; no collective yet. ``dry_run``: the same
+    checks, but no folder is made (a missing state folder must be one its nearest existing parent can hold)."""
     from bagualu2.costmodel import presets
 
     from .data import DomainBatches, TokenCorpus, load_tokenizer
@@ -58,13 +59,14 @@ def prepare(config: TrainConfig) -> "Run":
             check_path(config.metrics_file)
         except ValueError as exc:
             raise ValueError(f"--metrics-file: {exc}") from None
-    check_state_dir(config)
+    check_state_dir(config, make=not dry_run)
     return Run(config=config, batches=batches, cap_bytes=cap, hardware=presets.hardware(config.hardware))
 
 
-def check_state_dir(config: TrainConfig) -> None:
+def check_state_dir(config: TrainConfig, *, make: bool = True) -> None:
     """The directory of the run's state (``--checkpoint-dir``, else the metrics file's) exists or can be made,
-    takes new files, and its ``run_state.json`` is a regular file if it exists."""
+    takes new files, and its ``run_state.json`` is a regular file if it exists. ``make=False``: a missing directory
+    is not made; its nearest existing parent must take new files."""
     from bagualu2.costmodel.validate import probe_folder, refuse_non_file
 
     from .restarts import MARKERS, STATE
@@ -75,8 +77,12 @@ def check_state_dir(config: TrainConfig) -> None:
         flag, directory = "--metrics-file", os.path.dirname(os.path.abspath(config.metrics_file))
     else:
         return
+    probed = directory
+    if not make:
+        while not os.path.isdir(probed) and os.path.dirname(probed) != probed:
+            probed = os.path.dirname(probed)
     try:
-        probe_folder(directory)
+        probe_folder(probed, make=make)
     except OSError as exc:
         raise ValueError(f"{flag}: cannot write files in {directory} ({exc.strerror or exc})") from None
     names = [os.path.join(directory, STATE)]

@@ -105,6 +105,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, argparse
     parser.add_argument("--json", action="store_true", help="print the summary record on stdout (rank 0)")
     parser.add_argument("--world-size", action="store_true",
                         help="print the world size (--pp x --dp) the flags need, and exit")
+    parser.add_argument("--check", action="store_true",
+                        help="with --world-size: first check the data and the output paths as a launch does, "
+                        "writing nothing")
     parser.error = _usage_error  # type: ignore[method-assign]
     args = parser.parse_args(argv)
     config = recipe(args.recipe)
@@ -129,10 +132,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     config = None
     try:
         config, args = parse_args(argv)
+        if args.check and not args.world_size:
+            raise ValueError("--check needs --world-size")
         if args.world_size:
-            from .recipes import minimum_cap
+            if args.check:
+                from .loop import prepare
 
-            minimum_cap(config)  # the layout's checks (the model and parallel configs, the floor) for a dry run
+                prepare(config, dry_run=True)  # everything a launch checks before its first collective
+            else:
+                from .recipes import minimum_cap
+
+                minimum_cap(config)  # the layout's checks (the model and parallel configs, the floor)
             print(config.world_size)
             return
         world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -70,6 +70,23 @@ def test_missing_torch_is_one_line_naming_the_extra(monkeypatch):
 
 
 @pytest.mark.launch
+def test_a_dry_run_checks_the_data_and_the_output_paths_and_writes_nothing(tmp_path):
+    (tmp_path / "short.txt").write_text("x")
+    for flags, message in [(["--data", str(tmp_path / "none")], "no such file or directory"),
+                           (["--data", str(tmp_path)], "fewer than one sequence"),
+                           (["--metrics-file", str(tmp_path / "no" / "m.jsonl")], "--metrics-file: metrics path")]:
+        for launcher in ([], ["--nproc-per-node", "4"]):
+            result = CliRunner().invoke(app, ["train", *launcher, "--dry-run", "--", *flags])
+            assert result.exit_code == 2, (flags, result.output)
+            assert result.stderr.startswith("error: ") and message in result.stderr, result.stderr
+            assert len(result.stderr.strip().splitlines()) == 1
+    fresh = tmp_path / "new" / "checkpoints"
+    result = CliRunner().invoke(app, ["train", "--dry-run", "--", "--checkpoint-dir", str(fresh)])
+    assert result.exit_code == 0, result.output
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.launch
 @pytest.mark.integration
 def test_train_runs_the_trainer_under_torchrun():
     proc = subprocess.run([sys.executable, "-m", "bagualu2.cli", "train", "--json", "--", "--steps", "1"],

@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _no_restart_after_final_failures(agent_class) -> None:
-    """Wraps the agent's worker monitor: a failed round whose every failure has a final exit code spends the
-    remaining restarts, so torchrun stops there instead of launching the same failure again."""
+    """Wraps the agent's worker monitor: a failed round whose failures have final exit codes, the rest stopped by a
+    signal, spends the remaining restarts, so torchrun stops there instead of launching the same failure again."""
     monitor = agent_class._monitor_workers
     if getattr(monitor, "final_exit_codes", None) is not None:
         return
@@ -53,7 +53,10 @@ def _no_restart_after_final_failures(agent_class) -> None:
     def wrapped(agent, worker_group):
         result = monitor(agent, worker_group)
         failures = getattr(result, "failures", None) or {}
-        if result.is_failed() and failures and all(f.exitcode in FINAL_EXIT_CODES for f in failures.values()):
+        codes = [failure.exitcode for failure in failures.values()]
+        # the others may have been stopped by the agent's own SIGTERM while they exited (a negative code)
+        if result.is_failed() and any(code in FINAL_EXIT_CODES for code in codes) and all(
+                code in FINAL_EXIT_CODES or code < 0 for code in codes):
             agent._remaining_restarts = 0
         return result
 

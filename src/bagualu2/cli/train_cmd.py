@@ -55,11 +55,12 @@ def rendezvous_host(value: str) -> str:
     raise CliError(f"must be a host name, an IPv4 address or an IPv6 address, got {value!r}", "--master-addr")
 
 
-def _world_size(trainer_args: list[str], nnodes: int) -> int:
-    """Processes per node the trainer's flags need (asks the trainer; its one-line error is ours)."""
+def _world_size(trainer_args: list[str], nnodes: int, *, check: bool = False) -> int:
+    """Processes per node the trainer's flags need (asks the trainer; its one-line error is ours). ``check``: the
+    trainer also checks its data and output paths as its launch would, writing nothing (a dry run)."""
     require_extra("trainer")
-    proc = subprocess.run([sys.executable, "-m", TRAINER, *trainer_args, "--world-size"], capture_output=True,
-                          text=True)
+    asked = [*trainer_args, "--world-size", *(["--check"] if check else [])]
+    proc = subprocess.run([sys.executable, "-m", TRAINER, *asked], capture_output=True, text=True)
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["the trainer rejected its flags"])[-1]
         typer.echo(last if last.startswith("error:") else f"error: {last}", err=True)
@@ -114,8 +115,8 @@ def train(
         require_extra("trainer")
         raise typer.Exit(code=subprocess.run([sys.executable, "-m", TRAINER, *asked]).returncode)
     if nproc_per_node is None:
-        nproc_per_node = _world_size(trainer_args, nnodes)
-    elif dry_run and nproc_per_node * nnodes != (world := _world_size(trainer_args, 1)):
+        nproc_per_node = _world_size(trainer_args, nnodes, check=dry_run)
+    elif dry_run and nproc_per_node * nnodes != (world := _world_size(trainer_args, 1, check=True)):
         raise CliError(f"the trainer's flags need {world} ranks (--pp x --dp), not {nproc_per_node} per node x "
                        f"{nnodes} node(s)", "--nproc-per-node")
     if as_json and not dry_run and "--json" not in trainer_args:
