@@ -136,7 +136,7 @@ class Guard:
     def save(self, directory: str, step: int, state: dict) -> str | None:
         """Write checkpoint ``step`` (collective); None, or the one-line warning of a write that failed (the
         previous checkpoint is intact and training continues)."""
-        self.beat(f"checkpoint step {step}")
+        self.beat(f"the write of checkpoint step-{step:08d}")
         try:
             checkpoint.save(directory, step, state, write_error=self.faults.write_error(step - 1),
                             after_write=lambda: self.faults.checkpoint_written(step - 1))
