@@ -42,8 +42,8 @@ def demo(
     max_imbalance: Annotated[Optional[float], typer.Option(parser=number_option, help=MAX_IMBALANCE_HELP)] = None,
     seed: Annotated[int, typer.Option(parser=integer_option(), help=SEED_HELP)] = 0,
     train_steps: Annotated[int, typer.Option("--train-steps", parser=integer_option(minimum=0, maximum=10_000),
-                                             help="Steps of the tiny CPU training run after the planning (0: "
-                                             "skip it).")] = 20,
+                                             help="Steps of the tiny CPU training run after the planning, 0 to "
+                                             "10000 (0: skip it).")] = 20,
     details: Annotated[bool, typer.Option("--details", help="List every forward that mitigated.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
 ) -> None:

@@ -80,24 +80,25 @@ def train(
     ctx: typer.Context,
     nproc_per_node: Annotated[Optional[int], typer.Option(
         "--nproc-per-node", parser=integer_option(minimum=1, maximum=MAX_PROCESSES), help="Processes (ranks) on "
-        "this node; default: the world size the trainer's flags need (--pp x --dp of the recipe and flags) over "
-        "--nnodes.")] = None,
+        "this node, 1 to 1024; default: the world size the trainer's flags need (--pp x --dp of the recipe and "
+        "flags) over --nnodes.")] = None,
     nnodes: Annotated[int, typer.Option("--nnodes", parser=integer_option(minimum=1, maximum=4096),
-                                        help="Nodes of the job.")] = 1,
+                                        help="Nodes of the job, 1 to 4096.")] = 1,
     node_rank: Annotated[int, typer.Option("--node-rank", parser=integer_option(minimum=0),
                                            help="This node's rank (several nodes).")] = 0,
     master_addr: Annotated[str, typer.Option("--master-addr", help="Rendezvous host (several nodes).")]
     = "127.0.0.1",
     master_port: Annotated[int, typer.Option("--master-port", parser=integer_option(minimum=1, maximum=65535),
-                                             help="Rendezvous port (several nodes).")] = 29500,
+                                             help="Rendezvous port, 1 to 65535 (several nodes).")] = 29500,
     max_restarts: Annotated[int, typer.Option("--max-restarts", parser=integer_option(minimum=0, maximum=1000),
-                                              help="torchrun's restarts of the job after a failure (an out-of-memory "
-                                              "error of a fixed policy, a stalled or killed rank): each resumes "
-                                              "from the last complete checkpoint with the trainer's "
+                                              help="torchrun's restarts of the job, 0 to 1000, after a failure (an "
+                                              "out-of-memory error of a fixed policy, a stalled or killed rank): "
+                                              "each resumes from the last complete checkpoint with the trainer's "
                                               "--checkpoint-dir, else from step 0; on several nodes a fixed "
                                               "policy's fallback needs --checkpoint-dir or --metrics-file on a "
-                                              "shared file system.")] = 0,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the torchrun command instead of running it.")]
+                                              "shared file system. A user error is not restarted.")] = 0,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Check the trainer's flags, data and output paths "
+                                        "and print the torchrun command instead of running it.")]
     = False,
     as_json: Annotated[bool, typer.Option("--json", help="With --dry-run: {\"command\": [...]}; else passed to "
                                                           "the trainer (its one JSON line per run).")] = False,
