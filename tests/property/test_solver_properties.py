@@ -91,16 +91,18 @@ def test_exact_equals_brute_force(graph, fraction):
         assert best.cost.overhead_ns == reference.cost.overhead_ns
 
 
-def _layered(num_layers, pinned_inputs, traced_names, sizes, times, first_times, internal) -> OpGraph:
+def _layered(num_layers, pinned_inputs, traced_names, sizes, times, first_times, internal,
+             second_dtype="bf16") -> OpGraph:
     """Layers of f: x -> a (saves x) and g: a -> the next block input (saves a, with ``internal`` its own s), layer
-    0 taking ``first_times``; block inputs pinned (as the builder pins them) or not, named ``L{l}.x`` or after the op
-    that makes them (``L{l-1}.g.out``, as a trace names them)."""
+    0 taking ``first_times``, layer 1 making its a in ``second_dtype`` (saved as bf16: its FP8 cast costs differ); block
+    inputs pinned (as the builder pins them) or not, named ``L{l}.x`` or after the op that makes them
+    (``L{l-1}.g.out``, as a trace names them)."""
     tensors = {"L0.x": TensorSpec("L0.x", sizes[0], "bf16", None)}
     ops, pinned = [], set()
     for layer in range(num_layers):
         x = "L0.x" if layer == 0 else f"L{layer - 1}.g.out" if traced_names else f"L{layer}.x"
         a, out = f"L{layer}.a", f"L{layer}.g.out" if traced_names else f"L{layer + 1}.x"
-        tensors[a] = TensorSpec(a, sizes[1], "bf16", f"L{layer}.f")
+        tensors[a] = TensorSpec(a, sizes[1], second_dtype if layer == 1 else "bf16", f"L{layer}.f")
         tensors[out] = TensorSpec(out, sizes[0], "bf16", f"L{layer}.g")
         saves = [Saving(a, "bf16")]
         if internal:
@@ -121,7 +123,8 @@ def layered_graphs(draw):
     times = [draw(st.integers(0, 2000)) for _ in range(2)]
     graph = _layered(draw(st.integers(2, 3)), draw(st.booleans()), draw(st.booleans()),
                      [8 * draw(st.integers(1, 64)) for _ in range(3)], times,
-                     [draw(st.sampled_from([t, 2 * t + 1])) for t in times], draw(st.booleans()))
+                     [draw(st.sampled_from([t, 2 * t + 1])) for t in times], draw(st.booleans()),
+                     draw(st.sampled_from(["bf16", "fp32"])))
     assume(1 <= len(graph.decisions) <= 7)
     return graph
 
@@ -130,6 +133,7 @@ def layered_graphs(draw):
 @given(layered_graphs(), budget_fraction, st.booleans())
 @example(_layered(2, False, False, [64, 64, 128], [1000, 10], [1000, 10], True), 70, False)  # cut off by the order
 @example(_layered(3, False, True, [64, 64, 64], [1000, 10], [1000, 1000], False), 40, True)  # the hint's renaming
+@example(_layered(2, True, False, [1 << 20, 1 << 20, 8], [10**9, 1000], [10**9, 1000], False, "fp32"), 75, False)
 def test_exact_equals_brute_force_on_layered_graphs(graph, fraction, hint):
     """Identical layers get their kept bytes ordered (symmetry breaking) only where no decision crosses a layer:
     with unpinned block inputs the layers share them, and the order would cut the optimum off."""

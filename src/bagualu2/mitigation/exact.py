@@ -145,14 +145,17 @@ def _identical_layers(graph: OpGraph, exact: ExactModel) -> list[list[int]]:
         for tensor in (*op.inputs, *op.outputs, *(s.tensor for s in op.saves)):
             spec = graph.tensors[tensor]
             if tensor in fixed:
-                parts.append(("fixed", spec.numel))
+                parts.append(("fixed", spec.numel, spec.dtype, spec.routed))
                 continue
             producer = spec.producer
             for other in (_layer(tensor), layer if producer is None else _layer(producer)):
                 if other != layer:
                     coupled.update((layer, other))
-            parts.append((tensor.split(".", 1)[-1], spec.numel, producer and producer.split(".", 1)[-1]))
-        signature.setdefault(layer, []).append((op.name.split(".", 1)[1], op.kind, op.forward_ns, tuple(parts),
+            parts.append((tensor.split(".", 1)[-1], spec.numel, spec.dtype, spec.routed,
+                          producer and producer.split(".", 1)[-1]))
+        # everything of the op and its tensors but the layer's own names: any field may change a plan's cost
+        signature.setdefault(layer, []).append((op.name.split(".", 1)[1], op.kind, op.resource, op.flops,
+                                                op.moved_bytes, op.forward_ns, op.backward_ns, tuple(parts),
                                                 tuple(s.dtype for s in op.saves)))
     groups: dict[tuple, list[int]] = {}
     for layer in sorted(signature):
