@@ -16,14 +16,16 @@ def lr_at(config: TrainConfig, step: int) -> float:
 def spikes_of(config: TrainConfig, step: int, group_index: int, num_microbatches: int, ep: int,
               top_k: int) -> dict[int, tuple[int, list[int]]]:
     """Micro-batches forced to spike in this iteration for one EP group: ``{i: (target rank, picks per source
-    rank)}``, a pure function of (seed, step, group); the imbalance is uniform in [1.2, min(spike_max, ep)]."""
+    rank)}``, a pure function of (seed, step, group); the imbalance is uniform in [1.2, min(spike_max, ep,
+    num_experts / top_k)]."""
     from .routing import imbalance_picks
 
     if config.spike_rate <= 0:
         return {}
     rng = random.Random(f"{config.seed}:{step}:{group_index}")
     found = {}
-    top = min(config.spike_max, float(ep))  # one rank receives at most ep x the mean
+    # one rank receives at most ep x the mean, and each token reaches at most top_k of the experts
+    top = min(config.spike_max, float(ep), config.model.num_experts / top_k)
     for index in range(num_microbatches):
         if rng.random() < config.spike_rate:
             rate = rng.uniform(min(1.2, top), top)

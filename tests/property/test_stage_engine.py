@@ -79,7 +79,7 @@ def test_remembered_decisions_follow_the_gate_decisions_made_since(name):
 
 
 GATE_MODEL = presets.model("tiny-moe")[0].replace(num_layers=4, num_dense_layers=0, seq_length=32)
-GATE_PARALLEL = dataclasses.replace(presets.model("tiny-moe")[1], dp=8, ep=8)  # gates may measure up to 8
+GATE_PARALLEL = dataclasses.replace(presets.model("tiny-moe")[1], dp=8, ep=8)  # gates measure up to 8 / 2 = 4
 GATE_HW = presets.hardware("cpu")
 
 
@@ -87,7 +87,7 @@ GATE_HW = presets.hardware("cpu")
 @given(mode=st.sampled_from(["graded", "paper"]), fraction=st.floats(0.2, 1.2),
        requests=st.lists(st.tuples(st.sampled_from(["none", "expert_fc1=RECOMPUTE", "expert_act=OFFLOAD",
                                                      "core_attn=RECOMPUTE,expert_fc1=QUANTIZE"]),
-                                   st.integers(0, 1), st.integers(0, 1024)), min_size=1, max_size=8))  # <= ep x T x K
+                                   st.integers(0, 1), st.integers(0, 512)), min_size=1, max_size=8))  # <= E / K x T x K
 def test_gate_decisions_are_the_same_with_the_memo_on_and_off(mode, fraction, requests):
     planners = []
     for cache in (True, False):

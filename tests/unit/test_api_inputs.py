@@ -168,7 +168,8 @@ def test_the_simulator_and_the_reproduction_name_a_wrong_argument():
                            ({"seq_lengths": ()}, "seq_lengths"),
                            ({"seq_lengths": (4097,)}, "seq_lengths: 4097 does not fit"),
                            ({"plan_imbalance": 0.5}, "plan_imbalance must be"),
-                           ({"plan_imbalance": 40}, r"plan_imbalance must be in \[1, 32\]")):
+                           ({"plan_imbalance": 40}, r"plan_imbalance must be in \[1, 12.8\]"),
+                           ({"top_ks": (2, 50)}, r"top_ks must be integers in \[1, 49\]")):
         refused(lambda: ReproduceConfig(iterations=10, **changes), match)
     config = ReproduceConfig(iterations=10, models=("GLM-423B-A30B", "glm-423b-a30b"), focus="GLM-423B-A30B")
     assert config.models == ("glm-423b-a30b",) and config.focus == "glm-423b-a30b"  # one spelling, one run

@@ -83,6 +83,9 @@ BAD = [
     (["memory", "-r", "1e298"], "--imbalance"),
     (["plan", "-b", "1", "-r", "4e9", "--solver", "exact"], "--imbalance"),
     (["memory", "-m", "tiny-moe", "-r", "1.5"], "--imbalance"),  # ep=1: max/mean load is 1
+    (["plan", "-m", "glm-1041b-a35b", "-r", "43"], "--imbalance"),  # ep=128, but 256 experts / top-6: 42.67
+    (["budget", "-m", "glm-423b-a30b", "--spike", "3=22"], "--spike"),  # 128 experts / top-6: 21.33
+    (["simulate", "--plan-imbalance", "22", "-n", "1"], "--plan-imbalance"),
     (["plan", "-b", "1", "-H", "@flops1"], "--hardware"),
     (["schedule", "-H", "@slowcopy"], "--hardware"),
     (["memory", "-H", "@launch"], "--hardware"),

@@ -195,3 +195,23 @@ def test_a_flash_attention_backward_does_two_and_a_half_forwards_every_other_op_
         assert op.forward_ns == pytest.approx(launch_ns + compute_ns, abs=1)
         backward_ns = max(factor * op.flops / (HW.peak_flops * share), 2 * op.moved_bytes / HW.hbm_bytes_per_s)
         assert op.backward_ns == pytest.approx(launch_ns + backward_ns * 1e9, abs=1), op.name
+
+
+@pytest.mark.parametrize("experts, top_k, ep", [(256, 6, 128), (128, 6, 64), (64, 4, 32), (8, 2, 1), (8, 2, 8),
+                                                (16, 16, 4), (160, 8, 32), (12, 3, 4)])
+def test_the_imbalance_limit_is_what_the_most_skewed_routing_gives(experts, top_k, ep):
+    """Every token sends rank 0 as many of its top_k copies as rank 0 hosts experts for: the highest load routing
+    can give one rank; build_graph takes exactly up to it."""
+    from bagualu2.costmodel import check_imbalance, imbalance_limit
+
+    model = presets.model("tiny-moe")[0].replace(num_experts=experts, top_k=top_k)
+    parallel = ParallelConfig(dp=ep, ep=ep)
+    tokens = 1000
+    busiest = tokens * min(top_k, experts // ep)  # copies on rank 0
+    mean = tokens * top_k / ep
+    assert imbalance_limit(model, parallel) == pytest.approx(busiest / mean)
+    limit = imbalance_limit(model, parallel)
+    assert check_imbalance(limit, ep=ep, model=model) == limit
+    build_graph(model, parallel, presets.hardware("cpu"), imbalance=limit)
+    with pytest.raises(ValueError, match="imbalance must be a finite number in"):
+        build_graph(model, parallel, presets.hardware("cpu"), imbalance=limit * 1.01)

@@ -221,7 +221,9 @@ def test_cli_trace_rate_above_ep_names_the_file_iteration_and_micro_batch(tmp_pa
     result = runner.invoke(app, ["simulate", "-m", MODEL, "--trace", str(path), "-p", "ideal"])
     assert result.exit_code == 2
     assert result.stderr.strip() == (f"error: --trace: {path}: iteration 0, micro-batch 3: imbalance 1000 above "
-                                     f"{MODEL}'s ep=32 (one of ep ranks receives at most ep x the mean tokens)")
+                                     f"what {MODEL} takes: must be in [1, 16] (max/mean device load: a token reaches "
+                                     "at most top_k=4 of num_experts=64 experts, so one of ep=32 ranks receives at "
+                                     "most num_experts / top_k times the mean)")
 
 
 def test_cli_malformed_trace(tmp_path):

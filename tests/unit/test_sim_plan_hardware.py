@@ -53,7 +53,7 @@ def test_the_paper_gate_keeps_or_downgrades_and_bad_modes_say_so():
         simulate(MODEL, "x", PLAN, "flexible", TRACE)
     with pytest.raises(ValueError, match="progress must be a callable"):
         simulate(MODEL, PARALLEL, PLAN, "flexible", TRACE, progress=5)
-    with pytest.raises(ValueError, match=r"plan_imbalance must be in \[1, ep="):
+    with pytest.raises(ValueError, match=r"plan_imbalance must be in \[1, 2\] \(one of ep=2"):
         simulate(MODEL, PARALLEL, PLAN, "flexible", TRACE, plan_imbalance=PARALLEL.ep + 1)
     with pytest.raises(ValueError, match="trace must be a sequence"):
         simulate(MODEL, PARALLEL, PLAN, "flexible", set(TRACE))

@@ -186,7 +186,7 @@ def test_default_workers_are_the_usable_cpus_within_the_available_memory(monkeyp
                                            ({"top_ks": (0,)}, "top_ks"), ({"models": ("glm-9t",)}, "glm-9t"),
                                            ({"plan_imbalance": 0.5}, "imbalance"),
                                            ({"seq_lengths": (0,)}, "seq_lengths"),
-                                           ({"models": ("tiny-moe",)}, "models must have ep")])
+                                           ({"models": ("tiny-moe",)}, "models must take imbalances up to 2.6")])
 def test_reproduce_config_rejects_bad_fields(kwargs, field):
     with pytest.raises(ValueError, match=field):
         ReproduceConfig(**kwargs)

@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from bagualu2.costmodel import Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, build_graph, presets, stage_memory
-from bagualu2.costmodel.build import check_imbalance
+from bagualu2.costmodel.build import check_imbalance, imbalance_limit
 from bagualu2.costmodel.validate import parse_float, parse_int, require_int
 
 from .files import atomic_write_bytes, atomic_write_text, check_output_path  # noqa: F401 (re-exported)
@@ -165,15 +165,27 @@ def load_hardware(value: str) -> Hardware:
         raise CliError(f"{exc} (or a path to a .json file)", "--hardware") from None
 
 
-def check_rate(value: float, parallel: ParallelConfig | None, option: str = "--imbalance") -> float:
-    """An imbalance (max/mean device load) from ``option``: finite, >= 1 and, for ``parallel``, <= its ``ep``."""
+def rate_range(model: ModelConfig | None, parallel: ParallelConfig | None) -> str:
+    """The imbalances a layout takes, for messages: ``in [1, 21.33] (max/mean device load: ...)``."""
+    if parallel is None:
+        return ">= 1 (max/mean device load)"
+    limit = parallel.ep if model is None else imbalance_limit(model, parallel)
+    if limit == parallel.ep:
+        return f"in [1, {parallel.ep}] (max/mean device load: at most the expert-parallel degree ep={parallel.ep})"
+    return (f"in [1, {limit:.4g}] (max/mean device load: a token reaches at most top_k={model.top_k} of "
+            f"num_experts={model.num_experts} experts, so one of ep={parallel.ep} ranks receives at most "
+            "num_experts / top_k times the mean)")
+
+
+def check_rate(value: float, parallel: ParallelConfig | None, option: str = "--imbalance",
+               model: ModelConfig | None = None) -> float:
+    """An imbalance (max/mean device load) from ``option``: finite, >= 1 and, for ``parallel``, <= its ``ep``
+    (with ``model``: <= ``imbalance_limit``, ``min(ep, num_experts / top_k)``)."""
     ep = None if parallel is None else parallel.ep
     try:
-        return check_imbalance(value, ep=ep)
+        return check_imbalance(value, ep=ep, model=model)
     except (ValueError, OverflowError):
-        allowed = (">= 1 (max/mean device load)" if ep is None else
-                   f"in [1, {ep}] (max/mean device load: at most the expert-parallel degree ep={ep})")
-        raise CliError(f"must be a finite number {allowed}, got {value!r}", option) from None
+        raise CliError(f"must be a finite number {rate_range(model, parallel)}, got {value!r}", option) from None
 
 
 def number_option(text) -> float:
@@ -205,13 +217,15 @@ def integer_option(*, minimum: int | None = None, maximum: int | None = None) ->
     return parse
 
 
-def parse_imbalance(text: str, parallel: ParallelConfig | None = None, option: str = "--imbalance") -> float:
-    """``--imbalance``: a finite number >= 1 (max/mean device load), at most ``parallel.ep`` when given."""
+def parse_imbalance(text: str, parallel: ParallelConfig | None = None, option: str = "--imbalance",
+                    model: ModelConfig | None = None) -> float:
+    """``--imbalance``: a finite number >= 1 (max/mean device load), at most ``parallel.ep`` when given (with
+    ``model``: at most ``imbalance_limit``)."""
     try:
         value = parse_float(text)
     except ValueError:
         raise CliError(f"must be a number >= 1 (max/mean device load), got {text!r}", option) from None
-    return check_rate(value, parallel, option)
+    return check_rate(value, parallel, option, model)
 
 
 def check_index(value: int, count: int, option: str, what: str) -> int:

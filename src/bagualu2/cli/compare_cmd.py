@@ -16,7 +16,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from bagualu2.costmodel import Hardware, ModelConfig, OpGraph, ParallelConfig, build_graph
+from bagualu2.costmodel import Hardware, ModelConfig, OpGraph, ParallelConfig, build_graph, imbalance_limit
 from bagualu2.costmodel.validate import require_int
 from bagualu2.fusion import build_chains, dp, exact as exact_schedule
 from bagualu2.mitigation import exact, greedy
@@ -68,14 +68,15 @@ def summary(values: list[float]) -> dict[str, float | None]:
 
 def _suite(models: list[str], imbalances: list[str] | None, hardware: Hardware
            ) -> list[tuple[str, ModelConfig, ParallelConfig, float]]:
-    """Every model at every imbalance; the default imbalances stop at each model's ``ep`` (the busiest of ``ep``
-    devices holds at most ``ep`` times the mean), a given one above it is an error."""
+    """Every model at every imbalance; the default imbalances stop at each model's ``imbalance_limit`` (the busiest
+    of ``ep`` devices holds at most ``min(ep, num_experts / top_k)`` times the mean), a given one above it is an
+    error."""
     suite, seen = [], set()
     for value in models:
         name, model, parallel = load_model(value)
-        texts = imbalances or [text for text in DEFAULT_IMBALANCES if float(text) <= parallel.ep]
+        texts = imbalances or [text for text in DEFAULT_IMBALANCES if float(text) <= imbalance_limit(model, parallel)]
         for text in texts:
-            rate = parse_imbalance(text, parallel)
+            rate = parse_imbalance(text, parallel, model=model)
             if (model, parallel, rate) not in seen:  # a model or rate given twice (-r 1 -r 1.0) is one point
                 seen.add((model, parallel, rate))
                 suite.append((name, model, parallel, rate))
@@ -88,7 +89,7 @@ def compare(
                      + ", ".join(DEFAULT_MODELS) + ".")] = None,
     hardware: Annotated[str, typer.Option("--hardware", "-H", help=HARDWARE_HELP)] = "paper-gpu",
     imbalance: Annotated[Optional[list[str]], typer.Option("--imbalance", "-r", metavar="R", help="Imbalance "
-                         "(max/mean device load, in [1, ep]); repeatable; default: "
+                         "(max/mean device load, in [1, min(ep, num_experts / top_k)]); repeatable; default: "
                          + ", ".join(DEFAULT_IMBALANCES) + " (those up to the model's ep).")] = None,
     budgets: Annotated[int, typer.Option("--budgets", metavar="N", parser=integer_option(),
                                          help="Budgets per model and imbalance, evenly between the floor M0 and "

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bagualu2.costmodel import Hardware, ModelConfig, ParallelConfig, build_graph, stage_memory
+from bagualu2.costmodel import Hardware, ModelConfig, ParallelConfig, build_graph, imbalance_limit, stage_memory
 from bagualu2.costmodel.validate import parse_float, parse_int, require_int
 from bagualu2.runtime import DOWNGRADES, spike_trace
 
-from .common import CliError, blame, check_graph, check_index, check_rate, load_hardware, load_model
+from .common import CliError, blame, check_graph, check_index, check_rate, load_hardware, load_model, rate_range
 
 DEFAULT_MODEL = "glm-1041b-a35b"
 DEFAULT_HARDWARE = "paper-gpu"
@@ -21,10 +21,10 @@ SEED_LIMIT = 2**63
 STAGE_HELP = "Pipeline stage (0-based)."
 SEED_HELP = "Seed of the spike trace (an integer in [0, 2**63))."
 SPIKE_RATE_HELP = "Share of micro-batches with a random imbalance spike, in [0, 1]."
-MAX_IMBALANCE_HELP = (f"Largest random spike (max/mean device load), in [1, ep]; default {MAX_IMBALANCE:g} "
-                      "(or ep if smaller).")
-SPIKE_HELP = ("Force micro-batch AT (0-based) to imbalance R, e.g. --spike 10=2.6; repeatable. R is in [1, ep] "
-              "(ep: expert-parallel degree of --model).")
+MAX_IMBALANCE_HELP = (f"Largest random spike (max/mean device load), in [1, min(ep, num_experts / top_k)]; "
+                      f"default {MAX_IMBALANCE:g} (or that limit if smaller).")
+SPIKE_HELP = ("Force micro-batch AT (0-based) to imbalance R, e.g. --spike 10=2.6; repeatable. R is in [1, "
+              "min(ep, num_experts / top_k)] (ep: expert-parallel degree of --model).")
 DOWNGRADE_HELP = "After-gate decision: graded (absorb / re-plan the MoE module / full downgrade) or paper."
 
 
@@ -48,8 +48,9 @@ class Iteration:
         return {i: r for i, r in enumerate(self.trace) if r > self.base_imbalance}
 
 
-def parse_spikes(values: list[str], parallel: ParallelConfig) -> dict[int, float]:
-    """``--spike AT=R`` entries as ``{micro-batch: imbalance}``; AT in [0, num_microbatches), R in [1, ep]."""
+def parse_spikes(values: list[str], parallel: ParallelConfig, model: ModelConfig | None = None) -> dict[int, float]:
+    """``--spike AT=R`` entries as ``{micro-batch: imbalance}``; AT in [0, num_microbatches), R in [1, ep] (with
+    ``model``: in [1, ``imbalance_limit``])."""
     spikes: dict[int, float] = {}
     count = parallel.num_microbatches
     for text in values:
@@ -57,15 +58,15 @@ def parse_spikes(values: list[str], parallel: ParallelConfig) -> dict[int, float
         try:
             index, value = parse_int(at), parse_float(rate)
         except ValueError:
-            raise CliError(f"must be AT=R with AT a micro-batch in [0, {count}) and R an imbalance in "
-                           f"[1, {parallel.ep}], got {text!r}", "--spike") from None
+            raise CliError(f"must be AT=R with AT a micro-batch in [0, {count}) and R an imbalance "
+                           f"{rate_range(model, parallel)}, got {text!r}", "--spike") from None
         if not 0 <= index < count:
             raise CliError(f"micro-batch must be in [0, {count}) (num_microbatches={count}), got {text!r}",
                            "--spike")
         if index in spikes:
             raise CliError(f"micro-batch {index} is given twice", "--spike")
         try:
-            spikes[index] = check_rate(value, parallel, "--spike")
+            spikes[index] = check_rate(value, parallel, "--spike", model)
         except CliError as exc:
             raise CliError(f"imbalance of {text!r} {exc}", "--spike") from None
     return spikes
@@ -85,9 +86,10 @@ def prepare(*, model: str, hardware: str, stage: int, seed: int, spike_rate: flo
     check_index(stage, parallel.pp, "--stage", f"pp={parallel.pp} for {name}")
     with blame("--seed"):
         seed = require_int("seed", seed, 0, SEED_LIMIT)
-    largest = min(MAX_IMBALANCE, float(parallel.ep)) if max_imbalance is None else max_imbalance
-    largest = check_rate(largest, parallel, "--max-imbalance")
-    forced = parse_spikes(spikes or [], parallel)
+    limit = imbalance_limit(model_config, parallel)
+    largest = min(MAX_IMBALANCE, limit) if max_imbalance is None else max_imbalance
+    largest = check_rate(largest, parallel, "--max-imbalance", model_config)
+    forced = parse_spikes(spikes or [], parallel, model_config)
     mode = check_downgrade_option(downgrade)
     base = min(BASE_IMBALANCE, largest)
     with blame("--spike-rate"):

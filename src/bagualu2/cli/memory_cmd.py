@@ -77,7 +77,7 @@ def memory(
     """
     name, model_config, parallel = load_model(model)
     hw = load_hardware(hardware)
-    rate = parse_imbalance(imbalance, parallel)
+    rate = parse_imbalance(imbalance, parallel, model=model_config)
     mitigation = parse_plan(plan)
     if stage is not None and not 0 <= stage < parallel.pp:
         raise CliError(f"must be in [0, {parallel.pp}) for {name} (pp={parallel.pp}), got {stage}", "--stage")

@@ -135,7 +135,7 @@ def plan(
     """
     name, model_config, parallel = load_model(model)
     hw = load_hardware(hardware)
-    rate = parse_imbalance(imbalance, parallel)
+    rate = parse_imbalance(imbalance, parallel, model=model_config)
     if budget_gib is not None:
         budget_gib = parse_number(budget_gib, "--budget-gib", minimum=0.0, what=" (GiB)", maximum=2.0**30)
         budget = int(budget_gib * GIB)

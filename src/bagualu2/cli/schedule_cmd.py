@@ -97,7 +97,7 @@ def schedule(
     """
     name, model_config, parallel = load_model(model)
     hw = load_hardware(hardware)
-    rate = parse_imbalance(imbalance, parallel)
+    rate = parse_imbalance(imbalance, parallel, model=model_config)
     requested = None if budget_gib is None else parse_number(budget_gib, "--budget-gib", minimum=0.0, what=" (GiB)",
                                                                 maximum=2.0**30)
     limit = parse_number(time_limit, "--time-limit", minimum=0.0, strict=True, what=" (seconds)")

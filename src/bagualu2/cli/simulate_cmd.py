@@ -10,6 +10,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from bagualu2.costmodel import imbalance_limit
 from bagualu2.fusion.gantt import png_bytes
 from bagualu2.sim import (ABLATION, ON_OOM, OVERLAP, POLICIES, PaperTrace, SimResult, load_trace, paper_trace,
                           simulate)
@@ -17,7 +18,7 @@ from bagualu2.sim.simulate import MAX_ITERATIONS, MAX_RESTART_S
 
 from .common import (HARDWARE_HELP, MODEL_HELP, CliError, blame, check_device_room, console, echo_json, handle_errors,
                      integer_option, json_help, load_hardware, load_model, number_option, output_path, progress_bar,
-                     write_output)
+                     rate_range, write_output)
 
 DEFAULT_MODEL = "glm-423b-a30b"
 DEFAULT_ITERATIONS = 200
@@ -118,8 +119,10 @@ def simulate_cmd(
     on_oom, overlap = on_oom.lower(), overlap.lower()
     if on_oom not in ON_OOM:
         raise CliError(f"must be one of {', '.join(ON_OOM)}, got {on_oom!r}", "--on-oom")
-    if not 1 <= plan_imbalance <= parallel.ep:
-        raise CliError(f"must be a number in [1, ep={parallel.ep}], got {plan_imbalance!r}", "--plan-imbalance")
+    limit = imbalance_limit(model_config, parallel)
+    if not 1 <= plan_imbalance <= limit:
+        raise CliError(f"must be a number {rate_range(model_config, parallel)}, got {plan_imbalance!r}",
+                       "--plan-imbalance")
     if not 1 <= iterations <= MAX_ITERATIONS:
         raise CliError(f"must be an integer in [1, {MAX_ITERATIONS}], got {iterations}", "--iterations")
     if not 0 <= seed < SEED_LIMIT:
@@ -140,17 +143,16 @@ def simulate_cmd(
                                  f"num_microbatches={parallel.num_microbatches}")
             for i, rates_i in enumerate(rates):
                 for m, rate in enumerate(rates_i):
-                    if rate > parallel.ep:
-                        raise ValueError(f"{trace}: iteration {i}, micro-batch {m}: imbalance {rate:g} above "
-                                         f"{name}'s ep={parallel.ep} (one of ep ranks receives at most ep x the "
-                                         "mean tokens)")
+                    if rate > limit:
+                        raise ValueError(f"{trace}: iteration {i}, micro-batch {m}: imbalance {rate:g} above what "
+                                         f"{name} takes: must be {rate_range(model_config, parallel)}")
         source = f"{escape(trace)} ({len(rates)} iterations)"
     else:
         highest = PaperTrace(num_iterations=1).spike_max
-        if parallel.ep < highest:
-            raise CliError(f"{name} has ep={parallel.ep}, below the paper trace's largest rate {highest:g} (one of "
-                           f"ep ranks receives at most ep x the mean tokens); use --trace or a model with "
-                           f"ep >= {math.ceil(highest)}", "--model")
+        if limit < highest:
+            raise CliError(f"{name} takes imbalances {rate_range(model_config, parallel)}, below the paper "
+                           f"trace's largest rate {highest:g}; use --trace or a model with ep >= "
+                           f"{math.ceil(highest)} and num_experts / top_k >= {highest:g}", "--model")
         rates = (paper_trace(iterations, seed=seed) if spike_microbatches == 0 else
                  paper_trace(iterations, seed=seed, num_microbatches=parallel.num_microbatches,
                              spike_microbatches=spike_microbatches))

@@ -231,12 +231,32 @@ def chunk_layers(model: ModelConfig, parallel: ParallelConfig, *, stage: int = 0
     return range(first, first + per_chunk)
 
 
-def check_imbalance(imbalance: float, *, ep: int | None = None) -> float:
-    """``imbalance`` (max/mean device load) as a float: a finite number >= 1, and with ``ep`` (the expert-parallel
-    degree) at most ``ep``: the busiest of ``ep`` devices holds at most all the load, ``ep`` times the mean."""
+def imbalance_limit(model: ModelConfig, parallel: ParallelConfig) -> float:
+    """The highest imbalance (max/mean routed load of an expert-parallel rank) any routing gives: a rank hosts
+    ``num_experts / ep`` experts and a token sends it at most ``min(top_k, num_experts / ep)`` of its ``top_k``
+    copies, so the busiest of ``ep`` ranks receives at most ``min(ep, num_experts / top_k)`` times the mean (a
+    dense model: ``ep``)."""
+    if not model.num_experts or not model.top_k:
+        return float(parallel.ep)
+    return min(float(parallel.ep), model.num_experts / model.top_k)
+
+
+def check_imbalance(imbalance: float, *, ep: int | None = None, model: ModelConfig | None = None) -> float:
+    """``imbalance`` (max/mean device load) as a float: a finite number >= 1; with ``ep`` (the expert-parallel
+    degree) at most ``ep``: the busiest of ``ep`` devices holds at most all the load, ``ep`` times the mean; with
+    ``model`` too, at most :func:`imbalance_limit` (a token reaches at most ``top_k`` experts)."""
     if ep is None:
         return require_number("imbalance", imbalance, 1)
-    return require_number("imbalance", imbalance, 1, require_int("ep", ep, 1))
+    ep = require_int("ep", ep, 1)
+    if model is None or not model.num_experts or not model.top_k or model.num_experts / model.top_k >= ep:
+        return require_number("imbalance", imbalance, 1, ep)
+    limit = model.num_experts / model.top_k
+    try:
+        return require_number("imbalance", imbalance, 1, limit)
+    except ValueError:
+        raise ValueError(f"imbalance must be a finite number in [1, {limit:.4g}] (a token reaches at most top_k="
+                         f"{model.top_k} of num_experts={model.num_experts} experts: one of ep={ep} ranks receives "
+                         f"at most num_experts / top_k times the mean), got {imbalance!r}") from None
 
 
 def build_graph(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, *, imbalance: float = 1.0,
@@ -244,11 +264,12 @@ def build_graph(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware
     """Forward op graph of one micro-batch on virtual chunk ``chunk`` of pipeline stage ``stage``.
 
     Routed-expert tensors (tokens received by this rank's experts) scale with ``imbalance`` = max/mean device
-    load (physically at most ``ep``); dense parts do not depend on it.
+    load (physically at most :func:`imbalance_limit`: ``min(ep, num_experts / top_k)``); dense parts do not depend
+    on it.
     """
     check_compatible(model, parallel)
     check_hardware(hardware)
-    imbalance = check_imbalance(imbalance, ep=parallel.ep)
+    imbalance = check_imbalance(imbalance, ep=parallel.ep, model=model)
     builder = _Builder(model, parallel, hardware, imbalance)
     layers = chunk_layers(model, parallel, stage=stage, chunk=chunk)
     x = builder.tensor(f"L{layers[0]}.x", builder.sp_tokens * model.hidden_size, model.dtype, None)

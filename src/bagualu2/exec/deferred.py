@@ -98,14 +98,14 @@ class DeferredPlanner:
 
     def imbalance(self, layer: int, received_tokens: int) -> float:
         """Realised imbalance: routed copies received over the mean (``T*K`` per rank), at least 1 (and at most
-        ``ep``: more than every rank's copies is refused)."""
+        ``min(ep, num_experts / top_k)``, ``costmodel.imbalance_limit``: more than routing can send is refused)."""
         received_tokens = require_int("received_tokens", received_tokens, 0, 1 << 62)
         mean, most = self.graph().mean_routed_tokens, self.engine.max_imbalance
         if not mean:
             raise ValueError("the model has no routed tokens (a dense model): there is no gate to decide after")
         if most is not None and received_tokens > most * mean:
-            raise ValueError(f"received_tokens must be at most ep x the mean routed copies ({most:g} x {mean}: every "
-                             f"rank's tokens on this one), got {received_tokens}")
+            raise ValueError(f"received_tokens must be at most min(ep, num_experts / top_k) x the mean routed copies "
+                             f"({most:.4g} x {mean}: the most routing sends one rank), got {received_tokens}")
         return max(received_tokens / mean, 1.0)
 
     def after_gate(self, plan: Plan, layer: int, received_tokens: int, *,

@@ -356,8 +356,9 @@ class DecisionPath:
         return found
 
     def _check(self, imbalance: float) -> float:
-        """A measured or planned imbalance: a number in [1, ep] (one-line ``ValueError`` otherwise)."""
-        return check_imbalance(imbalance, ep=self.engine.parallel.ep)
+        """A measured or planned imbalance: a number in [1, min(ep, num_experts / top_k)] (one-line ``ValueError``
+        otherwise)."""
+        return check_imbalance(imbalance, ep=self.engine.parallel.ep, model=self.engine.model)
 
     def _seen_row(self, imbalance: float, chunk: int) -> Seen:
         """The :class:`Seen` of a measured imbalance on ``chunk`` (its canonical chunk's bucket row)."""

@@ -107,7 +107,7 @@ def replay_iteration(model: ModelConfig, parallel: ParallelConfig, hardware: Har
         raise ValueError(f"imbalances must have num_microbatches={parallel.num_microbatches} entries, "
                          f"got {len(imbalances)}")
     for value in imbalances:
-        check_imbalance(value, ep=parallel.ep)
+        check_imbalance(value, ep=parallel.ep, model=model)
     path = path if path is not None else DecisionPath(model, parallel, hardware, stage=stage or 0, downgrade=downgrade)
     if progress is not None and not callable(progress):
         raise ValueError(f"progress must be a callable or None, got {type(progress).__name__}")

@@ -27,7 +27,7 @@ from typing import Hashable, NamedTuple
 
 from ..budget import BudgetPhase
 from ..costmodel import (Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, PlanCost, StageMemory, build_graph,
-                         evaluate, point_relation, schedule, stage_memory)
+                         evaluate, imbalance_limit, point_relation, schedule, stage_memory)
 from ..costmodel.config import check_compatible, check_hardware
 from ..costmodel.rescale import at_imbalance
 from ..costmodel.validate import require_int
@@ -247,7 +247,7 @@ class Stage(_Engine):
         check_compatible(model, parallel)
         check_hardware(hardware)
         self.model, self.parallel, self.hardware = model, parallel, hardware
-        self.max_imbalance = float(parallel.ep)  # all the routed load on one expert-parallel rank
+        self.max_imbalance = imbalance_limit(model, parallel)  # the most routed load one expert-parallel rank gets
         self.stage = require_int("stage", stage, 0, parallel.pp)
         if not isinstance(cache, bool):
             raise ValueError(f"cache must be True or False, got {cache!r}")

@@ -33,6 +33,7 @@ before it in the process), so ``jobs`` worker processes run them side by side; t
 from __future__ import annotations
 
 import dataclasses
+import math
 import multiprocessing
 import os
 import signal
@@ -42,7 +43,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..costmodel import ParallelConfig, check_compatible, presets
+from ..costmodel import ParallelConfig, check_compatible, imbalance_limit, presets
 from ..costmodel.validate import require_int, require_number
 from ..runtime import DecisionPath, replay_iteration
 from .policies import ABLATION, FALLBACKS
@@ -110,21 +111,25 @@ class ReproduceConfig:
         require_int("overhead_iterations", self.overhead_iterations, 1)
         presets.hardware(self.hardware)
         highest = PaperTrace(num_iterations=1).spike_max
-        degrees = {name: presets.model(name)[1].ep for name in (self.focus, *self.models)}
-        for name, ep in degrees.items():
-            if ep < highest:
-                raise ValueError(f"models must have ep >= {highest:g}, the paper trace's largest rate (one of ep "
-                                 f"ranks receives at most ep x the mean tokens): {name} has ep={ep}")
-        experts = presets.model(self.focus)[0].num_experts
-        for k in self.top_ks:
-            if not (type(k) is int and 1 <= k <= experts):
-                raise ValueError(f"top_ks must be integers in [1, {experts}] (the experts of {self.focus}), got {k!r}")
+        limits = {name: imbalance_limit(*presets.model(name)) for name in (self.focus, *self.models)}
+        for name, limit in limits.items():
+            if limit < highest:
+                raise ValueError(f"models must take imbalances up to {highest:g}, the paper trace's largest rate "
+                                 f"(one of ep ranks receives at most min(ep, num_experts / top_k) x the mean "
+                                 f"tokens): {name} takes at most {limit:.4g}")
         model, parallel = presets.model(self.focus)
-        ep = min(degrees.values())
-        if self.plan_imbalance > ep:
-            raise ValueError(f"plan_imbalance must be in [1, {ep}] (the smallest expert-parallel degree of the "
-                             f"models: one of ep ranks receives at most ep x the mean tokens), got "
-                             f"{self.plan_imbalance!r}")
+        experts = model.num_experts
+        for k in self.top_ks:
+            if not (type(k) is int and 1 <= k <= experts and experts / k >= highest):
+                raise ValueError(f"top_ks must be integers in [1, {math.floor(experts / highest)}] (the experts of "
+                                 f"{self.focus}, {experts}, over the paper trace's largest rate {highest:g}: a "
+                                 f"token reaches at most top_k experts), got {k!r}")
+            limits[f"top-{k}"] = imbalance_limit(dataclasses.replace(model, top_k=k), parallel)
+        lowest = min(limits.values())
+        if self.plan_imbalance > lowest:
+            raise ValueError(f"plan_imbalance must be in [1, {lowest:.4g}] (the smallest imbalance limit of the "
+                             f"models: one of ep ranks receives at most min(ep, num_experts / top_k) x the mean "
+                             f"tokens), got {self.plan_imbalance!r}")
         for length in self.seq_lengths:
             require_int("seq_lengths", length, 1)
             try:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..costmodel import Hardware, ModelConfig, ParallelConfig
-from ..costmodel.build import check_imbalance
+from ..costmodel.build import check_imbalance, imbalance_limit
 from ..costmodel.validate import require_int, require_number
 from ..runtime import check_downgrade, run_iteration
 from .execution import check_overlap
@@ -152,9 +152,10 @@ class SimResult:
                 "time_lost_s": self.time_lost_s, "total_time_s": self.total_time_s}
 
 
-def check_trace(trace, parallel: ParallelConfig) -> list:
+def check_trace(trace, parallel: ParallelConfig, model: ModelConfig | None = None) -> list:
     """The trace's entries as memo keys: a float (every micro-batch at that rate; also for a tuple of equal rates,
-    so both spellings are one iteration) or a tuple of ``num_microbatches`` floats; each rate in [1, ep]. One-line
+    so both spellings are one iteration) or a tuple of ``num_microbatches`` floats; each rate in [1, ep] (with
+    ``model``: in [1, ``imbalance_limit``]). One-line
     ``ValueError`` naming the entry otherwise."""
     if isinstance(trace, (str, bytes, set, frozenset, dict)) or not hasattr(trace, "__len__"):
         raise ValueError(f"trace must be a sequence of rates or of per-micro-batch rates, got {type(trace).__name__}")
@@ -165,14 +166,14 @@ def check_trace(trace, parallel: ParallelConfig) -> list:
     for i, entry in enumerate(trace):
         try:
             if isinstance(entry, numbers.Real) and not isinstance(entry, bool):
-                keys.append(check_imbalance(entry, ep=parallel.ep))
+                keys.append(check_imbalance(entry, ep=parallel.ep, model=model))
                 continue
             if isinstance(entry, (str, bytes)) or not hasattr(entry, "__len__") or len(entry) != count:
                 raise ValueError(f"must be a rate or {count} per-micro-batch rates, got {entry!r:.60}")
             rates = []
             for m, rate in enumerate(entry):
                 try:
-                    rates.append(check_imbalance(rate, ep=parallel.ep))
+                    rates.append(check_imbalance(rate, ep=parallel.ep, model=model))
                 except ValueError as exc:
                     raise ValueError(f"micro-batch {m}: {exc}") from None
             keys.append(rates[0] if len(set(rates)) == 1 else tuple(rates))  # one rate: the scalar's key
@@ -294,10 +295,11 @@ def simulate(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, p
     config = SimConfig(restart_s=restart_s, plan_imbalance=plan_imbalance, on_oom=on_oom, m_max_bytes=m_max_bytes,
                        overlap=overlap, hidden_copies=hidden_copies)
     check_policy(policy)
-    if config.plan_imbalance > parallel.ep:
-        raise ValueError(f"plan_imbalance must be in [1, ep={parallel.ep}] (one of ep ranks receives at most ep x the "
-                         f"mean tokens), got {plan_imbalance!r}")
-    keys = check_trace(trace, parallel)
+    if config.plan_imbalance > imbalance_limit(model, parallel):
+        raise ValueError(f"plan_imbalance must be in [1, {imbalance_limit(model, parallel):.4g}] (one of ep="
+                         f"{parallel.ep} ranks receives at most min(ep, num_experts / top_k) x the mean tokens), got "
+                         f"{plan_imbalance!r}")
+    keys = check_trace(trace, parallel, model)
     run = _Run(model, parallel, hardware, config, plan_hardware, check_downgrade(downgrade))
     results = []
     in_force, planned = policy, config.plan_imbalance  # the plans in force are always made at plan_imbalance
