@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from functools import lru_cache
 
@@ -344,3 +345,18 @@ def test_simulate_takes_names_in_any_case():
     result = runner.invoke(app, [*args, "-p", "Static-Over", "-p", "l1", "-p", "static-over"])
     assert result.exit_code == 0, result.output
     assert [r["policy"] for r in json.loads(result.stdout)] == ["static-over", "L1"]
+
+
+def test_a_stage_without_steady_pairs_times_each_pass_with_its_own_copies():
+    """One micro-batch at pp = 1: paired or not, F0 then B0 run alone, so the copies F0 offloads wait for it to make
+    them and the iteration takes the same time (the paired layout ran them beside F0 from its start before)."""
+    model, base = presets.model("glm-188b-a20b")
+    hardware = presets.hardware("h200")
+    times = {}
+    for paired in (True, False):
+        parallel = dataclasses.replace(base, pp=1, vp=1, num_microbatches=1, paired=paired)
+        for policy in ("flexible", "oracle", "ideal"):
+            result = simulate(model, parallel, hardware, policy, [1.0, 2.0, 2.6], plan_imbalance=1.2)
+            times[paired, policy] = [it.time_s for it in result.iterations]
+    for policy in ("flexible", "oracle", "ideal"):
+        assert times[True, policy] == pytest.approx(times[False, policy], rel=1e-12), policy

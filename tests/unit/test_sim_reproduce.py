@@ -144,6 +144,25 @@ def test_a_trace_without_spikes_reports_dashes_not_nan():
     assert all(data.startswith(PNG) for data in figures(report).values())
 
 
+def test_provisioning_is_measured_on_the_normal_iterations_even_after_an_early_fallback():
+    """Seed 31's trace starts with a spike: static-under crashes on it and runs static-over from then on, so the
+    normal iterations on its own plans come from the §II-B run over the normal iterations alone."""
+    from bagualu2.sim.report import headline, provisioning_ratio
+
+    config = ReproduceConfig(**{**SMALL, "seed": 31, "overhead_iterations": 1})
+    report = reproduce(config)
+    assert report.spikes() == (0,)
+    assert report.focus.results["static-under"].iterations[0].oom
+    assert {it.policy for it in report.focus.results["static-under"].iterations} == {"static-over"}
+    under, over, ratio = provisioning_ratio(report)
+    assert 0 < over < under and ratio == over / under
+    assert len(report.provisioning[0].results["static-under"].iterations) == 39
+    data = headline(report)
+    assert data["sec2b"]["ratio"] == ratio and data["released"]["released"]["sec2b"] == provisioning_ratio(
+        report, "released")[2]
+    assert "nan" not in markdown(report).lower()
+
+
 @pytest.mark.launch
 def test_worker_processes_change_nothing_but_the_wall_time():
     config = {**SMALL, "iterations": 35, "overhead_iterations": 1}  # one spike
@@ -152,7 +171,7 @@ def test_worker_processes_change_nothing_but_the_wall_time():
                 for jobs in (1, 2))
     assert steps_seen[1] == steps_seen[2]  # the same progress steps, in the report's order
     assert len(one.spikes()) == 1
-    for part in ("scales", "sparsity", "seq_length", "seq_length_tokens", "ablation", "released"):
+    for part in ("scales", "sparsity", "seq_length", "seq_length_tokens", "ablation", "released", "provisioning"):
         assert getattr(two, part) == getattr(one, part), part
     assert two.ablation.results["L4"].policy == "L4"
     assert two.ablation.results["L4"].iterations == two.focus.results["flexible"].iterations

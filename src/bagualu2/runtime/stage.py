@@ -27,7 +27,7 @@ from typing import Hashable, NamedTuple
 
 from ..budget import BudgetPhase
 from ..costmodel import (Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, PlanCost, StageMemory, build_graph,
-                         evaluate, imbalance_limit, point_relation, schedule, stage_memory)
+                         evaluate, imbalance_limit, point_relation, points, schedule, stage_memory)
 from ..costmodel.config import check_compatible, check_hardware
 from ..costmodel.rescale import at_imbalance
 from ..costmodel.validate import require_int
@@ -258,6 +258,9 @@ class Stage(_Engine):
             self.memory = dataclasses.replace(self.memory, m_max_bytes=require_int("m_max_bytes", m_max_bytes, 1))
         self.steps: tuple[Step, ...] = self._steps()
         self.point_relation = point_relation(parallel, stage)  # the fusion DP's pipeline_degree at this stage
+        # every forward and backward runs alone: no pipeline and no pairing, or no steady pair F_x B_y at all
+        self.alone = (parallel.pp == 1 and not parallel.paired) or not any(
+            len(point) == 2 for point in points(parallel, stage))
         self.aliases: dict[int, tuple[int, int]] = chunk_aliases({c: self.graph(c, 1.0) for c in range(parallel.vp)})
         self._costs = self.memo.table(CostKey)
         self._orders = self.memo.table(OrderKey)
@@ -302,8 +305,9 @@ class Stage(_Engine):
     def order(self, chains: Chains, *, share: float = 0.0) -> Order:
         """The fused order of ``chains``: the DP's (``fusion.dp`` at the stage's ``point_relation``: 2, of F and
         B with O and R at the point's edges; 1, as at pp = 1 ``paired``, of F and B with their own copies beside
-        them), or without a pipeline or pairing, where F_i and B_i never share a point, F's then B's, each with
-        its own copies beside it (:meth:`_unpaired`); memoised by what the DP reads, each chain's stage resources
+        them), or where no forward shares a point with a backward (``alone``: without a pipeline or pairing, or
+        with too few micro-batches for a steady pair), F's then B's, each with its own copies beside it
+        (:meth:`_unpaired`); memoised by what the DP reads, each chain's stage resources
         and durations, so points that differ elsewhere share one order. ``share``: the compute slowdown beside
         communication the DP orders for (``fusion.interference``; 0, the DP's own cost, is what the decision
         path uses)."""
@@ -313,7 +317,7 @@ class Stage(_Engine):
         found = self._orders.get(key)
         if found is None:
             found = self._orders[key] = (
-                self._unpaired(chains, share) if self.parallel.pp == 1 and not self.parallel.paired
+                self._unpaired(chains, share) if self.alone
                 else dp.solve(chains, pipeline_degree=self.point_relation, share=share))
         return found
 

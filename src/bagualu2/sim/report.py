@@ -117,15 +117,15 @@ def _spikes(report: Report) -> list[str]:
     return lines
 
 
-def provisioning_ratio(report: Report, run: Run | None = None) -> tuple[float, float, float]:
-    """§II-B on the focus run (or ``run``, e.g. ``report.released``): (static-under's and static-over's MFU over the
-    normal iterations, their ratio)."""
-    spikes = set(report.spikes())
-    run = run or report.focus
+def provisioning_ratio(report: Report, overlap: str = "real") -> tuple[float, float, float]:
+    """§II-B on the focus model under ``overlap`` (``"real"`` or ``"released"``): (static-under's and static-over's
+    MFU over the trace's normal iterations, their ratio). Both run the normal iterations alone, so that a spike
+    (static-under's fallback) early in the trace leaves them all to measure; NaN where none ran the policy's own
+    plans (plans made for less than the normal iterations' rates)."""
+    run = report.provisioning[("real", "released").index(overlap)]
 
-    def normal(policy: str) -> float:  # the iterations outside spikes that ran the policy's own plans
-        its = [it.mfu for i, it in enumerate(run.results[policy].iterations)
-               if i not in spikes and it.policy == policy and not it.restarted]
+    def normal(policy: str) -> float:  # the normal iterations that ran the policy's own plans
+        its = [it.mfu for it in run.results[policy].iterations if it.policy == policy and not it.restarted]
         return statistics.fmean(its) if its else float("nan")
 
     under, over = normal("static-under"), normal("static-over")
@@ -137,8 +137,9 @@ def _provisioning(report: Report) -> list[str]:
     paper = PAPER["sec2b_over_mfu"] / PAPER["sec2b_under_mfu"]
     return ["## §II-B: under- and over-provisioning", "",
             f"{report.focus.label} on {report.focus.gpus} GPUs, normal iterations: under-provisioned (static-under) "
-            f"MFU {under:.3f} (paper {PAPER['sec2b_under_mfu']:.3f}), full recompute (static-over) {over:.3f} "
-            f"(paper {PAPER['sec2b_over_mfu']:.3f}): ratio **{ratio:.2f}** (paper {paper:.2f})."]
+            f"MFU {_shown(under, '.3f')} (paper {PAPER['sec2b_under_mfu']:.3f}), full recompute (static-over) "
+            f"{_shown(over, '.3f')} (paper {PAPER['sec2b_over_mfu']:.3f}): ratio **{_shown(ratio, '.2f')}** (paper "
+            f"{paper:.2f})."]
 
 
 def _ablation(report: Report) -> list[str]:
@@ -165,7 +166,7 @@ def released_ratios(report: Report) -> dict[str, dict[str, float]]:
     for name, run, levels in (("real", focus, ablation), ("released", released, released)):
         steps = [levels.mfu("L2") / levels.mfu("L1"), levels.mfu("L3") / levels.mfu("L2"), flexible / levels.mfu("L3")]
         out[name] = {"vs_kwai": flexible / run.mfu("kwai"), "vs_adapipe": flexible / run.mfu("adapipe"),
-                     "sec2b": provisioning_ratio(report, run)[2], "l1_l2": steps[0], "l2_l3": steps[1],
+                     "sec2b": provisioning_ratio(report, name)[2], "l1_l2": steps[0], "l2_l3": steps[1],
                      "l3_l4": steps[2]}
     out["paper"] = {"vs_kwai": PAPER["fig8_vs_kwai"], "vs_adapipe": PAPER["fig8_vs_adapipe"],
                     "sec2b": PAPER["sec2b_over_mfu"] / PAPER["sec2b_under_mfu"],
@@ -178,7 +179,8 @@ def _released(report: Report) -> list[str]:
     names = {"vs_kwai": "flexible / kwai (Fig. 8 is the average over scales)", "vs_adapipe": "flexible / adapipe",
              "sec2b": "§II-B full recompute / under-provisioned", "l1_l2": "Fig. 11 L1 -> L2",
              "l2_l3": "Fig. 11 L2 -> L3", "l3_l4": "Fig. 11 L3 -> L4"}
-    rows = [[label, f"{ratios['paper'][key]:.2f}", f"{ratios['real'][key]:.2f}", f"{ratios['released'][key]:.2f}"]
+    rows = [[label, f"{ratios['paper'][key]:.2f}", _shown(ratios['real'][key], ".2f"),
+             _shown(ratios['released'][key], ".2f")]
             for key, label in names.items()]
     return ["## The baselines' overlap: a range", "",
             f"{report.focus.label}, the same trace, under the two execution models of docs/sim.md: `real` (the "
@@ -236,12 +238,33 @@ def _overhead(report: Report) -> list[str]:
         ["model", "decision ms / iteration (median)", "iteration s (simulated)", "share"], rows)
 
 
+def _spike_bullets(report: Report, ideal_drops: tuple[float, float, float]) -> list[str]:
+    """What the trace's spikes did to the baselines, as measured on the focus model."""
+    focus, spikes = report.focus, report.spikes()
+    if not spikes:
+        return [f"* **No spike** in these {len(report.trace)} iterations: Fig. 9's comparison needs a longer run."]
+    crashed = {p: sum(1 for i in spikes if focus.results[p].iterations[i].lost_s > 0) for p in BASELINES}
+    most = max(crashed.values()) * 2 < len(spikes)
+    outside, bare, _ = ideal_drops
+    return [f"* **Spikes crash the baselines in {crashed['kwai']} (kwai) and {crashed['adapipe']} (adapipe) of "
+            f"{len(spikes)} spike iterations here.** A spike hits one micro-batch of its iteration (§II-B: skew "
+            "\"occurs in a small fraction of micro-batches\"), and plans fixed for the ordinary iterations' highest "
+            f"rate ({report.config.plan_imbalance:g}) leave the other in-flight micro-batches slack to absorb part "
+            "of it" + (", so most of the baselines' spike iterations run on their normal plans." if most else ".")
+            + " The paper's baselines crash on every spike and fall back (their 18-21% drops); the simulator does "
+            "not assume it, and Fig. 9's drops are what its spikes did. Under the paper's per-iteration mean, spikes "
+            "alone cannot make Fig. 8's lead: docs/sim.md (\"What moves the ratios\") measured flexible's lead on "
+            "glm-423b-a30b with every spike crashing the baselines at under 6%.",
+            f"* **A spike changes every policy's MFU** (ideal's drops {_shown(1 - bare / outside, '.1%')} in spike "
+            "iterations): the micro-batch the spike hits waits for its busiest expert-parallel rank, which computes "
+            "r times the mean routed tokens, while MFU counts the model FLOPs of balanced load."]
+
+
 def _why(report: Report) -> list[str]:
     run = report.ablation
     l2, l3, l4 = run.mfu("L2"), run.mfu("L3"), run.mfu("L4")
     focus = report.focus
     drops = spike_drops(report)
-    outside, bare, _ = drops["ideal"]
     _, _, sec2b = provisioning_ratio(report)
     ratios = released_ratios(report)
     released = ratios["released"]
@@ -261,23 +284,12 @@ def _why(report: Report) -> list[str]:
             "* **Full recompute runs without the all-to-all overlap**: it re-runs every all-to-all of the forward "
             "in the backward, and Megatron-Core refuses its expert-parallel overlap with full recomputation "
             "(`TransformerConfig`), so the steady pairs whose plans recompute whole layers (static-over, L1) run "
-            f"F then B: §II-B's ratio {sec2b:.2f} (paper {PAPER['sec2b_over_mfu'] / PAPER['sec2b_under_mfu']:.2f}) "
+            f"F then B: §II-B's ratio {_shown(sec2b, '.2f')} (paper "
+            f"{PAPER['sec2b_over_mfu'] / PAPER['sec2b_under_mfu']:.2f}) "
             f"and L1 -> L2 {l2 / run.mfu('L1'):.2f}x (paper {PAPER['fig11_steps'][0]:.2f}x). With no overlap for "
             "any policy (`simulate --overlap none`) the under-provisioned plan loses its overlap too, which narrows "
             "the §II-B gap (docs/sim.md).",
-            f"* **Spikes rarely crash the baselines here**: in {len(report.spikes())} spike iterations kwai OOMed "
-            f"{focus.results['kwai'].oom_events}x and adapipe {focus.results['adapipe'].oom_events}x. A spike hits "
-            "one micro-batch of its iteration (§II-B: skew \"occurs in a small fraction of micro-batches\"), and "
-            f"plans fixed for the ordinary iterations' highest rate ({report.config.plan_imbalance:g}) leave the other "
-            "in-flight micro-batches enough slack to absorb it, so the baselines' spike iterations mostly run on "
-            "their normal plans. The paper's baselines crash on the spikes and fall back (their 18-21% drops); "
-            "the simulator does not assume it, so Fig. 9's drops and the spike speed-up come out far below the "
-            "paper's. Fig. 8's lead cannot come from spikes alone under the paper's per-iteration mean: with every "
-            "spike crashing the baselines, flexible's lead on glm-423b-a30b stays about 5% (docs/sim.md, \"What "
-            "moves the ratios\").",
-            f"* **A spike slows every policy a little** (ideal's MFU drops {_shown(1 - bare / outside, '.1%')} in spike "
-            "iterations): the micro-batch the spike hits waits for its busiest expert-parallel rank, which computes "
-            "r times the mean routed tokens, while MFU counts the model FLOPs of balanced load.",
+            *_spike_bullets(report, drops["ideal"]),
             f"* **Restarts are charged in full** in the run's MFU: each OOM costs the lost iteration plus "
             f"{report.config.restart_s:g} s; on {focus.label} the baselines restarted "
             + ", ".join(f"{p} {focus.results[p].restarts}x" for p in BASELINES)
@@ -291,10 +303,11 @@ def _why(report: Report) -> list[str]:
             + f"{max(1 - r.mfu(r.best_baseline()) / r.mfu('ideal') for r in report.sparsity):.1%}: the stage "
             "memory absorbs the routed activations more experts per token add with little mitigation. "
             + _length_shapes(report),
-            "* **Memory pressure is what the cost model says it is**: where the stage memory left after weights, "
-            "optimizer states and the reserve covers most micro-batches unmitigated, flexible is close to ideal "
-            "and the static plans lose little; the paper does not give the memory its baselines had, so the gap to "
-            "its ratios is reported, not fitted.",
+            "* **Memory pressure is what the cost model says it is**: on "
+            f"{focus.label} flexible reaches {focus.mfu('flexible') / focus.mfu('ideal'):.1%} of ideal's MFU "
+            "(ideal: the same execution with no memory limit), which is what mitigating to fit the stage memory "
+            "left after weights, optimizer states and the reserve costs it. The paper does not give the memory its "
+            "baselines had, so the gap to its ratios is reported, not fitted.",
             "* **Modelling accuracy** is not re-measured by this command (it needs torch): the exec layer measures "
             "the bytes autograd keeps equal to the cost model's prediction, byte for byte, on the reference model "
             "(`python benchmarks/accuracy_exec.py`, docs/exec.md; the paper: 1.56% mean error at scale), and the "

@@ -55,6 +55,7 @@ FIG8_POLICIES = ("flexible", "kwai", "adapipe", "static-under", "static-over", "
 SWEEP_POLICIES = ("flexible", "kwai", "adapipe", "ideal", "oracle")
 MAX_JOBS = 1024
 RELEASED_POLICIES = ("kwai", "adapipe", "static-under", "static-over", "L1", "L2", "L3")
+PROVISIONING_POLICIES = ("static-under", "static-over")  # §II-B, on the trace's normal iterations alone
 
 
 def on_oom(policy: str) -> str:
@@ -170,6 +171,7 @@ class Report:
     ablation: Run                        # Fig. 11
     released: Run                        # the focus model under overlap="released" (RELEASED_POLICIES)
     overhead: tuple[tuple[str, float, float], ...]   # (model, decision ms per iteration, simulated iteration s)
+    provisioning: tuple[Run, Run]        # §II-B: the focus model's normal iterations, under "real" and "released"
 
     @property
     def focus(self) -> Run:
@@ -195,10 +197,14 @@ def spike_mfu(result: SimResult, spikes, *, with_restarts: bool = True) -> tuple
             statistics.fmean(outside) if outside else float("nan"))
 
 
-def trace_for(config: ReproduceConfig, num_microbatches: int | None = None) -> tuple:
+def trace_for(config: ReproduceConfig, num_microbatches: int | None = None, *, normal: bool = False) -> tuple:
     """The paper trace of ``config``: one rate per iteration, or with ``num_microbatches`` each spike on one
-    micro-batch of its iteration (the same iterations and rates)."""
-    return paper_trace(config.iterations, seed=config.seed, num_microbatches=num_microbatches)
+    micro-batch of its iteration (the same iterations and rates); ``normal``: its normal iterations alone."""
+    trace = paper_trace(config.iterations, seed=config.seed, num_microbatches=num_microbatches)
+    if not normal:
+        return trace
+    high = PaperTrace(num_iterations=config.iterations).base_high
+    return tuple(entry for entry in trace if (max(entry) if isinstance(entry, tuple) else entry) <= high)
 
 
 class WorkerDied(RuntimeError):
@@ -224,7 +230,7 @@ def default_jobs() -> int:
 
 
 def _simulate_one(key, hardware, trace, config: ReproduceConfig) -> SimResult:
-    model, parallel, policy, overlap = key
+    model, parallel, policy, overlap, _ = key
     return simulate(model, parallel, hardware, policy, trace, restart_s=config.restart_s, on_oom=on_oom(policy),
                     plan_imbalance=config.plan_imbalance, overlap=overlap)
 
@@ -245,34 +251,37 @@ def _label(length: int) -> str:
 
 def _parts(config: ReproduceConfig) -> tuple[list, ...]:
     """The report's parts (scales, sparsity, lengths with micro-batches held, lengths with tokens held, ablation,
-    released), each a list of its runs as (label, model, parallel, policies, overlap), in the report's order."""
-    scales = [(name, *presets.model(name), FIG8_POLICIES, "real") for name in config.models]
+    released, provisioning), each a list of its runs as (label, model, parallel, policies, overlap, normal: on the
+    trace's normal iterations alone), in the report's order."""
+    scales = [(name, *presets.model(name), FIG8_POLICIES, "real", False) for name in config.models]
     if config.focus not in config.models:
-        scales.append((config.focus, *presets.model(config.focus), FIG8_POLICIES, "real"))
+        scales.append((config.focus, *presets.model(config.focus), FIG8_POLICIES, "real", False))
     model, parallel = presets.model(config.focus)
-    sparsity = [(f"top-{k}", dataclasses.replace(model, top_k=k), parallel, SWEEP_POLICIES, "real")
+    sparsity = [(f"top-{k}", dataclasses.replace(model, top_k=k), parallel, SWEEP_POLICIES, "real", False)
                 for k in config.top_ks]
-    lengths = [(_label(n), dataclasses.replace(model, seq_length=n), parallel, SWEEP_POLICIES, "real")
+    lengths = [(_label(n), dataclasses.replace(model, seq_length=n), parallel, SWEEP_POLICIES, "real", False)
                for n in config.seq_lengths]
     tokens = [(_label(n), dataclasses.replace(model, seq_length=n), tokens_held(parallel, model.seq_length, n),
-               SWEEP_POLICIES, "real") for n in config.seq_lengths]
-    return (scales, sparsity, lengths, tokens, [("ablation", model, parallel, ABLATION, "real")],
-            [("released", model, parallel, RELEASED_POLICIES, "released")])
+               SWEEP_POLICIES, "real", False) for n in config.seq_lengths]
+    return (scales, sparsity, lengths, tokens, [("ablation", model, parallel, ABLATION, "real", False)],
+            [("released", model, parallel, RELEASED_POLICIES, "released", False)],
+            [(f"§II-B {overlap}", model, parallel, PROVISIONING_POLICIES, overlap, True)
+             for overlap in ("real", "released")])
 
 
-def _key(model, parallel, policy: str, overlap: str) -> tuple:
-    return (model, parallel, "flexible" if policy == "L4" else policy, overlap)  # L4 is flexible
+def _key(model, parallel, policy: str, overlap: str, normal: bool) -> tuple:
+    return (model, parallel, "flexible" if policy == "L4" else policy, overlap, normal)  # L4 is flexible
 
 
 def _runs(config: ReproduceConfig, step: Callable[[str], None]):
     hardware = presets.hardware(config.hardware)
     parts = _parts(config)
     specs = [spec for part in parts for spec in part]
-    keys = list(dict.fromkeys(_key(m, p, policy, o) for _, m, p, policies, o in specs for policy in policies))
+    keys = list(dict.fromkeys(_key(m, p, policy, o, n) for _, m, p, policies, o, n in specs for policy in policies))
     jobs = min(config.jobs or default_jobs(), len(keys))  # a configuration met twice is simulated once
 
     def trace(key):
-        return trace_for(config, key[1].num_microbatches)
+        return trace_for(config, key[1].num_microbatches, normal=key[4])
 
     pool, futures, done, others = None, {}, {}, set()
     if jobs > 1:  # every simulation submitted in the report's order: the progress follows the runs as they finish
@@ -293,14 +302,15 @@ def _runs(config: ReproduceConfig, step: Callable[[str], None]):
             done[key] = _simulate_one(key, hardware, trace(key), config)
         return done[key]
 
-    def run(label, model, parallel, policies, overlap) -> Run:
+    def run(label, model, parallel, policies, overlap, normal) -> Run:
         step(label)
-        found = {policy: result(_key(model, parallel, policy, overlap)) for policy in policies}
+        found = {policy: result(_key(model, parallel, policy, overlap, normal)) for policy in policies}
         return Run(label, {p: r if r.policy == p else dataclasses.replace(r, policy=p) for p, r in found.items()},
                    parallel.world_size, parallel.num_microbatches)
 
     try:
-        scales, sparsity, lengths, tokens, ablation, released = (tuple(run(*spec) for spec in part) for part in parts)
+        scales, sparsity, lengths, tokens, ablation, released, provisioning = (tuple(run(*spec) for spec in part)
+                                                                               for part in parts)
     except BaseException:  # Ctrl-C or a failure: the running simulations are not waited for
         if pool is not None:
             for child in set(multiprocessing.active_children()) - others:
@@ -309,7 +319,7 @@ def _runs(config: ReproduceConfig, step: Callable[[str], None]):
         raise
     if pool is not None:
         pool.shutdown(cancel_futures=True)
-    return scales, sparsity, lengths, tokens, ablation[0], released[0]
+    return scales, sparsity, lengths, tokens, ablation[0], released[0], provisioning
 
 
 def decision_ms(model_name: str, hardware_name: str, trace, iterations: int) -> float:
@@ -329,7 +339,7 @@ def decision_ms(model_name: str, hardware_name: str, trace, iterations: int) -> 
 def steps(config: ReproduceConfig) -> int:
     """How many progress steps :func:`reproduce` reports."""
     models = len(config.models) + (config.focus not in config.models)
-    return models + len(config.top_ks) + 2 * len(config.seq_lengths) + 2 + len(config.models)
+    return models + len(config.top_ks) + 2 * len(config.seq_lengths) + 4 + len(config.models)
 
 
 def reproduce(config: ReproduceConfig | None = None, *, progress: Callable[[str], None] | None = None) -> Report:
@@ -342,7 +352,7 @@ def reproduce(config: ReproduceConfig | None = None, *, progress: Callable[[str]
         raise ValueError(f"progress must be a callable or None, got {type(progress).__name__}")
     step = progress or (lambda label: None)
     trace = trace_for(config)
-    scales, sparsity, lengths, tokens, ablation, released = _runs(config, step)
+    scales, sparsity, lengths, tokens, ablation, released, provisioning = _runs(config, step)
     overhead = []
     for run in scales:
         if run.label not in config.models:
@@ -351,4 +361,5 @@ def reproduce(config: ReproduceConfig | None = None, *, progress: Callable[[str]
         flexible = run.results["flexible"]
         overhead.append((run.label, decision_ms(run.label, config.hardware, trace, config.overhead_iterations),
                          flexible.total_time_s / len(flexible.iterations)))
-    return Report(config, tuple(trace), scales, sparsity, lengths, tokens, ablation, released, tuple(overhead))
+    return Report(config, tuple(trace), scales, sparsity, lengths, tokens, ablation, released, tuple(overhead),
+                  provisioning)

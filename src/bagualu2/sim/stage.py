@@ -94,9 +94,9 @@ class StageContext:
         self.point_leads = frozenset((group[0].microbatch, group[0].chunk)
                                      for group in points(parallel, stage) if len(group) == 2)
         self._choices = self.timing.memo.table(ChoiceKey)
-        # a step's copies are its own micro-batches': at points of relation 1, and without a pipeline or pairing,
-        # where each forward and backward runs alone
-        self.own_copies = self.engine.point_relation == 1 or (parallel.pp == 1 and not parallel.paired)
+        # a step's copies are its own micro-batches': at points of relation 1, and wherever each forward and
+        # backward runs alone (no pipeline and no pairing, or too few micro-batches for any steady pair)
+        self.own_copies = self.engine.point_relation == 1 or self.engine.alone
 
     def path_with(self, *, hidden_copies: bool) -> DecisionPath:
         """``path``, or (made on first use) a decision path over an engine of its own that prices copies as
