@@ -95,6 +95,10 @@ BAD = [
     (["schedule", "--time-limit", "1", "-H", "@slowok"], "--hardware"),
     (["budget", "-H", "@slowok"], "--hardware"),
     (["simulate", "-n", "2", "-H", "@slowok"], "--hardware"),
+    # too slow only at a high imbalance: the graph's own guard, before the command's, still names --hardware
+    (["plan", "-m", "glm-1041b-a35b", "-H", "@slowok", "-r", "42"], "--hardware"),
+    (["memory", "-m", "glm-1041b-a35b", "-H", "@slowok", "-r", "42"], "--hardware"),
+    (["curve", "-m", "glm-1041b-a35b", "-H", "@slowok", "--spike", "0=42"], "--hardware"),
     (["memory", "-H", "@deep"], "--hardware"),
     (["memory", "-H", "@fifo.json"], "--hardware"),  # never read (it would block)
     (["memory", "-m", "@deep"], "--model"),

@@ -25,6 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from bagualu2.costmodel import Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, build_graph, presets, stage_memory
 from bagualu2.costmodel.build import check_imbalance, imbalance_limit
+from bagualu2.costmodel.graph import GraphTooSlowError
 from bagualu2.costmodel.validate import parse_float, parse_int, require_int
 
 from .files import atomic_write_bytes, atomic_write_text, check_output_path  # noqa: F401 (re-exported)
@@ -89,11 +90,14 @@ def fail(message: str, option: str | None = None) -> NoReturn:
 
 @contextlib.contextmanager
 def blame(option: str) -> Iterator[None]:
-    """Turn a ``ValueError`` / ``OSError`` raised inside into a :class:`CliError` naming ``option``."""
+    """Turn a ``ValueError`` / ``OSError`` raised inside into a :class:`CliError` naming ``option`` (a graph too
+    slow to time is always ``--hardware``'s: a faster profile, or a smaller ``--model``)."""
     try:
         yield
     except CliError:
         raise
+    except GraphTooSlowError as exc:
+        raise CliError(_one_line(exc), "--hardware") from None
     except (ValueError, OSError) as exc:
         raise CliError(_one_line(exc), option) from None
 
@@ -107,6 +111,8 @@ def handle_errors(func: F) -> F:
             return func(*args, **kwargs)
         except CliError as exc:
             fail(str(exc), exc.option)
+        except GraphTooSlowError as exc:
+            fail(_one_line(exc), "--hardware")
         except (ValueError, OSError) as exc:
             fail(_one_line(exc))
         except RecursionError:

@@ -20,6 +20,11 @@ ITEM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "bool": 1, "int32": 4, 
 FLOAT_DTYPES = frozenset({"fp32", "bf16", "fp16"})  # may be quantised to FP8
 MAX_GRAPH_NS = 1 << 56  # forward + backward of all ops of a graph (~2.3 years): far from int64 in any solver's sum
 
+
+class GraphTooSlowError(ValueError):
+    """A graph whose ops take more than ``MAX_GRAPH_NS``: the hardware profile is too slow for the model."""
+
+
 OP_KINDS = (
     "norm", "qkv", "rope", "core_attn", "attn_out", "residual", "router", "permute", "dispatch",
     "expert_fc1", "expert_act", "expert_fc2", "combine", "unpermute", "shared_fc1", "shared_act",
@@ -145,9 +150,10 @@ class OpGraph:
                 consumers.setdefault(saving.tensor, []).append((op.name, saving.dtype))
         total_ns = sum(op.forward_ns + op.backward_ns for op in self.ops)
         if total_ns > MAX_GRAPH_NS:
-            raise ValueError(f"the ops of {self.label or 'the graph'} take {total_ns * 1e-9:.3g} s of one micro-batch "
-                             f"(forward and backward; at most {MAX_GRAPH_NS * 1e-9:.3g} s, so that every sum of "
-                             "nanoseconds stays an int64): a faster hardware profile or a smaller model")
+            raise GraphTooSlowError(f"the ops of {self.label or 'the graph'} take {total_ns * 1e-9:.3g} s of one "
+                                    f"micro-batch (forward and backward; at most {MAX_GRAPH_NS * 1e-9:.3g} s, so that "
+                                    "every sum of nanoseconds stays an int64): a faster hardware profile or a smaller "
+                                    "model")
         for name, spec in self.tensors.items():
             if spec.producer is not None and spec.producer not in index:
                 raise ValueError(f"tensor {name!r} has unknown producer {spec.producer!r}")
