@@ -376,6 +376,15 @@ def test_png_never_overwrites_an_input(tmp_path: Path, command: str, option: str
     assert source.read_bytes() == before
 
 
+def test_a_preset_name_is_never_taken_for_the_file_of_that_name(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    for name in ("tiny-moe", "cpu"):
+        (tmp_path / name).write_bytes(b"a file named like a preset")
+    result = run("curve", "-m", "tiny-moe", "-H", "cpu", "--png", "tiny-moe")
+    assert result.exit_code == 0, result.stderr
+    assert (tmp_path / "tiny-moe").read_bytes().startswith(PNG_MAGIC)
+
+
 def test_a_cp_sat_time_out_leaves_the_exact_rows_out() -> None:
     schedule = run("schedule", "-m", "tiny-moe", "--time-limit", "1e-9")
     assert schedule.exit_code == 0, schedule.stderr

@@ -354,7 +354,8 @@ def _finite(value: Any) -> Any:
 def output_path(value: str | None, option: str = "--png", *, inputs: dict[str, str | None] | None = None
                 ) -> Path | None:
     """Fail fast, before any work, when ``option``'s path cannot be written (see :func:`check_output_path`) or is
-    one of the files the command reads (``inputs``: option -> its value; a value that names no file is skipped)."""
+    one of the files the command reads (``inputs``: option -> its value; a value that names no file is skipped, as
+    is a ``--model`` or ``--hardware`` preset name: only a ``*.json`` value is read as a file)."""
     if value is None:
         return None
     if value == "-":
@@ -362,6 +363,8 @@ def output_path(value: str | None, option: str = "--png", *, inputs: dict[str, s
     with blame(option):
         target = check_output_path(value)
     for source, given in (inputs or {}).items():
+        if source in ("--model", "--hardware") and given is not None and not given.lower().endswith(".json"):
+            continue  # a preset name, even where a file of that name exists
         if given is not None and _same_file(target, given):
             raise CliError(f"{value!r} is the file {source} reads; write the output to another path", option)
     return target
