@@ -376,6 +376,13 @@ def test_png_never_overwrites_an_input(tmp_path: Path, command: str, option: str
     assert source.read_bytes() == before
 
 
+def test_a_path_with_a_newline_is_named_as_it_is() -> None:
+    result = run("memory", "-m", "a\nb.json")
+    assert result.exit_code == 2
+    assert one_line_error(result.stderr, "--model") == ("error: --model: cannot access 'a\\nb.json': No such file "
+                                                        "or directory")
+
+
 def test_a_preset_name_is_never_taken_for_the_file_of_that_name(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     for name in ("tiny-moe", "cpu"):

@@ -71,7 +71,9 @@ def require_extra(extra: str, option: str | None = None) -> None:
 
 def _one_line(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
-        name = exc.filename or repr(exc.filename)  # an empty path shows as ''
+        name = exc.filename
+        if not (isinstance(name, str) and name and name.isprintable()):
+            name = repr(name)  # an empty path shows as '', a newline in one as \n (one line names one path)
         text = exc.strerror if exc.filename is None else f"cannot access {name}: {exc.strerror}"
     else:
         text = str(exc) or type(exc).__name__
