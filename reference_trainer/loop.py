@@ -79,7 +79,7 @@ def check_state_dir(config: TrainConfig, *, make: bool = True) -> None:
         return
     probed = directory
     if not make:
-        while not os.path.isdir(probed) and os.path.dirname(probed) != probed:
+        while not os.path.lexists(probed) and os.path.dirname(probed) != probed:  # a file on the way fails
             probed = os.path.dirname(probed)
     try:
         probe_folder(probed, make=make)
