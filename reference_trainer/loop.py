@@ -21,12 +21,13 @@ from .recipes import TrainConfig, default_cap, minimum_cap
 
 def prepare(config: TrainConfig, *, dry_run: bool = False) -> "Run":
     """Validate everything that depends on user input and load the data; no collective yet. ``dry_run``: the same
-    checks, but no folder is made (a missing state folder must be one its nearest existing parent can hold)."""
+    checks but the device's (a launch may be prepared on a machine without the GPUs it runs on), and no folder is
+    made (a missing state folder must be one its nearest existing parent can hold)."""
     from bagualu2.costmodel import presets
 
     from .data import DomainBatches, TokenCorpus, load_tokenizer
 
-    if config.device == "cuda":
+    if config.device == "cuda" and not dry_run:
         import torch
 
         if not torch.cuda.is_available():

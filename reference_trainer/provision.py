@@ -113,7 +113,7 @@ class Provisioner:
             for chunk, plan in enumerate(fixed or ()))
         self._pending: tuple[int, float] | None = None  # (chunk, local imbalance) of the last forward
         started = time.perf_counter()
-        self._warm(parallel.ep)
+        self._warm(engine.max_imbalance)
         self.setup_s = time.perf_counter() - started  # before the first step, reported apart
         self._last: _Forward | None = None
         # progress(kind, micro-batch) before each forward ("forward") and after each backward ("backward"): the
@@ -121,29 +121,30 @@ class Provisioner:
         self.progress: Callable[[str, str], None] | None = None
         self.begin_step()
 
-    def _warm(self, ep: int) -> None:
+    def _warm(self, limit: float) -> None:
         """Plan ahead, before training (``setup_s``): the graphs of every imbalance bucket a gate can measure (the
-        runtime's and the gates' grids up to ``ep``, the most one rank can receive) and the pre-gate plans of every
-        need level at the ordinary planned imbalances, so the iterations do not pay for them."""
+        runtime's and the gates' grids up to ``limit``, ``costmodel.imbalance_limit``: the most one rank can
+        receive) and the pre-gate plans of every need level at the ordinary planned imbalances, so the iterations
+        do not pay for them."""
         if self.fixed is not None:
             return
         path = self.path
         for chunk in range(self.parallel.vp):
             rates = {1.0}
             rate = 1.0
-            while rate < min(path.spike_threshold, ep):
+            while rate < min(path.spike_threshold, limit):
                 rate = round(rate + path.step, 10)
-                rates.add(ceil_bucket(rate, path.step, ep))
-            while rate < ep:
+                rates.add(ceil_bucket(rate, path.step, limit))
+            while rate < limit:
                 rate = round(rate + path.spike_step, 10)
-                rates.add(ceil_bucket(rate, path.spike_step, ep))
+                rates.add(ceil_bucket(rate, path.spike_step, limit))
             for rate in sorted(rates):
                 path.graph(chunk, rate)
             # the pre-gate plans of every need level at the planned imbalances of ordinary forwards (the planned
             # imbalance follows the group's busiest gates: buckets from balanced load up to the spike threshold)
             needs = path.needs
             planned = 1.0
-            while planned <= min(path.spike_threshold, ep) + 1e-9:
+            while planned <= min(path.spike_threshold, limit) + 1e-9:
                 graph = path.graph(chunk, planned)
                 level = 0
                 while True:
@@ -155,8 +156,8 @@ class Provisioner:
                 planned = round(planned + path.step, 10)
             deferred = self.executors[chunk].deferred
             rate = 1.0
-            while rate <= ep:
-                deferred.graph(ceil_bucket(rate, GATE_IMBALANCE_STEP, ep))
+            while rate <= limit:
+                deferred.graph(ceil_bucket(rate, GATE_IMBALANCE_STEP, limit))
                 rate = round(rate + GATE_IMBALANCE_STEP, 10)
 
     # ---- iteration ----------------------------------------------------------------------------------------------
@@ -323,7 +324,7 @@ class Provisioner:
         if forward is None:
             return None
         rate = forward.imbalance if forward.imbalance is not None else self.path.planned(key[0])
-        return self.path.graph(key[0], ceil_bucket(rate, self.path.step, self.parallel.ep)), forward.plan
+        return self.path.graph(key[0], ceil_bucket(rate, self.path.step, self.engine.max_imbalance)), forward.plan
 
     def point(self, *, forward: tuple[int, int], backward: tuple[int, int], previous, following,
               run_forward: Callable[[], None], run_backward: Callable[[], None]) -> None:

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
-from bagualu2.costmodel import ModelConfig, ParallelConfig, build_graph, presets, stage_memory
+from bagualu2.costmodel import ModelConfig, ParallelConfig, build_graph, imbalance_limit, presets, stage_memory
 from bagualu2.costmodel.validate import require_int, require_number
 
 from .policies import POLICIES
@@ -83,7 +83,8 @@ class TrainConfig:
                             at this device imbalance (max/mean load): micro-batches routed up to it run unmitigated.
       spike_rate            share of micro-batches whose routing is forced towards one expert-parallel rank.
       spike_max             the largest forced imbalance (max/mean device load); one EP rank can receive at most
-                            ``ep`` x the mean, so spikes are drawn up to ``min(spike_max, ep)``.
+                            ``min(ep, num_experts / top_k)`` x the mean (``costmodel.imbalance_limit``), so spikes
+                            are drawn up to the smaller of ``spike_max`` and that limit.
       bias_update_rate      aux-loss-free balancing: router expert-bias step per iteration (0: off).
       device                ``cpu`` (gloo) or ``cuda`` (NCCL).
       hardware              cost-model hardware profile (``bagualu2 presets``) for the runtime's durations.
@@ -177,7 +178,7 @@ class TrainConfig:
             raise ValueError(f"--spike-rate {self.spike_rate:g} needs --ep >= 2 (a spike forces routing towards one "
                              "expert-parallel rank; with ep=1 every expert is local); --spike-rate 0 runs without "
                              "spikes (a recipe may set a rate of its own)")
-        require_number("--spike-max", self.spike_max, 1, 1e9)  # spikes are drawn up to min(spike_max, ep)
+        require_number("--spike-max", self.spike_max, 1, 1e9)  # spikes are drawn up to min(spike_max, the limit)
         if self.model.tie_embeddings and self.pp > 1:
             raise ValueError("a model with tie_embeddings needs --pp 1 (the embedding and the output layer on one "
                              "stage)")
@@ -243,11 +244,12 @@ def default_cap(config: TrainConfig) -> int:
     parallel = config.parallel
     imbalance = config.memory_cap_imbalance
     fraction = config.memory_cap_fraction if imbalance is None else 1.0
+    limit = imbalance_limit(config.model, parallel)  # a higher imbalance is clamped: no routing reaches it
     unmitigated = floor = 0
     for stage in range(config.pp):
         memory = stage_memory(config.model, parallel, hardware, stage=stage)
         worst = max(build_graph(config.model, parallel, hardware, stage=stage, chunk=c,
-                                imbalance=min(imbalance or 1.0, parallel.ep)).unmitigated_bytes
+                                imbalance=min(imbalance or 1.0, limit)).unmitigated_bytes
                     for c in range(config.vp))
         unmitigated = max(unmitigated, memory.inflight_chunks * worst)
         floor = max(floor, memory.inflight_chunks * memory.m0_bytes)
@@ -275,7 +277,8 @@ def glm_moe_debug() -> TrainConfig:
 
 
 def glm_moe_bench() -> TrainConfig:
-    """CPU, 4 processes (PP=2 x DP=2, EP=2); compute-bound steps of a few seconds; spikes 0.15 up to 2.6."""
+    """CPU, 4 processes (PP=2 x DP=2, EP=2); compute-bound steps of a few seconds; spikes 0.15 up to 2.6 (drawn up
+    to 2: one of 2 EP ranks receives at most twice the mean, and 8 experts / top-4 allow no more)."""
     model = _glm(num_layers=4, hidden_size=384, num_attention_heads=6, head_dim=64, ffn_hidden_size=1024,
                  moe_ffn_hidden_size=384, num_experts=8, top_k=4, num_dense_layers=0, seq_length=512,
                  micro_batch_size=1)

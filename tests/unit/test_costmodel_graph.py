@@ -203,6 +203,7 @@ def test_the_imbalance_limit_is_what_the_most_skewed_routing_gives(experts, top_
     """Every token sends rank 0 as many of its top_k copies as rank 0 hosts experts for: the highest load routing
     can give one rank; build_graph takes exactly up to it."""
     from bagualu2.costmodel import check_imbalance, imbalance_limit
+    from bagualu2.costmodel.build import limit_text
 
     model = presets.model("tiny-moe")[0].replace(num_experts=experts, top_k=top_k)
     parallel = ParallelConfig(dp=ep, ep=ep)
@@ -212,6 +213,8 @@ def test_the_imbalance_limit_is_what_the_most_skewed_routing_gives(experts, top_
     assert imbalance_limit(model, parallel) == pytest.approx(busiest / mean)
     limit = imbalance_limit(model, parallel)
     assert check_imbalance(limit, ep=ep, model=model) == limit
+    shown = float(limit_text(limit))  # the upper end an error line prints is taken
+    assert limit - 1e-4 < shown <= limit and check_imbalance(shown, ep=ep, model=model) == shown
     build_graph(model, parallel, presets.hardware("cpu"), imbalance=limit)
     with pytest.raises(ValueError, match="imbalance must be a finite number in"):
         build_graph(model, parallel, presets.hardware("cpu"), imbalance=limit * 1.01)

@@ -186,3 +186,11 @@ def test_expect_at_least_keeps_the_planned_imbalance_from_falling_below_the_expe
     assert path.planned(0) == 1.5
     with pytest.raises(ValueError, match="at_least must be true or false"):
         path.expect(1.5, at_least=1)
+
+
+def test_random_spikes_never_round_past_their_largest_imbalance():
+    from bagualu2.runtime import spike_trace
+
+    for seed in range(300):
+        trace = spike_trace(64, spike_rate=1.0, max_imbalance=16 / 7, seed=seed)  # 2.2857: would round to 2.29
+        assert max(trace) <= 16 / 7

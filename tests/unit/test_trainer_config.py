@@ -136,3 +136,19 @@ def test_runtime_actions_run_every_forward_and_backward_once_in_the_cost_model_o
         from torch.distributed.pipelining import schedules as S
 
         S._add_send_recv(orders, stage_to_rank=lambda s: s % pp, num_stages=pp * vp)
+
+
+def test_a_layout_whose_experts_bound_the_imbalance_below_ep_plans_and_caps_within_it():
+    """8 experts, top-4 at ep 4: one rank receives at most 2x the mean, not 4x. The flexible provisioner warms its
+    graphs up to that limit (it built graphs up to ep, which the builder refuses) and a cap imbalance above it is
+    clamped to it."""
+    from bagualu2.costmodel import imbalance_limit, presets
+    from reference_trainer.provision import Provisioner
+
+    config = recipe("glm_moe_bench").with_overrides(pp=1, dp=4, ep=4)
+    assert imbalance_limit(config.model, config.parallel) == 2.0
+    provisioner = Provisioner(config.model, config.parallel, presets.hardware(config.hardware), stage=0,
+                              cap_bytes=default_cap(config))
+    assert provisioner.engine.max_imbalance == 2.0
+    assert default_cap(config.with_overrides(memory_cap_imbalance=3.0)) == default_cap(
+        config.with_overrides(memory_cap_imbalance=2.0))

@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from bagualu2.costmodel import Hardware, ModelConfig, OpGraph, ParallelConfig, Plan, build_graph, presets, stage_memory
-from bagualu2.costmodel.build import check_imbalance, imbalance_limit
+from bagualu2.costmodel.build import check_imbalance, imbalance_limit, limit_text
 from bagualu2.costmodel.graph import GraphTooSlowError
 from bagualu2.costmodel.validate import parse_float, parse_int, require_int
 
@@ -180,7 +180,7 @@ def rate_range(model: ModelConfig | None, parallel: ParallelConfig | None) -> st
     limit = parallel.ep if model is None else imbalance_limit(model, parallel)
     if limit == parallel.ep:
         return f"in [1, {parallel.ep}] (max/mean device load: at most the expert-parallel degree ep={parallel.ep})"
-    return (f"in [1, {limit:.4g}] (max/mean device load: a token reaches at most top_k={model.top_k} of "
+    return (f"in [1, {limit_text(limit)}] (max/mean device load: a token reaches at most top_k={model.top_k} of "
             f"num_experts={model.num_experts} experts, so one of ep={parallel.ep} ranks receives at most "
             "num_experts / top_k times the mean)")
 

@@ -90,7 +90,7 @@ def compare(
     hardware: Annotated[str, typer.Option("--hardware", "-H", help=HARDWARE_HELP)] = "paper-gpu",
     imbalance: Annotated[Optional[list[str]], typer.Option("--imbalance", "-r", metavar="R", help="Imbalance "
                          "(max/mean device load, in [1, min(ep, num_experts / top_k)]); repeatable; default: "
-                         + ", ".join(DEFAULT_IMBALANCES) + " (those up to the model's ep).")] = None,
+                         + ", ".join(DEFAULT_IMBALANCES) + " (those up to the model's imbalance limit).")] = None,
     budgets: Annotated[int, typer.Option("--budgets", metavar="N", parser=integer_option(),
                                          help="Budgets per model and imbalance, evenly between the floor M0 and "
                                          f"the unmitigated bytes (1 to {MAX_BUDGETS}).")] = 3,

@@ -8,6 +8,8 @@ tokens (``Tsp``); routed-expert tensors hold ``Tsp*K*r`` tokens.
 
 from __future__ import annotations
 
+import math
+
 from .validate import require_int, require_number
 
 
@@ -241,6 +243,11 @@ def imbalance_limit(model: ModelConfig, parallel: ParallelConfig) -> float:
     return min(float(parallel.ep), model.num_experts / model.top_k)
 
 
+def limit_text(limit: float) -> str:
+    """``limit`` for messages, rounded *down* to 4 decimals (42.6666 for 256 / 6): every value shown is taken."""
+    return f"{math.floor(limit * 1e4) / 1e4:g}"
+
+
 def check_imbalance(imbalance: float, *, ep: int | None = None, model: ModelConfig | None = None) -> float:
     """``imbalance`` (max/mean device load) as a float: a finite number >= 1; with ``ep`` (the expert-parallel
     degree) at most ``ep``: the busiest of ``ep`` devices holds at most all the load, ``ep`` times the mean; with
@@ -254,7 +261,7 @@ def check_imbalance(imbalance: float, *, ep: int | None = None, model: ModelConf
     try:
         return require_number("imbalance", imbalance, 1, limit)
     except ValueError:
-        raise ValueError(f"imbalance must be a finite number in [1, {limit:.4g}] (a token reaches at most top_k="
+        raise ValueError(f"imbalance must be a finite number in [1, {limit_text(limit)}] (a token reaches at most top_k="
                          f"{model.top_k} of num_experts={model.num_experts} experts: one of ep={ep} ranks receives "
                          f"at most num_experts / top_k times the mean), got {imbalance!r}") from None
 

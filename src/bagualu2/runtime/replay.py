@@ -39,7 +39,7 @@ def spike_trace(num_microbatches: int, *, spike_rate: float = 0.029, max_imbalan
     trace = []
     for _ in range(num_microbatches):
         if rng.random() < spike_rate:
-            trace.append(round(rng.uniform(low, max_imbalance), 2))
+            trace.append(min(round(rng.uniform(low, max_imbalance), 2), max_imbalance))  # never rounded past it
         elif base_jitter:
             trace.append(round(max(rng.uniform(base_imbalance - base_jitter, base_imbalance + base_jitter), 1.0), 2))
         else:

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..costmodel import ParallelConfig, check_compatible, imbalance_limit, presets
+from ..costmodel.build import limit_text
 from ..costmodel.validate import require_int, require_number
 from ..runtime import DecisionPath, replay_iteration
 from .policies import ABLATION, FALLBACKS
@@ -117,7 +118,7 @@ class ReproduceConfig:
             if limit < highest:
                 raise ValueError(f"models must take imbalances up to {highest:g}, the paper trace's largest rate "
                                  f"(one of ep ranks receives at most min(ep, num_experts / top_k) x the mean "
-                                 f"tokens): {name} takes at most {limit:.4g}")
+                                 f"tokens): {name} takes at most {limit_text(limit)}")
         model, parallel = presets.model(self.focus)
         experts = model.num_experts
         for k in self.top_ks:
@@ -128,7 +129,7 @@ class ReproduceConfig:
             limits[f"top-{k}"] = imbalance_limit(dataclasses.replace(model, top_k=k), parallel)
         lowest = min(limits.values())
         if self.plan_imbalance > lowest:
-            raise ValueError(f"plan_imbalance must be in [1, {lowest:.4g}] (the smallest imbalance limit of the "
+            raise ValueError(f"plan_imbalance must be in [1, {limit_text(lowest)}] (the smallest imbalance limit of the "
                              f"models: one of ep ranks receives at most min(ep, num_experts / top_k) x the mean "
                              f"tokens), got {self.plan_imbalance!r}")
         for length in self.seq_lengths:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..costmodel import Hardware, ModelConfig, ParallelConfig
-from ..costmodel.build import check_imbalance, imbalance_limit
+from ..costmodel.build import check_imbalance, imbalance_limit, limit_text
 from ..costmodel.validate import require_int, require_number
 from ..runtime import check_downgrade, run_iteration
 from .execution import check_overlap
@@ -296,7 +296,7 @@ def simulate(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, p
                        overlap=overlap, hidden_copies=hidden_copies)
     check_policy(policy)
     if config.plan_imbalance > imbalance_limit(model, parallel):
-        raise ValueError(f"plan_imbalance must be in [1, {imbalance_limit(model, parallel):.4g}] (one of ep="
+        raise ValueError(f"plan_imbalance must be in [1, {limit_text(imbalance_limit(model, parallel))}] (one of ep="
                          f"{parallel.ep} ranks receives at most min(ep, num_experts / top_k) x the mean tokens), got "
                          f"{plan_imbalance!r}")
     keys = check_trace(trace, parallel, model)
