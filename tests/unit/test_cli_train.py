@@ -222,3 +222,27 @@ def test_a_demo_stopped_by_sigterm_stops_its_trainer_and_removes_its_folder(tmp_
     time.sleep(1)
     left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
     assert not left and not list(tmp_path.glob("bagualu2-demo-*"))
+
+
+@pytest.mark.parametrize("codes, restarted", [
+    ({0: 2}, False), ({0: 2, 1: -15}, False), ({0: 2, 1: 143}, False), ({0: 78, 1: -6}, False), ({0: 65}, False),
+    ({0: 75, 1: 2}, True), ({0: -9}, True), ({0: 65, 1: 76}, True), ({0: 76, 1: 143}, True), ({0: 1}, True)])
+def test_the_agent_restarts_unless_every_failure_is_final_or_a_stopped_peer(codes, restarted):
+    """torch's own RunResult through the launcher's wrapper of the agent's monitor (a stand-in agent class)."""
+    import types
+
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+
+    from bagualu2.cli.launch import no_restart_after_final_failures
+
+    class Agent:
+        def _monitor_workers(self, worker_group):
+            return self.result
+
+    no_restart_after_final_failures(Agent)
+    agent = Agent()
+    agent._remaining_restarts = 3
+    agent.result = RunResult(state=WorkerState.FAILED,
+                             failures={rank: types.SimpleNamespace(exitcode=code) for rank, code in codes.items()})
+    assert agent._monitor_workers(None) is agent.result
+    assert (agent._remaining_restarts == 3) is restarted

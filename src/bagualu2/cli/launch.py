@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _no_restart_after_final_failures(agent_class) -> None:
+def no_restart_after_final_failures(agent_class) -> None:
     """Wraps the agent's worker monitor: a failed round whose failures have final exit codes, the rest stopped by a
     signal, spends the remaining restarts, so torchrun stops there instead of launching the same failure again."""
     monitor = agent_class._monitor_workers
@@ -54,9 +54,10 @@ def _no_restart_after_final_failures(agent_class) -> None:
         result = monitor(agent, worker_group)
         failures = getattr(result, "failures", None) or {}
         codes = [failure.exitcode for failure in failures.values()]
-        # the others may have been stopped by the agent's own SIGTERM while they exited (a negative code)
+        # the others may have been stopped by the agent's own SIGTERM while they exited: killed by it (a negative
+        # code) or exiting on it (128 + the signal, as the trainer does)
         if result.is_failed() and any(code in FINAL_EXIT_CODES for code in codes) and all(
-                code in FINAL_EXIT_CODES or code < 0 for code in codes):
+                code in FINAL_EXIT_CODES or code < 0 or code > 128 for code in codes):
             agent._remaining_restarts = 0
         return result
 
@@ -72,7 +73,7 @@ def _agent(argv: list[str]) -> int:
 
     for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
         logging.getLogger(name).addFilter(_NoWorkerFailure())
-    _no_restart_after_final_failures(LocalElasticAgent)
+    no_restart_after_final_failures(LocalElasticAgent)
     try:
         torchrun_main(argv)
     except ChildFailedError as exc:
