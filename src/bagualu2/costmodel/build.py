@@ -261,9 +261,9 @@ def check_imbalance(imbalance: float, *, ep: int | None = None, model: ModelConf
     try:
         return require_number("imbalance", imbalance, 1, limit)
     except ValueError:
-        raise ValueError(f"imbalance must be a finite number in [1, {limit_text(limit)}] (a token reaches at most top_k="
-                         f"{model.top_k} of num_experts={model.num_experts} experts: one of ep={ep} ranks receives "
-                         f"at most num_experts / top_k times the mean), got {imbalance!r}") from None
+        raise ValueError(f"imbalance must be a finite number in [1, {limit_text(limit)}] (a token reaches at most "
+                         f"top_k={model.top_k} of num_experts={model.num_experts} experts: one of ep={ep} ranks "
+                         f"receives at most num_experts / top_k times the mean), got {imbalance!r}") from None
 
 
 def build_graph(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, *, imbalance: float = 1.0,

@@ -129,8 +129,8 @@ class ReproduceConfig:
             limits[f"top-{k}"] = imbalance_limit(dataclasses.replace(model, top_k=k), parallel)
         lowest = min(limits.values())
         if self.plan_imbalance > lowest:
-            raise ValueError(f"plan_imbalance must be in [1, {limit_text(lowest)}] (the smallest imbalance limit of the "
-                             f"models: one of ep ranks receives at most min(ep, num_experts / top_k) x the mean "
+            raise ValueError(f"plan_imbalance must be in [1, {limit_text(lowest)}] (the smallest imbalance limit of "
+                             f"the models: one of ep ranks receives at most min(ep, num_experts / top_k) x the mean "
                              f"tokens), got {self.plan_imbalance!r}")
         for length in self.seq_lengths:
             require_int("seq_lengths", length, 1)
