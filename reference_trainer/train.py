@@ -106,8 +106,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, argparse
     parser.add_argument("--world-size", action="store_true",
                         help="print the world size (--pp x --dp) the flags need, and exit")
     parser.add_argument("--check", action="store_true",
-                        help="with --world-size: first check the data and the output paths as a launch does, "
-                        "writing nothing")
+                        help="with --world-size: first check the data and the output paths as a launch does "
+                        "(not the CUDA device), leaving nothing on disk")
     parser.error = _usage_error  # type: ignore[method-assign]
     args = parser.parse_args(argv)
     config = recipe(args.recipe)

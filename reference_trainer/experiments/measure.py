@@ -78,7 +78,9 @@ def measure(preset: str, *, imbalance: float = 1.0, plan: str = "none", seq_leng
 
     import torch
 
-    from bagualu2.costmodel import ParallelConfig, Plan, build_graph, check_imbalance, evaluate, presets
+    from bagualu2.costmodel import (ParallelConfig, Plan, build_graph, check_imbalance, evaluate, imbalance_limit,
+                                    presets)
+    from bagualu2.costmodel.build import limit_text
     from bagualu2.exec import ActivationTracker, DeferredPlanner, apply_plan
 
     from ..instrumented import instrument_reference
@@ -114,6 +116,11 @@ def measure(preset: str, *, imbalance: float = 1.0, plan: str = "none", seq_leng
             raise ValueError(f"--ep: a dense model has no experts to distribute; got --ep {ep}")
         if model_config.num_experts % ep:
             raise ValueError(f"--ep: num_experts={model_config.num_experts} must be divisible by ep={ep}")
+        limit = imbalance_limit(model_config, ParallelConfig(dp=ep, ep=ep))
+        if imbalance > limit:
+            raise ValueError(f"--imbalance: with --ep {ep}, {model_config.num_experts} experts and top-"
+                             f"{model_config.top_k} routing, rank 0 receives at most {limit_text(limit)} x the mean "
+                             f"routed tokens; got {imbalance:g}")
         picks = imbalance_picks(imbalance, ep, model_config.top_k)
         if max(picks) > model_config.num_experts // ep:
             raise ValueError(f"--imbalance: {imbalance:g} needs {max(picks)} picks per token on rank 0, which holds "

@@ -246,3 +246,12 @@ def test_the_agent_restarts_unless_every_failure_is_final_or_a_stopped_peer(code
                              failures={rank: types.SimpleNamespace(exitcode=code) for rank, code in codes.items()})
     assert agent._monitor_workers(None) is agent.result
     assert (agent._remaining_restarts == 3) is restarted
+
+
+def test_measure_refuses_an_imbalance_no_routing_gives_before_any_collective():
+    """tiny-moe at --ep 8: 8 experts, top-2: rank 0 receives at most 4x the mean, not 8x."""
+    from reference_trainer.experiments.measure import measure
+
+    with pytest.raises(ValueError, match=r"^--imbalance: with --ep 8, 8 experts and top-2 routing, rank 0 receives "
+                                         r"at most 4 x the mean routed tokens; got 5$"):
+        measure("tiny-moe", imbalance=5.0, ep=8)

@@ -57,7 +57,7 @@ def rendezvous_host(value: str) -> str:
 
 def _world_size(trainer_args: list[str], nnodes: int, *, check: bool = False) -> int:
     """Processes per node the trainer's flags need (asks the trainer; its one-line error is ours). ``check``: the
-    trainer also checks its data and output paths as its launch would, writing nothing (a dry run)."""
+    trainer also checks its data and output paths as its launch would, leaving nothing on disk (a dry run)."""
     require_extra("trainer")
     asked = [*trainer_args, "--world-size", *(["--check"] if check else [])]
     proc = subprocess.run([sys.executable, "-m", TRAINER, *asked], capture_output=True, text=True)
@@ -96,7 +96,8 @@ def train(
                                               "each resumes from the last complete checkpoint with the trainer's "
                                               "--checkpoint-dir, else from step 0; on several nodes a fixed "
                                               "policy's fallback needs --checkpoint-dir or --metrics-file on a "
-                                              "shared file system. A user error is not restarted.")] = 0,
+                                              "shared file system. A user error (exit code 2), a non-finite stop "
+                                              "(65) or a diverged collective order (78) is not restarted.")] = 0,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Check the trainer's flags, data and output paths "
                                         "and print the torchrun command instead of running it.")]
     = False,

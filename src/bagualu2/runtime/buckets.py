@@ -15,8 +15,8 @@ def _check_step(step) -> None:
 
 def ceil_bucket(imbalance: float, step: float, ceiling: float | None = None) -> float:
     """``imbalance`` rounded up to a multiple of ``step`` (at least 1.0), and not above ``ceiling`` (the largest
-    imbalance there is: the expert-parallel degree, all the load on one rank); an imbalance above ``ceiling`` is
-    returned as it is, for the graph builder to refuse."""
+    imbalance there is: ``costmodel.imbalance_limit``, the most routed copies one rank can receive); an imbalance
+    above ``ceiling`` is returned as it is, for the graph builder to refuse."""
     _check_step(step)
     bucket = max(round(math.ceil(imbalance / step - 1e-9) * step, 9), 1.0)
     if bucket < imbalance:  # within the float tolerance above a multiple: never below what was measured

@@ -101,7 +101,8 @@ def _spikes(report: Report) -> list[str]:
              f"{len(spikes)} spike iterations of {len(report.trace)} (rate above 1.2, on one micro-batch each). "
              "'MFU spikes' is what a spike iteration computes while it runs (a baseline on the plans it restarted "
              "with); 'with restart' adds the OOMed attempt and the restart to that iteration; 'MFU normal' averages "
-             "every normal iteration, after a fallback too (§II-B's takes only those on the policy's own plans). "
+             "every normal iteration, after a fallback too (§II-B's comes from runs over the normal iterations "
+             "alone). "
              "The paper's drops "
              "are of the first kind: AdaPipe's 18.2% is §II-B's full-recompute fallback, 1 - 24.6/30.0 = 18.0%.",
              ""]
@@ -183,7 +184,7 @@ def _released(report: Report) -> list[str]:
              _shown(ratios['released'][key], ".2f")]
             for key, label in names.items()]
     return ["## The baselines' overlap: a range", "",
-            f"{report.focus.label}, the same trace, under the two execution models of docs/sim.md: `real` (the "
+            f"{report.focus.label}, the same trace (§II-B: its normal iterations), under the two execution models of docs/sim.md: `real` (the "
             "tables above: the baselines, the static policies and L1-L3 with Megatron-Core's expert-parallel "
             "all-to-all overlap, combined 1F1B) and `released` (`simulate --overlap released`: without it, as "
             "Megatron-Kwai's May 2024 release and AdaPipe's 2024 code ran, both older than that overlap, "
