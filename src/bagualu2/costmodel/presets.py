@@ -94,8 +94,9 @@ _HARDWARE = {
                      inter_node_bytes_per_s=50e9, devices_per_node=8, kernel_launch_s=4e-6,
                      matmul_efficiency=MATMUL_EFFICIENCY, attention_efficiency=ATTENTION_EFFICIENCY,
                      link_efficiency=LINK_EFFICIENCY, reserved_bytes=RESERVED_BYTES),
-    # H200: same compute as H100, 141 GB HBM3e at 4.8 TB/s.
-    "h200": Hardware(name="h200", peak_flops=989e12, hbm_bytes=141 * 10**9, hbm_bytes_per_s=4.8e12,
+    # H200: same compute as H100, HBM3e at 4.8 TB/s; the datasheet's "141 GB" is the device memory CUDA reports,
+    # 150,109,880,320 bytes (139.8 GiB; torch.cuda.mem_get_info, benchmarks/gpu/results/h200)
+    "h200": Hardware(name="h200", peak_flops=989e12, hbm_bytes=150_109_880_320, hbm_bytes_per_s=4.8e12,
                      h2d_bytes_per_s=50e9, d2h_bytes_per_s=50e9, intra_node_bytes_per_s=450e9,
                      inter_node_bytes_per_s=50e9, devices_per_node=8, kernel_launch_s=4e-6,
                      matmul_efficiency=MATMUL_EFFICIENCY, attention_efficiency=ATTENTION_EFFICIENCY,
