@@ -184,9 +184,10 @@ def _released(report: Report) -> list[str]:
              _shown(ratios['released'][key], ".2f")]
             for key, label in names.items()]
     return ["## The baselines' overlap: a range", "",
-            f"{report.focus.label}, the same trace (§II-B: its normal iterations), under the two execution models of docs/sim.md: `real` (the "
-            "tables above: the baselines, the static policies and L1-L3 with Megatron-Core's expert-parallel "
-            "all-to-all overlap, combined 1F1B) and `released` (`simulate --overlap released`: without it, as "
+            f"{report.focus.label}, the same trace (§II-B: its normal iterations), under the two execution models "
+            "of docs/sim.md: `real` (the tables above: the baselines, the static policies and L1-L3 with "
+            "Megatron-Core's expert-parallel all-to-all overlap, combined 1F1B) and `released` (`simulate "
+            "--overlap released`: without it, as "
             "Megatron-Kwai's May 2024 release and AdaPipe's 2024 code ran, both older than that overlap, "
             "Megatron-Core 0.14 of 2025-09; their copies still beside compute). The paper does not say which its "
             "baselines had; flexible is the same in both.", ""] + _table(
