@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import random
 
+from bagualu2.costmodel.build import routing_limit
+
 from .recipes import TrainConfig
 
 
@@ -25,7 +27,7 @@ def spikes_of(config: TrainConfig, step: int, group_index: int, num_microbatches
     rng = random.Random(f"{config.seed}:{step}:{group_index}")
     found = {}
     # one rank receives at most ep x the mean, and each token reaches at most top_k of the experts
-    top = min(config.spike_max, float(ep), config.model.num_experts / top_k)
+    top = min(config.spike_max, float(ep), routing_limit(config.model))
     for index in range(num_microbatches):
         if rng.random() < config.spike_rate:
             rate = rng.uniform(min(1.2, top), top)

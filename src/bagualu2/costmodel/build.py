@@ -233,14 +233,20 @@ def chunk_layers(model: ModelConfig, parallel: ParallelConfig, *, stage: int = 0
     return range(first, first + per_chunk)
 
 
+def routing_limit(model: ModelConfig) -> float:
+    """``num_experts / top_k``: the most of the mean routed load any expert-parallel degree lets one rank receive
+    (a token reaches at most ``top_k`` experts); infinite for a dense model."""
+    if not model.num_experts or not model.top_k:
+        return math.inf
+    return model.num_experts / model.top_k
+
+
 def imbalance_limit(model: ModelConfig, parallel: ParallelConfig) -> float:
     """The highest imbalance (max/mean routed load of an expert-parallel rank) any routing gives: a rank hosts
     ``num_experts / ep`` experts and a token sends it at most ``min(top_k, num_experts / ep)`` of its ``top_k``
     copies, so the busiest of ``ep`` ranks receives at most ``min(ep, num_experts / top_k)`` times the mean (a
     dense model: ``ep``)."""
-    if not model.num_experts or not model.top_k:
-        return float(parallel.ep)
-    return min(float(parallel.ep), model.num_experts / model.top_k)
+    return min(float(parallel.ep), routing_limit(model))
 
 
 def limit_text(limit: float) -> str:
@@ -255,9 +261,9 @@ def check_imbalance(imbalance: float, *, ep: int | None = None, model: ModelConf
     if ep is None:
         return require_number("imbalance", imbalance, 1)
     ep = require_int("ep", ep, 1)
-    if model is None or not model.num_experts or not model.top_k or model.num_experts / model.top_k >= ep:
+    limit = math.inf if model is None else routing_limit(model)
+    if limit >= ep:
         return require_number("imbalance", imbalance, 1, ep)
-    limit = model.num_experts / model.top_k
     try:
         return require_number("imbalance", imbalance, 1, limit)
     except ValueError:
