@@ -33,7 +33,10 @@ def prepare(config: TrainConfig, *, dry_run: bool = False) -> "Run":
         if not torch.cuda.is_available():
             raise ValueError("--device cuda needs a CUDA device; use --device cpu")
     tokenizer = load_tokenizer()
-    corpus = TokenCorpus.from_path(config.data, tokenizer) if config.data else TokenCorpus.bundled(tokenizer)
+    try:
+        corpus = TokenCorpus.from_path(config.data, tokenizer) if config.data else TokenCorpus.bundled(tokenizer)
+    except ValueError as error:  # the line names the flag that chose the data
+        raise ValueError(f"--data: {error}" if config.data else str(error)) from None
     if corpus.vocab_size > config.model.vocab_size:
         raise ValueError(f"the tokenizer's {corpus.vocab_size} tokens exceed the model's vocab_size "
                          f"{config.model.vocab_size}")

@@ -91,7 +91,7 @@ def _fail(message: str) -> NoReturn:
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, argparse.Namespace]:
     """The run's config: the recipe with the given flags applied (ValueError / SystemExit(2) on bad input)."""
-    parser = argparse.ArgumentParser(prog="python -m reference_trainer.train",
+    parser = argparse.ArgumentParser(prog="python -m reference_trainer.train", allow_abbrev=False,
                                      description="The distributed reference trainer (docs/trainer.md): GLM-MoE, PP x "
                                      "DP (EP carved from DP), per-micro-batch activation provisioning.")
     parser.add_argument("--recipe", default="glm_moe_debug", help=f"one of {', '.join(RECIPES)}")

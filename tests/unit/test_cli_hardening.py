@@ -429,3 +429,46 @@ def test_reproduce_lists_the_table_ii_presets_it_takes():
     result = CliRunner().invoke(app, ["reproduce", "-m", "tiny-moe", "-n", "10"])
     assert result.exit_code == 2 and "unknown Table II preset 'tiny-moe'; valid: glm-188b-a20b" in result.output
     assert "tiny" not in result.output.split("valid:")[1]
+
+
+def test_a_printed_plan_with_one_stages_ops_names_that_stage() -> None:
+    """``plan`` prints op-level entries of one stage; given to ``memory`` without ``--stage`` the line says which."""
+    printed = [line for line in run("plan").stdout.splitlines() if line.startswith("plan ")][0][5:]
+    result = run("memory", "-p", printed)
+    assert result.exit_code == 2
+    assert "name ops of stage 0 only" in one_line_error(result.stderr, "--plan") and "give --stage 0" in result.stderr
+    assert run("memory", "-p", printed, "-s", "0").exit_code == 0
+    assert "ops this model does not have (L99.qkv)" in one_line_error(
+        run("memory", "-p", "L99.qkv/out=RECOMPUTE", "-s", "0").stderr, "--plan")
+    spread = run("memory", "-p", "L0.qkv/out=RECOMPUTE,L31.qkv/out=RECOMPUTE")
+    assert "no single stage" in one_line_error(spread.stderr, "--plan")
+
+
+def test_a_rate_above_one_of_several_models_limits_names_that_model() -> None:
+    result = run("compare", "-m", "tiny-dense", "-m", "glm-188b-a20b", "-r", "2")
+    assert result.exit_code == 2 and "for tiny-dense: must be" in one_line_error(result.stderr, "--imbalance")
+
+
+@pytest.mark.parametrize("args, option, text", [
+    (["reproduce", "--restart-s", "-1"], "--restart-s", "must be a finite number in [0, 1e+09], got -1.0"),
+    (["reproduce", "-n", "9"], "--iterations", "must be an integer in [10, 10000000], got 9"),
+    (["budget", "--seed", "-1"], "--seed", "must be an integer in [0, 2**63), got -1"),
+    (["compare", "--budgets", "0"], "--budgets", "must be an integer in [1, 50], got 0"),
+])
+def test_a_config_fields_check_reads_as_the_options(tmp_path: Path, args, option, text) -> None:
+    """The option names the field once, and a bound is written as a person reads it (2**63, not 19 digits)."""
+    result = run(*args, *(["--docs", str(tmp_path)] if args[0] == "reproduce" else []))
+    assert result.exit_code == 2 and one_line_error(result.stderr, option) == f"error: {option}: {text}"
+
+
+def test_a_model_file_takes_whole_number_floats_as_a_hardware_file_does() -> None:
+    model, parallel = costmodel.presets.model("tiny-moe")
+    data = {"model": dataclasses.asdict(model), "parallel": dataclasses.asdict(parallel)}
+    data["model"]["hidden_size"] = float(model.hidden_size)
+    data["parallel"]["num_microbatches"] = 4e0
+    loaded = costmodel.presets.model_from_json(json.dumps(data))
+    assert loaded == (model, parallel.replace(num_microbatches=4))
+    assert type(loaded[0].hidden_size) is int
+    data["parallel"]["num_microbatches"] = 4.5
+    with pytest.raises(ValueError, match=r"num_microbatches must be an integer in \[1, 16384\], got 4.5"):
+        costmodel.presets.model_from_json(json.dumps(data))

@@ -47,6 +47,16 @@ def test_bad_launcher_options_are_one_line(args, option):
     assert result.exit_code == 2 and option in result.output and "Traceback" not in result.output
 
 
+def test_the_trainers_probe_flags_are_refused_where_they_would_launch_nothing():
+    """``--check`` is the dry run's probe (ranks launched with it would only refuse it); ``--world-size`` with
+    ``--dry-run`` prints a command that launches nothing."""
+    for args, option in [(["--dry-run", "--", "--check"], "--check"), (["--", "--check", "--steps", "1"], "--check"),
+                         (["--dry-run", "--", "--world-size"], "--world-size")]:
+        result = CliRunner().invoke(app, ["train", *args])
+        assert result.exit_code == 2 and result.stderr.startswith(f"error: {option}: "), result.output
+        assert len(result.stderr.strip().splitlines()) == 1
+
+
 @pytest.mark.launch
 def test_the_trainers_help_is_shown_once():
     result = subprocess.run([sys.executable, "-m", "bagualu2.cli", "train", "--nproc-per-node", "2", "--", "--help"],
@@ -74,7 +84,9 @@ def test_a_dry_run_checks_the_data_and_the_output_paths_and_writes_nothing(tmp_p
     (tmp_path / "short.txt").write_text("x")
     for flags, message in [(["--data", str(tmp_path / "none")], "no such file or directory"),
                            (["--data", str(tmp_path)], "fewer than one sequence"),
-                           (["--metrics-file", str(tmp_path / "no" / "m.jsonl")], "--metrics-file: metrics path")]:
+                           (["--metrics-file", str(tmp_path / "no" / "m.jsonl")], "--metrics-file: metrics path"),
+                           (["--nproc_per_node", "4"], "python -m reference_trainer.train --help the trainer's"),
+                           (["--world"], "unrecognized arguments: --world (")]:  # no abbreviation of a flag
         for launcher in ([], ["--nproc-per-node", "4"]):
             result = CliRunner().invoke(app, ["train", *launcher, "--dry-run", "--", *flags])
             assert result.exit_code == 2, (flags, result.output)
@@ -107,7 +119,7 @@ def test_under_torchrun_only_rank_0_reports_one_line():
     proc = subprocess.run([sys.executable, "-m", "bagualu2.cli", "train", "--nproc-per-node", "2", "--max-restarts",
                            "2", "--", "--lr", "inf"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == ["error: --lr must be a finite number in (0, 10000.0], got inf"]
+    assert proc.stderr.strip().splitlines() == ["error: --lr must be a finite number in (0, 10000], got inf"]
 
 
 def test_the_launcher_restarts_only_failures_a_restart_can_mend():

@@ -256,7 +256,7 @@ def test_the_trainer_refuses_bad_data_in_one_line_before_any_collective(tmp_path
         train.main(["--pp", "1", "--dp", "1", "--ep", "1", "--steps", "1", "--data", str(path)])
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(err) == 1
-    assert err[0].startswith(f"error: {path}: binary data")
+    assert err[0].startswith(f"error: --data: {path}: binary data")
 
 
 @pytest.mark.slow

@@ -34,7 +34,8 @@ app.command("curve")(curve_cmd.curve)
 app.command("compare")(compare_cmd.compare)
 app.command("simulate")(simulate_cmd.simulate_cmd)
 app.command("reproduce")(reproduce_cmd.reproduce_cmd)
-app.command("train", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(train_cmd.train)
+app.command("train", context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+            options_metavar="[OPTIONS] [-- TRAINER FLAGS]")(train_cmd.train)
 
 
 def _version(value: bool) -> None:

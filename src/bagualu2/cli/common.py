@@ -46,6 +46,9 @@ class CliError(Exception):
     """A user error to report as one line; ``option`` is the flag it concerns (or None)."""
 
     def __init__(self, message: str, option: str | None = None) -> None:
+        field = (option or "").lstrip("-").replace("-", "_")
+        if field and message.startswith(f"{field} must "):  # a config field's own check: the option names it
+            message = message[len(field) + 1:]
         super().__init__(message)
         self.option = option
 

@@ -21,8 +21,8 @@ from bagualu2.costmodel.validate import require_int
 from bagualu2.fusion import build_chains, dp, exact as exact_schedule
 from bagualu2.mitigation import exact, greedy
 
-from .common import (HARDWARE_HELP, blame, check_graph, console, echo_json, handle_errors, integer_option, json_help,
-                     load_hardware, load_model, parse_imbalance, parse_number, progress_bar)
+from .common import (HARDWARE_HELP, CliError, blame, check_graph, console, echo_json, handle_errors, integer_option,
+                     json_help, load_hardware, load_model, parse_imbalance, parse_number, progress_bar)
 
 DEFAULT_MODELS = ("glm-188b-a20b", "glm-1041b-a35b")
 DEFAULT_IMBALANCES = ("1.0", "2.0")
@@ -76,7 +76,10 @@ def _suite(models: list[str], imbalances: list[str] | None, hardware: Hardware
         name, model, parallel = load_model(value)
         texts = imbalances or [text for text in DEFAULT_IMBALANCES if float(text) <= imbalance_limit(model, parallel)]
         for text in texts:
-            rate = parse_imbalance(text, parallel, model=model)
+            try:
+                rate = parse_imbalance(text, parallel, model=model)
+            except CliError as error:  # several models: the line says which one the rate does not fit
+                raise CliError(f"for {name}: {error}" if len(models) > 1 else str(error), error.option) from None
             if (model, parallel, rate) not in seen:  # a model or rate given twice (-r 1 -r 1.0) is one point
                 seen.add((model, parallel, rate))
                 suite.append((name, model, parallel, rate))
@@ -85,7 +88,8 @@ def _suite(models: list[str], imbalances: list[str] | None, hardware: Hardware
 
 @handle_errors
 def compare(
-    model: Annotated[Optional[list[str]], typer.Option("--model", "-m", help="Model preset; repeatable; default: "
+    model: Annotated[Optional[list[str]], typer.Option("--model", "-m", help="Model preset or a model JSON file (*.json, as --model of "
+                     "plan); repeatable; default: "
                      + ", ".join(DEFAULT_MODELS) + ".")] = None,
     hardware: Annotated[str, typer.Option("--hardware", "-H", help=HARDWARE_HELP)] = "paper-gpu",
     imbalance: Annotated[Optional[list[str]], typer.Option("--imbalance", "-r", metavar="R", help="Imbalance "

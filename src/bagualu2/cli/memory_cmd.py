@@ -24,14 +24,34 @@ def stage_rows(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware,
     entry that names no op of the model (a kind of another model: it would silently change nothing)."""
     with blame("--plan"):
         kinds = {key for key, _ in plan.entries if "/" not in key}
-        if kinds:
-            present = {op.kind for s in range(parallel.pp) for c in range(parallel.vp)
-                       for op in build_graph(model, parallel, hardware, imbalance=imbalance, stage=s, chunk=c).ops}
+        named = {key.split("/", 1)[0] for key, _ in plan.entries if "/" in key}
+        if kinds or named:
+            ops = {s: [op for c in range(parallel.vp)
+                       for op in build_graph(model, parallel, hardware, imbalance=imbalance, stage=s, chunk=c).ops]
+                   for s in range(parallel.pp)}
+            present = {op.kind for stage_ops in ops.values() for op in stage_ops}
             if kinds - present:
                 raise ValueError(f"op kind(s) {', '.join(sorted(kinds - present))} name no op of this model "
                                  f"(its kinds: {', '.join(sorted(present))})")
+            _check_stage_entries(named, {s: {op.name for op in stage_ops} for s, stage_ops in ops.items()}, stages)
         return [(s, stage_memory(model, parallel, hardware, plan=plan, stage=s, imbalance=imbalance))
                 for s in stages]
+
+
+def _check_stage_entries(named: set[str], stage_ops: dict[int, set[str]], stages: list[int]) -> None:
+    """OP/TENSOR entries name ops of one stage: one line naming that stage when they are given for others."""
+    if not named or all(named <= stage_ops[s] for s in stages):
+        return
+    owners = sorted(s for s, names in stage_ops.items() if named <= names)
+    unknown = named - set().union(*stage_ops.values())
+    shown = ", ".join(sorted(unknown or named)[:4]) + (", ..." if len(unknown or named) > 4 else "")
+    if unknown:
+        raise CliError(f"its OP/TENSOR entries name ops this model does not have ({shown})", "--plan")
+    if owners:
+        raise CliError(f"its OP/TENSOR entries name ops of stage {owners[0]} only ({shown}): give --stage "
+                       f"{owners[0]}", "--plan")
+    raise CliError(f"its OP/TENSOR entries name ops of no single stage ({shown}); an op-kind entry "
+                   "(e.g. expert_act=RECOMPUTE) applies to every stage", "--plan")
 
 
 def stage_json(stage: int, mem: StageMemory) -> dict[str, Any]:

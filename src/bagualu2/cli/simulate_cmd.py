@@ -58,7 +58,8 @@ def simulate_cmd(
     model: Annotated[str, typer.Option("--model", "-m", help=MODEL_HELP)] = DEFAULT_MODEL,
     hardware: Annotated[str, typer.Option("--hardware", "-H", help=HARDWARE_HELP)] = "paper-gpu",
     iterations: Annotated[int, typer.Option("--iterations", "-n", parser=integer_option(),
-                                            help="Iterations of the paper trace (>= 1).")
+                                            help="Iterations of the paper trace, 1 to "
+                                            f"{MAX_ITERATIONS:,}.")
                           ] = DEFAULT_ITERATIONS,
     seed: Annotated[int, typer.Option(parser=integer_option(),
                                       help="Seed of the paper trace (an integer in [0, 2**63)).")] = 0,

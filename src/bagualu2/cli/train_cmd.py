@@ -63,6 +63,9 @@ def _world_size(trainer_args: list[str], nnodes: int, *, check: bool = False) ->
     proc = subprocess.run([sys.executable, "-m", TRAINER, *asked], capture_output=True, text=True)
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["the trainer rejected its flags"])[-1]
+        if "unrecognized arguments" in last:  # neither this command's option nor the trainer's
+            last += (" (bagualu2 train --help lists this command's options, python -m reference_trainer.train "
+                     "--help the trainer's)")
         typer.echo(last if last.startswith("error:") else f"error: {last}", err=True)
         raise typer.Exit(code=2)
     world = int(proc.stdout.strip().splitlines()[-1])
@@ -104,12 +107,17 @@ def train(
     as_json: Annotated[bool, typer.Option("--json", help="With --dry-run: {\"command\": [...]}; else passed to "
                                                           "the trainer (its one JSON line per run).")] = False,
 ) -> None:
-    """Launch the reference trainer under torchrun; unknown arguments go to the trainer
-    (``python -m reference_trainer.train --help`` lists them)."""
+    """Launch the reference trainer under torchrun; the arguments after -- (and any this command does not know)
+    go to the trainer: python -m reference_trainer.train --help lists them."""
     if node_rank >= nnodes:
         raise CliError(f"must be below --nnodes={nnodes}, got {node_rank}", "--node-rank")
     master_addr = rendezvous_host(master_addr)
     trainer_args = list(ctx.args)
+    if "--check" in trainer_args:  # the probe's own flag: ranks launched with it would only refuse it
+        raise CliError("is the trainer's dry-run probe; give bagualu2 train --dry-run instead", "--check")
+    if dry_run and "--world-size" in trainer_args:
+        raise CliError("prints the world size and exits, so there is no launch to check: give it without --dry-run",
+                       "--world-size")
     # the trainer's own answer, once (not once per rank): its help, or the ranks its flags need
     asked = (["--help"] if "--help" in trainer_args or "-h" in trainer_args else
              trainer_args if "--world-size" in trainer_args and not dry_run else None)

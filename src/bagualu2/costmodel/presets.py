@@ -161,6 +161,9 @@ def model_from_json(text: str) -> tuple[ModelConfig, ParallelConfig]:
                          and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
         if missing:
             raise ValueError(f"missing {cls.__name__} field(s): {', '.join(missing)}")
+        integral = {f.name for f in dataclasses.fields(cls) if f.type == "int"}
+        section = {name: int(value) if name in integral and isinstance(value, float) and value.is_integer() else value
+                   for name, value in section.items()}  # JSON may write 64 as 64.0 or 6.4e1, as a hardware file may
         try:
             configs.append(cls(**section))
         except TypeError as exc:  # never expected with the checks above: keep it one line

@@ -16,13 +16,20 @@ import tempfile
 from typing import Any
 
 
+def _bound(value) -> str:
+    """A range's bound as a person reads it: ``2**63`` rather than its 19 digits, ``1e+09`` for ``1000000000.0``."""
+    if isinstance(value, int) and value >= 1 << 20 and value & (value - 1) == 0:
+        return f"2**{value.bit_length() - 1}"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
 def _range_text(low, high, low_open: bool, high_open: bool) -> str:
     if low is not None and high is not None:
-        return f" in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        return f" in {'(' if low_open else '['}{_bound(low)}, {_bound(high)}{')' if high_open else ']'}"
     if low is not None:
-        return f" {'>' if low_open else '>='} {low}"
+        return f" {'>' if low_open else '>='} {_bound(low)}"
     if high is not None:
-        return f" {'<' if high_open else '<='} {high}"
+        return f" {'<' if high_open else '<='} {_bound(high)}"
     return ""
 
 
