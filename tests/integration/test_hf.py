@@ -154,6 +154,62 @@ def test_a_model_under_transformers_activation_checkpointing_is_refused():
         inner.trace_graph(input_ids=ids, hardware=HW, loss=lambda out: out.logits.sum())
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek_v3"])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_instrumented_model_computes_as_transformers_grouped_mm_does(family, autocast):
+    """Against transformers' own experts implementation, bitwise: also under bf16 autocast with fp32 weights, where
+    ``grouped_mm`` (not autocast-enabled) multiplies in the weight's dtype."""
+    model, ids = tiny(family)
+
+    def step(instrumented=None):
+        torch.manual_seed(0)
+        model.zero_grad(set_to_none=True)
+        executor = apply_plan(instrumented, None) if instrumented is not None else None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            if executor is None:
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            else:
+                with executor.micro_batch("mb"):
+                    loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if executor is not None:
+            executor.release("mb")
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    loss0, grads0 = step()
+    instrumented = hf.instrument(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        instrumented.trace_graph(input_ids=ids, labels=ids, hardware=HW, loss=lambda out: out.loss)
+    loss, grads = step(instrumented)
+    instrumented.remove()
+    assert torch.equal(loss, loss0) and len(grads) == len(grads0)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads0))
+
+
+def test_a_loss_of_its_own_traced_with_the_model_keeps_the_predicted_bytes():
+    """A z-loss computed on the logits inside the micro-batch saves tensors of its own: traced with ``loss=``, they
+    are in the graph (outside every op), so the micro-batch keeps exactly the prediction and does not warn."""
+    model, ids = tiny("mixtral")
+
+    def z_loss(out):
+        logits = out.logits.float()
+        cross_entropy = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        return cross_entropy + 1e-2 * logits.logsumexp(-1).pow(2).mean()
+
+    instrumented = hf.instrument(model)
+    graph = instrumented.trace_graph(input_ids=ids, hardware=HW, loss=z_loss)
+    plan = greedy.solve(graph, graph.floor_bytes).plan
+    executor = apply_plan(instrumented, plan, verify=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with executor.micro_batch("mb") as record:
+            loss = z_loss(model(input_ids=ids))
+    loss.backward()
+    executor.release("mb")
+    instrumented.remove()
+    assert record.device_bytes == evaluate(graph, plan).activation_bytes
+
+
 def test_remove_puts_the_model_back_and_a_refused_instrument_changes_nothing():
     model, ids = tiny("qwen3_moe")
     experts = model.model.layers[0].mlp.experts

@@ -302,8 +302,9 @@ class InstrumentedModel:
         if 2 * len(misses) > record.slot_fixed:
             name, now, traced = misses[0]
             raise ValueError(f"micro-batch {record.name!r}: {len(misses)} of {record.slot_fixed} savings have other "
-                             f"sizes than traced (e.g. {name}: {now} bytes, traced {traced}): the input's shape "
-                             "changed since trace_graph; trace at the shape the model runs and make a new executor")
+                             f"sizes than traced (e.g. {name}: {now} bytes, traced {traced}): the input's shape, "
+                             "or its path through the model (an attention mask of another layout), changed since "
+                             "trace_graph; trace with a batch like the ones the model runs and make a new executor")
         untraced = {op: nbytes for op, nbytes in record.unknown_ops.items() if op is not None}
         if untraced and not self._warned_untraced:  # savings of an op that met none of its traced slots: said once
             self._warned_untraced = True

@@ -280,8 +280,8 @@ def autocast_of_forward() -> tuple:
 
 def run_trace(model: torch.nn.Module, recorder: TraceRecorder, args: tuple, kwargs: dict,
               loss: Callable[[Any], torch.Tensor] | None) -> None:
-    """``model(*args, **kwargs)`` under the recorder's pack hook and the counter, then backward (gradients are
-    computed, not accumulated into ``.grad``)."""
+    """``model(*args, **kwargs)`` under the recorder's pack hook and the counter, ``loss(output)`` under the hook,
+    then backward (gradients are computed, not accumulated into ``.grad``)."""
     if loss is not None and not callable(loss):
         raise ValueError(f"trace_graph: loss must be a callable (output -> scalar tensor), got {type(loss).__name__}")
     if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
@@ -290,8 +290,9 @@ def run_trace(model: torch.nn.Module, recorder: TraceRecorder, args: tuple, kwar
     with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
         with _Counter():
             output = model(*args, **kwargs)
+        # the loss the training computes inside its micro-batch: what it saves is kept there too (outside every op)
+        value = loss(output) if loss is not None else None
     if loss is not None:
-        value = loss(output)
         if not (isinstance(value, torch.Tensor) and value.numel() == 1 and value.requires_grad):
             raise ValueError("trace_graph: loss(output) must be a one-element tensor that needs grad, got "
                              + (f"a tensor of shape {tuple(value.shape)} (requires_grad={value.requires_grad})"

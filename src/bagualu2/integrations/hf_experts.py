@@ -11,6 +11,7 @@ so the exec layer's hooks see them as ops and plan their saved tensors one by on
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any, Callable
 
@@ -54,13 +55,20 @@ def _grouped(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, c
              transposed: bool) -> torch.Tensor:
     """Each expert's rows of ``x`` times its weight (``[E, out, in]``, or ``[E, in, out]`` transposed). An expert
     that received no rows runs on its empty rows too: every call then saves the same tensors in the same order
-    whatever the routing, so a plan traced on one batch names the savings of any other batch of its shape."""
+    whatever the routing, so a plan traced on one batch names the savings of any other batch of its shape.
+
+    As transformers' ``grouped_mm`` (not autocast-enabled), the GEMMs run in the weight's dtype on the rows cast to
+    it, also under ``torch.autocast``: fp32 weights under bf16 autocast multiply in fp32 there, and here."""
     weight, bias = _local(weight), _local(bias)
     outputs = []
-    for expert, rows in enumerate(torch.split(x, counts)):
-        w = weight[expert]
-        y = rows @ w if transposed else torch.nn.functional.linear(rows, w)
-        outputs.append(y if bias is None else y + bias[expert])
+    device = x.device.type
+    autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+    off = torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext()
+    with off:
+        for expert, rows in enumerate(torch.split(x.to(weight.dtype), counts)):
+            w = weight[expert]
+            y = rows @ w if transposed else torch.nn.functional.linear(rows, w)
+            outputs.append(y if bias is None else y + bias[expert])
     return torch.cat(outputs)
 
 
