@@ -2,7 +2,7 @@
 names, so an architecture-only model needs no ``run_op`` calls.
 
     instrumented = instrument(model, {"layers.*.attn_norm": "norm1", "layers.*.attn.wq": "qkv", ...})
-    graph = instrumented.trace_graph(sample, hardware=presets.hardware("cpu"))   # an ordinary OpGraph
+    graph = instrumented.trace_graph(sample, hardware=presets.hardware("cpu"), loss=loss_fn)  # an OpGraph
     executor = apply_plan(instrumented, greedy.solve(graph, budget).plan)
     with executor.micro_batch("mb0") as record:
         loss = loss_fn(model(sample))
@@ -226,8 +226,8 @@ class InstrumentedModel:
     def trace_graph(self, *args, hardware: Hardware, timed: bool = False,
                     loss: Callable[[Any], torch.Tensor] | None = None, **kwargs) -> OpGraph:
         """One forward + backward of ``model(*args, **kwargs)`` recorded into an :class:`OpGraph`
-        (:mod:`bagualu2.exec.trace`); ``loss(output)`` (default: the sum of the outputs) drives the backward;
-        ``timed``: Δt measured instead of the roofline of ``hardware``. Also kept as :attr:`trace`."""
+        (:mod:`bagualu2.exec.trace`); ``loss(output)`` (default: the sum of the outputs) drives the backward, and
+        what it saves is traced outside every op (give the loss each micro-batch computes in its block); ``timed``: Δt measured instead of the roofline of ``hardware``. Also kept as :attr:`trace`."""
         if not isinstance(timed, bool):
             raise ValueError(f"timed must be True or False, got {timed!r}")
         if self.removed:
