@@ -123,8 +123,10 @@ def _converter(*, ep: int = 1, tp: int = 1, report_path: str = "", schedule: str
                           parallelism=SimpleNamespace(pipeline_parallel_schedule=schedule,
                                                       pipeline_parallel_schedule_csv=csv,
                                                       pipeline_parallel_microbatch_size=microbatch_size),
-                          training=SimpleNamespace(local_batch_size=4))
-    dims = SimpleNamespace(tp_enabled=tp > 1, cp_enabled=False, ep_enabled=ep > 1, ep=ep, pp_enabled=True)
+                          training=SimpleNamespace(local_batch_size=4),
+                          model=SimpleNamespace(name="llama3", flavor="debugmodel"))
+    dims = SimpleNamespace(tp_enabled=tp > 1, cp_enabled=False, ep_enabled=ep > 1, ep=ep, tp=tp, cp=1,
+                           pp_enabled=True)
     return Bagualu2Converter(job, dims)
 
 
@@ -146,7 +148,18 @@ def test_expert_parallelism_needs_the_grouped_gemm_experts():
 def test_tensor_parallelism_is_refused_in_one_line():
     with pytest.raises(ValueError) as excinfo:
         _converter(tp=2)
-    assert "tensor_parallel_degree and context_parallel_degree must be 1" in one_line(excinfo)
+    assert one_line(excinfo).startswith("parallelism.tensor_parallel_degree and "
+                                        "parallelism.context_parallel_degree must be 1")
+    assert one_line(excinfo).endswith("got 2 and 1")
+
+
+def test_a_model_without_moe_layers_names_the_model_and_what_runs():
+    part = nn.Module()
+    part.layers = nn.ModuleDict({"0": _Block(moe=False)})
+    with pytest.raises(ValueError) as excinfo:
+        _converter().convert(part)
+    assert one_line(excinfo).startswith("model.name / model.flavor llama3 / debugmodel: Module has no MoE layer")
+    assert "runs the MoE flavors of deepseek_v3, qwen3, llama4, gpt_oss" in one_line(excinfo)
 
 
 def test_report_paths_every_rank_can_write_are_checked_before_training(tmp_path, monkeypatch):
@@ -161,7 +174,7 @@ def test_report_paths_every_rank_can_write_are_checked_before_training(tmp_path,
     (tmp_path / "r0.json").mkdir()
     with pytest.raises(ValueError) as excinfo:
         _converter(report_path=str(tmp_path / "r{rank}.json"))
-    assert "exists and is not a regular file" in one_line(excinfo)
+    assert "exists and is a directory" in one_line(excinfo)
     _converter(report_path=str(tmp_path / "new" / "r{rank}.json"))  # a folder that can be made is fine
     assert (tmp_path / "new").is_dir()
     _converter(schedule="1f1b")  # torch matches schedule names in any case
@@ -175,7 +188,7 @@ def test_a_report_never_replaces_a_link_and_is_written_with_the_umask(tmp_path):
     (tmp_path / "link.jsonl").symlink_to(target)
     with pytest.raises(ValueError) as excinfo:
         write_report(str(tmp_path / "link.jsonl"), 0, 1, [], fresh=True)
-    assert "exists and is not a regular file" in one_line(excinfo) and target.read_text() == "{}"
+    assert "exists and is a symlink" in one_line(excinfo) and target.read_text() == "{}"
     report = tmp_path / "r.jsonl"
     report.write_text("an earlier run's report\n")
     write_report(str(report), 0, 1, [{"forward": 0}], fresh=True)  # the run's first step replaces it
@@ -241,3 +254,42 @@ def test_a_bagualu2_section_from_elsewhere_is_checked_field_by_field(tmp_path):
         with pytest.raises(ValueError) as excinfo:
             read_report(path)
         assert message in one_line(excinfo)
+
+
+def test_a_report_path_is_checked_as_the_system_sees_it(tmp_path, monkeypatch):
+    """A read-only report is not replaced, the system's own reason is named, ``~`` is the home folder, a name of
+    blanks names no file; a rewritten report keeps its mode."""
+    from bagualu2.integrations.torchtitan_stage import check_report_path, report_file, write_report
+
+    monkeypatch.setenv("RANK", "0")
+    read_only = tmp_path / "ro.jsonl"
+    read_only.write_text("")
+    read_only.chmod(0o444)
+    with pytest.raises(ValueError) as excinfo:
+        check_report_path(str(read_only), 1)
+    assert one_line(excinfo).endswith("is read-only (not replaced)")
+    with pytest.raises(ValueError) as excinfo:
+        check_report_path(str(tmp_path / ("x" * 300 + ".jsonl")), 1)
+    assert one_line(excinfo).endswith("File name too long")
+    with pytest.raises(ValueError, match="must name a file"):
+        check_report_path(str(tmp_path / "   "), 1)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert report_file("~/r{rank}.jsonl", 0) == str(tmp_path / "r0.jsonl")
+    private = tmp_path / "private.jsonl"
+    private.write_text("")
+    private.chmod(0o600)
+    write_report(str(private), 0, 1, [], fresh=True)
+    assert private.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_resumed_report_keeps_only_its_own_stages_earlier_steps(tmp_path):
+    """A launch of another layout left stage 1's lines in this rank's file: the resumed stage 0 keeps its own."""
+    import json
+
+    from bagualu2.integrations.torchtitan_stage import read_report, write_report
+
+    report = tmp_path / "r.jsonl"
+    report.write_text("".join(json.dumps({"stage": stage, "step": step, "rows": []}) + "\n"
+                              for stage, step in [(1, 1), (1, 2), (0, 1), (0, 2), (0, 3)]))
+    write_report(str(report), 0, 3, [{"forward": 0}], fresh=True)
+    assert read_report(report) == {"stage": 0, "steps": [[], [], [{"forward": 0}]], "step_numbers": [1, 2, 3]}

@@ -92,8 +92,9 @@ class Bagualu2Converter:
                              "bagualu2 converter: a compiled block hides the modules its plans name (compile the "
                              "loss only, or turn compile off)")
         if parallel_dims.tp_enabled or parallel_dims.cp_enabled:
-            raise ValueError("the bagualu2 converter supports pipeline, data and expert parallelism; "
-                             "tensor_parallel_degree and context_parallel_degree must be 1")
+            raise ValueError("parallelism.tensor_parallel_degree and parallelism.context_parallel_degree must be 1 "
+                             "with the bagualu2 converter (it supports pipeline, data and expert parallelism), got "
+                             f"{getattr(parallel_dims, 'tp', '?')} and {getattr(parallel_dims, 'cp', '?')}")
         self.expert_parallel_degree = parallel_dims.ep if parallel_dims.ep_enabled else 1
         backend = getattr(parallelism, "expert_parallel_comm_backend", "standard")
         if self.expert_parallel_degree > 1 and backend != "standard":
@@ -115,6 +116,8 @@ class Bagualu2Converter:
             name = "parallelism.pipeline_parallel_microbatch_size" if pipelined else "training.local_batch_size"
             raise ValueError(f"{name} must be an integer >= 1, got {size!r}")
         self.schedule = ScheduleInfo(pipelined=pipelined, num_microbatches=max(local // size, 1))
+        model_config = getattr(job_config, "model", None)
+        self.model_name = f"{getattr(model_config, 'name', '?')} / {getattr(model_config, 'flavor', '?')}"
         self.provisioners: dict[int, object] = {}
         self.unplanned: set[int] = set()  # pipeline stages without a transformer layer: they run unplanned
         self.step = 0
@@ -126,7 +129,9 @@ class Bagualu2Converter:
     def convert(self, model: torch.nn.Module) -> None:
         labels = op_map(model)
         if "router" not in labels.values():  # one ValueError now for a model this converter cannot instrument
-            raise ValueError(f"{type(model).__name__} has no MoE layer (a module with a router and experts)")
+            raise ValueError(f"model.name / model.flavor {self.model_name}: {type(model).__name__} has no MoE layer "
+                             f"(a module with a router and experts); the bagualu2 converter runs the MoE flavors of "
+                             f"{', '.join(MODELS)}")
         if self.expert_parallel_degree > 1 and not all(getattr(model.get_submodule(path), "use_grouped_mm", False)
                                                        for path, label in labels.items() if label == "dispatch"):
             # the per-expert loop saves one tensor per expert, whose rows the gate cannot know before the dispatch
@@ -205,6 +210,10 @@ class Bagualu2Converter:
     def post_optimizer_hook(self, model_parts) -> None:
         # the optimizer's count is read at the launch's first step only (one read per parameter, a device sync
         # each where the steps live on the device); then the steps are counted here
+        if not self._counted and self.config.report_path and self.provisioners and self.metrics is None:
+            _warn("bagualu2: this model's train spec hands bagualu2 no optimizer (only those of "
+                  f"{', '.join(MODELS)} do), so steps are counted from this launch's first: a resumed run's "
+                  "report_path starts again at step 1")
         self.step = self.step + 1 if self._counted else max(self._steps_taken(), self.step + 1)
         self._counted = True
         for provisioner in self.provisioners.values():
@@ -256,8 +265,12 @@ def _register() -> None:
 
     for name in MODELS:  # a spec registered from outside takes precedence over torchtitan's own of that name
         spec = get_train_spec(name)
-        register_train_spec(name, dataclasses.replace(
-            spec, build_metrics_processor_fn=_metrics_builder(spec.build_metrics_processor_fn)))
+        try:
+            register_train_spec(name, dataclasses.replace(
+                spec, build_metrics_processor_fn=_metrics_builder(spec.build_metrics_processor_fn)))
+        except ValueError:  # one registered from outside before this import: it stays as it is
+            _warn(f"bagualu2: the train spec {name!r} was registered before bagualu2.integrations.torchtitan was "
+                  "imported: its metrics loggers get no bagualu2 memory metrics (the log and report_path do)")
 
 
 _register()

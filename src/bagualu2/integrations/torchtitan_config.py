@@ -29,7 +29,8 @@ class Bagualu2Config:
       quantize        plans may store activations in FP8 (``false``: exact plans only, KEEP / OFFLOAD /
                       RECOMPUTE, whose gradients equal the plain run's bit for bit).
       report_path     a JSON-lines file, one line appended after every step with each micro-batch's budget,
-                      plan and bytes ("": none); ``{rank}`` in it is replaced by the rank.
+                      plan and bytes ("": none); ``~`` is the home folder, ``{rank}`` is replaced by the rank
+                      and ``{stage}`` by the pipeline stage.
     """
 
     policy: str = "flexible"

@@ -30,6 +30,7 @@ import dataclasses
 import inspect
 import json
 import os
+import stat
 import tempfile
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -146,8 +147,9 @@ class StageProvisioner:
         most = float(expert_parallel_degree) if routed else 1.0
         self.floor_bytes = floor = self.engine.graph(0, most).floor_bytes if routed else self.graph.floor_bytes
         if cap is not None and cap < self.in_flight * floor:
-            raise ValueError(f"bagualu2.memory_cap_mib={config.memory_cap_mib} is below what pipeline stage "
-                             f"{stage_index} needs: {self.in_flight} micro-batch(es) in flight x {floor} bytes each "
+            where = f"pipeline stage {stage_index}" if num_stages > 1 else "the model (no pipeline)"
+            raise ValueError(f"bagualu2.memory_cap_mib={config.memory_cap_mib} is below what {where} "
+                             f"needs: {self.in_flight} micro-batch(es) in flight x {floor} bytes each "
                              f"at least (full recompute, whatever the routing) = "
                              f"{self.in_flight * floor / 2**20:.4f} MiB")
         policy = config.policy if cap is not None else "off"
@@ -313,8 +315,8 @@ def _log(stage: int, step: int, rows: list[dict]) -> None:
 
 
 def report_file(pattern: str, stage: int) -> str:
-    """This rank's report path for ``stage`` (``{rank}`` and ``{stage}`` replaced)."""
-    return pattern.replace("{rank}", os.environ.get("RANK", "0")).replace("{stage}", str(stage))
+    """This rank's report path for ``stage`` (``~`` expanded, ``{rank}`` and ``{stage}`` replaced)."""
+    return os.path.expanduser(pattern).replace("{rank}", os.environ.get("RANK", "0")).replace("{stage}", str(stage))
 
 
 def check_report_path(pattern: str, world_size: int) -> None:
@@ -328,11 +330,13 @@ def check_report_path(pattern: str, world_size: int) -> None:
         raise ValueError(f"bagualu2.report_path must contain {{rank}} when {world_size} ranks run (each writes its "
                          f"own report), got {pattern!r}")
     path = report_file(pattern, 0)
-    if pattern.endswith(("/", os.sep)) or os.path.basename(path) in ("", ".", ".."):
+    if pattern.endswith(("/", os.sep)) or os.path.basename(path).strip() in ("", ".", ".."):
         raise ValueError(f"bagualu2.report_path must name a file, got {pattern!r}")
     _refuse_non_file(path)
+    if os.path.isfile(path) and not _mode(path) & 0o222:  # root may write it; no one is meant to
+        raise ValueError(f"bagualu2.report_path {path!r} is read-only (not replaced)")
     directory = os.path.dirname(os.path.abspath(path))
-    ranked = pattern.replace("{rank}", os.environ.get("RANK", "0"))
+    ranked = os.path.expanduser(pattern).replace("{rank}", os.environ.get("RANK", "0"))
     if "{stage}" in os.path.dirname(ranked):  # one folder per stage: check the folder above the first of them
         directory = os.path.abspath(ranked[:ranked.index("{stage}")].rpartition(os.sep)[0] or ".")
     try:
@@ -345,8 +349,8 @@ def check_report_path(pattern: str, world_size: int) -> None:
 def _refuse_non_file(path: str) -> None:
     try:
         refuse_non_file(path)
-    except OSError:
-        raise ValueError(f"bagualu2.report_path {path!r} exists and is not a regular file") from None
+    except OSError as exc:  # not a regular file, or a name the system refuses (too long, a loop of links)
+        raise ValueError(f"bagualu2.report_path {path!r}: {exc.strerror or exc}") from None
 
 
 def write_report(pattern: str, stage: int, step: int, rows: list[dict], *, fresh: bool) -> bool:
@@ -357,7 +361,7 @@ def write_report(pattern: str, stage: int, step: int, rows: list[dict], *, fresh
     _refuse_non_file(path)
     line = json.dumps({"stage": stage, "step": step, "rows": rows}) + "\n"
     if fresh and step > 1 and os.path.isfile(path):
-        line = "".join(_lines_before(path, step)) + line
+        line = "".join(_lines_before(path, stage, step)) + line
     directory = os.path.dirname(os.path.abspath(path))
     temporary = None
     try:
@@ -368,8 +372,11 @@ def write_report(pattern: str, stage: int, step: int, rows: list[dict], *, fresh
         os.makedirs(directory, exist_ok=True)
         handle, temporary = tempfile.mkstemp(dir=directory, prefix=".bagualu2-report-")
         with os.fdopen(handle, "w") as out:
-            os.fchmod(out.fileno(), 0o666 & ~UMASK)  # as a file opened for writing would be
+            os.fchmod(out.fileno(), _mode(path))
             out.write(line)
+            out.flush()
+            os.fsync(out.fileno())
+        _refuse_non_file(path)  # made meanwhile? leave it alone
         os.replace(temporary, path)
         return True
     except BaseException as exc:
@@ -381,14 +388,16 @@ def write_report(pattern: str, stage: int, step: int, rows: list[dict], *, fresh
         raise
 
 
-def _lines_before(path: str, step: int) -> list[str]:
-    """The lines of the report file ``path`` of the steps before ``step`` (an unreadable line is dropped)."""
+def _lines_before(path: str, stage: int, step: int) -> list[str]:
+    """The lines of the report file ``path`` of ``stage``'s steps before ``step`` (an unreadable line, or one of
+    another stage, which an earlier launch of another layout wrote, is dropped)."""
     kept = []
     with open(path, encoding="utf-8", errors="replace") as handle:
         for line in handle:
             with contextlib.suppress(ValueError, TypeError, AttributeError, RecursionError):
-                number = json.loads(line).get("step")
-                if type(number) is int and number < step:
+                entry = json.loads(line)
+                number = entry.get("step")
+                if type(number) is int and number < step and entry.get("stage") == stage:
                     kept.append(line if line.endswith("\n") else line + "\n")
     return kept
 
@@ -426,7 +435,17 @@ def _umask() -> int:
     return mask
 
 
-UMASK = _umask()  # the process's umask: a report's mode follows it, as a file opened for writing would
+UMASK = _umask()  # the process's umask: a new report's mode follows it, as a file opened for writing would
+
+
+def _mode(path: str) -> int:
+    """The permission bits a report written in place of ``path`` gets: an earlier report's (a rewrite never widens
+    them), else what the umask gives a new file (read once at import: no umask call while threads run)."""
+    with contextlib.suppress(OSError):
+        found = os.stat(path)
+        if stat.S_ISREG(found.st_mode):
+            return stat.S_IMODE(found.st_mode)
+    return 0o666 & ~UMASK
 
 
 __all__ = ["ACTIVE_FORWARD", "ScheduleInfo", "StageProvisioner", "check_report_path", "read_report", "report_file",
