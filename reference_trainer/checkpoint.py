@@ -345,7 +345,8 @@ def step_dirs(directory: str | os.PathLike[str]) -> list[str]:
 
 
 def find_latest(directory: str | os.PathLike[str]) -> tuple[Path, int] | None:
-    """The newest complete, verified checkpoint in ``directory`` as ``(path, step)``, or None.
+    """The newest complete, verified checkpoint in ``directory`` as ``(path, step)``, or None (no ``step-*``
+    checkpoint there); ``CheckpointError`` when there are some and none verifies.
 
     Rank 0 verifies (every file of the manifest with its size and sha256) and broadcasts its choice; it prints
     one ``warning: checkpoint ... refused: <reason>; using ...`` line per skipped ``step-*`` or ``.tmp-*`` dir.
@@ -371,6 +372,11 @@ def find_latest(directory: str | os.PathLike[str]) -> tuple[Path, int] | None:
         for path, reason in refused:
             print(f"warning: checkpoint {path} refused: {reason}; using {chosen[0] if chosen else 'none'}",
                   file=sys.stderr, flush=True)
+        failed = [path.name for path, _ in refused if _STEP_DIR.fullmatch(path.name)]
+        if chosen is None and failed:  # starting over would retrain and overwrite them: the operator decides
+            raise CheckpointError(f"every checkpoint in {root} failed verification ({', '.join(failed[:3])}"
+                                  f"{', ...' if len(failed) > 3 else ''}; the warnings above say why): none can be "
+                                  "resumed; move them away to start from step 0, or give another --checkpoint-dir")
         return chosen
 
     found = _on_rank0(scan)

@@ -70,10 +70,43 @@ def _run_id() -> str:
 def write_refusal(directory: str | None, message: str) -> None:
     """A launch refused to start (another run's checkpoints in its directory): torchrun's restarts of it refuse
     alike, where what they find differs (a restart resumes from what is there). Tagged with torchrun's run id, so
-    that no other job's restart reads it."""
-    if directory is not None:
+    that no other job's restart reads it; without a run id of its own (``none``: torchrun's default without
+    ``--standalone`` or ``--rdzv-id``) nothing is written, since another launch's restart would read it as its
+    own."""
+    if directory is not None and _run_id() not in ("", "none"):
         Path(directory).mkdir(parents=True, exist_ok=True)
         _write_json(Path(directory) / REFUSED, {"time": time.time(), "message": message, "run_id": _run_id()})
+
+
+LOCK = ".bagualu2.lock"
+
+
+def lock_directory(directory: str) -> tuple[Any, str | None]:
+    """An exclusive lock on the checkpoint ``directory`` for this process's life (the system releases it when the
+    process ends, killed included, so torchrun's restarts of the launch take it again): ``(open lock file, None)``,
+    or ``(None, why)`` when another live process holds it (or the lock file cannot be made)."""
+    import fcntl
+
+    path = Path(directory) / LOCK
+    try:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        if path.is_symlink() or (path.exists() and not path.is_file()):
+            return None, f"{path} exists and is not a regular file"
+        handle = open(path, "a+")
+    except OSError as exc:
+        return None, f"cannot make its lock file {path} ({exc.strerror or exc})"
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = " ".join(handle.read(200).split()) or "another process"
+        handle.close()
+        return None, f"it is in use by a launch that is still running ({holder})"
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {os.uname().nodename}, torchrun run id {_run_id() or 'none'}\n")
+    handle.flush()
+    return handle, None
 
 
 def read_refusal(directory: str | None) -> str | None:

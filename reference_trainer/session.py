@@ -23,7 +23,7 @@ from .parallel import build_groups, is_expert_parameter, reduce_gradients
 from .policies import OOM_EXIT_CODE, fallback, fixed_plans
 from .provision import Provisioner
 from .resilience import NONFINITE_EXIT_CODE, Guard
-from .restarts import RunState, read_refusal, state_directory, write_refusal
+from .restarts import RunState, lock_directory, read_refusal, state_directory, write_refusal
 from .routing import record_routing, routing_stats
 from .watchdog import find_cause
 from bagualu2.exec import ActivationOutOfMemoryError
@@ -121,18 +121,28 @@ class Session:
         self.start_step = 0
 
     def _refuse_another_runs_directory(self, state_dir: str | None) -> None:
-        """A launch without ``--resume`` into a checkpoint directory that holds checkpoints is refused (its
+        """A checkpoint directory another launch is running in (its rank 0 holds the directory's lock) is refused:
+        the two would resume from and delete each other's checkpoints; rank 0 keeps the lock for the life of its
+        process. So is a launch without ``--resume`` into a checkpoint directory that holds checkpoints (its
         restart would resume from the newest there, another run's, and retention would delete its own), and so
         are torchrun's restarts of it (rank 0 reads and tells every rank)."""
         config, groups = self.config, self.groups
-        message = None
-        if self.restarts > 0:
+        box: list[str | None] = [None]
+        self._lock = None  # rank 0's open lock file: the lock lasts as long as this process
+        if groups.rank == 0 and config.checkpoint_dir:
+            self._lock, busy = lock_directory(config.checkpoint_dir)
+            if busy is not None:
+                box[0] = f"--checkpoint-dir {config.checkpoint_dir}: {busy}; give another directory"
+        if dist.is_initialized():
+            dist.broadcast_object_list(box, src=0)
+        message = box[0]
+        if message is None and self.restarts > 0:
             box = [read_refusal(state_dir) if groups.rank == 0 else None]
             if dist.is_initialized():
                 dist.broadcast_object_list(box, src=0)
             message = box[0]
-        elif not config.resume and config.checkpoint_dir:
-            earlier = checkpoint.step_dirs(config.checkpoint_dir)
+        elif message is None and not config.resume and config.checkpoint_dir:
+            earlier = checkpoint.step_dirs(config.checkpoint_dir)  # a collective: every rank sees rank 0's list
             if earlier:
                 message = (f"--checkpoint-dir {config.checkpoint_dir} holds the checkpoints of an earlier run "
                            f"({', '.join(earlier[-2:])}); continue that run with --resume, or give an empty "

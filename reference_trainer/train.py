@@ -19,6 +19,22 @@ import time
 import traceback
 from typing import Any, NoReturn, Sequence
 
+
+def _quiet_interrupt(kind, value, tb) -> None:
+    """Ctrl-C (or the launcher's SIGINT) while the trainer starts (its imports, the flags' agreement): the launcher
+    reports the stop in one line, so the interrupted rank prints no traceback (it still exits by SIGINT)."""
+    if not issubclass(kind, KeyboardInterrupt):
+        sys.__excepthook__(kind, value, tb)
+
+
+def _quiet_unraisable(info) -> None:
+    if not issubclass(info.exc_type, KeyboardInterrupt):  # "Exception ignored in ..." of an interrupted import
+        sys.__unraisablehook__(info)
+
+
+if __name__ == "__main__":  # before the imports below, which take seconds (torch)
+    sys.excepthook, sys.unraisablehook = _quiet_interrupt, _quiet_unraisable
+
 from . import startup
 from .policies import POLICIES
 from .recipes import NONFINITE, RECIPES, SCHEDULES, TrainConfig, parse_bytes, recipe

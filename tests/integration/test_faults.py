@@ -176,7 +176,8 @@ def test_checkpoint_write_failures_are_one_warning_and_the_previous_checkpoint_i
     assert f"{ckpt / 'step-00000002'} not written: No space left on device (ENOSPC)" in warnings[0]
     assert f"{ckpt / 'step-00000003'} not written: Permission denied (EACCES)" in warnings[1]
     assert all("training continues" in line for line in warnings)
-    assert sorted(p.name for p in ckpt.iterdir()) == ["run_state.json", "step-00000001", "step-00000004"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [".bagualu2.lock", "run_state.json", "step-00000001",
+                                                      "step-00000004"]
     assert records(metrics)[-1]["checkpoint_failures"] == 2
 
 

@@ -116,7 +116,10 @@ def test_missing_file_and_truncation_are_refused(tmp_path, capsys):
     assert find_latest(tmp_path) == (first, 1)
     shard = next(p for p in first.iterdir() if p.suffix == ".distcp")
     shard.write_bytes(shard.read_bytes()[:-1])
-    assert find_latest(tmp_path) is None
+    with pytest.raises(CheckpointError) as refused:  # none verifies: starting over would overwrite them
+        find_latest(tmp_path)
+    assert str(refused.value).startswith(f"every checkpoint in {tmp_path} failed verification (step-00000002, "
+                                         "step-00000001; the warnings above say why): none can be resumed")
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert err[0] == f"warning: checkpoint {second} refused: file .metadata: missing; using {first}"
     assert f"warning: checkpoint {first} refused: file {shard.name}: size" in err[-1] and err[-1].endswith("none")

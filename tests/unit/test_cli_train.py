@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -183,6 +184,64 @@ def test_a_stopped_launch_stops_its_workers(tmp_path):
     time.sleep(1)
     left = subprocess.run(["pgrep", "-f", str(metrics)], capture_output=True, text=True).stdout.split()
     assert not left, left
+
+
+@pytest.mark.launch
+@pytest.mark.slow
+def test_a_running_launchs_checkpoints_are_its_own_and_a_killed_launcher_leaves_no_worker(tmp_path):
+    """A second launch into the checkpoint directory of a running one is refused in one line (exit 2); SIGKILL of
+    ``bagualu2 train`` (which cannot forward it) still stops the agent and its workers."""
+    import signal
+    import time
+
+    metrics, ckpt = tmp_path / "run.jsonl", tmp_path / "ckpt"
+    launch = subprocess.Popen([sys.executable, "-m", "bagualu2.cli", "train", "--", "--pp", "1", "--dp", "2",
+                               "--ep", "2", "--steps", "300", "--metrics-file", str(metrics), "--checkpoint-dir",
+                               str(ckpt), "--checkpoint-every", "100"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.5)  # until the first step is logged: the workers are training
+    second = subprocess.run([sys.executable, "-m", "reference_trainer.train", "--pp", "1", "--dp", "1", "--ep", "1",
+                             "--steps", "2", "--checkpoint-dir", str(ckpt), "--resume"],
+                            capture_output=True, text=True, timeout=120)
+    assert second.returncode == 2, second.stderr
+    assert second.stderr.strip().splitlines() == [
+        f"error: --checkpoint-dir {ckpt}: it is in use by a launch that is still running "
+        f"{second.stderr.split('still running ', 1)[1].split(')', 1)[0]}); give another directory"]
+    assert not list(ckpt.glob("step-*"))  # the refused launch wrote nothing
+    launch.send_signal(signal.SIGKILL)
+    launch.wait(timeout=60)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        left = subprocess.run(["pgrep", "-f", str(metrics)], capture_output=True, text=True).stdout.split()
+        if not left:
+            break
+        time.sleep(0.5)
+    assert not left, left
+
+
+@pytest.mark.launch
+def test_a_rank_killed_from_outside_with_no_restart_left_is_one_line_from_the_launcher():
+    proc = subprocess.run([sys.executable, "-m", "bagualu2.cli", "train", "--", "--steps", "3"], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "BAGUALU2_FAULTS": "kill@1:rank=1"})
+    assert proc.returncode == 128 + 9, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        "error: rank 1 was stopped by SIGKILL (from outside the trainer: kill, the host's out-of-memory killer) and "
+        "no restart is left (--max-restarts)"], proc.stderr[-3000:]
+
+
+@pytest.mark.launch
+def test_ctrl_c_while_the_trainer_starts_prints_no_traceback():
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "reference_trainer.train", "--pp", "1", "--dp", "1", "--ep", "1",
+                             "--steps", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.3)  # importing torch
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode in (130, -signal.SIGINT) and "Traceback" not in stderr, stderr
 
 
 @pytest.mark.parametrize("given, endpoint", [("::1", "[::1]"), ("[fe80::1]", "[fe80::1]"), ("10.0.0.7", "10.0.0.7"),

@@ -250,3 +250,36 @@ def test_restarts_count_over_every_launch_of_the_run(tmp_path):
     again.restarted(restart_count=1, resume_step=0, policy="static-under", is_logger=False)  # another rank: the same
     assert RunState(str(tmp_path), fresh=False).data["restarts"] == 2
     assert RunState(str(tmp_path), fresh=True).data["restarts"] == 0  # a new run starts over
+
+
+def test_a_checkpoint_directory_is_locked_by_one_process_at_a_time(tmp_path):
+    """Two launches in one checkpoint directory would resume from and delete each other's checkpoints: the second
+    finds the lock held (a lock is per open file, so a second open in this process meets it as another launch's
+    would) and says by whom; closing the first (its process ending) frees it."""
+    from reference_trainer.restarts import LOCK, lock_directory
+
+    first, why = lock_directory(str(tmp_path / "ckpt"))
+    assert first is not None and why is None
+    second, why = lock_directory(str(tmp_path / "ckpt"))
+    assert second is None and why.startswith(f"it is in use by a launch that is still running (pid {os.getpid()} ")
+    first.close()
+    again, why = lock_directory(str(tmp_path / "ckpt"))
+    assert again is not None and why is None
+    again.close()
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / LOCK).mkdir()
+    assert lock_directory(str(tmp_path / "odd"))[1].endswith("exists and is not a regular file")
+
+
+def test_a_refusal_without_a_run_id_of_its_own_is_not_written(tmp_path, monkeypatch):
+    """Under torchrun's default run id ``none`` another launch's restart would read the refusal as its own."""
+    from reference_trainer.restarts import REFUSED, read_refusal, write_refusal
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    write_refusal(str(tmp_path), "refused")
+    assert not (tmp_path / REFUSED).exists()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")
+    write_refusal(str(tmp_path), "refused")
+    assert read_refusal(str(tmp_path)) == "refused"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "other")
+    assert read_refusal(str(tmp_path)) is None

@@ -2,12 +2,16 @@
 worker's exit code and nothing more — the worker has already reported its one-line error (rank 0 only), so
 torchrun's traceback and failure summary are not printed. Everything else is torchrun's (rendezvous, restarts,
 ``--max-restarts``); its logs keep their levels except the one that repeats a worker's failure. A worker group that
-failed only with one of :data:`FINAL_EXIT_CODES` is not restarted: the same launch would fail the same way again."""
+failed only with one of :data:`FINAL_EXIT_CODES` is not restarted: the same launch would fail the same way again.
+A worker killed from outside (a signal no rank reported) gets one line here, once no restart is left; started by
+``bagualu2 train``, the agent stops (SIGTERM) when that command dies."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
+import os
 import signal
 import sys
 
@@ -32,8 +36,28 @@ def _unraisable(info) -> None:
         sys.__unraisablehook__(info)
 
 
+LAUNCHER_PID = "BAGUALU2_LAUNCHER_PID"  # set by ``bagualu2 train``: the process whose death stops this agent
+PR_SET_PDEATHSIG = 1
+
+
+def _stop_with_launcher() -> bool:
+    """Started by ``bagualu2 train``: ask Linux for SIGTERM when that process dies (killed with SIGKILL, it cannot
+    forward a signal), so torchrun's own handler stops the workers instead of leaving them training. False when
+    the launcher is gone already."""
+    launcher = os.environ.get(LAUNCHER_PID, "")
+    if not launcher.isdigit() or not sys.platform.startswith("linux"):
+        return True
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):  # no prctl: the forwarded SIGTERM / SIGINT / SIGHUP still stop it
+        return True
+    return os.getppid() == int(launcher)
+
+
 def main(argv: list[str] | None = None) -> int:
     sys.unraisablehook = _unraisable
+    if not _stop_with_launcher():
+        return 128 + signal.SIGTERM
     try:
         return _agent(sys.argv[1:] if argv is None else argv)
     except KeyboardInterrupt:  # Ctrl-C before torchrun's own handlers stand (importing torch, the rendezvous)
@@ -78,11 +102,26 @@ def _agent(argv: list[str]) -> int:
         torchrun_main(argv)
     except ChildFailedError as exc:
         codes = [failure.exitcode for failure in exc.failures.values()]
-        return next((code for code in codes if code > 0), 1)
+        if all(code < 0 or code > 128 for code in codes):  # killed or stopped from outside: no rank reported it
+            return _killed(*exc.get_first_failure())
+        return next(code for code in codes if 0 < code <= 128)
     except SignalException as exc:  # SIGTERM / SIGINT: torchrun has stopped the workers; no traceback
         print(f"stopped by signal {int(exc.sigval)}; the workers were stopped", file=sys.stderr, flush=True)
         return 128 + int(exc.sigval)
     return 0
+
+
+def _killed(rank: int, failure) -> int:
+    """One line for a worker killed or stopped by a signal (the host's out-of-memory killer, ``kill``) that left
+    no line of its own, once torchrun has no restart left; 128 + the signal's number."""
+    number = -failure.exitcode if failure.exitcode < 0 else failure.exitcode - 128
+    try:
+        name = signal.Signals(number).name
+    except ValueError:
+        name = f"signal {number}"
+    print(f"error: rank {rank} was stopped by {name} (from outside the trainer: kill, the host's out-of-memory "
+          "killer) and no restart is left (--max-restarts)", file=sys.stderr, flush=True)
+    return 128 + number
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import json
+import os
 import re
 import shlex
 import signal
@@ -142,16 +143,17 @@ def train(
 
 
 def _run_agent(argv: list[str]) -> int:
-    """Run torchrun's agent until it ends; SIGTERM / SIGINT sent to this command go on to the agent, which stops
-    its workers (killed instead, it would leave them training on their own). Its exit code, 128 + the signal's
-    number when a signal ended it."""
-    agent = subprocess.Popen(argv, env=one_thread_env())
+    """Run torchrun's agent until it ends; SIGTERM / SIGINT / SIGHUP sent to this command go on to the agent, which
+    stops its workers, and the agent gets SIGTERM when this command dies (killed with SIGKILL: ``launch``'s
+    parent-death signal), so no worker is left training on its own. Its exit code, 128 + the signal's number when
+    a signal ended it."""
+    agent = subprocess.Popen(argv, env={**one_thread_env(), "BAGUALU2_LAUNCHER_PID": str(os.getpid())})
 
     def forward(signum: int, _frame: object) -> None:
         with contextlib.suppress(ProcessLookupError):
             agent.send_signal(signum)
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
         code = agent.wait()
     finally:
