@@ -119,6 +119,8 @@ class Run:
         finally:
             if self.session is not None:
                 self.session.guard.close()
+                if self.session.directory_lock is not None:  # the checkpoint directory is free for the next run
+                    self.session.directory_lock.close()
 
     def train(self) -> dict:
         from .session import Session

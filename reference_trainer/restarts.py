@@ -21,6 +21,7 @@ on; a new launch (``--resume``) may, and clears it.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -67,24 +68,33 @@ def _run_id() -> str:
     return os.environ.get("TORCHELASTIC_RUN_ID", "")
 
 
+def _refusal_tag() -> str:
+    """Whose refusal a ``refused.json`` is: torchrun's run id, or under the run id ``none`` (torchrun's default
+    without ``--standalone`` or ``--rdzv-id``, which other launches share) the agent's host and pid, which stay the
+    same across the agent's restarts of its workers."""
+    run_id = _run_id()
+    return run_id if run_id not in ("", "none") else f"none@{os.uname().nodename}:{os.getppid()}"
+
+
 def write_refusal(directory: str | None, message: str) -> None:
     """A launch refused to start (another run's checkpoints in its directory): torchrun's restarts of it refuse
-    alike, where what they find differs (a restart resumes from what is there). Tagged with torchrun's run id, so
-    that no other job's restart reads it; without a run id of its own (``none``: torchrun's default without
-    ``--standalone`` or ``--rdzv-id``) nothing is written, since another launch's restart would read it as its
-    own."""
-    if directory is not None and _run_id() not in ("", "none"):
+    alike, where what they find differs (a restart resumes from what is there). Tagged with :func:`_refusal_tag`, so
+    that no other job's restart reads it."""
+    if directory is not None:
         Path(directory).mkdir(parents=True, exist_ok=True)
-        _write_json(Path(directory) / REFUSED, {"time": time.time(), "message": message, "run_id": _run_id()})
+        _write_json(Path(directory) / REFUSED, {"time": time.time(), "message": message, "run_id": _refusal_tag()})
 
 
 LOCK = ".bagualu2.lock"
+BUSY = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)  # flock's "held by another": anything else cannot lock
 
 
-def lock_directory(directory: str) -> tuple[Any, str | None]:
+def lock_directory(directory: str, *, wait_s: float = 0.0) -> tuple[Any, str | None]:
     """An exclusive lock on the checkpoint ``directory`` for this process's life (the system releases it when the
-    process ends, killed included, so torchrun's restarts of the launch take it again): ``(open lock file, None)``,
-    or ``(None, why)`` when another live process holds it (or the lock file cannot be made)."""
+    process ends, killed included, so torchrun's restarts of the launch take it again), tried for up to ``wait_s``
+    seconds (a restart's previous rank 0 may still be exiting): ``(open lock file, None)``, ``(None, why)`` when
+    another live process holds it or the lock file cannot be made, and ``(None, None)`` with a warning where the
+    file system has no locks (some NFS, Lustre or FUSE mounts): the run goes on unprotected."""
     import fcntl
 
     path = Path(directory) / LOCK
@@ -92,16 +102,27 @@ def lock_directory(directory: str) -> tuple[Any, str | None]:
         Path(directory).mkdir(parents=True, exist_ok=True)
         if path.is_symlink() or (path.exists() and not path.is_file()):
             return None, f"{path} exists and is not a regular file"
-        handle = open(path, "a+")
+        handle = open(path, "a+", encoding="utf-8", errors="replace")
     except OSError as exc:
         return None, f"cannot make its lock file {path} ({exc.strerror or exc})"
-    try:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.seek(0)
-        holder = " ".join(handle.read(200).split()) or "another process"
-        handle.close()
-        return None, f"it is in use by a launch that is still running ({holder})"
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except OSError as exc:
+            if exc.errno not in BUSY:
+                handle.close()
+                sys.stderr.write(f"warning: cannot lock {path} ({exc.strerror or exc}): nothing keeps a second "
+                                 "launch out of this checkpoint directory\n")
+                sys.stderr.flush()
+                return None, None
+            if time.monotonic() >= deadline:
+                handle.seek(0)
+                holder = " ".join(handle.read(200).split()) or "another process"
+                handle.close()
+                return None, f"it is in use by a launch that is still running ({holder})"
+            time.sleep(0.5)
     handle.seek(0)
     handle.truncate()
     handle.write(f"pid {os.getpid()} on {os.uname().nodename}, torchrun run id {_run_id() or 'none'}\n")
@@ -110,7 +131,8 @@ def lock_directory(directory: str) -> tuple[Any, str | None]:
 
 
 def read_refusal(directory: str | None) -> str | None:
-    """The message of the refused launch this process is a torchrun restart of (same run id), else None."""
+    """The message of the refused launch this process is a torchrun restart of (same :func:`_refusal_tag`), else
+    None."""
     path = Path(directory) / REFUSED if directory is not None else None
     if path is None or not path.is_file() or path.is_symlink():
         return None
@@ -118,7 +140,7 @@ def read_refusal(directory: str | None) -> str | None:
         record = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(record, dict) or record.get("run_id") != _run_id():
+    if not isinstance(record, dict) or record.get("run_id") != _refusal_tag():
         return None
     return str(record.get("message", ""))
 

@@ -128,9 +128,10 @@ class Session:
         are torchrun's restarts of it (rank 0 reads and tells every rank)."""
         config, groups = self.config, self.groups
         box: list[str | None] = [None]
-        self._lock = None  # rank 0's open lock file: the lock lasts as long as this process
-        if groups.rank == 0 and config.checkpoint_dir:
-            self._lock, busy = lock_directory(config.checkpoint_dir)
+        self.directory_lock = None  # rank 0's open lock file: the lock lasts as long as this process
+        if groups.rank == 0 and config.checkpoint_dir:  # a restart waits for its previous attempt's rank 0 to exit
+            wait_s = min(60.0, config.collective_timeout_s) if self.restarts > 0 else 5.0
+            self.directory_lock, busy = lock_directory(config.checkpoint_dir, wait_s=wait_s)
             if busy is not None:
                 box[0] = f"--checkpoint-dir {config.checkpoint_dir}: {busy}; give another directory"
         if dist.is_initialized():
@@ -475,8 +476,11 @@ class Session:
 
     def _stop_nonfinite(self, step: int, ranks: list[int]) -> None:
         """--on-nonfinite stop: one line from rank 0 naming the step, the run marked stopped, every rank exits."""
-        found = checkpoint.find_latest(self.config.checkpoint_dir) if self.config.checkpoint_dir else None
-        kept = f"the last complete checkpoint is {found[0]}" if found else "no checkpoint was written"
+        try:
+            found = checkpoint.find_latest(self.config.checkpoint_dir) if self.config.checkpoint_dir else None
+            kept = f"the last complete checkpoint is {found[0]}" if found else "no checkpoint was written"
+        except checkpoint.CheckpointError:  # every rank gets it alike (rank 0 verified and broadcast)
+            kept = "no checkpoint verifies"
         message = f"non-finite loss or gradient at step {step} on rank {', '.join(map(str, ranks))}"
         self.run_state.record_stop(step=step, message=message, is_logger=self.groups.is_logger)
         if self.groups.is_logger:

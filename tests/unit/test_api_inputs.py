@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import numpy as np
 import pytest
@@ -254,3 +255,14 @@ def test_a_graph_too_slow_for_int64_nanoseconds_is_one_line_not_an_overflow():
                         ffn_hidden_size=64, vocab_size=64, seq_length=1 << 24)
     refused(lambda: build_graph(model, ParallelConfig(), presets.hardware("cpu")),
             r"take 4\.13e\+10 s of one micro-batch .* so that every sum of nanoseconds stays an int64")
+
+
+def test_a_bound_in_an_error_is_never_rounded_into_a_contradiction():
+    """A range's float bound prints short where that is exact, else in full: the value shown is the bound checked."""
+    from bagualu2.costmodel.validate import require_int, require_number
+
+    refused(lambda: require_number("imbalance", 2.666667, 1, 8 / 3),
+            re.escape("imbalance must be a finite number in [1, 2.6666666666666665], got 2.666667"))
+    refused(lambda: require_number("restart_s", -1.0, 0.0, 1e9),
+            re.escape("restart_s must be a finite number in [0, 1e+09]"))
+    refused(lambda: require_int("seed", -1, 0, 2**63), re.escape("seed must be an integer in [0, 2**63), got -1"))

@@ -231,6 +231,21 @@ def test_a_rank_killed_from_outside_with_no_restart_left_is_one_line_from_the_la
         "no restart is left (--max-restarts)"], proc.stderr[-3000:]
 
 
+def test_a_worker_ended_by_a_signal_is_named_as_killed_or_crashed(capsys):
+    import signal
+    from types import SimpleNamespace
+
+    from bagualu2.cli.launch import report_killed, signal_of
+
+    assert [signal_of(code) for code in (-9, 137, 143, 2, 76, 255)] == [9, 9, 15, None, None, None]
+    assert report_killed(1, SimpleNamespace(exitcode=-signal.SIGKILL)) == 137
+    assert report_killed(2, SimpleNamespace(exitcode=-signal.SIGABRT)) == 134
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("error: rank 1 was stopped by SIGKILL (from outside the trainer")
+    assert lines[1] == ("error: rank 2 crashed with SIGABRT (its output above says where) and no restart is left "
+                        "(--max-restarts)")
+
+
 @pytest.mark.launch
 def test_ctrl_c_while_the_trainer_starts_prints_no_traceback():
     import signal
@@ -238,7 +253,7 @@ def test_ctrl_c_while_the_trainer_starts_prints_no_traceback():
 
     proc = subprocess.Popen([sys.executable, "-m", "reference_trainer.train", "--pp", "1", "--dp", "1", "--ep", "1",
                              "--steps", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(0.3)  # importing torch
+    time.sleep(1.5)  # importing torch (about 3 s here), well after the interpreter started
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode in (130, -signal.SIGINT) and "Traceback" not in stderr, stderr

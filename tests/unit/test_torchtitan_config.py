@@ -277,9 +277,9 @@ def test_a_report_path_is_checked_as_the_system_sees_it(tmp_path, monkeypatch):
     assert report_file("~/r{rank}.jsonl", 0) == str(tmp_path / "r0.jsonl")
     private = tmp_path / "private.jsonl"
     private.write_text("")
-    private.chmod(0o600)
+    private.chmod(0o640)  # not what any umask gives a new file
     write_report(str(private), 0, 1, [], fresh=True)
-    assert private.stat().st_mode & 0o777 == 0o600
+    assert private.stat().st_mode & 0o7777 == 0o640
 
 
 def test_a_resumed_report_keeps_only_its_own_stages_earlier_steps(tmp_path):

@@ -271,15 +271,31 @@ def test_a_checkpoint_directory_is_locked_by_one_process_at_a_time(tmp_path):
     assert lock_directory(str(tmp_path / "odd"))[1].endswith("exists and is not a regular file")
 
 
-def test_a_refusal_without_a_run_id_of_its_own_is_not_written(tmp_path, monkeypatch):
-    """Under torchrun's default run id ``none`` another launch's restart would read the refusal as its own."""
-    from reference_trainer.restarts import REFUSED, read_refusal, write_refusal
+def test_a_refusal_under_the_run_id_none_is_the_agents_own(tmp_path, monkeypatch):
+    """Under torchrun's default run id ``none``, which other launches share, a refusal is tagged with the agent's
+    host and pid: its own restarts read it, another launch's restart does not."""
+    from reference_trainer.restarts import read_refusal, write_refusal
 
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
-    write_refusal(str(tmp_path), "refused")
-    assert not (tmp_path / REFUSED).exists()
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")
+    monkeypatch.setattr(os, "getppid", lambda: 4242)
     write_refusal(str(tmp_path), "refused")
     assert read_refusal(str(tmp_path)) == "refused"
+    monkeypatch.setattr(os, "getppid", lambda: 4343)  # another agent
+    assert read_refusal(str(tmp_path)) is None
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")
+    write_refusal(str(tmp_path), "refused too")
+    assert read_refusal(str(tmp_path)) == "refused too"
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "other")
     assert read_refusal(str(tmp_path)) is None
+
+
+def test_a_restart_waits_for_its_previous_attempt_to_let_the_lock_go(tmp_path):
+    import threading
+
+    from reference_trainer.restarts import lock_directory
+
+    held, _ = lock_directory(str(tmp_path))
+    threading.Timer(0.5, held.close).start()  # the previous rank 0 exits a moment later
+    again, why = lock_directory(str(tmp_path), wait_s=20.0)
+    assert again is not None and why is None
+    again.close()

@@ -88,8 +88,8 @@ def _suite(models: list[str], imbalances: list[str] | None, hardware: Hardware
 
 @handle_errors
 def compare(
-    model: Annotated[Optional[list[str]], typer.Option("--model", "-m", help="Model preset or a model JSON file (*.json, as --model of "
-                     "plan); repeatable; default: "
+    model: Annotated[Optional[list[str]], typer.Option("--model", "-m", help="Model preset or a model JSON file "
+                     "(*.json, as --model of plan); repeatable; default: "
                      + ", ".join(DEFAULT_MODELS) + ".")] = None,
     hardware: Annotated[str, typer.Option("--hardware", "-H", help=HARDWARE_HELP)] = "paper-gpu",
     imbalance: Annotated[Optional[list[str]], typer.Option("--imbalance", "-r", metavar="R", help="Imbalance "

@@ -102,25 +102,38 @@ def _agent(argv: list[str]) -> int:
         torchrun_main(argv)
     except ChildFailedError as exc:
         codes = [failure.exitcode for failure in exc.failures.values()]
-        if all(code < 0 or code > 128 for code in codes):  # killed or stopped from outside: no rank reported it
-            return _killed(*exc.get_first_failure())
-        return next(code for code in codes if 0 < code <= 128)
+        if all(signal_of(code) is not None for code in codes):  # ended by signals: no rank reported it
+            return report_killed(*exc.get_first_failure())
+        return next((code for code in codes if signal_of(code) is None and code > 0), 1)
     except SignalException as exc:  # SIGTERM / SIGINT: torchrun has stopped the workers; no traceback
         print(f"stopped by signal {int(exc.sigval)}; the workers were stopped", file=sys.stderr, flush=True)
         return 128 + int(exc.sigval)
     return 0
 
 
-def _killed(rank: int, failure) -> int:
-    """One line for a worker killed or stopped by a signal (the host's out-of-memory killer, ``kill``) that left
-    no line of its own, once torchrun has no restart left; 128 + the signal's number."""
-    number = -failure.exitcode if failure.exitcode < 0 else failure.exitcode - 128
+OUTSIDE = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
+
+
+def signal_of(code: int) -> int | None:
+    """The signal a worker's exit code says ended it: killed by it (``-signal``) or exiting on it (128 + signal, as
+    the trainer does when torchrun stops it); None for an exit code of its own."""
+    if code < 0:
+        return -code
+    return code - 128 if 128 < code < 128 + signal.NSIG else None
+
+
+def report_killed(rank: int, failure) -> int:
+    """One line for a worker that a signal ended and that left no line of its own (killed from outside: ``kill``,
+    the host's out-of-memory killer; or crashed: SIGSEGV, SIGABRT), once torchrun has no restart left; 128 + the
+    signal's number."""
+    number = signal_of(failure.exitcode)
     try:
         name = signal.Signals(number).name
     except ValueError:
         name = f"signal {number}"
-    print(f"error: rank {rank} was stopped by {name} (from outside the trainer: kill, the host's out-of-memory "
-          "killer) and no restart is left (--max-restarts)", file=sys.stderr, flush=True)
+    how = (f"was stopped by {name} (from outside the trainer: kill, the host's out-of-memory killer)"
+           if number in OUTSIDE else f"crashed with {name} (its output above says where)")
+    print(f"error: rank {rank} {how} and no restart is left (--max-restarts)", file=sys.stderr, flush=True)
     return 128 + number
 
 

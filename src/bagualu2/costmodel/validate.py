@@ -20,7 +20,10 @@ def _bound(value) -> str:
     """A range's bound as a person reads it: ``2**63`` rather than its 19 digits, ``1e+09`` for ``1000000000.0``."""
     if isinstance(value, int) and value >= 1 << 20 and value & (value - 1) == 0:
         return f"2**{value.bit_length() - 1}"
-    return f"{value:g}" if isinstance(value, float) else str(value)
+    if isinstance(value, float):
+        short = f"{value:g}"
+        return short if float(short) == value else repr(value)  # never a rounded bound the value contradicts
+    return str(value)
 
 
 def _range_text(low, high, low_open: bool, high_open: bool) -> str:

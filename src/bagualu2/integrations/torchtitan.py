@@ -211,9 +211,9 @@ class Bagualu2Converter:
         # the optimizer's count is read at the launch's first step only (one read per parameter, a device sync
         # each where the steps live on the device); then the steps are counted here
         if not self._counted and self.config.report_path and self.provisioners and self.metrics is None:
-            _warn("bagualu2: this model's train spec hands bagualu2 no optimizer (only those of "
-                  f"{', '.join(MODELS)} do), so steps are counted from this launch's first: a resumed run's "
-                  "report_path starts again at step 1")
+            _warn("bagualu2: no metrics processor reached bagualu2 (its train spec is not one it wrapped: "
+                  f"{', '.join(MODELS)}, registered after this import), so it cannot read the optimizer's step count "
+                  "and counts steps from this launch's first: a resumed run's report_path starts again at step 1")
         self.step = self.step + 1 if self._counted else max(self._steps_taken(), self.step + 1)
         self._counted = True
         for provisioner in self.provisioners.values():

@@ -378,6 +378,12 @@ def write_report(pattern: str, stage: int, step: int, rows: list[dict], *, fresh
             os.fsync(out.fileno())
         _refuse_non_file(path)  # made meanwhile? leave it alone
         os.replace(temporary, path)
+        with contextlib.suppress(OSError):  # the rename itself on disk too
+            folder = os.open(directory, os.O_RDONLY)
+            try:
+                os.fsync(folder)
+            finally:
+                os.close(folder)
         return True
     except BaseException as exc:
         if temporary is not None:
@@ -444,7 +450,7 @@ def _mode(path: str) -> int:
     with contextlib.suppress(OSError):
         found = os.stat(path)
         if stat.S_ISREG(found.st_mode):
-            return stat.S_IMODE(found.st_mode)
+            return stat.S_IMODE(found.st_mode) & 0o777  # its permission bits, never setuid / setgid / sticky
     return 0o666 & ~UMASK
 
 
