@@ -342,3 +342,49 @@ def test_a_module_that_saves_other_tensors_than_traced_never_gets_another_ops_te
     grads = run("L0.mlp_act/L0.mlp_fc1.out0=RECOMPUTE")
     assert len(grads) == len(plain) and all(torch.equal(a, b) for a, b in zip(grads, plain))
     assert any(issubclass(w.category, UntracedSavingsWarning) and "requires_grad" in str(w.message) for w in caught)
+
+
+class Shifted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(H, H)
+        self.register_buffer("shift", torch.zeros(H))
+
+    def forward(self, x, mask):
+        return torch.tanh(self.fc(x) + self.shift) * mask
+
+
+class ChangesAfter(nn.Module):
+    """The parent advances its child's buffer after the child ran (a schedule); the loop refills a mask in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = Shifted(), nn.Linear(H, H)
+
+    def forward(self, x, mask, *, advance: bool):
+        out = self.b(self.a(x, mask))
+        if advance:
+            with torch.no_grad():
+                self.a.shift.add_(0.5)
+        return out
+
+
+@pytest.mark.parametrize("change", ["buffer", "held argument"])
+def test_a_rerun_whose_buffer_or_held_argument_changed_since_its_forward_is_refused(change):
+    """A re-run reads buffers and arguments held as they are at backward time: changed in place since the forward,
+    it would compute other values, so the backward stops in one line instead of giving wrong gradients."""
+    torch.manual_seed(0)
+    model = ChangesAfter()
+    x, mask = torch.randn(2, 8, H), torch.ones(2, 8, H)
+    instrumented = instrument(model, {"a": "mlp_fc1", "b": "mlp_fc2"})
+    graph = instrumented.trace_graph(x, mask, advance=False, hardware=CPU, loss=lambda out: out.pow(2).mean())
+    plan = "mlp_fc1=RECOMPUTE"
+    assert not evaluate(graph, plan).unavailable
+    executor = apply_plan(instrumented, plan)
+    with executor.micro_batch("mb") as record:
+        loss = model(x, mask, advance=change == "buffer").pow(2).mean()
+    if change == "held argument":
+        mask.mul_(0.5)  # the next micro-batch's mask, written into the same tensor before this one's backward
+    with pytest.raises(RuntimeError, match=r"re-running mlp_fc1: 1 of the tensors it reads that are no activations"):
+        loss.backward()
+    executor.release(record.name)

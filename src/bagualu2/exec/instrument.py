@@ -395,7 +395,7 @@ class InstrumentedModel:
                 standby = binding.op in executor.standby
                 if standby or binding.op in record.rerun:
                     snapshot = self.trace is not None and binding.path in self.trace.buffer_modules
-                    flat, fn = _replay_call(module, args, kwargs, record, snapshot=snapshot)
+                    flat, fn = _replay_call(module, args, kwargs, record, op=binding.op, snapshot=snapshot)
                     frame.replay = executor.begin_replay(record, binding.op, fn, flat, active=not standby)
             return None
 
@@ -443,7 +443,7 @@ def _check_stateless(binding: OpBinding, args: tuple, kwargs: dict) -> None:
                          "or run without it (use_cache=False)")
 
 
-def _replay_call(module: torch.nn.Module, args: tuple, kwargs: dict, record, *,
+def _replay_call(module: torch.nn.Module, args: tuple, kwargs: dict, record, *, op: str = "the op",
                  snapshot: bool = False) -> tuple[tuple, Callable]:
     """``(flat arguments, fn)`` so that ``fn(*flat)`` re-runs ``module.forward`` on the call's arguments, with the
     hooks silent; non-activation tensors are wrapped so the replay holds them as they are. A re-run leaves the
@@ -461,21 +461,34 @@ def _replay_call(module: torch.nn.Module, args: tuple, kwargs: dict, record, *,
     flat = tuple(_Held(v) if isinstance(v, torch.Tensor) and not activation(v) else v
                  for v in (*args, *kwargs.values()))
     found = [(buffer, buffer.detach().clone()) for buffer in module.buffers()] if snapshot else []
+    # what a re-run reads as it is now, not as the forward read it: changed in place in between (a mask buffer the
+    # loop refills, a buffer another module updates), the re-run would compute other values, so it refuses
+    watched = [v.value for v in flat if isinstance(v, _Held)] + ([] if snapshot else list(module.buffers()))
+    versions = [tensor._version for tensor in watched]
 
     def run(*values):
+        changed = sum(tensor._version != version for tensor, version in zip(watched, versions))
+        if changed:
+            raise RuntimeError(f"re-running {op}: {changed} of the tensors it reads that are no activations (an "
+                               "argument held as it is, a buffer) changed in place after its forward, so the re-run "
+                               "would compute other values than the forward did; keep, offload or quantize its "
+                               "savings instead of recomputing it, or change them only after the backward")
         values = [v.value if isinstance(v, _Held) else v for v in values]
         token = REPLAYING.set(True)
-        buffers = [(buffer, buffer.detach().clone()) for buffer in module.buffers()]
+        buffers = [(buffer, buffer.detach().clone(), buffer._version) for buffer in module.buffers()]
         with torch.no_grad():
             for buffer, before in found:  # as the forward found them
-                buffer.copy_(before)
+                if not torch.equal(buffer, before):
+                    buffer.copy_(before)
         try:
             return module.forward(*values[:num_args], **dict(zip(keys, values[num_args:])))
         finally:
             REPLAYING.reset(token)
-            with torch.no_grad():
-                for buffer, before in buffers:
-                    buffer.copy_(before)
+            with torch.no_grad():  # only what the re-run changed: a copy counts as a change for other ops' checks
+                for buffer, before, version in buffers:
+                    if buffer._version != version:
+                        buffer.copy_(before)
+            versions[:] = [tensor._version for tensor in watched]  # the restore above is no change
 
     return flat, run
 
