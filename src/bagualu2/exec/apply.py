@@ -262,8 +262,11 @@ class PlanExecutor:
         holds = []
         inputs = list(self.graph.op(name).inputs) if self.graph.has_op(name) else []
         lookup = lambda tensor_name: record.stored_as(tensor_name, self.engine)  # noqa: E731
+        given: dict[int, Source] = {}  # one tensor given twice (self-attention's query, key and value) is one Source
         for arg in args:
-            if isinstance(arg, torch.Tensor) and not self.tracker.excludes(arg):
+            if isinstance(arg, torch.Tensor) and id(arg) in given:
+                sources.append(given[id(arg)])  # the re-run gets one tensor for both, as the forward did
+            elif isinstance(arg, torch.Tensor) and not self.tracker.excludes(arg):
                 stored = self._storage(record, arg, storage_key(arg))
                 # the op's graph input of its size and dtype, if one: where to look for a copy in another precision
                 input_name = self._input_name(inputs, arg)
@@ -275,6 +278,7 @@ class PlanExecutor:
                 else:
                     holds.append((stored, stored.name or input_name, arg.dtype))
                 sources.append(Source(stored, View.of(arg), arg.requires_grad, lookup, input_name))
+                given[id(arg)] = sources[-1]
             else:
                 sources.append(arg)
         replay = Replay(name, fn, tuple(sources), self.engine, inactive=None if active else holds,
@@ -301,7 +305,7 @@ class PlanExecutor:
                 if index < len(names):
                     record.producers.setdefault(names[index], (replay, index))
         if not makes and active:  # an identity (dispatch at EP=1): its outputs are its inputs, made by their makers
-            for source in sources:
+            for source in {id(source): source for source in sources}.values():
                 if isinstance(source, Source) and source.stored.producer is not None:
                     source.stored.producer[0].pending -= 1
         record.replays.append(replay)

@@ -205,9 +205,13 @@ class Replay:
     def _run(self) -> None:
         args = []
         self.approximate = False
+        read: dict[int, torch.Tensor] = {}  # a Source given twice is read once: the same tensor for both
         for arg in self.args:
-            if isinstance(arg, Source):
+            if isinstance(arg, Source) and id(arg) in read:
+                args.append(read[id(arg)])
+            elif isinstance(arg, Source):
                 value, exact = arg.read(self.engine)
+                read[id(arg)] = value
                 args.append(value)
                 self.approximate = self.approximate or not exact
                 arg.stored.unhold()
