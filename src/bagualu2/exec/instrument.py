@@ -347,9 +347,13 @@ class InstrumentedModel:
         if found[1] != dtype:
             record.slot_dtype_misses += 1
             return None
-        if found[3] and key not in frame.inputs:  # the traced call saved its input here, another op's tensor: a
-            record.slot_input_misses.append((found[0], frame.binding.path))  # re-run of that op must not stand in
-            return None  # for it (kept as it is, unnamed: the micro-batch warns)
+        own = found[0].startswith((f"{op}.out", f"{op}.saved"))  # the traced slot held a tensor this op made
+        if (found[3] and key not in frame.inputs) or (own and key in frame.inputs):
+            # the traced call saved its input here (another op's tensor) and this is none, or it saved a tensor of
+            # its own here and this is its input (an earlier saving is gone: a parameter's requires_grad changed):
+            # a re-run must not stand in for either, so it is kept as it is, unnamed (the micro-batch warns)
+            record.slot_input_misses.append((found[0], frame.binding.path))
+            return None
         record.slot_hits += 1
         name = found[0]
         if frame.binding.kind in SHAPE_KINDS:
