@@ -24,6 +24,7 @@ recompute after its gate. docs/exec.md has the details and the measurements.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 from typing import Any, Callable, Iterable, Iterator
 
@@ -478,8 +479,9 @@ def apply_plan(target: "OpGraph | torch.nn.Module | InstrumentedModel", plan: Pl
         instrumented = target
         check_device(target.model)
         exclude = (*exclude, target.model)
-        if graph is None:
-            graph = target.graph
+        traced = target.graph if target.trace is not None else None
+        if graph is None or (traced is not None and _same_but_fp8(graph, traced)):
+            graph = target.graph if graph is None else graph  # the traced graph (without FP8, too): its slot names
             namer = target.name_saving
             check_replayable(target, plan)
         else:  # the hooks name savings by the ops they open: the plan's ops must be the model's
@@ -506,6 +508,12 @@ def apply_plan(target: "OpGraph | torch.nn.Module | InstrumentedModel", plan: Pl
     if namer is not None:
         executor.traced = instrumented.trace
     return executor
+
+
+def _same_but_fp8(graph: OpGraph, traced: OpGraph) -> bool:
+    """Is ``graph`` the traced graph, with or without FP8 storage (``dataclasses.replace(traced, quantize=...)``)?"""
+    return graph is traced or all(getattr(graph, field.name) == getattr(traced, field.name)
+                                  for field in dataclasses.fields(OpGraph) if field.name != "quantize")
 
 
 def _check_arguments(tracker, exclude, deferred, graph) -> tuple:
