@@ -497,3 +497,41 @@ def test_the_traced_graph_without_fp8_is_still_the_traced_graph_for_apply_plan()
     executor.release("mb")
     assert evaluate(exact, plan).num_recomputed_ops == 1
     assert record.device_bytes == evaluate(exact, plan).activation_bytes
+
+
+class ReplacesItsBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(H, H)
+        self.register_buffer("ema", torch.zeros(H))
+
+    def forward(self, x):
+        y = self.fc(x)
+        self.ema = 0.9 * self.ema + 0.1 * y.detach().mean((0, 1))  # a new tensor: the old buffer's storage is freed
+        return torch.tanh(y)
+
+
+def test_an_activation_at_the_address_of_a_replaced_buffer_is_counted():
+    """Weights are told by their storages: once a forward replaced a buffer, the allocator may place an activation
+    where the old one was; it is counted and planned like any other, in the trace and in every micro-batch."""
+    from bagualu2.exec import ActivationTracker
+
+    torch.manual_seed(0)
+    model = nn.Sequential(ReplacesItsBuffer(), nn.Linear(H, H))
+    x = torch.randn(2, 8, H, requires_grad=True)
+    instrumented = instrument(model, {"0": "a", "1": "b"})
+    graph = instrumented.trace_graph(x, hardware=CPU, loss=lambda out: out.pow(2).mean())
+    tracker = ActivationTracker(exclude=[model])
+    for index in range(40):  # the allocator reuses a freed address often, not always: many forwards
+        with tracker.micro_batch(index):
+            model(x).pow(2).mean()
+        assert tracker.release(index) == graph.unmitigated_bytes
+    plan = "L1.b/L0.a.out0=OFFLOAD"
+    cost = evaluate(graph, plan)
+    for _ in range(40):
+        executor = apply_plan(instrumented, plan)
+        with executor.micro_batch("mb") as record:
+            loss = model(x).pow(2).mean()
+        loss.backward()
+        executor.release("mb")
+        assert (record.device_bytes, record.host_bytes) == (cost.activation_bytes, cost.host_bytes)

@@ -42,7 +42,7 @@ from .ops import ACTIVE, OP_SCOPE, after_gate, gate_report, hook_outputs
 from .scope import FRAME, REPLAYING, TRACER, Frame, OpBinding
 from .trace import TraceRecorder, TraceResult, autocast_of_forward, run_trace
 from .tracegraph import build_graph_of
-from .tracker import OP_WEIGHTS, storage_key, weight_keys
+from .tracker import OP_WEIGHTS, WeightStorages, storage_key, weight_keys
 
 # kinds whose savings have the sizes the input's shape gives, whatever the routing (every token passes them)
 SHAPE_KINDS = frozenset({"norm", "qkv", "rope", "core_attn", "attn_out", "router", "shared_fc1", "shared_act",
@@ -243,8 +243,7 @@ class InstrumentedModel:
             raise ValueError(f"hardware must be a bagualu2 Hardware (e.g. presets.hardware('cpu')), "
                              f"got {type(hardware).__name__}")
         check_device(self.model)
-        excluded = weight_keys(self.model)
-        recorder = TraceRecorder(excluded, timed=timed)
+        recorder = TraceRecorder(WeightStorages([self.model]), timed=timed)
         token = TRACER.set(recorder)
         try:
             with restored_scope():

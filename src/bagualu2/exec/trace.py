@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Container, Mapping
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -154,7 +154,7 @@ class _Counter(TorchDispatchMode):
 class TraceRecorder:
     """The hooks' side of one trace (see the module docstring); ``excluded`` are parameter and buffer storages."""
 
-    def __init__(self, excluded: set, *, timed: bool):
+    def __init__(self, excluded: Container, *, timed: bool):
         self.excluded, self.timed = excluded, timed
         self.calls: list[_Call] = []
         self.storages: dict[tuple, _Storage] = {}

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 
 class ActivationOutOfMemoryError(torch.OutOfMemoryError):
@@ -57,7 +58,8 @@ class ActivationTracker:
         if cap_bytes is not None:
             cap_bytes = require_int("cap_bytes", cap_bytes, 0)
         self.cap_bytes = cap_bytes
-        self._excluded: set[tuple[str, int]] = set()
+        self._excluded = WeightStorages()
+        self._modules: list[torch.nn.Module] = []
         containers = (torch.nn.ModuleList, torch.nn.Sequential)  # modules that iterate over modules
         if (isinstance(exclude, torch.nn.Module) and not isinstance(exclude, containers)) \
                 or isinstance(exclude, (str, bytes)) or not isinstance(exclude, Iterable):
@@ -74,8 +76,8 @@ class ActivationTracker:
         for module in modules:
             if not isinstance(module, torch.nn.Module):
                 raise ValueError(f"exclude takes torch modules, got {type(module).__name__}")
-        for module in modules:
-            self._excluded.update(weight_keys(module))
+        self._modules.extend(modules)
+        self._excluded.note(modules)
 
     def excludes(self, tensor: torch.Tensor) -> bool:
         return storage_key(tensor) in self._excluded or is_parameter(tensor)
@@ -85,6 +87,7 @@ class ActivationTracker:
         check_name(name)
         if name in self._in_flight:
             raise ValueError(f"micro-batch {name!r} is already in flight")
+        self._excluded.note(self._modules)  # buffers a forward replaced since the last micro-batch
         record = self._in_flight[name] = MicroBatchBytes()
         return record
 
@@ -167,15 +170,51 @@ def storage_key(tensor: torch.Tensor) -> tuple[str, int]:
     return str(tensor.device), tensor.untyped_storage()._cdata
 
 
-def weight_keys(module: torch.nn.Module) -> set[tuple[str, int]]:
-    """Storage keys of ``module``'s parameters and buffers; a sharded parameter (a ``DTensor``) by its local
-    shard, the tensor its module computes with."""
-    keys = set()
+def weight_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    """``module``'s parameters and buffers; a sharded parameter (a ``DTensor``) also by its local shard, the tensor
+    its module computes with."""
+    found = []
     for tensor in [*module.parameters(), *module.buffers()]:
-        local = tensor.to_local() if hasattr(tensor, "to_local") and hasattr(tensor, "device_mesh") else tensor
-        keys.add(storage_key(local))
-        keys.add(storage_key(tensor))
-    return keys
+        if hasattr(tensor, "to_local") and hasattr(tensor, "device_mesh"):
+            found.append(tensor.to_local())
+        found.append(tensor)
+    return found
+
+
+def weight_keys(module: torch.nn.Module) -> set[tuple[str, int]]:
+    """Storage keys of ``module``'s parameters and buffers (:func:`weight_tensors`)."""
+    return {storage_key(tensor) for tensor in weight_tensors(module)}
+
+
+def _weak(tensor: torch.Tensor) -> StorageWeakRef | None:
+    """A weak reference to ``tensor``'s storage, None where it has none of its own to refer to (a wrapper)."""
+    try:
+        return StorageWeakRef(tensor.untyped_storage())
+    except (RuntimeError, TypeError, AttributeError):
+        return None
+
+
+class WeightStorages:
+    """The storage keys of parameters and buffers, each with a weak reference to its storage: a key whose storage
+    was freed since (a buffer a forward replaced, ``self.ema = 0.9 * self.ema + ...``) is no weight any more, so an
+    activation the allocator places at that address is counted as one. ``key in storages``."""
+
+    def __init__(self, modules: Iterable[torch.nn.Module] = ()) -> None:
+        self._refs: dict[tuple[str, int], StorageWeakRef | None] = {}
+        self.note(modules)
+
+    def note(self, modules: Iterable[torch.nn.Module]) -> None:
+        """Add the parameters and buffers of ``modules`` as they are now; forget those whose storage is gone."""
+        self._refs = {key: ref for key, ref in self._refs.items() if ref is None or not ref.expired()}
+        for module in modules:
+            for tensor in weight_tensors(module):
+                self._refs[storage_key(tensor)] = _weak(tensor)
+
+    def __contains__(self, key: object) -> bool:
+        if key not in self._refs:
+            return False
+        ref = self._refs[key]
+        return ref is None or not ref.expired()
 
 
 #: Storage keys of the parameters of the instrumented op modules running now, read when each op starts (after a
