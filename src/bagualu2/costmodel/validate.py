@@ -95,17 +95,19 @@ def check_solver_options(time_limit_s: Any, num_workers: Any, seed: Any) -> None
     require_int("seed", seed, 0, 2 ** 31)
 
 
-def replacement_mode(target: str | os.PathLike[str]) -> int:
+def replacement_mode(target: str | os.PathLike[str], *, umask: int | None = None) -> int:
     """The permission bits a file written in place of ``target`` gets: the existing regular file's (a rewrite never
-    widens them), else what a new file gets under the process's umask."""
+    widens them), else what a new file gets under the process's umask (``umask``: that umask, read before; reading
+    it here sets it for a moment, which other threads creating files would see)."""
     try:
         found = os.stat(target)
     except OSError:
         found = None
     if found is not None and stat.S_ISREG(found.st_mode):
         return stat.S_IMODE(found.st_mode)
-    umask = os.umask(0)
-    os.umask(umask)
+    if umask is None:
+        umask = os.umask(0)
+        os.umask(umask)
     return 0o666 & ~umask
 
 

@@ -87,7 +87,7 @@ class ActivationTracker:
         check_name(name)
         if name in self._in_flight:
             raise ValueError(f"micro-batch {name!r} is already in flight")
-        self._excluded.note(self._modules)  # buffers a forward replaced since the last micro-batch
+        self._excluded.note(self._modules, buffers_only=True)  # buffers a forward replaced since the last one
         record = self._in_flight[name] = MicroBatchBytes()
         return record
 
@@ -194,6 +194,10 @@ def _weak(tensor: torch.Tensor) -> StorageWeakRef | None:
         return None
 
 
+_UNKNOWN = object()
+PRUNE_AFTER = 4096  # storages noted before the dead ones are dropped (a buffer replaced at every forward)
+
+
 class WeightStorages:
     """The storage keys of parameters and buffers, each with a weak reference to its storage: a key whose storage
     was freed since (a buffer a forward replaced, ``self.ema = 0.9 * self.ema + ...``) is no weight any more, so an
@@ -201,14 +205,23 @@ class WeightStorages:
 
     def __init__(self, modules: Iterable[torch.nn.Module] = ()) -> None:
         self._refs: dict[tuple[str, int], StorageWeakRef | None] = {}
+        self._added = 0  # storages noted since the dead ones were last dropped
         self.note(modules)
 
-    def note(self, modules: Iterable[torch.nn.Module]) -> None:
-        """Add the parameters and buffers of ``modules`` as they are now; forget those whose storage is gone."""
-        self._refs = {key: ref for key, ref in self._refs.items() if ref is None or not ref.expired()}
+    def note(self, modules: Iterable[torch.nn.Module], *, buffers_only: bool = False) -> None:
+        """Add the parameters and buffers of ``modules`` as they are now, or only the buffers (at every micro-batch:
+        a forward may replace a buffer; a parameter is told by its type anyway); a weak reference is made only for a
+        storage not known yet, and the dead ones are dropped now and then."""
         for module in modules:
-            for tensor in weight_tensors(module):
-                self._refs[storage_key(tensor)] = _weak(tensor)
+            for tensor in (module.buffers() if buffers_only else weight_tensors(module)):
+                key = storage_key(tensor)
+                ref = self._refs.get(key, _UNKNOWN)
+                if ref is _UNKNOWN or (ref is not None and ref.expired()):
+                    self._refs[key] = _weak(tensor)
+                    self._added += 1
+        if self._added > PRUNE_AFTER:
+            self._refs = {key: ref for key, ref in self._refs.items() if ref is None or not ref.expired()}
+            self._added = 0
 
     def __contains__(self, key: object) -> bool:
         if key not in self._refs:

@@ -30,7 +30,6 @@ import dataclasses
 import inspect
 import json
 import os
-import stat
 import tempfile
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ import torch
 
 from bagualu2.budget import BudgetAssigner
 from bagualu2.costmodel import OpGraph, Plan, Resource, evaluate, presets
-from bagualu2.costmodel.validate import probe_folder, refuse_non_file
+from bagualu2.costmodel.validate import probe_folder, refuse_non_file, replacement_mode
 from bagualu2.exec import (ActivationOutOfMemoryError, ActivationTracker, DeferredPlanner, apply_plan, instrument,
                            on_backward)
 from bagualu2.mitigation import greedy
@@ -445,13 +444,9 @@ UMASK = _umask()  # the process's umask: a new report's mode follows it, as a fi
 
 
 def _mode(path: str) -> int:
-    """The permission bits a report written in place of ``path`` gets: an earlier report's (a rewrite never widens
-    them), else what the umask gives a new file (read once at import: no umask call while threads run)."""
-    with contextlib.suppress(OSError):
-        found = os.stat(path)
-        if stat.S_ISREG(found.st_mode):
-            return stat.S_IMODE(found.st_mode) & 0o777  # its permission bits, never setuid / setgid / sticky
-    return 0o666 & ~UMASK
+    """The permission bits a report written in place of ``path`` gets (``replacement_mode`` with the umask read at
+    import: no umask call while threads run), never setuid / setgid / sticky."""
+    return replacement_mode(path, umask=UMASK) & 0o777
 
 
 __all__ = ["ACTIVE_FORWARD", "ScheduleInfo", "StageProvisioner", "check_report_path", "read_report", "report_file",
