@@ -23,7 +23,6 @@ from typing import Annotated, Optional
 import typer
 
 from .common import CliError, handle_errors, integer_option, one_thread_env, require_extra
-from .launch import LAUNCHER_PID
 
 TRAINER = "reference_trainer.train"
 MAX_PROCESSES = 1024  # per node
@@ -148,7 +147,8 @@ def _run_agent(argv: list[str]) -> int:
     stops its workers, and the agent gets SIGTERM when this command dies (killed with SIGKILL: ``launch``'s
     parent-death signal), so no worker is left training on its own. Its exit code, 128 + the signal's number when
     a signal ended it."""
-    agent = subprocess.Popen(argv, env={**one_thread_env(), LAUNCHER_PID: str(os.getpid())})
+    # launch.LAUNCHER_PID, spelt out: importing launch here would load it before ``python -m`` runs it (runpy warns)
+    agent = subprocess.Popen(argv, env={**one_thread_env(), "BAGUALU2_LAUNCHER_PID": str(os.getpid())})
 
     def forward(signum: int, _frame: object) -> None:
         with contextlib.suppress(ProcessLookupError):
