@@ -10,6 +10,7 @@ Run: ``python benchmarks/accuracy_exec.py`` (about two minutes on two cores).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -90,4 +91,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # no options; --help says what runs
     main()

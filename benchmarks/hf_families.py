@@ -15,6 +15,7 @@ exactly their predicted bytes with the plain run's loss and gradients (every re-
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -100,12 +101,11 @@ def exact(model, ids, instrumented, graph) -> str:
     return "yes" if all(results) else f"NO ({results})"
 
 
-def main() -> None:
+def main(families: list[str], every: bool) -> None:
     print("| family | op kinds of an MoE layer | saved B/token/layer | routed experts' | outside the ops, "
           "B/token | floor / unmitigated | analytic GLM-style layer, B/token | exact |")
     print("|---|---|---:|---:|---:|---:|---:|---|")
-    named = [a for a in sys.argv[1:] if not a.startswith("--")]
-    for family in named or (FAMILIES if "--all" in sys.argv[1:] else FAMILIES[:10]):
+    for family in families or (FAMILIES if every else FAMILIES[:10]):
         try:
             print(row(family), flush=True)
         except Exception as error:  # noqa: BLE001 (a row per family: what failed, in one line)
@@ -114,4 +114,11 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("families", nargs="*", help="families to run (default: the first 10; --all: every one)")
+    parser.add_argument("--all", action="store_true", help="every tested family")
+    args = parser.parse_args()
+    unknown = sorted(set(args.families) - set(FAMILIES))
+    if unknown:
+        parser.error(f"unknown families: {', '.join(unknown)}")
+    main(args.families, args.all)

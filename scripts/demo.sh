@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Install (CPU torch first, so pip never pulls a CUDA build) and run the main job on its embedded default:
-# plan one iteration of a GLM-1041B-A35B pipeline stage with MoE imbalance spikes (budget, plan, fused order per
-# micro-batch), then train the tiny reference GLM-MoE model on CPU, measuring what every micro-batch keeps.
+# Install (torch==2.13.0 first, pinned, so the project's range never pulls another; the build is the configured
+# index's) and run the main job on its embedded default: plan one iteration of a GLM-1041B-A35B pipeline stage
+# with MoE imbalance spikes (budget, plan, fused order per micro-batch), then train the tiny reference GLM-MoE
+# model on CPU, measuring what every micro-batch keeps.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv

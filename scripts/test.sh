@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Install (CPU torch first, so pip never pulls a CUDA build) and run the whole test suite on two workers, one
-# intra-op thread per process (torchrun's default; tiny CPU models run faster so): the tests that launch nothing,
-# then the tests that launch processes (torchrun, the CLI, a fresh install), which also wait on timeouts and
-# restarts.
+# Install (torch==2.13.0 first, pinned, so the project's range never pulls another; the build is the configured
+# index's) and run the whole test suite on two workers, one intra-op thread per process (torchrun's default;
+# tiny CPU models run faster so): the tests that launch nothing, then the tests that launch processes (torchrun,
+# the CLI, a fresh install), which also wait on timeouts and restarts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv

@@ -154,6 +154,32 @@ def test_solvers_engines_and_configs_name_a_wrong_argument():
     refused(lambda: Stage(MODEL, PARALLEL, None), "hardware must be a Hardware profile")
     refused(lambda: MODEL.replace(foo=1), "ModelConfig has no field foo; fields: num_layers")
     refused(lambda: HW.replace(peak=1), "Hardware has no field peak")
+    refused(lambda: exact.solve(GRAPH, 1, hint="x"), "hint must be True or False")
+    refused(lambda: brute.solve(GRAPH, 1, max_decisions="x"), "max_decisions must be an integer")
+
+
+def test_the_evaluator_the_fusion_solvers_and_the_curves_name_a_wrong_argument():
+    from bagualu2.costmodel import evaluate
+    from bagualu2.costmodel.evaluate import evaluate_resolved
+    from bagualu2.costmodel.pipeline import memory_curve, timed_curve
+    from bagualu2.fusion import build_chains, dp, exact
+
+    refused(lambda: evaluate(None), "graph must be an OpGraph")
+    refused(lambda: evaluate("g", "none"), "graph must be an OpGraph")
+    refused(lambda: evaluate_resolved(None, {}), "graph must be an OpGraph")
+    refused(lambda: build_chains("g", None, None, None), "forward_graph must be an OpGraph or None, got str")
+    refused(lambda: build_chains(None, None, 3, None), "backward_graph must be an OpGraph or None, got int")
+    for call in (lambda: dp.solve(None), lambda: exact.solve(None), lambda: dp.solve("F0")):
+        refused(call, "chains must be a Chains")
+    chains = build_chains(GRAPH, Plan(), GRAPH, Plan())
+    refused(lambda: exact.solve(chains, hint="x"), "hint must be an Order or None")
+    per_microbatch = [1] * PARALLEL.num_microbatches
+    refused(lambda: timed_curve(PARALLEL, per_microbatch, forward_s=math.nan, backward_s=1.0), "forward_s must be")
+    refused(lambda: timed_curve(PARALLEL, per_microbatch, forward_s="1", backward_s=1.0), "forward_s must be")
+    refused(lambda: timed_curve(PARALLEL, per_microbatch, forward_s=1.0, backward_s=0), "backward_s must be")
+    refused(lambda: memory_curve(PARALLEL, per_microbatch, base_bytes=math.nan), "base_bytes must be an integer")
+    refused(lambda: memory_curve(PARALLEL, per_microbatch, base_bytes=-1), "base_bytes must be an integer >= 0")
+    assert memory_curve(PARALLEL, per_microbatch, base_bytes=5)[0] == 5
 
 
 def test_the_simulator_and_the_reproduction_name_a_wrong_argument():

@@ -180,10 +180,18 @@ _CLASSIFIED: "weakref.WeakKeyDictionary[OpGraph, dict]" = weakref.WeakKeyDiction
 MAX_PLANS_PER_GRAPH = 512  # plans whose result a per-plan memo remembers per graph object
 
 
+def check_graph(graph) -> OpGraph:
+    """``graph`` if it is an :class:`OpGraph`, else a one-line ``ValueError``."""
+    if not isinstance(graph, OpGraph):
+        raise ValueError(f"graph must be an OpGraph (build_graph or a traced graph), got {type(graph).__name__}")
+    return graph
+
+
 def memoised_per_plan(cache: "weakref.WeakKeyDictionary[OpGraph, dict]", graph: OpGraph, plan, compute):
     """``compute(graph, plan)``, memoised in ``cache`` per graph object and plan entries (a pure function of them),
     at most ``MAX_PLANS_PER_GRAPH`` plans per graph; a plan that is not a :class:`Plan` (its text form) is not
     memoised."""
+    check_graph(graph)
     if plan is not None and not isinstance(plan, Plan):
         return compute(graph, plan)
     memo = cache.setdefault(graph, {})
@@ -216,6 +224,7 @@ def evaluate(graph: OpGraph, plan: Plan | None = None) -> PlanCost:
 
 def evaluate_resolved(graph: OpGraph, strategies: Mapping[tuple[str, str], Strategy]) -> PlanCost:
     """:func:`evaluate` on an already resolved ``{(op, tensor): Strategy}`` map (missing savings are KEEP)."""
+    check_graph(graph)
     return _cost(graph, *_classify_closed(graph, strategies))
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Sequence, Union
 
 from .config import ParallelConfig
-from .validate import require_int
+from .validate import require_int, require_number
 
 ChunkBytes = Union[int, Sequence[int]]
 
@@ -152,7 +152,7 @@ def memory_curve(parallel: ParallelConfig, per_microbatch_bytes: Sequence[ChunkB
     if len(per_microbatch_bytes) != parallel.num_microbatches:
         raise ValueError(f"per_microbatch_bytes must have num_microbatches={parallel.num_microbatches} entries, "
                          f"got {len(per_microbatch_bytes)}")
-    held = base_bytes
+    held = require_int("base_bytes", base_bytes, 0)
     curve = [held]
     for action in schedule(parallel, stage):
         nbytes = _chunk_bytes(per_microbatch_bytes, action.microbatch, action.chunk, parallel.vp)
@@ -171,8 +171,8 @@ def timed_curve(parallel: ParallelConfig, per_microbatch_bytes: Sequence[ChunkBy
                 backward_s: float, stage: int = 0) -> tuple[tuple[float, int], ...]:
     """The curve as ``(time_s, bytes)`` corners: forward triangles rise over ``forward_s``, backward ones fall
     over ``backward_s`` (micro-batch level of Fig. 5b; pipeline bubbles are not drawn)."""
-    if forward_s <= 0 or backward_s <= 0:
-        raise ValueError("forward_s and backward_s must be > 0")
+    forward_s = require_number("forward_s", forward_s, 0, low_open=True)
+    backward_s = require_number("backward_s", backward_s, 0, low_open=True)
     curve = memory_curve(parallel, per_microbatch_bytes, stage=stage)
     points = [(0.0, curve[0])]
     now = 0.0

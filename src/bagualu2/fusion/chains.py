@@ -121,6 +121,13 @@ class Chains:
 RawOp = tuple[str, Resource, int]
 
 
+def check_chains(chains) -> Chains:
+    """``chains`` if it is a :class:`Chains` (``build_chains``), else a one-line ``ValueError``."""
+    if not isinstance(chains, Chains):
+        raise ValueError(f"chains must be a Chains (build_chains), got {type(chains).__name__}")
+    return chains
+
+
 def compact(kind: str, ops: list[RawOp], *, copy_split_ns: int | None = None) -> Chain | None:
     """Merge consecutive same-resource ops into stages; cut copy stages longer than ``copy_split_ns`` (into at
     most ``MAX_PIECES`` pieces)."""
@@ -152,6 +159,9 @@ def build_chains(forward_graph: OpGraph | None, forward_plan: Plan | None, backw
     ``hardware`` defaults to the graphs' own; durations come from the graphs (built for that hardware) and the
     evaluator's mitigation ops. ``copy_split_ns`` defaults to the median forward/backward stage duration.
     """
+    for name, graph in (("forward_graph", forward_graph), ("backward_graph", backward_graph)):
+        if graph is not None and not isinstance(graph, OpGraph):
+            raise ValueError(f"{name} must be an OpGraph or None, got {type(graph).__name__}")
     if hardware is not None:
         for graph in (forward_graph, backward_graph):
             if graph is not None and graph.hardware != hardware:

@@ -32,7 +32,7 @@ import numpy as np
 from ..costmodel import Resource
 from ..costmodel.validate import require_int
 from .baselines import BASELINES, combined_1f1b_groups, sequential, with_copies
-from .chains import CHAIN_KINDS, Chains
+from .chains import CHAIN_KINDS, Chains, check_chains
 from .interference import check_share, makespan_ns, slowed_compute
 from .order import Order
 from .simulate import simulate
@@ -146,6 +146,7 @@ def solve(chains: Chains, *, pipeline_degree: int | None = None, share: float = 
     (:func:`with_own_copies`). Durations are in the chains. ``share`` (in [0, 1)): the compute slowdown while
     communication runs beside it, which the groups' times and the makespan then include (:mod:`.interference`).
     """
+    check_chains(chains)
     share = check_share(share)
     if pipeline_degree is not None:
         degree = require_int("pipeline_degree", pipeline_degree, 1)

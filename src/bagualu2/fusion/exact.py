@@ -13,7 +13,7 @@ from ortools.sat.python import cp_model
 
 from ..costmodel import Resource
 from ..costmodel.validate import check_solver_options
-from .chains import CHAIN_KINDS, Chains
+from .chains import CHAIN_KINDS, Chains, check_chains
 from .order import Order
 
 
@@ -63,6 +63,9 @@ def solve(chains: Chains, *, time_limit_s: float = 10.0, num_workers: int = 1, s
     """Optimal issue order (``barriers=False``) and its makespan; ``solver`` is ``exact`` if proven optimal,
     ``exact-feasible`` if the time limit stopped the search first."""
     check_solver_options(time_limit_s, num_workers, seed)
+    check_chains(chains)
+    if hint is not None and not isinstance(hint, Order):
+        raise ValueError(f"hint must be an Order or None, got {type(hint).__name__}")
     if not any(True for _ in chains.present()):
         return Order((), makespan_ns=0, solver="exact")
     built = build_model(chains, hint=hint)

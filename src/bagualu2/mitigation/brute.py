@@ -10,6 +10,7 @@ import itertools
 import time
 
 from ..costmodel import OpGraph, Plan, Strategy, evaluate
+from ..costmodel.validate import require_int
 from .conflicts import check_conflicts
 from .solution import Solution, SolveStatus, check_budget, check_graph, infeasible, make_solution
 
@@ -20,6 +21,7 @@ def solve(graph: OpGraph, budget_bytes: int, *, max_decisions: int = MAX_DECISIO
     started = time.perf_counter()
     check_graph(graph)
     budget_bytes = check_budget(budget_bytes)
+    max_decisions = require_int("max_decisions", max_decisions, 0)
     decisions = graph.decisions
     if len(decisions) > max_decisions:
         raise ValueError(f"brute force handles at most max_decisions={max_decisions} savings, "

@@ -186,6 +186,8 @@ def solve(graph: OpGraph, budget_bytes: int, *, time_limit_s: float = 10.0, num_
     started = time.perf_counter()
     check_graph(graph)
     budget_bytes = check_budget(budget_bytes)
+    if not isinstance(hint, bool):
+        raise ValueError(f"hint must be True or False, got {hint!r}")
     if budget_bytes < graph.floor_bytes:
         return infeasible(graph, budget_bytes, "exact", started, time.perf_counter())
     exact = build_model(graph, min(budget_bytes, graph.unmitigated_bytes))  # CP-SAT constants fit int64

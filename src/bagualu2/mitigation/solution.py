@@ -11,6 +11,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from ..costmodel import OpGraph, Plan, PlanCost, evaluate
+from ..costmodel.evaluate import check_graph
 
 
 class SolveStatus(enum.Enum):
@@ -39,13 +40,6 @@ class Solution:
     @property
     def ok(self) -> bool:
         return self.status in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE)
-
-
-def check_graph(graph: Any) -> OpGraph:
-    """The solvers' graph: an :class:`OpGraph` (one-line ``ValueError`` otherwise)."""
-    if not isinstance(graph, OpGraph):
-        raise ValueError(f"graph must be an OpGraph (build_graph or a traced graph), got {type(graph).__name__}")
-    return graph
 
 
 def check_budget(budget_bytes: Any) -> int:
