@@ -85,6 +85,20 @@ def test_load_trace_reads_the_trainers_log(tmp_path):
     assert load_trace(write(tmp_path, rows[::-1])) == ((1.0, 1.1, 1.2), (2.0, 2.1, 2.2))
 
 
+def test_a_trace_and_a_model_file_saved_with_a_byte_order_mark_read_as_without(tmp_path):
+    trace = tmp_path / "bom.jsonl"
+    trace.write_text("".join(json.dumps({"iteration": 0, "microbatch": m, "imbalance": 1.5}) + "\n"
+                             for m in range(4)), encoding="utf-8-sig")
+    assert load_trace(trace) == ((1.5,) * 4,)
+    model = tmp_path / "model.json"
+    config, parallel = presets.model(MODEL)
+    parallel = dataclasses.replace(parallel, num_microbatches=4)
+    model.write_text(json.dumps({"model": dataclasses.asdict(config), "parallel": dataclasses.asdict(parallel)}),
+                     encoding="utf-8-sig")
+    result = runner.invoke(app, ["simulate", "-m", str(model), "--trace", str(trace), "-p", "ideal", "--json"])
+    assert result.exit_code == 0, result.stderr
+
+
 @pytest.mark.parametrize("lines, match", [
     (['{"iteration": 0, "microbatch": 0, "imbalance": 1.0}', "not json"], "line 2: not valid JSON"),
     (['{"iteration": 0, "microbatch": 0}'], "line 1: expected"),

@@ -156,7 +156,7 @@ def read_json_file(value: str, option: str) -> str:
             raise CliError(f"{value!r} is {info.st_size} bytes; a JSON file of at most {MAX_JSON_FILE_BYTES} "
                            "bytes is allowed", option)
         try:
-            return Path(value).read_text(encoding="utf-8")
+            return Path(value).read_text(encoding="utf-8-sig")
         except UnicodeDecodeError:
             raise CliError(f"{value!r} is not UTF-8 text (a JSON file is expected)", option) from None
 

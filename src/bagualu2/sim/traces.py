@@ -203,7 +203,7 @@ def load_trace(path: str | Path) -> tuple[tuple[float, ...], ...]:
         raise ValueError(f"path must be a file path (str or os.PathLike), got {type(path).__name__}")
     if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO or a device would block or never end
         raise ValueError(f"{path}: not a regular file")
-    with open(path, encoding="utf-8") as handle:
+    with open(path, encoding="utf-8-sig") as handle:
         lines = enumerate(handle, 1)
         while True:
             try:
