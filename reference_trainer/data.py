@@ -305,7 +305,7 @@ class DomainBatches:
         for name, ids in corpus.domains.items():
             if len(ids) < seq_length + 1:
                 raise ValueError(f"{corpus.source}: domain {name!r} has {len(ids)} tokens, fewer than one sequence "
-                                 f"(seq_length + 1 = {seq_length + 1}); add data or lower seq_length")
+                                 f"(seq_length + 1 = {seq_length + 1}); add text to that domain")
         self.corpus, self.seq_length, self.micro_batch_size, self.seed = corpus, seq_length, micro_batch_size, seed
         self.names = tuple(corpus.domains)  # sorted
         self.next_step = 0

@@ -40,8 +40,11 @@ def prepare(config: TrainConfig, *, dry_run: bool = False) -> "Run":
     if corpus.vocab_size > config.model.vocab_size:
         raise ValueError(f"the tokenizer's {corpus.vocab_size} tokens exceed the model's vocab_size "
                          f"{config.model.vocab_size}")
-    batches = DomainBatches(corpus, seq_length=config.model.seq_length,
-                            micro_batch_size=config.model.micro_batch_size, seed=config.seed)
+    try:
+        batches = DomainBatches(corpus, seq_length=config.model.seq_length,
+                                micro_batch_size=config.model.micro_batch_size, seed=config.seed)
+    except ValueError as error:  # a domain shorter than one of the recipe's sequences
+        raise ValueError(f"--data: {error}" if config.data else str(error)) from None
     floor = minimum_cap(config)
     cap = config.memory_cap_bytes if config.memory_cap_bytes is not None else default_cap(config)
     if cap < floor:
@@ -63,8 +66,35 @@ def prepare(config: TrainConfig, *, dry_run: bool = False) -> "Run":
             check_path(config.metrics_file)
         except ValueError as exc:
             raise ValueError(f"--metrics-file: {exc}") from None
+        check_metrics_clashes(config)
     check_state_dir(config, make=not dry_run)
     return Run(config=config, batches=batches, cap_bytes=cap, hardware=presets.hardware(config.hardware))
+
+
+def check_metrics_clashes(config: TrainConfig) -> None:
+    """The metrics file is none of the files the run reads or keeps its state in: not the ``--data`` file, not a
+    ``.txt`` / ``.jsonl`` file of the ``--data`` folder (read as data at the next start, a restart's too), not a
+    name the run's state takes in the state folder (``run_state.json``, the markers, the lock, checkpoints)."""
+    import fnmatch
+
+    from .restarts import LOCK, MARKERS, STATE
+
+    metrics = os.path.realpath(config.metrics_file)
+    if config.data:
+        data = os.path.realpath(config.data)
+        if metrics == data:
+            raise ValueError(f"--metrics-file {config.metrics_file} is the --data file: the metrics would replace "
+                             "the training data")
+        if (os.path.isdir(data) and os.path.dirname(metrics) == data
+                and os.path.splitext(metrics)[1] in (".txt", ".jsonl")):
+            raise ValueError(f"--metrics-file {config.metrics_file} lies in the --data folder, whose .txt and .jsonl "
+                             "files are read as training data; put the metrics elsewhere")
+    state_dir = os.path.realpath(config.checkpoint_dir or os.path.dirname(metrics))
+    name = os.path.basename(metrics)
+    reserved = (STATE, LOCK, *MARKERS, "step-*", f".{STATE}.*")
+    if os.path.dirname(metrics) == state_dir and any(fnmatch.fnmatchcase(name, pattern) for pattern in reserved):
+        raise ValueError(f"--metrics-file {config.metrics_file}: {name} is a name the run keeps its own state "
+                         f"under in {state_dir} ({', '.join(reserved[:-1])}); choose another name")
 
 
 def check_state_dir(config: TrainConfig, *, make: bool = True) -> None:

@@ -163,6 +163,41 @@ def test_reference_trainer_modules_reject_bad_flags_in_one_line(module, args, me
     assert err.startswith(message) and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--data", "text.txt", "--metrics-file", "text.txt"], "--metrics-file text.txt is the --data file"),
+    (["--data", "text.txt", "--metrics-file", "d/../text.txt"], "--metrics-file d/../text.txt is the --data file"),
+    (["--data", "d", "--metrics-file", "d/m.jsonl"], "--metrics-file d/m.jsonl lies in the --data folder"),
+    (["--checkpoint-dir", "ck", "--metrics-file", "ck/run_state.json"],
+     "--metrics-file ck/run_state.json: run_state.json is a name the run keeps its own state under"),
+    (["--metrics-file", "oom-rank1.json"], "--metrics-file oom-rank1.json: oom-rank1.json is a name the run keeps"),
+    (["--checkpoint-dir", "ck", "--metrics-file", "ck/step-00000004"], "--metrics-file ck/step-00000004: step-00000004 is a name"),
+    (["--data", "short.txt"], "--data: short.txt: domain 'short' has 2 tokens, fewer than one sequence"),
+])
+def test_the_metrics_file_is_no_file_the_run_reads_or_keeps_its_state_in(args, message, tmp_path, monkeypatch,
+                                                                          capsys):
+    """A metrics file that would replace the data, be read as data by a restart, or overwrite the run's state is
+    refused in one line before anything is written; a short domain names --data."""
+    from reference_trainer import train
+
+    monkeypatch.chdir(tmp_path)
+    text = " ".join(f"word{i}" for i in range(400))
+    (tmp_path / "text.txt").write_text(text)
+    (tmp_path / "short.txt").write_text("x")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.txt").write_text(text)
+    (tmp_path / "ck").mkdir()
+    with pytest.raises(SystemExit) as exited:
+        train.main(["--pp", "1", "--dp", "1", "--ep", "1", "--world-size", "--check", *args])
+    out, err = capsys.readouterr()
+    assert exited.value.code == 2 and out == ""
+    assert err.startswith(f"error: {message}") and len(err.strip().splitlines()) == 1, err
+    assert (tmp_path / "text.txt").read_text() == text and sorted(p.name for p in (tmp_path / "ck").iterdir()) == []
+    for fine in (["--data", "d", "--metrics-file", "d/m.log"], ["--checkpoint-dir", "ck", "--metrics-file",
+                                                                "ck/metrics.jsonl"]):
+        train.main(["--pp", "1", "--dp", "1", "--ep", "1", "--world-size", "--check", *fine])
+        assert capsys.readouterr().out.strip() == "1"
+
+
 @pytest.mark.launch
 @pytest.mark.slow
 def test_a_stopped_launch_stops_its_workers(tmp_path):
