@@ -24,6 +24,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
+import socket
 import stat
 import sys
 import tempfile
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 STATE = "run_state.json"
+TEMP_PREFIX = "bagualu2-run-"  # the state folders of runs without a checkpoint directory or metrics file
 
 
 def _write_json(path: Path, data: dict) -> bool:
@@ -160,7 +163,7 @@ def state_directory(checkpoint_dir: str | None, metrics_file: str | None) -> str
     if run_id in ("", "none") or world is None or os.environ.get("LOCAL_WORLD_SIZE", world) != world:
         return None  # one process, no id of its own, or several nodes (whose temp folders rank 0 cannot read)
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in run_id)[:64]
-    folder = os.path.join(tempfile.gettempdir(), f"bagualu2-run-{safe}")
+    folder = os.path.join(tempfile.gettempdir(), f"{TEMP_PREFIX}{safe}")
     try:
         os.makedirs(folder, mode=0o700, exist_ok=True)
         info = os.lstat(folder)
@@ -168,6 +171,47 @@ def state_directory(checkpoint_dir: str | None, metrics_file: str | None) -> str
         return None
     owned = stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid()
     return folder if owned else None
+
+
+def _agent() -> dict:
+    """This worker's torchrun agent (its parent process) on this host."""
+    return {"host": socket.gethostname(), "pid": os.getppid()}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: a process of another user holds the pid
+        return True
+    return True
+
+
+def sweep_finished_runs(own: str | os.PathLike[str]) -> int:
+    """Remove this user's ``bagualu2-run-*`` folders in the temp directory (other than ``own``) whose run's
+    torchrun agent on this host has exited, as recorded in their ``run_state.json``: a run without a checkpoint
+    directory or metrics file that failed with no restart left (or was killed) leaves its folder, and a
+    ``--standalone`` launch draws a new run id, so no later launch reads it. A folder without that record, of
+    another user or host, or of an agent still running is kept. Returns how many were removed."""
+    removed = 0
+    own_path = Path(own).resolve()
+    host = socket.gethostname()
+    for folder in Path(tempfile.gettempdir()).glob(f"{TEMP_PREFIX}*"):
+        try:
+            info = os.lstat(folder)
+            if (not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or folder.resolve() == own_path):
+                continue
+            record = json.loads((folder / STATE).read_text())
+        except (OSError, ValueError, RecursionError):
+            continue
+        agent = record.get("agent") if isinstance(record, dict) else None
+        if (not isinstance(agent, dict) or agent.get("host") != host or type(agent.get("pid")) is not int
+                or _alive(agent["pid"])):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed += not folder.exists()
+    return removed
 
 
 def marker_files(directory: Path) -> list[Path]:
@@ -212,6 +256,7 @@ class RunState:
         policies = self.data["policies"]
         self.data["policies"] = [policy] if fresh else policies + [policy] if policies[-1:] != [policy] else policies
         self.data["restarts_before"] = self.data["restarts"]  # this launch's restarts count on from the run's
+        self.data["agent"] = _agent()  # the same across this launch's restarts: sweep_finished_runs reads it
         if is_logger:
             self.save()
 

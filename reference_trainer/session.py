@@ -23,7 +23,8 @@ from .parallel import build_groups, is_expert_parameter, reduce_gradients
 from .policies import OOM_EXIT_CODE, fallback, fixed_plans
 from .provision import Provisioner
 from .resilience import NONFINITE_EXIT_CODE, Guard
-from .restarts import RunState, lock_directory, read_refusal, state_directory, write_refusal
+from .restarts import (RunState, lock_directory, read_refusal, state_directory, sweep_finished_runs,
+                       write_refusal)
 from .routing import record_routing, routing_stats
 from .watchdog import find_cause
 from bagualu2.exec import ActivationOutOfMemoryError
@@ -334,6 +335,10 @@ class Session:
         dist.gather_object(record, gathered, dst=0)
         return gathered
 
+    def _in_temp_folder(self) -> bool:
+        """The run's state is in a temp folder of its own (no checkpoint directory or metrics file was given)."""
+        return self.run_state.dir is not None and not (self.config.checkpoint_dir or self.config.metrics_file)
+
     def _user_error(self, message: str) -> None:
         """A user error every rank found alike after set-up: one line from rank 0, exit code 2 (the others wait a
         moment first, so that torchrun does not stop rank 0 before it reports)."""
@@ -356,6 +361,8 @@ class Session:
                                  "loads; --steps is the total, counting the steps already done")
         if self.restarts == 0 and groups.is_logger:  # a refused launch leaves the run's history as it was
             self.run_state.save()
+            if self._in_temp_folder():  # the folders that runs like this one left when they failed
+                sweep_finished_runs(self.run_state.dir)
         incident = None
         stopped = self.run_state.data.get("stopped")
         if self.restarts > 0 and stopped:  # torchrun restarted a run that stopped on purpose: do not go on
@@ -470,7 +477,7 @@ class Session:
         writer.write(summary)
         writer.close()
         print_summary(summary, rank=groups.rank)
-        if groups.is_logger and self.run_state.dir and not (config.checkpoint_dir or config.metrics_file):
+        if groups.is_logger and self._in_temp_folder():
             shutil.rmtree(self.run_state.dir, ignore_errors=True)  # the temp folder of a run that finished
         return summary
 

@@ -299,3 +299,37 @@ def test_a_restart_waits_for_its_previous_attempt_to_let_the_lock_go(tmp_path):
     again, why = lock_directory(str(tmp_path), wait_s=20.0)
     assert again is not None and why is None
     again.close()
+
+
+def test_the_temp_folders_of_runs_whose_agent_exited_are_swept_and_no_other(tmp_path, monkeypatch):
+    """A run with neither a checkpoint directory nor a metrics file keeps its state in a temp folder of its own;
+    one that failed with no restart left (or was killed) leaves it. The next such launch removes the folders whose
+    recorded agent has exited on this host, and keeps its own, live agents', other hosts', unrecorded ones and
+    anything that is not a folder."""
+    import socket
+
+    from reference_trainer.restarts import sweep_finished_runs
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with open("/proc/sys/kernel/pid_max") as limit:
+        exited = int(limit.read())  # pids are below it: no process holds it
+    host = socket.gethostname()
+    records = {"dead": {"host": host, "pid": exited}, "live": {"host": host, "pid": os.getpid()},
+               "elsewhere": {"host": host + "-other", "pid": exited}, "unrecorded": None,
+               "own": {"host": host, "pid": exited}}
+    for name, agent in records.items():
+        folder = tmp_path / f"bagualu2-run-{name}"
+        folder.mkdir()
+        (folder / "oom-rank1.json").write_text("{}")
+        (folder / STATE).write_text(json.dumps({"restarts": 0} if agent is None else {"agent": agent}))
+    (tmp_path / "bagualu2-run-file").write_text("{}")
+    (tmp_path / "bagualu2-run-torn").mkdir()
+    (tmp_path / "bagualu2-run-torn" / STATE).write_text('{"agent": {"ho')
+    assert sweep_finished_runs(tmp_path / "bagualu2-run-own") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "bagualu2-run-elsewhere", "bagualu2-run-file", "bagualu2-run-live", "bagualu2-run-own", "bagualu2-run-torn",
+        "bagualu2-run-unrecorded"]
+    state = RunState(str(tmp_path / "bagualu2-run-new"), fresh=True, first_launch=True)
+    state.launched("flexible", fresh=True, is_logger=True)  # a launch records its agent: the worker's parent
+    saved = json.loads((tmp_path / "bagualu2-run-new" / STATE).read_text())
+    assert saved["agent"] == {"host": host, "pid": os.getppid()}
