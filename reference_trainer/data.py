@@ -143,19 +143,19 @@ class TokenCorpus:
         if not root.exists():
             raise ValueError(f"{path}: no such file or directory ({_ALLOWED})")
         if root.is_dir():
-            files = sorted(p for p in root.iterdir() if p.suffix in (".txt", ".jsonl"))
+            files = sorted(p for p in root.iterdir() if p.suffix.lower() in (".txt", ".jsonl"))  # OK.TXT too
             odd = next((p for p in files if not p.is_file()), None)
             if odd is not None:  # a dangling link, a device, a pipe or a folder named like a data file
                 raise ValueError(f"{odd}: not a regular file ({_ALLOWED}); remove it from {path} or make it one")
             if not files:
                 raise ValueError(f"{path}: no .txt or .jsonl files in this directory ({_ALLOWED})")
-        elif root.suffix in (".txt", ".jsonl"):
+        elif root.suffix.lower() in (".txt", ".jsonl"):
             files = [root]
         else:
             raise ValueError(f"{path}: unsupported file type {root.suffix or '(none)'!r} ({_ALLOWED})")
         docs: dict[str, list[str]] = {}
         for file in files:
-            for domain, text in (_read_jsonl(file) if file.suffix == ".jsonl" else _read_txt(file)):
+            for domain, text in (_read_jsonl(file) if file.suffix.lower() == ".jsonl" else _read_txt(file)):
                 docs.setdefault(domain, []).append(text)
         return cls({name: _encode(tokenizer, texts) for name, texts in docs.items()},
                    tokenizer.get_vocab_size(with_added_tokens=True), source=str(path))
@@ -191,7 +191,7 @@ def read_text(file: Path) -> str:
     if nul >= 0:
         raise ValueError(f"{file}: binary data (a NUL byte at offset {nul}); expected UTF-8 text ({_ALLOWED})")
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")  # an editor's byte order mark is no text to train on
     except UnicodeDecodeError as error:
         raise ValueError(f"{file}: not UTF-8 text (byte 0x{data[error.start]:02x} at offset {error.start}: "
                          f"{error.reason}); convert it to UTF-8") from None

@@ -86,7 +86,7 @@ def check_metrics_clashes(config: TrainConfig) -> None:
             raise ValueError(f"--metrics-file {config.metrics_file} is the --data file: the metrics would replace "
                              "the training data")
         if (os.path.isdir(data) and os.path.dirname(metrics) == data
-                and os.path.splitext(metrics)[1] in (".txt", ".jsonl")):
+                and os.path.splitext(metrics)[1].lower() in (".txt", ".jsonl")):
             raise ValueError(f"--metrics-file {config.metrics_file} lies in the --data folder, whose .txt and .jsonl "
                              "files are read as training data; put the metrics elsewhere")
     state_dir = os.path.realpath(config.checkpoint_dir or os.path.dirname(metrics))

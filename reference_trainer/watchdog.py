@@ -134,7 +134,8 @@ class Watchdog:
                 context = ""
         silent = self.heartbeats.silent() if self.heartbeats is not None else ""
         context = "; ".join(part for part in (context, silent) if part)
-        line = (f"error: rank {self.rank} made no progress for {idle_s:.0f} s (--collective-timeout "
+        idle = f"{idle_s:.1f}" if idle_s < 10 else f"{idle_s:.0f}"  # a timeout below a second reads as such
+        line = (f"error: rank {self.rank} made no progress for {idle} s (--collective-timeout "
                 f"{self.timeout_s:g}) at step {self.step} in {self.label}{'; ' + context if context else ''}; "
                 f"stacks above; exit code {self.exit_code} (torchrun --max-restarts restarts from the last "
                 "complete checkpoint)")

@@ -211,6 +211,27 @@ def test_json_lines_end_at_newlines_only(tmp_path, tokenizer):
     assert list(corpus.domains) == ["default"]
 
 
+def test_a_byte_order_mark_is_not_trained_on(tmp_path, tokenizer):
+    """A file an editor saved with a UTF-8 byte order mark reads as the same file without it (.txt and .jsonl)."""
+    text = "the quick brown fox jumps over the lazy dog " * 20
+    for suffix, content in ((".txt", text), (".jsonl", json.dumps({"text": text}) + "\n")):
+        plain, marked = tmp_path / f"plain{suffix}", tmp_path / f"marked{suffix}"
+        plain.write_text(content, encoding="utf-8")
+        marked.write_text(content, encoding="utf-8-sig")
+        assert marked.read_bytes().startswith(b"\xef\xbb\xbf")
+        ids = [TokenCorpus.from_path(str(path), tokenizer).domains for path in (plain, marked)]
+        assert [list(domain) for domain in ids[0].values()] == [list(domain) for domain in ids[1].values()]
+
+
+def test_data_file_suffixes_are_read_in_any_case(tmp_path, tokenizer):
+    text = "the quick brown fox jumps over the lazy dog " * 20
+    (tmp_path / "LOUD.TXT").write_text(text)
+    (tmp_path / "Mixed.JsonL").write_text(json.dumps({"text": text, "domain": "mixed"}) + "\n")
+    corpus = TokenCorpus.from_path(str(tmp_path), tokenizer)
+    assert sorted(corpus.domains) == ["LOUD", "mixed"]
+    assert list(TokenCorpus.from_path(str(tmp_path / "LOUD.TXT"), tokenizer).domains) == ["LOUD"]
+
+
 def test_a_domain_shorter_than_one_sequence_is_refused(tmp_path, tokenizer):
     (tmp_path / "tiny.txt").write_text("just a few words")
     small = TokenCorpus.from_path(str(tmp_path / "tiny.txt"), tokenizer)
