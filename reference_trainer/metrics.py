@@ -178,13 +178,14 @@ class MetricsWriter:
     the path is not checked). A fresh run (``resume_step=None``) truncates ``path``; a resumed run (``resume_step``
     = the first step it will execute) keeps the records of steps ``< resume_step`` (:func:`truncate_for_resume`)
     and appends. ``ValueError`` (one line naming the path) when ``path`` exists and is not a regular file or its
-    directory does not exist. Each :meth:`write` is one line, flushed; on rank 0 a write after :meth:`close` is a
-    ``ValueError``. Usable as a context manager."""
+    directory does not exist. Each :meth:`write` is one line, written through (unbuffered); a write the disk
+    refuses (full) leaves the file at its last whole record, warns once and stops the log, not the run. On rank 0
+    a write after :meth:`close` is a ``ValueError``. Usable as a context manager."""
 
     def __init__(self, path: str | os.PathLike | None, *, rank: int, resume_step: int | None = None):
         require_int("rank", rank, 0)
         self.path = None if path is None else os.fspath(path)
-        self._file: IO[str] | None = None
+        self._file: IO[bytes] | None = None
         self._active = rank == 0 and self.path is not None
         if not self._active:
             return
@@ -193,7 +194,8 @@ class MetricsWriter:
             require_int("resume_step", resume_step, 0)
             if os.path.exists(self.path):
                 truncate_for_resume(self.path, resume_step)
-        self._file = open(self.path, "w" if resume_step is None else "a", encoding="utf-8")
+        self._file = open(self.path, "wb" if resume_step is None else "ab", buffering=0)  # a record is one write
+        self._size = self._file.seek(0, os.SEEK_END)  # the bytes of whole records
 
     def write(self, record: Mapping[str, Any]) -> None:
         if not self._active:
@@ -202,11 +204,14 @@ class MetricsWriter:
             raise ValueError(f"metrics writer for {self.path} is closed")
         if not isinstance(record, Mapping):
             raise TypeError(f"a metrics record must be a dict, got {type(record).__name__}")
-        line = json.dumps(jsonable(record), allow_nan=False) + "\n"
+        line = memoryview((json.dumps(jsonable(record), allow_nan=False) + "\n").encode("utf-8"))
         try:
-            self._file.write(line)
-            self._file.flush()
+            while line:  # an unbuffered write may take part of it
+                line = line[self._file.write(line):]
+            self._size = self._file.tell()
         except OSError as exc:  # a full or failing disk: the log stops, a healthy run does not
+            with contextlib.suppress(OSError):  # no half record: the file ends with the last whole one
+                os.ftruncate(self._file.fileno(), self._size)
             self._active = False
             print(f"warning: metrics file {self.path}: {exc.strerror or exc}; no more records are written, "
                   "training continues", file=sys.stderr, flush=True)

@@ -181,13 +181,42 @@ def test_a_full_disk_stops_the_metrics_log_with_one_warning_not_the_run(tmp_path
     writer = MetricsWriter(tmp_path / "m.jsonl", rank=0)
     writer.write({"step": 0})
     writer._file.close()
-    writer._file = open("/dev/full", "w", encoding="utf-8")  # every flush: ENOSPC, as on a full disk
+    writer._file = open("/dev/full", "wb", buffering=0)  # every write: ENOSPC, as on a full disk
     writer.write({"step": 1})
     writer.write({"step": 2})  # no longer written, no second warning
     writer.close()
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "no more records are written, training continues" in warnings[0]
     assert (tmp_path / "m.jsonl").read_text() == '{"step": 0}\n'
+
+
+def test_a_disk_that_fills_within_a_record_leaves_the_last_whole_record(tmp_path, capsys):
+    """The disk takes part of a record, then refuses the rest: the file ends with the last whole record."""
+    import errno
+
+    from reference_trainer.metrics import MetricsWriter
+
+    class FillsUp:
+        def __init__(self, raw):
+            self.raw, self.calls = raw, 0
+
+        def write(self, data):
+            self.calls += 1
+            if self.calls == 1:
+                return self.raw.write(data[: len(data) // 2])  # a short write: half the record went out
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.raw, name)
+
+    path = tmp_path / "m.jsonl"
+    writer = MetricsWriter(path, rank=0)
+    writer.write({"step": 0, "loss": 1.5})
+    writer._file = FillsUp(writer._file)
+    writer.write({"step": 1, "loss": 1.25, "note": "x" * 100})
+    writer.close()
+    assert path.read_text() == '{"step": 0, "loss": 1.5}\n'
+    assert "No space left on device; no more records are written" in capsys.readouterr().err
 
 
 def test_a_full_disk_under_the_run_state_is_one_warning_per_record_and_leaves_nothing(tmp_path, monkeypatch, capsys):
