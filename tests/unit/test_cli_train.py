@@ -257,6 +257,17 @@ def test_a_running_launchs_checkpoints_are_its_own_and_a_killed_launcher_leaves_
 
 
 @pytest.mark.launch
+def test_an_agent_killed_from_outside_is_one_line_and_128_plus_the_signal(capsys):
+    from bagualu2.cli.train_cmd import _run_agent
+
+    code = _run_agent([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 137 and len(err) == 1, err
+    assert err[0].startswith("error: torchrun's agent (pid ") and "was stopped by SIGKILL from outside" in err[0]
+    assert _run_agent([sys.executable, "-c", "raise SystemExit(3)"]) == 3 and capsys.readouterr().err == ""
+
+
+@pytest.mark.launch
 def test_a_rank_killed_from_outside_with_no_restart_left_is_one_line_from_the_launcher():
     proc = subprocess.run([sys.executable, "-m", "bagualu2.cli", "train", "--", "--steps", "3"], capture_output=True,
                           text=True, timeout=300, env={**os.environ, "BAGUALU2_FAULTS": "kill@1:rank=1"})

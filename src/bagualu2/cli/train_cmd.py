@@ -146,11 +146,14 @@ def _run_agent(argv: list[str]) -> int:
     """Run torchrun's agent until it ends; SIGTERM / SIGINT / SIGHUP sent to this command go on to the agent, which
     stops its workers, and the agent gets SIGTERM when this command dies (killed with SIGKILL: ``launch``'s
     parent-death signal), so no worker is left training on its own. Its exit code, 128 + the signal's number when
-    a signal ended it."""
+    a signal ended it; a signal this command did not pass on (``kill -9`` of the agent) gets one line here."""
     # launch.LAUNCHER_PID, spelt out: importing launch here would load it before ``python -m`` runs it (runpy warns)
     agent = subprocess.Popen(argv, env={**one_thread_env(), "BAGUALU2_LAUNCHER_PID": str(os.getpid())})
 
+    forwarded = []
+
     def forward(signum: int, _frame: object) -> None:
+        forwarded.append(signum)
         with contextlib.suppress(ProcessLookupError):
             agent.send_signal(signum)
 
@@ -160,4 +163,11 @@ def _run_agent(argv: list[str]) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if code < 0 and not forwarded:  # the agent itself was killed: its workers stop with it and report nothing
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        typer.echo(f"error: torchrun's agent (pid {agent.pid}) was stopped by {name} from outside this command; "
+                   "its workers stopped with it", err=True)
     return 128 - code if code < 0 else code
