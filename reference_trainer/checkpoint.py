@@ -37,7 +37,7 @@ import torch.distributed as dist
 FORMAT = "bagualu2-checkpoint/1"
 MANIFEST = "manifest.json"
 RNG_JSON_BYTES = 8192  # fixed size of the packed python/numpy RNG states, so that they load in place
-_STEP_DIR = re.compile(r"step-(\d{8,})")
+STEP_DIR = re.compile(r"step-(\d{8,})")
 
 
 class CheckpointError(ValueError):
@@ -318,7 +318,7 @@ def save(directory: str | os.PathLike[str], step: int, state: dict[str, Any], *,
         os.replace(tmp, final)
         _fsync_dir(root)
         shutil.rmtree(old, ignore_errors=True)
-        others = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.fullmatch(p.name))
+        others = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.fullmatch(p.name))
                         and p != final and not p.is_symlink() and _complete(p, int(m.group(1))))
         for _, p in others[:max(0, len(others) - keep + 1)]:  # the one just written always stays
             shutil.rmtree(p)
@@ -338,7 +338,7 @@ def step_dirs(directory: str | os.PathLike[str]) -> list[str]:
     def scan() -> list[str]:
         if not root.is_dir():
             return []
-        steps = sorted((int(m.group(1)), p.name) for p in root.iterdir() if (m := _STEP_DIR.fullmatch(p.name)))
+        steps = sorted((int(m.group(1)), p.name) for p in root.iterdir() if (m := STEP_DIR.fullmatch(p.name)))
         return [name for _, name in steps]
 
     return _on_rank0(scan)
@@ -361,7 +361,7 @@ def find_latest(directory: str | os.PathLike[str]) -> tuple[Path, int] | None:
         refused = [(p, "partial (temporary directory of an interrupted save)") for p in sorted(root.glob(".tmp-*"))]
         chosen = None
         for step, path in sorted(((int(m.group(1)), p) for p in root.iterdir()
-                                  if (m := _STEP_DIR.fullmatch(p.name))), reverse=True):
+                                  if (m := STEP_DIR.fullmatch(p.name))), reverse=True):
             try:
                 _check(path, step, hashes=True)
             except _Refused as exc:
@@ -372,7 +372,7 @@ def find_latest(directory: str | os.PathLike[str]) -> tuple[Path, int] | None:
         for path, reason in refused:
             print(f"warning: checkpoint {path} refused: {reason}; using {chosen[0] if chosen else 'none'}",
                   file=sys.stderr, flush=True)
-        failed = [path.name for path, _ in refused if _STEP_DIR.fullmatch(path.name)]
+        failed = [path.name for path, _ in refused if STEP_DIR.fullmatch(path.name)]
         if chosen is None and failed:  # starting over would retrain and overwrite them: the operator decides
             raise CheckpointError(f"every checkpoint in {root} failed verification ({', '.join(failed[:3])}"
                                   f"{', ...' if len(failed) > 3 else ''}; the warnings above say why): none can be "

@@ -25,6 +25,7 @@ run continues exactly; the loader's only state is ``next_step``.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import itertools
 import json
@@ -190,10 +191,12 @@ def read_text(file: Path) -> str:
     nul = data.find(b"\0")
     if nul >= 0:
         raise ValueError(f"{file}: binary data (a NUL byte at offset {nul}); expected UTF-8 text ({_ALLOWED})")
+    start = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0  # an editor's mark: no text to train on
     try:
-        return data.decode("utf-8-sig")  # an editor's byte order mark is no text to train on
+        return data[start:].decode("utf-8")
     except UnicodeDecodeError as error:
-        raise ValueError(f"{file}: not UTF-8 text (byte 0x{data[error.start]:02x} at offset {error.start}: "
+        offset = start + error.start
+        raise ValueError(f"{file}: not UTF-8 text (byte 0x{data[offset]:02x} at offset {offset}: "
                          f"{error.reason}); convert it to UTF-8") from None
 
 

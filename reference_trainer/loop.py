@@ -32,6 +32,20 @@ def prepare(config: TrainConfig, *, dry_run: bool = False) -> "Run":
 
         if not torch.cuda.is_available():
             raise ValueError("--device cuda needs a CUDA device; use --device cpu")
+    if config.checkpoint_dir and os.path.exists(config.checkpoint_dir) and not os.path.isdir(config.checkpoint_dir):
+        raise ValueError(f"--checkpoint-dir {config.checkpoint_dir} exists and is not a directory")
+    if config.checkpoint_dir and config.metrics_file and (
+            os.path.abspath(config.metrics_file) == os.path.abspath(config.checkpoint_dir)):
+        raise ValueError(f"--metrics-file {config.metrics_file} is the --checkpoint-dir: the metrics are a file in "
+                         "or beside that folder")
+    if config.metrics_file:  # before the data is read: the data may hold an earlier run's metrics
+        from .metrics import check_path
+
+        try:
+            check_path(config.metrics_file)
+        except ValueError as exc:
+            raise ValueError(f"--metrics-file: {exc}") from None
+        check_metrics_clashes(config)
     tokenizer = load_tokenizer()
     try:
         corpus = TokenCorpus.from_path(config.data, tokenizer) if config.data else TokenCorpus.bundled(tokenizer)
@@ -53,20 +67,6 @@ def prepare(config: TrainConfig, *, dry_run: bool = False) -> "Run":
     from .faults import ENV, parse
 
     parse(os.environ.get(ENV, ""))  # fault injections (tests, chaos runs): a bad spec is a user error
-    if config.checkpoint_dir and os.path.exists(config.checkpoint_dir) and not os.path.isdir(config.checkpoint_dir):
-        raise ValueError(f"--checkpoint-dir {config.checkpoint_dir} exists and is not a directory")
-    if config.checkpoint_dir and config.metrics_file and (
-            os.path.abspath(config.metrics_file) == os.path.abspath(config.checkpoint_dir)):
-        raise ValueError(f"--metrics-file {config.metrics_file} is the --checkpoint-dir: the metrics are a file in "
-                         "or beside that folder")
-    if config.metrics_file:
-        from .metrics import check_path
-
-        try:
-            check_path(config.metrics_file)
-        except ValueError as exc:
-            raise ValueError(f"--metrics-file: {exc}") from None
-        check_metrics_clashes(config)
     check_state_dir(config, make=not dry_run)
     return Run(config=config, batches=batches, cap_bytes=cap, hardware=presets.hardware(config.hardware))
 
@@ -74,9 +74,11 @@ def prepare(config: TrainConfig, *, dry_run: bool = False) -> "Run":
 def check_metrics_clashes(config: TrainConfig) -> None:
     """The metrics file is none of the files the run reads or keeps its state in: not the ``--data`` file, not a
     ``.txt`` / ``.jsonl`` file of the ``--data`` folder (read as data at the next start, a restart's too), not a
-    name the run's state takes in the state folder (``run_state.json``, the markers, the lock, checkpoints)."""
+    name the run's state takes in its folder (``run_state.json``, the markers, the lock) nor, in the checkpoint
+    directory, a checkpoint's (``step-<8+ digits>``)."""
     import fnmatch
 
+    from .checkpoint import STEP_DIR
     from .restarts import LOCK, MARKERS, STATE
 
     metrics = os.path.realpath(config.metrics_file)
@@ -89,12 +91,15 @@ def check_metrics_clashes(config: TrainConfig) -> None:
                 and os.path.splitext(metrics)[1].lower() in (".txt", ".jsonl")):
             raise ValueError(f"--metrics-file {config.metrics_file} lies in the --data folder, whose .txt and .jsonl "
                              "files are read as training data; put the metrics elsewhere")
-    state_dir = os.path.realpath(config.checkpoint_dir or os.path.dirname(metrics))
-    name = os.path.basename(metrics)
-    reserved = (STATE, LOCK, *MARKERS, "step-*", f".{STATE}.*")
-    if os.path.dirname(metrics) == state_dir and any(fnmatch.fnmatchcase(name, pattern) for pattern in reserved):
-        raise ValueError(f"--metrics-file {config.metrics_file}: {name} is a name the run keeps its own state "
-                         f"under in {state_dir} ({', '.join(reserved[:-1])}); choose another name")
+    folder, name = os.path.split(metrics)
+    checkpoints = config.checkpoint_dir is not None and folder == os.path.realpath(config.checkpoint_dir)
+    reserved = (STATE, LOCK, *MARKERS, f".{STATE}.*")
+    if (folder == os.path.realpath(config.checkpoint_dir or folder)
+            and any(fnmatch.fnmatchcase(name, pattern) for pattern in reserved)) or (
+            checkpoints and STEP_DIR.fullmatch(name)):
+        raise ValueError(f"--metrics-file {config.metrics_file}: {name} is a name the run keeps its own state under "
+                         f"in {folder} ({', '.join(reserved[:-1])}, and checkpoints' step-NNNNNNNN); choose another "
+                         "name")
 
 
 def check_state_dir(config: TrainConfig, *, make: bool = True) -> None:

@@ -195,7 +195,7 @@ class MetricsWriter:
             if os.path.exists(self.path):
                 truncate_for_resume(self.path, resume_step)
         self._file = open(self.path, "wb" if resume_step is None else "ab", buffering=0)  # a record is one write
-        self._size = self._file.seek(0, os.SEEK_END)  # the bytes of whole records
+        self._whole_bytes = self._file.seek(0, os.SEEK_END)  # the bytes of whole records
 
     def write(self, record: Mapping[str, Any]) -> None:
         if not self._active:
@@ -208,10 +208,10 @@ class MetricsWriter:
         try:
             while line:  # an unbuffered write may take part of it
                 line = line[self._file.write(line):]
-            self._size = self._file.tell()
+            self._whole_bytes = self._file.tell()
         except OSError as exc:  # a full or failing disk: the log stops, a healthy run does not
             with contextlib.suppress(OSError):  # no half record: the file ends with the last whole one
-                os.ftruncate(self._file.fileno(), self._size)
+                os.ftruncate(self._file.fileno(), self._whole_bytes)
             self._active = False
             print(f"warning: metrics file {self.path}: {exc.strerror or exc}; no more records are written, "
                   "training continues", file=sys.stderr, flush=True)

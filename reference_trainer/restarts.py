@@ -25,7 +25,6 @@ import errno
 import json
 import os
 import shutil
-import socket
 import stat
 import sys
 import tempfile
@@ -93,7 +92,8 @@ BUSY = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)  # flock's "held by anoth
 
 
 def lock_directory(directory: str, *, wait_s: float = 0.0) -> tuple[Any, str | None]:
-    """An exclusive lock on the checkpoint ``directory`` for this process's life (the system releases it when the
+    """An exclusive lock on the run's state ``directory`` (its checkpoint directory, or its own temp folder, which
+    keeps other launches' :func:`sweep_finished_runs` out) for this process's life (the system releases it when the
     process ends, killed included, so torchrun's restarts of the launch take it again), tried for up to ``wait_s``
     seconds (a restart's previous rank 0 may still be exiting): ``(open lock file, None)``, ``(None, why)`` when
     another live process holds it or the lock file cannot be made, and ``(None, None)`` with a warning where the
@@ -175,7 +175,7 @@ def state_directory(checkpoint_dir: str | None, metrics_file: str | None) -> str
 
 def _agent() -> dict:
     """This worker's torchrun agent (its parent process) on this host."""
-    return {"host": socket.gethostname(), "pid": os.getppid()}
+    return {"host": os.uname().nodename, "pid": os.getppid()}
 
 
 def _alive(pid: int) -> bool:
@@ -183,7 +183,7 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except OSError:  # EPERM: a process of another user holds the pid
+    except (OSError, OverflowError):  # EPERM: a process of another user holds the pid; a pid no system has
         return True
     return True
 
@@ -193,10 +193,13 @@ def sweep_finished_runs(own: str | os.PathLike[str]) -> int:
     torchrun agent on this host has exited, as recorded in their ``run_state.json``: a run without a checkpoint
     directory or metrics file that failed with no restart left (or was killed) leaves its folder, and a
     ``--standalone`` launch draws a new run id, so no later launch reads it. A folder without that record, of
-    another user or host, or of an agent still running is kept. Returns how many were removed."""
+    another user or host, of an agent still running, or whose lock a live rank 0 holds (a launch that reuses a run
+    id, before it records its agent; another PID namespace) is kept. Returns how many were removed."""
+    import fcntl
+
     removed = 0
     own_path = Path(own).resolve()
-    host = socket.gethostname()
+    host = os.uname().nodename
     for folder in Path(tempfile.gettempdir()).glob(f"{TEMP_PREFIX}*"):
         try:
             info = os.lstat(folder)
@@ -209,7 +212,12 @@ def sweep_finished_runs(own: str | os.PathLike[str]) -> int:
         if (not isinstance(agent, dict) or agent.get("host") != host or type(agent.get("pid")) is not int
                 or _alive(agent["pid"])):
             continue
-        shutil.rmtree(folder, ignore_errors=True)
+        try:
+            with open(folder / LOCK, "a+") as lock:  # held while removing: a run starting in it waits, then remakes it
+                fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                shutil.rmtree(folder, ignore_errors=True)
+        except OSError:  # a live rank 0 holds the lock, or the lock file cannot be made: not ours to judge
+            continue
         removed += not folder.exists()
     return removed
 

@@ -135,6 +135,8 @@ class Session:
             self.directory_lock, busy = lock_directory(config.checkpoint_dir, wait_s=wait_s)
             if busy is not None:
                 box[0] = f"--checkpoint-dir {config.checkpoint_dir}: {busy}; give another directory"
+        elif groups.rank == 0 and state_dir is not None and not config.metrics_file:  # the run's own temp folder:
+            self.directory_lock, _ = lock_directory(state_dir)  # held, so that no other launch's sweep removes it
         if dist.is_initialized():
             dist.broadcast_object_list(box, src=0)
         message = box[0]

@@ -167,6 +167,7 @@ def test_reference_trainer_modules_reject_bad_flags_in_one_line(module, args, me
     (["--data", "text.txt", "--metrics-file", "text.txt"], "--metrics-file text.txt is the --data file"),
     (["--data", "text.txt", "--metrics-file", "d/../text.txt"], "--metrics-file d/../text.txt is the --data file"),
     (["--data", "d", "--metrics-file", "d/m.jsonl"], "--metrics-file d/m.jsonl lies in the --data folder"),
+    (["--data", "d", "--metrics-file", "d/old.jsonl"], "--metrics-file d/old.jsonl lies in the --data folder"),
     (["--checkpoint-dir", "ck", "--metrics-file", "ck/run_state.json"],
      "--metrics-file ck/run_state.json: run_state.json is a name the run keeps its own state under"),
     (["--metrics-file", "oom-rank1.json"], "--metrics-file oom-rank1.json: oom-rank1.json is a name the run keeps"),
@@ -185,6 +186,7 @@ def test_the_metrics_file_is_no_file_the_run_reads_or_keeps_its_state_in(args, m
     (tmp_path / "short.txt").write_text("x")
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "a.txt").write_text(text)
+    (tmp_path / "d" / "old.jsonl").write_text('{"step": 0}\n')  # an earlier run's metrics: refused before it is read
     (tmp_path / "ck").mkdir()
     with pytest.raises(SystemExit) as exited:
         train.main(["--pp", "1", "--dp", "1", "--ep", "1", "--world-size", "--check", *args])
@@ -192,8 +194,10 @@ def test_the_metrics_file_is_no_file_the_run_reads_or_keeps_its_state_in(args, m
     assert exited.value.code == 2 and out == ""
     assert err.startswith(f"error: {message}") and len(err.strip().splitlines()) == 1, err
     assert (tmp_path / "text.txt").read_text() == text and sorted(p.name for p in (tmp_path / "ck").iterdir()) == []
-    for fine in (["--data", "d", "--metrics-file", "d/m.log"], ["--checkpoint-dir", "ck", "--metrics-file",
-                                                                "ck/metrics.jsonl"]):
+    for fine in (["--data", "text.txt", "--metrics-file", "d/m.log"], ["--checkpoint-dir", "ck", "--metrics-file",
+                                                                       "ck/metrics.jsonl"],
+                 ["--checkpoint-dir", "ck", "--metrics-file", "ck/step-times.jsonl"],
+                 ["--metrics-file", "step-00000004"]):  # no checkpoint is written beside it
         train.main(["--pp", "1", "--dp", "1", "--ep", "1", "--world-size", "--check", *fine])
         assert capsys.readouterr().out.strip() == "1"
 
@@ -265,6 +269,8 @@ def test_an_agent_killed_from_outside_is_one_line_and_128_plus_the_signal(capsys
     assert code == 137 and len(err) == 1, err
     assert err[0].startswith("error: torchrun's agent (pid ") and "was stopped by SIGKILL from outside" in err[0]
     assert _run_agent([sys.executable, "-c", "raise SystemExit(3)"]) == 3 and capsys.readouterr().err == ""
+    assert _run_agent([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"]) == 139
+    assert "crashed with SIGSEGV (its output above says where); its workers stopped with it" in capsys.readouterr().err
 
 
 @pytest.mark.launch

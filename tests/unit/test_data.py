@@ -3,6 +3,7 @@ resume state and the user-data loader's errors."""
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import lzma
@@ -244,6 +245,7 @@ def test_a_domain_shorter_than_one_sequence_is_refused(tmp_path, tokenizer):
     ("binary_txt", "binary data (a NUL byte at offset"),
     ("binary_jsonl", "binary data (a NUL byte at offset"),
     ("latin1_txt", "not UTF-8 text (byte 0xe9 at offset 3"),
+    ("marked_latin1_txt", "not UTF-8 text (byte 0xe9 at offset 6"),  # counted from the file's first byte
     ("latin1_jsonl", "not UTF-8 text (byte 0xe9"),
     ("long_txt", "document 1 is 9437185 bytes, over the 8 MiB limit"),
     ("long_jsonl", "line 2 is 9437196 bytes, over the 8 MiB limit"),
@@ -255,6 +257,8 @@ def test_binary_other_encodings_and_huge_documents_are_refused(tmp_path, tokeniz
         path.write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)) * 8)
     elif case == "latin1_txt":
         path.write_bytes("caf\u00e9 au lait\n".encode("latin-1"))
+    elif case == "marked_latin1_txt":
+        path.write_bytes(codecs.BOM_UTF8 + "caf\u00e9 au lait\n".encode("latin-1"))
     elif case == "latin1_jsonl":
         path.write_bytes(('{"text": "caf\u00e9"}\n').encode("latin-1"))
     elif case == "long_txt":

@@ -334,30 +334,33 @@ def test_the_temp_folders_of_runs_whose_agent_exited_are_swept_and_no_other(tmp_
     """A run with neither a checkpoint directory nor a metrics file keeps its state in a temp folder of its own;
     one that failed with no restart left (or was killed) leaves it. The next such launch removes the folders whose
     recorded agent has exited on this host, and keeps its own, live agents', other hosts', unrecorded ones and
-    anything that is not a folder."""
-    import socket
-
-    from reference_trainer.restarts import sweep_finished_runs
+    anything that is not a folder; nor one whose lock a live rank 0 holds."""
+    from reference_trainer.restarts import lock_directory, sweep_finished_runs
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     with open("/proc/sys/kernel/pid_max") as limit:
         exited = int(limit.read())  # pids are below it: no process holds it
-    host = socket.gethostname()
+    host = os.uname().nodename
     records = {"dead": {"host": host, "pid": exited}, "live": {"host": host, "pid": os.getpid()},
                "elsewhere": {"host": host + "-other", "pid": exited}, "unrecorded": None,
-               "own": {"host": host, "pid": exited}}
+               "own": {"host": host, "pid": exited}, "locked": {"host": host, "pid": exited},
+               "huge": {"host": host, "pid": 2**40}}
     for name, agent in records.items():
         folder = tmp_path / f"bagualu2-run-{name}"
         folder.mkdir()
         (folder / "oom-rank1.json").write_text("{}")
         (folder / STATE).write_text(json.dumps({"restarts": 0} if agent is None else {"agent": agent}))
     (tmp_path / "bagualu2-run-file").write_text("{}")
+    held, _ = lock_directory(str(tmp_path / "bagualu2-run-locked"))  # a live rank 0 that has not recorded its agent
     (tmp_path / "bagualu2-run-torn").mkdir()
     (tmp_path / "bagualu2-run-torn" / STATE).write_text('{"agent": {"ho')
     assert sweep_finished_runs(tmp_path / "bagualu2-run-own") == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "bagualu2-run-elsewhere", "bagualu2-run-file", "bagualu2-run-live", "bagualu2-run-own", "bagualu2-run-torn",
-        "bagualu2-run-unrecorded"]
+        "bagualu2-run-elsewhere", "bagualu2-run-file", "bagualu2-run-huge", "bagualu2-run-live",
+        "bagualu2-run-locked", "bagualu2-run-own", "bagualu2-run-torn", "bagualu2-run-unrecorded"]
+    held.close()  # that rank 0 exited: its folder goes at the next sweep
+    assert sweep_finished_runs(tmp_path / "bagualu2-run-own") == 1
+    assert not (tmp_path / "bagualu2-run-locked").exists()
     state = RunState(str(tmp_path / "bagualu2-run-new"), fresh=True, first_launch=True)
     state.launched("flexible", fresh=True, is_logger=True)  # a launch records its agent: the worker's parent
     saved = json.loads((tmp_path / "bagualu2-run-new" / STATE).read_text())

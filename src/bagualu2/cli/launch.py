@@ -15,6 +15,8 @@ import os
 import signal
 import sys
 
+from .signals import how_it_ended
+
 # The reference trainer's exit codes that a restart repeats: a user error (bad flags or data: 2), a non-finite
 # loss or gradient under ``--on-nonfinite stop`` (65), a diverged collective order (78, a bug).
 FINAL_EXIT_CODES = frozenset({2, 65, 78})
@@ -111,9 +113,6 @@ def _agent(argv: list[str]) -> int:
     return 0
 
 
-OUTSIDE = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
-
-
 def signal_of(code: int) -> int | None:
     """The signal a worker's exit code says ended it: killed by it (``-signal``) or exiting on it (128 + signal, as
     the trainer does when torchrun stops it); None for an exit code of its own."""
@@ -127,12 +126,8 @@ def report_killed(rank: int, failure) -> int:
     the host's out-of-memory killer; or crashed: SIGSEGV, SIGABRT), once torchrun has no restart left; 128 + the
     signal's number."""
     number = signal_of(failure.exitcode)
-    try:
-        name = signal.Signals(number).name
-    except ValueError:
-        name = f"signal {number}"
-    how = (f"was stopped by {name} (from outside the trainer: kill, the host's out-of-memory killer)"
-           if number in OUTSIDE else f"crashed with {name} (its output above says where)")
+    how = how_it_ended(number, "(from outside the trainer: kill, the host's out-of-memory killer)",
+                       "(its output above says where)")
     print(f"error: rank {rank} {how} and no restart is left (--max-restarts)", file=sys.stderr, flush=True)
     return 128 + number
 

@@ -23,6 +23,7 @@ from typing import Annotated, Optional
 import typer
 
 from .common import CliError, handle_errors, integer_option, one_thread_env, require_extra
+from .signals import how_it_ended
 
 TRAINER = "reference_trainer.train"
 MAX_PROCESSES = 1024  # per node
@@ -164,10 +165,6 @@ def _run_agent(argv: list[str]) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if code < 0 and not forwarded:  # the agent itself was killed: its workers stop with it and report nothing
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        typer.echo(f"error: torchrun's agent (pid {agent.pid}) was stopped by {name} from outside this command; "
-                   "its workers stopped with it", err=True)
+        how = how_it_ended(-code, "from outside this command", "(its output above says where)")
+        typer.echo(f"error: torchrun's agent (pid {agent.pid}) {how}; its workers stopped with it", err=True)
     return 128 - code if code < 0 else code
