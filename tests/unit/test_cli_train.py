@@ -171,7 +171,8 @@ def test_reference_trainer_modules_reject_bad_flags_in_one_line(module, args, me
     (["--checkpoint-dir", "ck", "--metrics-file", "ck/run_state.json"],
      "--metrics-file ck/run_state.json: run_state.json is a name the run keeps its own state under"),
     (["--metrics-file", "oom-rank1.json"], "--metrics-file oom-rank1.json: oom-rank1.json is a name the run keeps"),
-    (["--checkpoint-dir", "ck", "--metrics-file", "ck/step-00000004"], "--metrics-file ck/step-00000004: step-00000004 is a name"),
+    (["--checkpoint-dir", "ck", "--metrics-file", "ck/step-00000004"],
+     "--metrics-file ck/step-00000004: step-00000004 is a name"),
     (["--data", "short.txt"], "--data: short.txt: domain 'short' has 2 tokens, fewer than one sequence"),
 ])
 def test_the_metrics_file_is_no_file_the_run_reads_or_keeps_its_state_in(args, message, tmp_path, monkeypatch,
