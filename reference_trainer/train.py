@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -32,8 +33,16 @@ def _quiet_unraisable(info) -> None:
         sys.__unraisablehook__(info)
 
 
+def _exit_on_interrupt(signum, _frame) -> NoReturn:
+    """Ctrl-C while the modules below import: exit at once, quietly. A KeyboardInterrupt raised there can land in a
+    C++ callback of torch's import, which then aborts the process ("terminate called after throwing an instance of
+    'pybind11::error_already_set'", SIGABRT) instead of exiting by the signal."""
+    os._exit(128 + signum)
+
+
 if __name__ == "__main__":  # before the imports below, which take seconds (torch)
     sys.excepthook, sys.unraisablehook = _quiet_interrupt, _quiet_unraisable
+    signal.signal(signal.SIGINT, _exit_on_interrupt)  # until main() starts: the imports are done then
 
 from . import startup
 from .policies import POLICIES
@@ -143,6 +152,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, argparse
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    if signal.getsignal(signal.SIGINT) is _exit_on_interrupt:  # the imports are done: Ctrl-C is a KeyboardInterrupt
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     startup.die_with_launcher()
     config = None
