@@ -92,11 +92,10 @@ def check_metrics_clashes(config: TrainConfig) -> None:
             raise ValueError(f"--metrics-file {config.metrics_file} lies in the --data folder, whose .txt and .jsonl "
                              "files are read as training data; put the metrics elsewhere")
     folder, name = os.path.split(metrics)
-    checkpoints = config.checkpoint_dir is not None and folder == os.path.realpath(config.checkpoint_dir)
+    in_state = folder == os.path.realpath(config.checkpoint_dir or folder)  # the state folder: the checkpoints'
     reserved = (STATE, LOCK, *MARKERS, f".{STATE}.*")
-    if (folder == os.path.realpath(config.checkpoint_dir or folder)
-            and any(fnmatch.fnmatchcase(name, pattern) for pattern in reserved)) or (
-            checkpoints and STEP_DIR.fullmatch(name)):
+    if in_state and (any(fnmatch.fnmatchcase(name, pattern) for pattern in reserved)
+                     or (config.checkpoint_dir and STEP_DIR.fullmatch(name))):
         raise ValueError(f"--metrics-file {config.metrics_file}: {name} is a name the run keeps its own state under "
                          f"in {folder} ({', '.join(reserved[:-1])}, and checkpoints' step-NNNNNNNN); choose another "
                          "name")

@@ -75,7 +75,10 @@ def _refusal_tag() -> str:
     without ``--standalone`` or ``--rdzv-id``, which other launches share) the agent's host and pid, which stay the
     same across the agent's restarts of its workers."""
     run_id = _run_id()
-    return run_id if run_id not in ("", "none") else f"none@{os.uname().nodename}:{os.getppid()}"
+    if run_id not in ("", "none"):
+        return run_id
+    agent = _agent()
+    return f"none@{agent['host']}:{agent['pid']}"
 
 
 def write_refusal(directory: str | None, message: str) -> None:

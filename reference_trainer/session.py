@@ -70,6 +70,8 @@ class Session:
         self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.resume = config.resume or (self.restarts > 0 and bool(config.checkpoint_dir))
         state_dir = state_directory(config.checkpoint_dir, config.metrics_file)
+        # the run's state is in a temp folder of its own (no checkpoint directory or metrics file was given)
+        self.in_temp_folder = state_dir is not None and not (config.checkpoint_dir or config.metrics_file)
         self._refuse_another_runs_directory(state_dir)  # before this launch touches the directory
         self.run_state = RunState(state_dir, fresh=self.restarts == 0 and not config.resume,
                                   first_launch=self.restarts == 0)
@@ -135,7 +137,7 @@ class Session:
             self.directory_lock, busy = lock_directory(config.checkpoint_dir, wait_s=wait_s)
             if busy is not None:
                 box[0] = f"--checkpoint-dir {config.checkpoint_dir}: {busy}; give another directory"
-        elif groups.rank == 0 and state_dir is not None and not config.metrics_file:  # the run's own temp folder:
+        elif groups.rank == 0 and self.in_temp_folder:
             self.directory_lock, _ = lock_directory(state_dir)  # held, so that no other launch's sweep removes it
         if dist.is_initialized():
             dist.broadcast_object_list(box, src=0)
@@ -337,10 +339,6 @@ class Session:
         dist.gather_object(record, gathered, dst=0)
         return gathered
 
-    def _in_temp_folder(self) -> bool:
-        """The run's state is in a temp folder of its own (no checkpoint directory or metrics file was given)."""
-        return self.run_state.dir is not None and not (self.config.checkpoint_dir or self.config.metrics_file)
-
     def _user_error(self, message: str) -> None:
         """A user error every rank found alike after set-up: one line from rank 0, exit code 2 (the others wait a
         moment first, so that torchrun does not stop rank 0 before it reports)."""
@@ -363,7 +361,7 @@ class Session:
                                  "loads; --steps is the total, counting the steps already done")
         if self.restarts == 0 and groups.is_logger:  # a refused launch leaves the run's history as it was
             self.run_state.save()
-            if self._in_temp_folder():  # the folders that runs like this one left when they failed
+            if self.in_temp_folder:  # the folders that runs like this one left when they failed
                 sweep_finished_runs(self.run_state.dir)
         incident = None
         stopped = self.run_state.data.get("stopped")
@@ -479,7 +477,7 @@ class Session:
         writer.write(summary)
         writer.close()
         print_summary(summary, rank=groups.rank)
-        if groups.is_logger and self._in_temp_folder():
+        if groups.is_logger and self.in_temp_folder:
             shutil.rmtree(self.run_state.dir, ignore_errors=True)  # the temp folder of a run that finished
         return summary
 
