@@ -351,7 +351,8 @@ class Shifted(nn.Module):
         self.register_buffer("shift", torch.zeros(H))
 
     def forward(self, x, mask):
-        return torch.tanh(self.fc(x) + self.shift) * mask
+        # the mask is read, not saved (masked_fill saves the comparison's result): only a re-run reads it again
+        return torch.tanh(self.fc(x) + self.shift).masked_fill(mask == 0, 0.0)
 
 
 class ChangesAfter(nn.Module):

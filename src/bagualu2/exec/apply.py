@@ -40,7 +40,8 @@ from .instrument import InstrumentedModel, check_device, restored_scope
 from .plancheck import check_replayable, check_sources
 from .ops import ACTIVE, FORWARD_GATE, OP_HINTS, OP_SCOPE
 from .provisional import Provisional, settle, standby_ops
-from .packing import CopyEngine, HostCopy, Offloaded, Quantized, View, flat_storage, quantize_fp8, unpack
+from .packing import (CopyEngine, HostCopy, Offloaded, Quantized, View, flat_storage, quantize_fp8, saved_alias,
+                      unpack)
 from .record import TORCH_TO_NAME, MicroBatchRecord
 from .recompute import Regenerated, Replay, Source, Stored, autocast_state, checksums
 from .tracker import (ActivationOutOfMemoryError, ActivationTracker, check_name, names_text, recording,
@@ -440,10 +441,10 @@ class PlanExecutor:
 
     def _keep(self, record: MicroBatchRecord, tensor: torch.Tensor, entry: Stored) -> torch.Tensor:
         self._charge(record, ("keep", entry.sid), entry.nbytes)
-        # a detached alias (same storage and version counter): a saved *output* packed as itself would form a
-        # reference cycle through its own autograd node, leaking the whole forward if backward never runs (an
-        # out-of-memory error mid-forward). Saved tensors come back without grad_fn: no double backward.
-        kept = tensor.detach()
+        # a detached alias (packing.saved_alias): a saved *output* packed as itself would form a reference cycle
+        # through its own autograd node, leaking the whole forward if backward never runs (an out-of-memory error
+        # mid-forward). Saved tensors come back without grad_fn: no double backward.
+        kept = saved_alias(tensor)
         entry.keep(kept)
         return kept
 

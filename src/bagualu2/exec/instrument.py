@@ -168,14 +168,17 @@ class InstrumentedModel:
         self._checkpointable = [module for module in modules.values() if hasattr(module, "gradient_checkpointing")]
         _HOOKED.update(self._hooked)
         self._handles = []
+        self._hook_ids: dict[str, tuple[int, int]] = {}  # per module path: (pre-hook, hook) handle ids
         for path, binding in self.bindings.items():
             module = modules[path]
             # the op is the module's forward, as a replay re-runs it: the pre-hook goes after the module's own
             # pre-hooks and the hook before its own hooks (an expert-parallel dispatch and combine put on the
             # module run outside the op, in its parent)
-            self._handles.append(module.register_forward_pre_hook(self._pre_hook(binding), with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._post_hook(binding), with_kwargs=True,
-                                                              always_call=True, prepend=True))
+            pre = module.register_forward_pre_hook(self._pre_hook(binding), with_kwargs=True)
+            post = module.register_forward_hook(self._post_hook(binding), with_kwargs=True, always_call=True,
+                                                prepend=True)
+            self._handles += [pre, post]
+            self._hook_ids[path] = (pre.id, post.id)
 
     def __call__(self, *args, **kwargs):
         return self.model(*args, **kwargs)
@@ -375,6 +378,7 @@ class InstrumentedModel:
                 return None
             if active is not None and (binding.op in active[0].standby or binding.op in active[1].rerun):
                 _check_stateless(binding, args, kwargs)  # before any state is set: nothing to undo
+                _check_own_hooks_outermost(binding, module, self._hook_ids[binding.path])
             frame = Frame(binding, FRAME.get())
             if active is not None:
                 record = active[1]
@@ -444,6 +448,17 @@ def _check_stateless(binding: OpBinding, args: tuple, kwargs: dict) -> None:
         raise ValueError(f"plan: RECOMPUTE re-runs {binding.op} (module {binding.path}), whose call takes a {held} "
                          "object: a re-run could change or read its state; keep, offload or quantize its savings, "
                          "or run without it (use_cache=False)")
+
+
+def _check_own_hooks_outermost(binding: OpBinding, module: torch.nn.Module, ids: tuple[int, int]) -> None:
+    """``ValueError`` if a call the plan re-runs has a forward pre-hook that runs after the op's (or a forward hook
+    before it), i.e. one registered after :func:`instrument`: the op would record other arguments (or outputs) than
+    the module's forward takes, and a re-run, which calls ``module.forward``, would compute other values."""
+    pre_id, post_id = ids
+    if next(reversed(module._forward_pre_hooks), None) != pre_id or next(iter(module._forward_hooks), None) != post_id:
+        raise ValueError(f"plan: RECOMPUTE re-runs {binding.op} (module {binding.path}), which got a forward hook "
+                         "after instrument(): a re-run calls the module's forward without it and could compute other "
+                         "values; register the hook before instrument(), or keep, offload or quantize its savings")
 
 
 def _replay_call(module: torch.nn.Module, args: tuple, kwargs: dict, record, *, op: str = "the op",

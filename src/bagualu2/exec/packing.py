@@ -203,6 +203,29 @@ class Quantized:
         return self.view.rebuild(dequantize_fp8(self.data, self.scale, self.view.dtype))
 
 
+def saved_alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A saving kept as it is, packed as a detached alias of ``tensor`` (same storage and version counter: a saved
+    *output* packed as itself would form a reference cycle through its own autograd node) that notes the version
+    it was saved at. PyTorch skips its own in-place check on savings that go through saved-tensor hooks;
+    :func:`unpack` makes it instead."""
+    alias = tensor.detach()
+    alias._saved_version = tensor._version
+    return alias
+
+
+def check_unchanged(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (a :func:`saved_alias`) unless it was changed in place after it was saved: then the
+    ``RuntimeError`` PyTorch raises without hooks, as the backward would compute with the changed values."""
+    saved = getattr(tensor, "_saved_version", None)
+    if saved is not None and tensor._version != saved:
+        raise RuntimeError(f"one of the variables needed for gradient computation has been modified by an inplace "
+                           f"operation: a {tuple(tensor.shape)} {tensor.dtype} tensor saved for backward is at "
+                           f"version {tensor._version}; expected version {saved} instead (change a clone of it, or "
+                           "change it only after the backward)")
+    return tensor
+
+
 def unpack(packed):
-    """The saved-tensor unpack hook: a kept tensor as it is, anything packed through its ``unpack``."""
-    return packed if isinstance(packed, torch.Tensor) else packed.unpack()
+    """The saved-tensor unpack hook: a kept tensor as it is (unless changed in place since), anything packed
+    through its ``unpack``."""
+    return check_unchanged(packed) if isinstance(packed, torch.Tensor) else packed.unpack()

@@ -298,8 +298,14 @@ class Regenerated:
     output: int | None = None     # index into the replay's outputs ...
     save: int | None = None       # ... or into its captured savings
     lookup: Callable[[str], torch.Tensor | None] | None = None
+    # what the first unpack regenerated or read: a retained graph (``retain_graph=True``) unpacks again, after
+    # the copies and inputs it came from may be gone, and reads it back; autograd frees it with this handle, right
+    # after the unpack unless the graph is retained
+    _value: torch.Tensor | None = field(default=None, repr=False)
 
     def unpack(self) -> torch.Tensor:
+        if self._value is not None:
+            return self.view.rebuild(self._value)
         flat = self.stored.flat(self.view.device, self.view.dtype, self.engine)
         if self.replay is not None and self.replay.dropped:
             self.replay = None  # a forgotten replay: read the copy another consumer stores
@@ -313,6 +319,7 @@ class Regenerated:
         if flat is None:
             raise RuntimeError(f"cannot regenerate {self.stored.name}: it is not stored and the plan does not "
                                f"re-run its producer{RELEASED_HINT}")
+        self._value = flat
         if self.replay is not None:
             self.replay.done_with()
         self.stored.unhold()

@@ -20,6 +20,8 @@ from typing import Iterable, Iterator
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .packing import check_unchanged, saved_alias
+
 
 class ActivationOutOfMemoryError(torch.OutOfMemoryError):
     """The activations in flight exceed the tracker's cap (caught like ``torch.OutOfMemoryError``)."""
@@ -127,7 +129,7 @@ class ActivationTracker:
         record = self.open(name)
         previous, self._current = self._current, record
         try:
-            with recording(name), torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+            with recording(name), torch.autograd.graph.saved_tensors_hooks(self._pack, check_unchanged):
                 yield self
         except BaseException:
             self._in_flight.pop(name, None)
@@ -158,11 +160,7 @@ class ActivationTracker:
                     f"{self.cap_bytes} bytes")
             record.storages[key] = nbytes
             self.observe()
-        return tensor.detach()  # an alias: packing a saved output as itself would form a leaking reference cycle
-
-
-def _unpack(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
+        return saved_alias(tensor)
 
 
 def storage_key(tensor: torch.Tensor) -> tuple[str, int]:
