@@ -140,3 +140,23 @@ def test_a_forward_hook_added_after_instrument_is_refused_where_the_plan_re_runs
             loss = _loss(model(x))
         assert all(torch.equal(a, b) for a, b in zip(_grads(model, x, loss), _grads(model, x, _loss(model(x)))))
         executor.release("mb")
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_a_forward_without_gradients_runs_under_a_plan_that_re_runs_ops(mode):
+    """Nothing is saved without gradients, so nothing is re-run: the forward's output is the plain model's, and the
+    same executor then trains as before."""
+    model, x = _mlp(nn.GELU())
+    instrumented = instrument(model, {"layers.*.fc1": "fc1", "layers.*.act": "act", "layers.*.fc2": "fc2"})
+    instrumented.trace_graph(x, hardware=CPU, loss=_loss)
+    plan = "L0.act/L0.fc1.out0=RECOMPUTE,L0.fc2/L0.act.out0=RECOMPUTE"
+    executor = apply_plan(instrumented, plan)
+    with mode():
+        plain = model(x)
+        with executor.micro_batch("eval") as record:
+            out = model(x)
+    assert torch.equal(out, plain) and record.device_bytes == 0
+    executor.release("eval")
+    with executor.micro_batch("train"):
+        loss = _loss(model(x))
+    assert all(torch.equal(a, b) for a, b in zip(_grads(model, x, loss), _grads(model, x, _loss(model(x)))))

@@ -366,6 +366,7 @@ class PlanExecutor:
         return None
 
     def _pack(self, record: MicroBatchRecord, tensor: torch.Tensor):
+        record.pack_count += 1
         index = None
         if record.active is not None:  # the k-th saving of a replayable op (matched again on re-run)
             index = record.active.num_saves

@@ -400,7 +400,8 @@ class InstrumentedModel:
                 if record.forward_gate is not None:
                     record.forward_gate(binding.op)  # the dual-batch executor lets this op's stage run
                 standby = binding.op in executor.standby
-                if standby or binding.op in record.rerun:
+                # under inference_mode nothing is saved for a backward, so nothing is re-run
+                if (standby or binding.op in record.rerun) and not torch.is_inference_mode_enabled():
                     snapshot = self.trace is not None and binding.path in self.trace.buffer_modules
                     flat, fn = _replay_call(module, args, kwargs, record, op=binding.op, snapshot=snapshot)
                     frame.replay = executor.begin_replay(record, binding.op, fn, flat, active=not standby)

@@ -65,6 +65,8 @@ def check_sources(record: MicroBatchRecord) -> None:
     was never saved: e.g. PyTorch's math attention, which keeps the attention probabilities and the expanded keys
     and values where flash attention keeps q, k, v, the output and the log-sum-exp (fp32 attention with grouped
     queries on CUDA, or ``SDPBackend.MATH``)."""
+    if not record.pack_count:  # nothing saved (a forward under torch.no_grad): no backward runs a re-run
+        return
     for replay in record.replays:
         for arg in replay.args:
             if not isinstance(arg, Source):

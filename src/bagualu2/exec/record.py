@@ -31,6 +31,7 @@ class MicroBatchRecord:
     scales: set[int] = field(default_factory=set)               # storage ids with an FP8 copy
     unknown: dict[int, int] = field(default_factory=dict)       # storage id -> bytes kept without a name
     unknown_count: int = 0                                      # pack calls that could not be named
+    pack_count: int = 0                                         # pack calls (savings autograd made)
     unknown_ops: dict[str | None, int] = field(default_factory=dict)  # op -> bytes of its unnamed storages
     storages: dict[tuple[str, int], Stored] = field(default_factory=dict)
     applied: dict[tuple[str, str], Strategy] = field(default_factory=dict)  # what the hook applied
