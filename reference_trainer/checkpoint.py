@@ -321,7 +321,11 @@ def save(directory: str | os.PathLike[str], step: int, state: dict[str, Any], *,
         others = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.fullmatch(p.name))
                         and p != final and not p.is_symlink() and _complete(p, int(m.group(1))))
         for _, p in others[:max(0, len(others) - keep + 1)]:  # the one just written always stays
-            shutil.rmtree(p)
+            # renamed first: a kill mid-removal leaves a .tmp-* directory the next save sweeps, not a step-* one
+            # that is neither complete nor ever removed
+            doomed = root / f".tmp-{p.name}-{secrets.token_hex(4)}-removed"
+            os.replace(p, doomed)
+            shutil.rmtree(doomed)
         for p in root.glob(".tmp-*"):
             if p.is_dir() and not p.is_symlink() and p.stat().st_mtime < started:
                 shutil.rmtree(p, ignore_errors=True)

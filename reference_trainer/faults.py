@@ -7,7 +7,7 @@ non-finite gradient, a collective issued differently.
 
   kill      SIGKILL this rank; ``at=forward`` (default: the step's second forward on this rank, mid-step) or
             ``at=checkpoint`` (after this rank's shards of the checkpoint written after the step, before it is
-            complete).
+            complete) or ``at=saved`` (once that checkpoint is complete).
   stop      SIGSTOP this rank (a hang), at the same points; ``for=S`` sends it SIGCONT after S seconds (a long
             pause: a swapping host, a frozen file system), so a stop torchrun has meanwhile asked to terminate
             ends at once instead of after torchrun's 30 s grace period.
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 ENV = "BAGUALU2_FAULTS"
 KINDS = ("kill", "stop", "nan", "enospc", "eacces", "diverge", "raise")
-POINTS = ("forward", "checkpoint")
+POINTS = ("forward", "checkpoint", "saved")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,6 +119,10 @@ class Faults:
     def checkpoint_written(self, step: int) -> None:
         """After this rank wrote its shards of the checkpoint made after ``step``, before it is complete."""
         self._signal(step, "checkpoint")
+
+    def checkpoint_saved(self, step: int) -> None:
+        """After the checkpoint made after ``step`` is complete (renamed into place, older ones deleted)."""
+        self._signal(step, "saved")
 
     def write_error(self, step: int) -> OSError | None:
         """The error the checkpoint writer raises after ``step`` on this rank, if any."""

@@ -142,4 +142,5 @@ class Guard:
                             after_write=lambda: self.faults.checkpoint_written(step - 1))
         except checkpoint.CheckpointError as exc:
             return f"warning: {exc}; training continues"
+        self.faults.checkpoint_saved(step - 1)
         return None

@@ -442,6 +442,13 @@ class Session:
                         self.counts["reruns"] += sum(r["reruns"] for r in gathered)
                     guard.end_step(step)
                     self.run_state.step_done(groups.is_logger)
+                    record = None
+                    if gathered is not None:
+                        record = self._record(step, gathered, tokens_per_step, flops, peak_flops)
+                        if bad:
+                            record["skipped"] = "non-finite loss or gradient on rank " + ", ".join(map(str, bad))
+                        # before the checkpoint: a resume from it keeps the records of the steps before it
+                        writer.write(record)
                     if config.checkpoint_every and config.checkpoint_dir and (step + 1) % config.checkpoint_every == 0:
                         warning = guard.save(config.checkpoint_dir, step + 1, self._state(step + 1))
                         if warning is not None:
@@ -451,12 +458,8 @@ class Session:
                 except Exception as exc:
                     guard.fatal(exc, step)
                     raise
-                if gathered is None:
+                if record is None:
                     continue
-                record = self._record(step, gathered, tokens_per_step, flops, peak_flops)
-                if bad:
-                    record["skipped"] = "non-finite loss or gradient on rank " + ", ".join(map(str, bad))
-                writer.write(record)
                 progress.update(step, record["loss"], record["tokens_per_s"])
                 totals["steps"] += 1
                 totals["planning_s"] += record["planning_s"]

@@ -70,13 +70,16 @@ def uninterrupted(tmp_path_factory) -> list[tuple[int, float]]:
 
 
 def test_sigkill_mid_step_and_during_a_checkpoint_write_resume_bitwise(tmp_path, uninterrupted):
+    """Killed mid-step, while a checkpoint is written and right after one is complete (the logger: the step's
+    metrics record is written before its checkpoint, so the resume from it keeps it), the run resumes bitwise."""
     metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
     proc = launch(2, *COMMON, "--metrics-file", str(metrics), "--checkpoint-dir", str(ckpt), "--checkpoint-every",
-                  "1", faults="kill@1:rank=1,kill@2:rank=0:at=checkpoint:launch=1", restarts=2)
+                  "1", faults="kill@1:rank=1,kill@2:rank=0:at=checkpoint:launch=1,kill@3:rank=0:at=saved:launch=2",
+                  restarts=3)
     ok(proc)
     assert losses(metrics) == uninterrupted
     summary = records(metrics)[-1]
-    assert summary["restarts"] == 2 and summary["restart_s"] > 0
+    assert summary["restarts"] == 3 and summary["restart_s"] > 0
     refused = [line for line in proc.stderr.splitlines() if line.startswith("warning: checkpoint")]
     assert any(".tmp-step-00000003" in line and "partial" in line and "step-00000002" in line
                for line in refused), proc.stderr[-3000:]

@@ -284,3 +284,27 @@ def test_resaving_an_older_step_never_prunes_the_new_checkpoint(tmp_path):
     assert find_latest(tmp_path)[1] == 5
     assert save(tmp_path, 6, _state(6), keep=1).exists()
     assert _steps(tmp_path) == ["step-00000006"] and find_latest(tmp_path)[1] == 6
+
+
+def test_a_crash_while_retention_deletes_leaves_only_a_temporary_dir(tmp_path, monkeypatch):
+    """Retention renames an old checkpoint to a ``.tmp-*`` name before deleting it: a kill mid-deletion leaves a
+    directory the next save sweeps, never a partial ``step-*`` one that no retention would count or remove."""
+    save(tmp_path, 1, _state(1))
+    save(tmp_path, 2, _state(2))
+    real_rmtree = checkpoint.shutil.rmtree
+
+    def crash(path, *args, **kwargs):
+        if not Path(path).is_dir():
+            return real_rmtree(path, *args, **kwargs)
+        (Path(path) / checkpoint.MANIFEST).unlink()  # part of it deleted, then the process dies
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", crash)
+    with pytest.raises(KeyboardInterrupt):
+        save(tmp_path, 3, _state(3))
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", real_rmtree)
+    leftover = [p.name for p in tmp_path.iterdir() if not p.name.startswith("step-")]
+    assert _steps(tmp_path) == sorted(["step-00000002", "step-00000003", *leftover])
+    assert len(leftover) == 1 and leftover[0].startswith(".tmp-step-00000001-")
+    save(tmp_path, 4, _state(4))
+    assert _steps(tmp_path) == ["step-00000003", "step-00000004"]
