@@ -158,7 +158,8 @@ class TrainConfig:
         if self.prediction_scale != 1.0 and self.policy != "flexible":
             raise ValueError(f"--prediction-scale applies to --policy flexible only (a fixed policy plans before "
                              f"training, from no prediction), got --policy {self.policy}")
-        require_number("--collective-timeout", self.collective_timeout_s, 0, 1e7, low_open=True)
+        # at least 0.1 s: the process groups' stores count whole milliseconds, and a stall is reported to a tenth
+        require_number("--collective-timeout", self.collective_timeout_s, 0.1, 1e7)
         for option, value, allowed in (("--schedule", self.schedule, SCHEDULES), ("--policy", self.policy, POLICIES),
                                        ("--device", self.device, DEVICES), ("--downgrade", self.downgrade, DOWNGRADES),
                                        ("--on-nonfinite", self.on_nonfinite, NONFINITE)):

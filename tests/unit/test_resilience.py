@@ -153,6 +153,7 @@ def test_a_launcher_signal_is_found_behind_the_pipeline_error_it_caused():
 
 @pytest.mark.parametrize("args, fragment", [
     (["--collective-timeout", "0"], "--collective-timeout must be a finite number"),
+    (["--collective-timeout", "0.001"], "--collective-timeout must be a finite number in [0.1, 1e+07], got 0.001"),
     (["--collective-timeout", "nan"], "--collective-timeout must be a finite number"),
     (["--on-nonfinite", "ignore"], "--on-nonfinite"),
 ])
