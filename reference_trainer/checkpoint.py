@@ -236,7 +236,8 @@ def _os_cause(exc: BaseException | None, where: Path) -> str:
 
 
 def save(directory: str | os.PathLike[str], step: int, state: dict[str, Any], *, keep: int = 2,
-         write_error: OSError | None = None, after_write: Callable[[], None] | None = None) -> Path:
+         write_error: OSError | None = None, after_write: Callable[[], None] | None = None,
+         run: dict[str, Any] | None = None) -> Path:
     """Collective: write ``state`` (this rank's tensors) as checkpoint ``<directory>/step-<step:08d>``.
 
     DCP writes every rank's shards to ``.tmp-step-<step>-<random>``; after a barrier rank 0 writes and fsyncs the
@@ -248,7 +249,8 @@ def save(directory: str | os.PathLike[str], step: int, state: dict[str, Any], *,
     :class:`CheckpointError` on every rank with one line naming the path and the cause; the temporary directory is
     removed and the earlier checkpoints are untouched. ``write_error`` makes this rank's write fail with it after
     writing (fault injection); ``after_write`` runs when this rank's shards are written, before the checkpoint is
-    complete.
+    complete. ``run``: what the run's numbers depend on beyond ``state`` (JSON values by flag), kept in the
+    manifest for :func:`load` to compare.
     """
     if not isinstance(step, int) or step < 0 or not isinstance(keep, int) or keep < 1:
         raise CheckpointError(f"checkpoint save: step must be an int >= 0 and keep >= 1, got {step!r}, {keep!r}")
@@ -301,6 +303,8 @@ def save(directory: str | os.PathLike[str], step: int, state: dict[str, Any], *,
         manifest = {"format": FORMAT, "step": step, "world_size": _world(), "torch_version": torch.__version__,
                     "files": {p.relative_to(tmp).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)}
                               for p in files}}
+        if run is not None:
+            manifest["run"] = run
         try:
             with open(tmp / MANIFEST, "w") as f:
                 json.dump(manifest, f, indent=1, sort_keys=True)
@@ -387,11 +391,13 @@ def find_latest(directory: str | os.PathLike[str]) -> tuple[Path, int] | None:
     return None if found is None else (Path(found[0]), found[1])
 
 
-def load(path: str | os.PathLike[str], state: dict[str, Any]) -> int:
+def load(path: str | os.PathLike[str], state: dict[str, Any], *, run: dict[str, Any] | None = None) -> int:
     """Collective: load the checkpoint at ``path`` into ``state`` in place and return its step.
 
     ``state`` must have the keys, shapes and dtypes this rank saved. Rank 0 checks the manifest (world size,
-    files present with their sizes; :func:`find_latest` checks the hashes) before DCP reads anything.
+    files present with their sizes; :func:`find_latest` checks the hashes) before DCP reads anything, and that
+    each entry of ``run`` equals what the checkpoint's :func:`save` recorded under that flag (one
+    :class:`CheckpointError` naming the first that differs; a checkpoint that recorded none is not compared).
     """
     ckpt = Path(path)
     _agree_on(state, None)
@@ -404,6 +410,14 @@ def load(path: str | os.PathLike[str], state: dict[str, Any]) -> int:
         if manifest["world_size"] != _world():
             raise CheckpointError(f"checkpoint {ckpt}: saved by {manifest['world_size']} ranks, "
                                   f"this job has {_world()}")
+        saved = manifest.get("run")
+        if isinstance(saved, dict) and run is not None:
+            for flag, mine in json.loads(json.dumps(run)).items():  # as JSON stores it: tuples become lists
+                difference = _difference(flag, saved.get(flag, mine), mine)
+                if difference is not None:
+                    raise CheckpointError(f"checkpoint {ckpt} was trained with {difference}: a resume continues "
+                                          "the same training; give the checkpoint's value, or start a new run "
+                                          "in another directory")
         return int(manifest["step"])
 
     step = _on_rank0(check)
@@ -414,6 +428,17 @@ def load(path: str | os.PathLike[str], state: dict[str, Any]) -> int:
     except dcp.CheckpointException as exc:
         raise CheckpointError(f"checkpoint {ckpt}: DCP load failed: {_failure(exc)}") from exc
     return step
+
+
+def _difference(flag: str, saved: Any, mine: Any) -> str | None:
+    """How a checkpoint's value of ``flag`` differs from this run's, as text; None when they are equal. A dict
+    (the model a recipe makes) names its first differing field."""
+    if saved == mine:
+        return None
+    if isinstance(saved, dict) and isinstance(mine, dict):
+        key = next(k for k in sorted(set(saved) | set(mine)) if saved.get(k) != mine.get(k))
+        return f"another {flag} ({key} {saved.get(key)!r}; this run's: {mine.get(key)!r})"
+    return f"{flag} {saved!r}; this run has {flag} {mine!r}"
 
 
 def _failure(exc) -> str:

@@ -341,9 +341,10 @@ class DomainBatches:
         if missing:
             raise ValueError(f"data loader state lacks {sorted(missing)}")
         if state["seed"] != self.seed:
-            raise ValueError(f"data loader state has seed {state['seed']}, this run uses seed {self.seed}")
+            raise ValueError(f"the checkpoint's data was drawn with --seed {state['seed']}; this run has --seed "
+                             f"{self.seed}")
         if state["corpus_sha256"] != self.corpus.sha256:
-            raise ValueError(f"data loader state was saved with another corpus or tokenizer "
+            raise ValueError(f"--data: the checkpoint was trained on another corpus or tokenizer "
                              f"({str(state['corpus_sha256'])[:12]}... vs {self.corpus.sha256[:12]}...)")
         if not isinstance(state["next_step"], int) or state["next_step"] < 0:
             raise ValueError(f"data loader state has an invalid next_step {state['next_step']!r}")

@@ -90,8 +90,9 @@ class TrainConfig:
       hardware              cost-model hardware profile (``bagualu2 presets``) for the runtime's durations.
       data                  the user's .txt / .jsonl file or directory; None: the bundled corpus.
       metrics_file, checkpoint_dir, checkpoint_every, resume   see docs/trainer.md.
-      collective_timeout_s  seconds (> 0): the process groups' timeout and the step watchdog's limit; a rank that
-                            makes no progress for that long dumps its stacks and exits for torchrun to restart.
+      collective_timeout_s  seconds (at least 0.1): the process groups' timeout and the step watchdog's limit; a
+                            rank that makes no progress for that long dumps its stacks and exits for torchrun to
+                            restart.
       on_nonfinite          a non-finite loss or gradient: ``stop`` (one line naming the step, the last complete
                             checkpoint kept) or ``skip`` (every rank drops that step's update).
     """

@@ -133,13 +133,13 @@ class Guard:
             self.recorder.check(step)
 
     # ---- checkpoints --------------------------------------------------------------------------------------------
-    def save(self, directory: str, step: int, state: dict) -> str | None:
-        """Write checkpoint ``step`` (collective); None, or the one-line warning of a write that failed (the
-        previous checkpoint is intact and training continues)."""
+    def save(self, directory: str, step: int, state: dict, *, run: dict | None = None) -> str | None:
+        """Write checkpoint ``step`` (collective; ``run`` as :func:`checkpoint.save` takes it); None, or the
+        one-line warning of a write that failed (the previous checkpoint is intact and training continues)."""
         self.beat(f"the write of checkpoint step-{step:08d}")
         try:
             checkpoint.save(directory, step, state, write_error=self.faults.write_error(step - 1),
-                            after_write=lambda: self.faults.checkpoint_written(step - 1))
+                            after_write=lambda: self.faults.checkpoint_written(step - 1), run=run)
         except checkpoint.CheckpointError as exc:
             return f"warning: {exc}; training continues"
         self.faults.checkpoint_saved(step - 1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import gc
 import os
@@ -225,6 +226,17 @@ class Session:
                 f"rank{self.groups.rank}": {"extra": checkpoint.pack_json(extra, size=1 << 16),
                                             **checkpoint.rng_state()}}
 
+    def _run_flags(self) -> dict:
+        """What the run's numbers depend on beyond the checkpoint's tensors and the data loader's state (which
+        checks the seed and the corpus), by flag: a resume must give the same (``checkpoint.load``). The plans'
+        flags (policy, cap, hardware, schedule) choose between recompute and offload, which change no numbers;
+        the layout and the micro-batch count may change (docs/trainer.md)."""
+        config = self.config
+        return {"--recipe": dataclasses.asdict(config.model), "--seed": config.seed, "--lr": config.lr,
+                "--warmup-steps": config.warmup_steps, "weight_decay": config.weight_decay,
+                "--bias-update-rate": config.bias_update_rate, "--spike-rate": config.spike_rate,
+                "--spike-max": config.spike_max}
+
     def _resume(self) -> None:
         found = checkpoint.find_latest(self.config.checkpoint_dir)
         if found is None:
@@ -234,7 +246,7 @@ class Session:
             return
         path, _ = found
         state = self._state(0)
-        step = checkpoint.load(path, state)
+        step = checkpoint.load(path, state, run=self._run_flags())
         mine = state[f"rank{self.groups.rank}"]
         extra = checkpoint.unpack_json(mine.pop("extra"))
         if extra.get("step") != step:  # every rank saved the step it agreed on; only an edited manifest differs
@@ -450,7 +462,8 @@ class Session:
                         # before the checkpoint: a resume from it keeps the records of the steps before it
                         writer.write(record)
                     if config.checkpoint_every and config.checkpoint_dir and (step + 1) % config.checkpoint_every == 0:
-                        warning = guard.save(config.checkpoint_dir, step + 1, self._state(step + 1))
+                        warning = guard.save(config.checkpoint_dir, step + 1, self._state(step + 1),
+                                             run=self._run_flags())
                         if warning is not None:
                             self.counts["checkpoint_failures"] += 1
                             if groups.is_logger:

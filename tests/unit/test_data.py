@@ -136,11 +136,11 @@ def test_state_dict_round_trip_and_mismatches(batches, corpus, tokenizer, tmp_pa
     resumed = DomainBatches(corpus, seq_length=SEQ, micro_batch_size=MBS, seed=1234)
     resumed.load_state_dict(state)
     assert resumed.next_step == 7
-    with pytest.raises(ValueError, match="seed"):
+    with pytest.raises(ValueError, match="drawn with --seed 1234; this run has --seed 99"):
         DomainBatches(corpus, seq_length=SEQ, micro_batch_size=MBS, seed=99).load_state_dict(state)
     (tmp_path / "mine.txt").write_text("hello world " * 100)
     small = TokenCorpus.from_path(str(tmp_path / "mine.txt"), tokenizer)
-    with pytest.raises(ValueError, match="another corpus"):
+    with pytest.raises(ValueError, match="--data: the checkpoint was trained on another corpus"):
         DomainBatches(small, seq_length=8, micro_batch_size=1, seed=1234).load_state_dict(state)
 
 

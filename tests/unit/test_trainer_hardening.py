@@ -164,6 +164,15 @@ def test_steps_below_the_resumed_checkpoint_and_an_edited_manifest_are_one_line(
     lines = [line for line in again.stderr.splitlines() if line.strip()]
     assert again.returncode == 2 and lines == [lines[0]] and "--steps 1 is below step 2" in lines[0], again.stderr
     assert (tmp_path / "ck" / STATE).read_text() == history  # a refused launch leaves the run's history as it was
+    # what the numbers depend on must be the checkpoint's: a changed value is refused, naming the flag
+    for changed, fragment in ((["--lr", "0.001"], "was trained with --lr 0.003; this run has --lr 0.001"),
+                              (["--spike-max", "1.5"], "--spike-max 2.0; this run has --spike-max 1.5"),
+                              (["--recipe", "glm_moe_bench", "--spike-rate", "0"], "was trained with another --recipe (")):
+        refused = subprocess.run(base + ["--steps", "4", "--resume", *changed], capture_output=True, text=True,
+                                 env=env, timeout=300)
+        lines = [line for line in refused.stderr.splitlines() if line.strip()]
+        assert refused.returncode == 2 and lines == [lines[0]] and fragment in lines[0], refused.stderr
+        assert lines[0].startswith("error: --resume: checkpoint "), lines
     # a manifest edited to another step (its directory renamed to match) disagrees with what the ranks saved
     moved = tmp_path / "ck" / "step-00000005"
     (tmp_path / "ck" / "step-00000002").rename(moved)
