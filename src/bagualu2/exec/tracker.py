@@ -13,6 +13,7 @@ from __future__ import annotations
 from bagualu2.costmodel.validate import require_int
 
 import contextlib
+import itertools
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
@@ -23,6 +24,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from .packing import check_unchanged, saved_alias
 
 
+_FREED = itertools.count()  # keys of storages freed in a forward whose address a new one took
+
+
 class ActivationOutOfMemoryError(torch.OutOfMemoryError):
     """The activations in flight exceed the tracker's cap (caught like ``torch.OutOfMemoryError``)."""
 
@@ -31,7 +35,8 @@ class ActivationOutOfMemoryError(torch.OutOfMemoryError):
 class MicroBatchBytes:
     """Device bytes one micro-batch keeps, by storage."""
 
-    storages: dict[tuple[str, int], int] = field(default_factory=dict)  # (device, storage id) -> bytes
+    storages: dict[tuple, int] = field(default_factory=dict)  # (device, storage id) -> bytes
+    refs: dict[tuple[str, int], StorageWeakRef] = field(default_factory=dict, repr=False)  # the tracker's own keys
 
     @property
     def nbytes(self) -> int:
@@ -152,6 +157,10 @@ class ActivationTracker:
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         record = self._current
         key = storage_key(tensor)
+        if record is not None and key in record.storages and key in record.refs and record.refs[key].expired():
+            # the storage counted at this address was freed in the forward and a new one took the address: the
+            # freed one stays counted (as the trace counts it) under a key of its own, the new one is counted too
+            record.storages[("freed", next(_FREED), *key)] = record.storages.pop(key)
         if record is not None and key not in record.storages and not self.excludes(tensor):
             nbytes = storage_bytes(tensor)
             if self.cap_bytes is not None and self.in_flight_bytes + nbytes > self.cap_bytes:
@@ -159,6 +168,7 @@ class ActivationTracker:
                     f"activations in flight would reach {self.in_flight_bytes + nbytes} bytes, over the cap of "
                     f"{self.cap_bytes} bytes")
             record.storages[key] = nbytes
+            record.refs[key] = StorageWeakRef(tensor.untyped_storage())
             self.observe()
         return saved_alias(tensor)
 
