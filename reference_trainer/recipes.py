@@ -311,6 +311,6 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {"glm_moe_debug": glm_moe_debug,
 
 def recipe(name: str) -> TrainConfig:
     try:
-        return RECIPES[name]()
-    except KeyError:
+        return RECIPES[name.lower() if isinstance(name, str) else name]()  # in any case, like the CLI's presets
+    except (KeyError, TypeError):
         raise ValueError(f"--recipe must be one of {', '.join(RECIPES)}, got {name!r}") from None

@@ -38,8 +38,8 @@ def reproduce_cmd(
                                                        "repeatable; default: all of them.")] = None,
     docs: Annotated[str, typer.Option("--docs", metavar="DIR", help="Folder to write reproduction.md into, made "
                                       "when missing (its plots go to DIR/img).")] = "docs",
-    json_output: Annotated[bool, typer.Option("--json", help=JSON_HELP + " (the report's ratios beside the "
-                                              "paper's, after writing the files)")] = False,
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout, after writing "
+                                              "the files: the report's ratios beside the paper's.")] = False,
     jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", parser=integer_option(),
                                                 help="Worker processes for the simulations (in "
                                                 "[1, 1024]; default: the CPUs this process may use, at most one per "

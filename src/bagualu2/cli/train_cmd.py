@@ -91,8 +91,8 @@ def train(
                                         help="Nodes of the job, 1 to 4096.")] = 1,
     node_rank: Annotated[int, typer.Option("--node-rank", parser=integer_option(minimum=0),
                                            help="This node's rank (several nodes).")] = 0,
-    master_addr: Annotated[str, typer.Option("--master-addr", help="Rendezvous host (several nodes).")]
-    = "127.0.0.1",
+    master_addr: Annotated[Optional[str], typer.Option("--master-addr", help="Rendezvous host that every node "
+                                                       "reaches (several nodes: required).")] = None,
     master_port: Annotated[int, typer.Option("--master-port", parser=integer_option(minimum=1, maximum=65535),
                                              help="Rendezvous port, 1 to 65535 (several nodes).")] = 29500,
     max_restarts: Annotated[int, typer.Option("--max-restarts", parser=integer_option(minimum=0, maximum=1000),
@@ -113,7 +113,10 @@ def train(
     go to the trainer: python -m reference_trainer.train --help lists them."""
     if node_rank >= nnodes:
         raise CliError(f"must be below --nnodes={nnodes}, got {node_rank}", "--node-rank")
-    master_addr = rendezvous_host(master_addr)
+    if master_addr is None and nnodes > 1:
+        raise CliError(f"--nnodes={nnodes} needs the rendezvous host every node reaches (node 0's address)",
+                       "--master-addr")
+    master_addr = rendezvous_host("127.0.0.1" if master_addr is None else master_addr)
     trainer_args = list(ctx.args)
     if "--check" in trainer_args:  # the probe's own flag: ranks launched with it would only refuse it
         raise CliError("is the trainer's dry-run probe; give bagualu2 train --dry-run instead", "--check")

@@ -42,11 +42,24 @@ def require_int(name: str, value: Any, low: int | None = None, high: int | None 
     else ``ValueError("<name> must be an integer >= low, got ...")``."""
     if type(value) is not int:  # the hot path skips the generic checks
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise ValueError(f"{name} must be an integer{_range_text(low, high, False, high_open)}, got {value!r}")
+            raise ValueError(f"{name} must be an integer{_range_text(low, high, False, high_open)}, "
+                             f"got {_shown(value)}")
         value = int(value)
     if (low is not None and value < low) or (high is not None and (value >= high if high_open else value > high)):
-        raise ValueError(f"{name} must be an integer{_range_text(low, high, False, high_open)}, got {value!r}")
+        raise ValueError(f"{name} must be an integer{_range_text(low, high, False, high_open)}, got {_shown(value)}")
     return value
+
+
+def _shown(value: Any) -> str:
+    """``value`` for an error message: an integer of more than 21 digits in floating-point notation, anything
+    else as ``repr`` cut to 80 characters."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**21:
+        try:
+            return f"{float(value):.6g}"
+        except OverflowError:
+            return f"an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def parse_int(text: str) -> int:
@@ -63,7 +76,7 @@ def parse_float(text: str) -> float:
     line) and non-ASCII digits."""
     if "_" in text or not text.isascii():
         raise ValueError(f"not a number: {text!r}")
-    return float(text)
+    return float(text) + 0.0  # -0 is 0
 
 
 def require_number(name: str, value: Any, low: float | None = None, high: float | None = None, *,

@@ -112,6 +112,7 @@ class ReproduceConfig:
         require_number("restart_s", self.restart_s, 0, MAX_RESTART_S)
         require_int("overhead_iterations", self.overhead_iterations, 1)
         presets.hardware(self.hardware)
+        object.__setattr__(self, "hardware", self.hardware.lower())  # one spelling, as the report prints it
         highest = PaperTrace(num_iterations=1).spike_max
         limits = {name: imbalance_limit(*presets.model(name)) for name in (self.focus, *self.models)}
         for name, limit in limits.items():
