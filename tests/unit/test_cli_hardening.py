@@ -472,3 +472,23 @@ def test_a_model_file_takes_whole_number_floats_as_a_hardware_file_does() -> Non
     data["parallel"]["num_microbatches"] = 4.5
     with pytest.raises(ValueError, match=r"num_microbatches must be an integer in \[1, 16384\], got 4.5"):
         costmodel.presets.model_from_json(json.dumps(data))
+
+
+def test_negative_zero_reads_as_zero_and_huge_integers_read_short():
+    from bagualu2.costmodel.validate import parse_float, require_int
+
+    assert str(parse_float("-0")) == "0.0" and str(parse_float("-0.0e3")) == "0.0"
+    with pytest.raises(ValueError, match=r"got 1e\+300$"):
+        require_int("num_layers", int(1e300), 1, 1024)
+    with pytest.raises(ValueError, match=r"got an integer of about 5001 digits$"):
+        require_int("num_layers", 10**5000, 1, 1024)
+
+
+def test_trainer_recipes_and_reproduce_hardware_take_any_case():
+    from bagualu2.sim.reproduce import ReproduceConfig
+    from bagualu2.sim.report import command
+    from reference_trainer.recipes import recipe
+
+    assert recipe("GLM_MOE_DEBUG") == recipe("glm_moe_debug")
+    assert ReproduceConfig(hardware="PAPER-GPU").hardware == "paper-gpu"
+    assert "--hardware" not in command(ReproduceConfig(hardware="Paper-GPU"))

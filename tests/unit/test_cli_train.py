@@ -27,8 +27,11 @@ def test_dry_run_builds_the_torchrun_command():
     assert wrong.stderr.strip() == ("error: --nproc-per-node: the trainer's flags need 2 ranks (--pp x --dp), not "
                                     "3 per node x 1 node(s)")
     nodes = CliRunner().invoke(app, ["train", "--nnodes", "2", "--node-rank", "1", "--master-port", "29511",
-                                     "--dry-run", "--json"])
+                                     "--master-addr", "127.0.0.1", "--dry-run", "--json"])
     assert "--rdzv-endpoint=127.0.0.1:29511" in json.loads(nodes.stdout)["command"]
+    alone = CliRunner().invoke(app, ["train", "--nnodes", "2", "--node-rank", "1", "--dry-run"])
+    assert alone.exit_code == 2 and alone.stderr.strip() == (
+        "error: --master-addr: --nnodes=2 needs the rendezvous host every node reaches (node 0's address)")
     restarting = CliRunner().invoke(app, ["train", "--max-restarts", "3", "--dry-run", "--json"])
     assert json.loads(restarting.stdout)["command"][:4] == ["torchrun", "--nnodes=1", "--nproc-per-node=4",
                                                             "--max-restarts=3"]
