@@ -161,6 +161,7 @@ class InstrumentedModel:
         # micro-batch
         self._warned_untraced = False
         self._warned_outside = False
+        self._warned_sizes = False
         modules = dict(model.named_modules())
         self._hooked = [modules[path] for path in self.bindings]
         # the layers transformers' activation checkpointing switches (those with the attribute), found once: every
@@ -254,7 +255,8 @@ class InstrumentedModel:
         finally:
             TRACER.reset(token)
         self.trace = build_graph_of(recorder, self.model, hardware, activation_dtype=self._activation_dtype())
-        self._warned_untraced = self._warned_outside = False  # a new trace: its first untraced saving is said again
+        # a new trace: its first untraced saving (or saving of another size) is said again
+        self._warned_untraced = self._warned_outside = self._warned_sizes = False
         self.traced_autocast = recorder.autocast
         self._mode_modules = [(path, module) for path, module in self.model.named_modules()
                               if path in self.bindings or isinstance(module, DROPOUT_MODULES)]
@@ -308,6 +310,14 @@ class InstrumentedModel:
                              f"sizes than traced (e.g. {name}: {now} bytes, traced {traced}): the input's shape, "
                              "or its path through the model (an attention mask of another layout), changed since "
                              "trace_graph; trace with a batch like the ones the model runs and make a new executor")
+        if misses and not self._warned_sizes:  # a few: said once per trace, as below
+            self._warned_sizes = True
+            name, now, traced = misses[0]
+            warnings.warn(f"micro-batch {record.name!r}: {len(misses)} of {record.slot_fixed} savings have other "
+                          f"sizes than traced (e.g. {name}: {now} bytes, traced {traced}): the input's shape (the "
+                          "same tokens in another batch size and sequence length) or its path through the model "
+                          "changed since trace_graph, and it keeps other bytes than its plan's; trace with a batch "
+                          "like the ones it trains on", UntracedSavingsWarning, stacklevel=2)
         untraced = {op: nbytes for op, nbytes in record.unknown_ops.items() if op is not None}
         if untraced and not self._warned_untraced:  # savings of an op that met none of its traced slots: said once
             self._warned_untraced = True

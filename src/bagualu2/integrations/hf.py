@@ -27,6 +27,7 @@ the same way. This module imports without transformers; :func:`instrument` needs
 
 from __future__ import annotations
 
+import re
 from typing import Mapping
 
 import torch
@@ -48,6 +49,7 @@ SUPPORTED_FAMILIES = (
     "mimo_v2_flash", "minimax", "minimax_m2", "minimax_m3_vl_text", "mistral4", "mixtral", "nemotron_h", "olmoe",
     "phimoe", "qwen2_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "qwen4_exp_text", "sarvam_mla",
     "sarvam_moe", "solar_open", "zaya")
+EXAMPLES = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")  # what an error names of the supported families
 ATTENTION_NAMES = ("self_attn", "self_attention", "attention", "attn")
 QKV_NAMES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
              "kv_proj", "Wqkv")
@@ -149,9 +151,14 @@ def op_map(model: torch.nn.Module) -> dict[str, str]:
             more = f" and {len(deeper) - 1} more" if len(deeper) > 1 else ""
             raise ValueError(f"{type(model).__name__} keeps its routed experts at {deeper[0]}{more}, deeper than "
                              "op_map reads them (a decoder layer's child or its MoE block's child): not supported")
+        moe = next((name for name in (type(module).__name__ for module in model.modules())  # not the model's own
+                    if re.search(r"moe|expert", name, re.IGNORECASE) and not re.search(r"Model$|For[A-Z]", name)),
+                   None)
+        why = (f"its MoE layers ({moe}) run experts of their own, not transformers' experts implementations"
+               if moe is not None else "its layers are all dense")
         raise ValueError(f"{type(model).__name__} has no routed-experts module that transformers' experts "
-                         "implementations run (a config whose layers are all dense has none); supported: "
-                         f"{', '.join(SUPPORTED_FAMILIES)}")
+                         f"implementations run ({why}); supported: the {len(SUPPORTED_FAMILIES)} families of "
+                         f"hf.SUPPORTED_FAMILIES ({', '.join(f for f in EXAMPLES if f in SUPPORTED_FAMILIES)}, ...)")
     return labels
 
 
