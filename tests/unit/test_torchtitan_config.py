@@ -112,7 +112,7 @@ def test_a_model_that_is_not_a_torchtitan_decoder():
 
 
 def _converter(*, ep: int = 1, tp: int = 1, report_path: str = "", schedule: str = "1F1B", csv: str = "",
-               section=None, microbatch_size=1):
+               section=None, microbatch_size=1, config_file=None):
     from types import SimpleNamespace
 
     from bagualu2.integrations.torchtitan import Bagualu2Converter
@@ -124,7 +124,8 @@ def _converter(*, ep: int = 1, tp: int = 1, report_path: str = "", schedule: str
                                                       pipeline_parallel_schedule_csv=csv,
                                                       pipeline_parallel_microbatch_size=microbatch_size),
                           training=SimpleNamespace(local_batch_size=4),
-                          model=SimpleNamespace(name="llama3", flavor="debugmodel"))
+                          model=SimpleNamespace(name="llama3", flavor="debugmodel"),
+                          job=SimpleNamespace(config_file=config_file))
     dims = SimpleNamespace(tp_enabled=tp > 1, cp_enabled=False, ep_enabled=ep > 1, ep=ep, tp=tp, cp=1,
                            pp_enabled=True)
     return Bagualu2Converter(job, dims)
@@ -293,3 +294,17 @@ def test_a_resumed_report_keeps_only_its_own_stages_earlier_steps(tmp_path):
                               for stage, step in [(1, 1), (1, 2), (0, 1), (0, 2), (0, 3)]))
     write_report(str(report), 0, 3, [{"forward": 0}], fresh=True)
     assert read_report(report) == {"stage": 0, "steps": [[], [], [{"forward": 0}]], "step_numbers": [1, 2, 3]}
+
+
+def test_a_scalar_bagualu2_in_the_toml_file_is_refused(tmp_path):
+    """torchtitan's parser replaces ``bagualu2 = 5`` by the section's defaults (no cap) without a word."""
+    for text, fine in (("bagualu2 = 5\n", False), ("bagualu2 = true\n", False),
+                       ("[bagualu2]\nmemory_cap_mib = 8\n", True), ("[job]\ndump_folder = 'x'\n", True)):
+        path = tmp_path / "job.toml"
+        path.write_text(text)
+        if fine:
+            _converter(config_file=str(path))
+            continue
+        with pytest.raises(ValueError) as excinfo:
+            _converter(config_file=str(path))
+        assert one_line(excinfo).startswith(f"{path}: bagualu2 must be a table ([bagualu2] with its fields below it)")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import tomllib
 import weakref
 from collections.abc import Mapping
 
@@ -66,6 +67,21 @@ def _section(config) -> Bagualu2Config:
     return Bagualu2Config(**config)
 
 
+def _check_toml_section(path) -> None:
+    """``ValueError`` if the job's TOML file sets ``bagualu2`` to something else than a table (``bagualu2 = 5``):
+    the config parser replaces such a value by the section's defaults without a word."""
+    if not isinstance(path, str) or not path:
+        return
+    try:
+        with open(path, "rb") as f:
+            value = tomllib.load(f).get("bagualu2", {})
+    except (OSError, tomllib.TOMLDecodeError):  # the config parser read it, or said why not
+        return
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: bagualu2 must be a table ([bagualu2] with its fields below it), got "
+                         f"{type(value).__name__} {value!r:.40}")
+
+
 # ---- the converter --------------------------------------------------------------------------------------------------
 class Bagualu2Converter:
     """torchtitan's model-converter protocol (``__init__(job_config, parallel_dims)``, ``convert(model)``,
@@ -73,6 +89,7 @@ class Bagualu2Converter:
     :class:`~.torchtitan_stage.StageProvisioner` per pipeline stage once its first micro-batch ran."""
 
     def __init__(self, job_config, parallel_dims):
+        _check_toml_section(getattr(getattr(job_config, "job", None), "config_file", None))
         config = getattr(job_config, "bagualu2", None)
         if config is None:
             _warn("bagualu2: the job config has no [bagualu2] section (set job.custom_config_module = "
