@@ -448,8 +448,9 @@ class DecisionPath:
         return found, None
 
     def _point_ns(self, plan: Plan, imbalance: float, chunk: int) -> int:
-        """The time of a steady scheduling point running ``plan`` on the graph of (chunk, imbalance)."""
-        return self.engine.point_order(plan, imbalance, chunk).makespan_ns
+        """The time ``plan`` on the graph of (chunk, imbalance) takes per micro-batch of the chunk in the stage's
+        schedule (``Stage.step_ns``: its steady points and the steps it runs alone, in their own orders)."""
+        return self.engine.step_ns(plan, imbalance, chunk)
 
     def _faster(self, full, hidden, imbalance: float, chunk: int):
         """Of two solutions for one budget, the one whose steady point is shorter (``full``, the first, on a tie)."""

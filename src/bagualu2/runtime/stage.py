@@ -8,8 +8,9 @@ A :class:`Stage` owns
   graph of an imbalance reuses the balanced graph's decisions for tensors that do not scale with it); the
   balanced graphs are kept, the others up to ``max_graphs``, least recently used dropped first (a trace of
   continuous rates would otherwise keep one graph per rate seen);
-* the **chunk aliases**: virtual chunks whose graphs are the same up to layer numbering decide alike, so they share
-  one canonical chunk's results and only the names in their plans move;
+* the **chunk aliases**: virtual chunks whose graphs are the same up to layer numbering, and whose steps run alike
+  in the schedule (``step_counts``), decide alike, so they share one canonical chunk's results and only the names
+  in their plans move;
 * **one bounded memo** (:class:`Memo`) of pure results under typed keys: plan costs (``costmodel.evaluate``, the
   one evaluator), fused orders (``fusion.dp``) and the intermediate results of the decision functions built on the
   stage (``DecisionPath``, ``PointOrders``, ``exec.DeferredPlanner``, the simulator's policies).
@@ -71,12 +72,13 @@ class OrderKey(NamedTuple):
 
 class PointKey(NamedTuple):
     """The order of a scheduling point whose micro-batches all run one plan on one graph (``warmup``: F and O
-    only)."""
+    only; ``cooldown``: B and R only)."""
 
     entries: tuple
     imbalance: float
     chunk: int
     warmup: bool
+    cooldown: bool = False
 
 
 class Memo:
@@ -261,7 +263,10 @@ class Stage(_Engine):
         # every forward and backward runs alone: no pipeline and no pairing, or no steady pair F_x B_y at all
         self.alone = (parallel.pp == 1 and not parallel.paired) or not any(
             len(point) == 2 for point in points(parallel, stage))
-        self.aliases: dict[int, tuple[int, int]] = chunk_aliases({c: self.graph(c, 1.0) for c in range(parallel.vp)})
+        # per chunk, how its forwards and backwards run: (steady points it leads, forwards alone, backwards alone)
+        self.step_counts: dict[int, tuple[int, int, int]] = _step_counts(parallel, stage, self.alone)
+        self.aliases: dict[int, tuple[int, int]] = chunk_aliases({c: self.graph(c, 1.0) for c in range(parallel.vp)},
+                                                                 self.step_counts)
         self._costs = self.memo.table(CostKey)
         self._orders = self.memo.table(OrderKey)
         self._points = self.memo.table(PointKey)
@@ -337,20 +342,39 @@ class Stage(_Engine):
         return Order(parts[0].groups + parts[1].groups, barriers=True,
                      makespan_ns=parts[0].makespan_ns + parts[1].makespan_ns, solver="unpaired")
 
-    def point_order(self, plan: Plan | str | None, imbalance: float, chunk: int, *, warmup: bool = False) -> Order:
+    def point_order(self, plan: Plan | str | None, imbalance: float, chunk: int, *, warmup: bool = False,
+                    cooldown: bool = False) -> Order:
         """The order of a scheduling point whose micro-batches run ``plan`` (a Plan, its text form or None) on the
         graph of (chunk, imbalance): in the steady phase F_x B_y (O and R from the same plan); in warmup F_x with
-        the offload of x-1 only."""
+        the offload of x-1 only; in cooldown B_y with the recovery of y+1 only."""
         if not isinstance(plan, Plan):
             plan = Plan.coerce(plan) or Plan()
-        key = PointKey(plan.entries, imbalance, chunk, warmup)
+        if warmup and cooldown:
+            raise ValueError("a scheduling point is a warmup one, a cooldown one or neither, not both")
+        key = PointKey(plan.entries, imbalance, chunk, warmup, cooldown)
         found = self._points.get(key)
         if found is None:
             graph = self.graph(chunk, imbalance)
             chains = (build_chains(graph, plan, None, None, hardware=self.hardware) if warmup
+                      else build_chains(None, None, graph, plan, hardware=self.hardware) if cooldown
                       else build_chains(graph, plan, graph, plan, hardware=self.hardware))
             found = self._points[key] = self.order(chains)
         return found
+
+    def step_ns(self, plan: Plan | str | None, imbalance: float, chunk: int) -> int:
+        """What ``plan`` on the graph of (chunk, imbalance) takes per micro-batch of the chunk in this stage's
+        schedule: its steady points F_x B_y, its forwards that run alone (warmup; every forward where none pairs)
+        and its backwards that run alone (cooldown), each in its own order, averaged over the chunk's
+        micro-batches. Copies a steady point hides may be exposed where a step runs alone; a plan ranked by its
+        steady point alone may then be slower than one that copies less."""
+        self.check_chunk(chunk)
+        pairs, forwards, backwards = self.step_counts[chunk]
+        total = pairs * self.point_order(plan, imbalance, chunk).makespan_ns if pairs else 0
+        if forwards:
+            total += forwards * self.point_order(plan, imbalance, chunk, warmup=True).makespan_ns
+        if backwards:
+            total += backwards * self.point_order(plan, imbalance, chunk, cooldown=True).makespan_ns
+        return total // self.parallel.num_microbatches
 
     def check_chunk(self, chunk) -> tuple[int, int]:
         """``(canonical chunk, layer offset)`` of ``chunk``; one-line ``ValueError`` for a chunk not of the stage."""
@@ -365,3 +389,16 @@ class Stage(_Engine):
     def __repr__(self) -> str:
         return (f"Stage(stage={self.stage}, pp={self.parallel.pp}, vp={self.parallel.vp}, "
                 f"steps={len(self.steps)}, cache={self.cache})")
+
+
+def _step_counts(parallel: ParallelConfig, stage: int, alone: bool) -> dict[int, tuple[int, int, int]]:
+    """Per chunk of ``stage``: the steady points F_x B_y whose forward is of that chunk, its forwards that run alone
+    and its backwards that run alone (``costmodel.points``; with ``alone``, every step runs alone)."""
+    counts = {chunk: [0, 0, 0] for chunk in range(parallel.vp)}
+    for point in points(parallel, stage):
+        if len(point) == 2 and not alone:
+            counts[point[0].chunk][0] += 1
+        else:
+            for action in point:
+                counts[action.chunk][1 if action.kind == "F" else 2] += 1
+    return {chunk: tuple(found) for chunk, found in counts.items()}
