@@ -292,3 +292,14 @@ def test_a_bound_in_an_error_is_never_rounded_into_a_contradiction():
     refused(lambda: require_number("restart_s", -1.0, 0.0, 1e9),
             re.escape("restart_s must be a finite number in [0, 1e+09]"))
     refused(lambda: require_int("seed", -1, 0, 2**63), re.escape("seed must be an integer in [0, 2**63), got -1"))
+
+
+def test_paper_trace_refuses_huge_rates_and_takes_numpy_seeds():
+    import numpy as np
+
+    from bagualu2.sim import paper_trace
+
+    for field, value in (("spike_max", 1e308), ("base_low", 1e307), ("base_high", 1e300)):
+        with pytest.raises(ValueError, match=rf"^{field} must be a finite number in .*, 65536\], got "):
+            paper_trace(5, **{field: value})
+    assert paper_trace(20, seed=np.int64(3)) == paper_trace(20, seed=3)

@@ -36,6 +36,7 @@ from ..costmodel.validate import require_int, require_number
 from .simulate import MAX_ITERATIONS
 
 MAX_MICROBATCHES = PARALLEL_MAX["num_microbatches"]  # a micro-batch number is below it
+MAX_RATE = float(PARALLEL_MAX["ep"])  # no expert-parallel rank receives more than ep times the mean
 
 DECIMALS = 2
 
@@ -68,11 +69,11 @@ class PaperTrace:
 
     def __post_init__(self) -> None:
         require_int("num_iterations", self.num_iterations, 1, MAX_ITERATIONS, high_open=False)
-        require_int("seed", self.seed, 0)
+        object.__setattr__(self, "seed", require_int("seed", self.seed, 0))  # a numpy integer as a Python one
         require_number("spike_share", self.spike_share, 0, 1)
-        require_number("base_low", self.base_low, 1)
-        require_number("base_high", self.base_high, self.base_low)
-        require_number("spike_max", self.spike_max, self.base_high, low_open=self.spike_share > 0)
+        require_number("base_low", self.base_low, 1, MAX_RATE)
+        require_number("base_high", self.base_high, self.base_low, MAX_RATE)
+        require_number("spike_max", self.spike_max, self.base_high, MAX_RATE, low_open=self.spike_share > 0)
         scale = 10 ** DECIMALS
         for name in ("base_low", "base_high", "spike_max"):
             value = getattr(self, name)
