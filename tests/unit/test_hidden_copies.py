@@ -124,8 +124,8 @@ def test_under_fused_only_flexible_prices_the_serial_warmup_copies_and_stays_ahe
     # the last stage runs 72 of its 128 chunk-steps alone (plain 1F1B, unpaired): copies a steady point hides are
     # exposed there, and ranking plans by the steady point alone left flexible 7.5% behind static-under
     ("glm-188b-a20b", dict(pp=8, vp=2, dp=8, ep=8, num_microbatches=64, paired=False), "paper-gpu", (1.2,)),
-    # its last chunk runs every step alone, its first does not: chunks that alias by graph but not by how their
-    # steps run decide apart (the last chunk took the first's plans, 1.5% behind static-under)
+    # its last chunk runs every step alone, its first does not: a decision the two chunks share (their graphs
+    # alias) is ranked by the steps of both (ranked by the first's, 1.5% behind static-under)
     ("glm-319b-a30b", dict(pp=4, vp=2, tp=4, dp=16, ep=8, num_microbatches=16, paired=False), "h100", (1.5, 1.2)),
 ])
 def test_flexible_ranks_plans_by_the_steps_they_run_in(name, layout, hardware, rates):

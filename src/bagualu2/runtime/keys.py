@@ -143,16 +143,14 @@ def _signature(graph: OpGraph, offset: int) -> tuple:
     return ops, tensors, pinned, graph.activation_dtype, graph.mean_routed_tokens
 
 
-def chunk_aliases(graphs: dict[int, OpGraph], runs: dict[int, object] | None = None) -> dict[int, tuple[int, int]]:
+def chunk_aliases(graphs: dict[int, OpGraph]) -> dict[int, tuple[int, int]]:
     """``{chunk: (canonical chunk, layer offset)}``: a chunk whose graph is an earlier chunk's with every layer
     moved by the same offset decides exactly like it (same bytes, times and order), so it shares its caches and
-    only its plans' names are moved. ``runs`` (optional, per chunk): how the chunk's steps run in the schedule;
-    chunks alias only where it is equal (a plan is ranked by the steps it runs in)."""
+    only its plans' names are moved."""
     aliases: dict[int, tuple[int, int]] = {}
     for chunk in sorted(graphs):
         graph = graphs[chunk]
-        for canonical in sorted(c for c, (base, _) in aliases.items()
-                                if base == c and (runs is None or runs[c] == runs[chunk])):
+        for canonical in sorted(c for c, (base, _) in aliases.items() if base == c):
             offset = graph.layers[0] - graphs[canonical].layers[0]
             if _signature(graphs[canonical], offset) == _signature(graph, 0):
                 aliases[chunk] = (canonical, offset)

@@ -8,9 +8,9 @@ A :class:`Stage` owns
   graph of an imbalance reuses the balanced graph's decisions for tensors that do not scale with it); the
   balanced graphs are kept, the others up to ``max_graphs``, least recently used dropped first (a trace of
   continuous rates would otherwise keep one graph per rate seen);
-* the **chunk aliases**: virtual chunks whose graphs are the same up to layer numbering, and whose steps run alike
-  in the schedule (``step_counts``), decide alike, so they share one canonical chunk's results and only the names
-  in their plans move;
+* the **chunk aliases**: virtual chunks whose graphs are the same up to layer numbering decide alike, so they share
+  one canonical chunk's results and only the names in their plans move (a plan is ranked by the steps all of them
+  run, ``step_counts``);
 * **one bounded memo** (:class:`Memo`) of pure results under typed keys: plan costs (``costmodel.evaluate``, the
   one evaluator), fused orders (``fusion.dp``) and the intermediate results of the decision functions built on the
   stage (``DecisionPath``, ``PointOrders``, ``exec.DeferredPlanner``, the simulator's policies).
@@ -263,10 +263,10 @@ class Stage(_Engine):
         # every forward and backward runs alone: no pipeline and no pairing, or no steady pair F_x B_y at all
         self.alone = (parallel.pp == 1 and not parallel.paired) or not any(
             len(point) == 2 for point in points(parallel, stage))
-        # per chunk, how its forwards and backwards run: (steady points it leads, forwards alone, backwards alone)
-        self.step_counts: dict[int, tuple[int, int, int]] = _step_counts(parallel, stage, self.alone)
-        self.aliases: dict[int, tuple[int, int]] = chunk_aliases({c: self.graph(c, 1.0) for c in range(parallel.vp)},
-                                                                 self.step_counts)
+        self.aliases: dict[int, tuple[int, int]] = chunk_aliases({c: self.graph(c, 1.0) for c in range(parallel.vp)})
+        # per chunk, how the forwards and backwards of it and of the chunks that decide alike run: (steady points
+        # they lead, forwards alone, backwards alone), summed over the chunks that share its decisions
+        self.step_counts: dict[int, tuple[int, int, int]] = _step_counts(parallel, stage, self.alone, self.aliases)
         self._costs = self.memo.table(CostKey)
         self._orders = self.memo.table(OrderKey)
         self._points = self.memo.table(PointKey)
@@ -368,13 +368,13 @@ class Stage(_Engine):
         micro-batches. Copies a steady point hides may be exposed where a step runs alone; a plan ranked by its
         steady point alone may then be slower than one that copies less."""
         self.check_chunk(chunk)
-        pairs, forwards, backwards = self.step_counts[chunk]
+        pairs, forwards, backwards, chunks = self.step_counts[chunk]
         total = pairs * self.point_order(plan, imbalance, chunk).makespan_ns if pairs else 0
         if forwards:
             total += forwards * self.point_order(plan, imbalance, chunk, warmup=True).makespan_ns
         if backwards:
             total += backwards * self.point_order(plan, imbalance, chunk, cooldown=True).makespan_ns
-        return total // self.parallel.num_microbatches
+        return total // (self.parallel.num_microbatches * chunks)
 
     def check_chunk(self, chunk) -> tuple[int, int]:
         """``(canonical chunk, layer offset)`` of ``chunk``; one-line ``ValueError`` for a chunk not of the stage."""
@@ -391,9 +391,12 @@ class Stage(_Engine):
                 f"steps={len(self.steps)}, cache={self.cache})")
 
 
-def _step_counts(parallel: ParallelConfig, stage: int, alone: bool) -> dict[int, tuple[int, int, int]]:
+def _step_counts(parallel: ParallelConfig, stage: int, alone: bool,
+                 aliases: dict[int, tuple[int, int]]) -> dict[int, tuple[int, int, int, int]]:
     """Per chunk of ``stage``: the steady points F_x B_y whose forward is of that chunk, its forwards that run alone
-    and its backwards that run alone (``costmodel.points``; with ``alone``, every step runs alone)."""
+    and its backwards that run alone (``costmodel.points``; with ``alone``, every step runs alone), each summed
+    over the chunks of its alias group, and the group's size (one decision serves them all: it is ranked by the
+    steps of all of them)."""
     counts = {chunk: [0, 0, 0] for chunk in range(parallel.vp)}
     for point in points(parallel, stage):
         if len(point) == 2 and not alone:
@@ -401,4 +404,9 @@ def _step_counts(parallel: ParallelConfig, stage: int, alone: bool) -> dict[int,
         else:
             for action in point:
                 counts[action.chunk][1 if action.kind == "F" else 2] += 1
-    return {chunk: tuple(found) for chunk, found in counts.items()}
+    groups: dict[int, list[int]] = {}
+    for chunk, (canonical, _) in aliases.items():
+        groups.setdefault(canonical, []).append(chunk)
+    return {chunk: (*(sum(counts[c][i] for c in groups[aliases[chunk][0]]) for i in range(3)),
+                    len(groups[aliases[chunk][0]]))
+            for chunk in range(parallel.vp)}
