@@ -111,8 +111,8 @@ def test_op_map_names_the_unsupported_class():
 
     dense = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1))
-    with pytest.raises(ValueError, match=r"LlamaForCausalLM has no routed-experts module .*\(its layers are all dense\); "
-                                         r"supported: the \d+ families of hf.SUPPORTED_FAMILIES \(mixtral, "):
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM has no routed-experts module .*\(its layers are all "
+                                         r"dense\); supported: the \d+ families of hf.SUPPORTED_FAMILIES \(mixtral, "):
         hf.op_map(dense)
     with pytest.raises(ValueError, match="torch.nn.Module"):
         hf.op_map("mixtral")

@@ -167,7 +167,8 @@ def test_steps_below_the_resumed_checkpoint_and_an_edited_manifest_are_one_line(
     # what the numbers depend on must be the checkpoint's: a changed value is refused, naming the flag
     for changed, fragment in ((["--lr", "0.001"], "was trained with --lr 0.003; this run has --lr 0.001"),
                               (["--spike-max", "1.5"], "--spike-max 2.0; this run has --spike-max 1.5"),
-                              (["--recipe", "glm_moe_bench", "--spike-rate", "0"], "was trained with another --recipe (")):
+                              (["--recipe", "glm_moe_bench", "--spike-rate", "0"],
+                               "was trained with another --recipe (")):
         refused = subprocess.run(base + ["--steps", "4", "--resume", *changed], capture_output=True, text=True,
                                  env=env, timeout=300)
         lines = [line for line in refused.stderr.splitlines() if line.strip()]
