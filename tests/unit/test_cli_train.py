@@ -101,8 +101,8 @@ def test_a_dry_run_checks_the_data_and_the_output_paths_and_writes_nothing(tmp_p
     assert result.exit_code == 0, result.output
     assert not (tmp_path / "new").exists()
     # a GPU launch is prepared on a machine without its GPUs: the device is not checked
-    gpus = CliRunner().invoke(app, ["train", "--dry-run", "--nnodes", "2", "--nproc-per-node", "4", "--",
-                                    "--recipe", "glm_moe_multi"])
+    gpus = CliRunner().invoke(app, ["train", "--dry-run", "--nnodes", "2", "--nproc-per-node", "4", "--master-addr",
+                                    "10.0.0.1", "--", "--recipe", "glm_moe_multi"])
     assert gpus.exit_code == 0, gpus.output
 
 
