@@ -453,7 +453,8 @@ class DecisionPath:
         return self.engine.step_ns(plan, imbalance, chunk)
 
     def _faster(self, full, hidden, imbalance: float, chunk: int):
-        """Of two solutions for one budget, the one whose steady point is shorter (``full``, the first, on a tie)."""
+        """Of two solutions for one budget, the one shorter in the stage's steps (:meth:`_point_ns`; ``full``, the
+        first, on a tie)."""
         if not hidden.ok or hidden.plan.entries == full.plan.entries:
             return full
         return hidden if self._point_ns(hidden.plan, imbalance, chunk) < self._point_ns(full.plan, imbalance,

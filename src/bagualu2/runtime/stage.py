@@ -265,8 +265,10 @@ class Stage(_Engine):
             len(point) == 2 for point in points(parallel, stage))
         self.aliases: dict[int, tuple[int, int]] = chunk_aliases({c: self.graph(c, 1.0) for c in range(parallel.vp)})
         # per chunk, how the forwards and backwards of it and of the chunks that decide alike run: (steady points
-        # they lead, forwards alone, backwards alone), summed over the chunks that share its decisions
-        self.step_counts: dict[int, tuple[int, int, int]] = _step_counts(parallel, stage, self.alone, self.aliases)
+        # they lead, forwards alone, backwards alone), summed over the chunks that share its decisions, and how
+        # many chunks those are
+        self.step_counts: dict[int, tuple[int, int, int, int]] = _step_counts(parallel, stage, self.alone,
+                                                                              self.aliases)
         self._costs = self.memo.table(CostKey)
         self._orders = self.memo.table(OrderKey)
         self._points = self.memo.table(PointKey)
@@ -364,8 +366,8 @@ class Stage(_Engine):
     def step_ns(self, plan: Plan | str | None, imbalance: float, chunk: int) -> int:
         """What ``plan`` on the graph of (chunk, imbalance) takes per micro-batch of the chunk in this stage's
         schedule: its steady points F_x B_y, its forwards that run alone (warmup; every forward where none pairs)
-        and its backwards that run alone (cooldown), each in its own order, averaged over the chunk's
-        micro-batches. Copies a steady point hides may be exposed where a step runs alone; a plan ranked by its
+        and its backwards that run alone (cooldown), each in its own order, averaged over the micro-batches of
+        the chunk and of the chunks that share its decisions (``step_counts``). Copies a steady point hides may be exposed where a step runs alone; a plan ranked by its
         steady point alone may then be slower than one that copies less."""
         self.check_chunk(chunk)
         pairs, forwards, backwards, chunks = self.step_counts[chunk]
