@@ -261,13 +261,13 @@ class Stage(_Engine):
         self.steps: tuple[Step, ...] = self._steps()
         self.point_relation = point_relation(parallel, stage)  # the fusion DP's pipeline_degree at this stage
         # every forward and backward runs alone: no pipeline and no pairing, or no steady pair F_x B_y at all
-        self.alone = (parallel.pp == 1 and not parallel.paired) or not any(
-            len(point) == 2 for point in points(parallel, stage))
+        grouped = points(parallel, stage)
+        self.alone = (parallel.pp == 1 and not parallel.paired) or not any(len(point) == 2 for point in grouped)
         self.aliases: dict[int, tuple[int, int]] = chunk_aliases({c: self.graph(c, 1.0) for c in range(parallel.vp)})
         # per chunk, how the forwards and backwards of it and of the chunks that decide alike run: (steady points
         # they lead, forwards alone, backwards alone), summed over the chunks that share its decisions, and how
         # many chunks those are
-        self.step_counts: dict[int, tuple[int, int, int, int]] = _step_counts(parallel, stage, self.alone,
+        self.step_counts: dict[int, tuple[int, int, int, int]] = _step_counts(grouped, parallel.vp, self.alone,
                                                                               self.aliases)
         self._costs = self.memo.table(CostKey)
         self._orders = self.memo.table(OrderKey)
@@ -393,14 +393,14 @@ class Stage(_Engine):
                 f"steps={len(self.steps)}, cache={self.cache})")
 
 
-def _step_counts(parallel: ParallelConfig, stage: int, alone: bool,
+def _step_counts(grouped, num_chunks: int, alone: bool,
                  aliases: dict[int, tuple[int, int]]) -> dict[int, tuple[int, int, int, int]]:
-    """Per chunk of ``stage``: the steady points F_x B_y whose forward is of that chunk, its forwards that run alone
-    and its backwards that run alone (``costmodel.points``; with ``alone``, every step runs alone), each summed
-    over the chunks of its alias group, and the group's size (one decision serves them all: it is ranked by the
-    steps of all of them)."""
-    counts = {chunk: [0, 0, 0] for chunk in range(parallel.vp)}
-    for point in points(parallel, stage):
+    """Per chunk of a stage whose schedule is ``grouped`` (``costmodel.points``): the steady points F_x B_y whose
+    forward is of that chunk, its forwards that run alone and its backwards that run alone (with ``alone``, every
+    step runs alone), each summed over the chunks of its alias group, and the group's size (one decision serves
+    them all: it is ranked by the steps of all of them)."""
+    counts = {chunk: [0, 0, 0] for chunk in range(num_chunks)}
+    for point in grouped:
         if len(point) == 2 and not alone:
             counts[point[0].chunk][0] += 1
         else:
@@ -411,4 +411,4 @@ def _step_counts(parallel: ParallelConfig, stage: int, alone: bool,
         groups.setdefault(canonical, []).append(chunk)
     return {chunk: (*(sum(counts[c][i] for c in groups[aliases[chunk][0]]) for i in range(3)),
                     len(groups[aliases[chunk][0]]))
-            for chunk in range(parallel.vp)}
+            for chunk in range(num_chunks)}
