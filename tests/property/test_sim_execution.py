@@ -150,6 +150,30 @@ def test_one_recomputed_dispatch_or_combine_is_enough_to_lose_the_pairing(saving
     assert paired == (not reruns)
 
 
+
+@pytest.mark.parametrize("policy", ["static-under", "static-over"])
+def test_without_overlap_an_iteration_is_the_serial_sum_of_all_it_runs(policy):
+    """``overlap="none"``: every chunk's forward and backward in series, the output layer and embedding, and the
+    gradient reduce-scatter, parameter all-gather and optimizer step all exposed (none hides behind a backward
+    or forward), plus the interleaved 1F1B bubble: the simulator's iteration is that sum, stage by stage."""
+    from bagualu2.sim.overheads import stage_overheads
+
+    rate, m = 1.1, PARALLEL.num_microbatches
+    run = simulate(MODEL, PARALLEL, HW, policy, [rate], overlap="none", restart_s=0.0, plan_imbalance=1.2)
+    assert run.oom_events == 0
+    busy, totals = [], []
+    for stage in range(PARALLEL.pp):
+        ctx = StageContext(MODEL, PARALLEL, HW, stage)
+        plans = bagualu2.sim.make_policy(policy, ctx, plan_imbalance=1.2).plans
+        extra = stage_overheads(MODEL, PARALLEL, HW, stage)
+        stage_s = m * sum(ctx.cost(c, rate, plans[c]).forward_s + ctx.cost(c, rate, plans[c]).backward_s
+                          for c in range(PARALLEL.vp)) + extra.head_s
+        busy.append(stage_s)
+        totals.append(stage_s + extra.reduce_s + extra.gather_s + extra.optimizer_s)
+    bubble_s = (PARALLEL.pp - 1) * sum(busy) / len(busy) / (m * PARALLEL.vp)
+    assert stage_overheads(MODEL, PARALLEL, HW, 0).reduce_s > 0
+    assert run.iterations[0].time_s == pytest.approx(max(totals) + bubble_s, rel=1e-9)
+
 rates = st.floats(1.0, 2.6, allow_nan=False).map(lambda r: round(r, 1))
 traces = st.lists(rates, min_size=1, max_size=3).map(tuple)
 

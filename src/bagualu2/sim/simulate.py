@@ -13,7 +13,8 @@ the mean over stages of (busy time / chunk forwards)::
 
     iteration_s = max over stages (busy_s + exposed gradient sync + optimizer_s) + (pp - 1) * T_c
 
-(Megatron's interleaved 1F1B bubble). MFU = model FLOPs per GPU per iteration / (iteration_s * peak_flops), the
+(Megatron's interleaved 1F1B bubble); the gradient reduce-scatter hides behind the last micro-batch's backwards
+and the parameter all-gather behind the first one's forwards, except under ``overlap="none"``. MFU = model FLOPs per GPU per iteration / (iteration_s * peak_flops), the
 model FLOPs being the mean over stages of :meth:`~.stage.StageContext.model_flops` (3 x forward matrix-product
 FLOPs at balanced load) plus the output layer's; a run's ``mean_mfu`` averages it per iteration (§VI-A).
 
@@ -61,7 +62,8 @@ class SimConfig:
     ``--memory-cap``); None: ``stage_memory``'s ``M_max``.
     overlap: the execution model (``execution.OVERLAP``): ``"real"`` (every policy the overlap of its real
     system), ``"released"`` (the same without Megatron-Core's all-to-all overlap for the baselines),
-    ``"fused-only"`` (only the fused policies' steady pairs overlap) or ``"none"`` (all serial).
+    ``"fused-only"`` (only the fused policies' steady pairs overlap) or ``"none"`` (all serial, the gradient
+    synchronisation included).
     hidden_copies: the flexible policies' decision path prices offload copies by what they leave exposed beside
     compute (``runtime.DecisionPath``'s ``hidden_copies``; True, as on a GPU whose copy engines run beside compute)
     or, False, in full (Algorithm 2's pricing; the CPU trainer's decisions); None (default): True under
@@ -256,13 +258,15 @@ class _Run:
             return found
         parallel = self.parallel
         rates = key if isinstance(key, tuple) else (key,) * parallel.num_microbatches
+        hides = self.config.overlap != "none"  # all serial: nothing hides the gradient traffic either
         busy, totals, peaks, oom = [], [], [], False
         for policy, extra in zip(policies, self.overheads):
-            timed = min((stage_time(way, rates) for way in policy.alternatives()),  # by the stage's whole time
-                        key=lambda t, extra=extra: t.busy_s + extra.sync_s(t.last_backward_s, t.first_forward_s))
-            stage_s = timed.busy_s + extra.head_s
-            busy.append(stage_s)
-            totals.append(stage_s + extra.sync_s(timed.last_backward_s, timed.first_forward_s))
+            def whole_s(t: StageTime, extra=extra) -> float:
+                return t.busy_s + extra.sync_s(t.last_backward_s * hides, t.first_forward_s * hides)
+
+            timed = min((stage_time(way, rates) for way in policy.alternatives()), key=whole_s)  # the stage's whole
+            busy.append(timed.busy_s + extra.head_s)
+            totals.append(whole_s(timed) + extra.head_s)
             peaks.append(timed.peak_bytes)
             oom = oom or (policy.bounded and timed.peak_bytes > policy.ctx.m_max_bytes)
         chunk_s = sum(busy) / len(busy) / (parallel.num_microbatches * parallel.vp)
