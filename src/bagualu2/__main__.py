@@ -1,6 +1,6 @@
 """``python -m bagualu2``: the ``bagualu2`` command."""
 
-from .cli.app import main
+from .cli import main
 
 if __name__ == "__main__":  # not when a worker process (multiprocessing's spawn) imports the main module
     main()

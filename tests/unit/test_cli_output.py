@@ -46,7 +46,7 @@ def test_an_unusable_columns_width_still_prints_everything(columns: str) -> None
 
 
 def test_an_ascii_only_stdout_gets_every_line_with_escapes(monkeypatch) -> None:
-    from bagualu2.cli.app import main
+    from bagualu2.cli.commands import main
 
     monkeypatch.delenv("COLUMNS", raising=False)
     buffer = io.BytesIO()

@@ -154,3 +154,18 @@ def test_the_pure_packages_import_with_torch_blocked():
             "assert sys.modules['torch'] is None\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+@pytest.mark.launch
+def test_the_command_line_loads_or_tools_and_its_commands_only_when_used():
+    """``python -m bagualu2.cli.launch`` (the agent of ``bagualu2 train``) imports no command module, and the
+    command line imports neither OR-Tools nor torch before a command asks for them: a Ctrl-C while OR-Tools'
+    extension initialises surfaces as an ``ImportError`` no handler can tell from a broken install."""
+    code = ("import sys\n"
+            "import bagualu2.cli.launch\n"
+            "assert not [m for m in sys.modules if m.endswith('_cmd') or m == 'bagualu2.cli.commands'], sys.modules\n"
+            "import bagualu2.cli.commands\n"
+            "assert not [m for m in sys.modules if m.startswith(('ortools', 'torch'))]\n"
+            "from bagualu2.cli import app, main\n"
+            "assert app is bagualu2.cli.commands.app and callable(main)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr

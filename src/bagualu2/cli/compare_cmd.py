@@ -18,8 +18,8 @@ from rich.table import Table
 
 from bagualu2.costmodel import Hardware, ModelConfig, OpGraph, ParallelConfig, build_graph, imbalance_limit
 from bagualu2.costmodel.validate import require_int
-from bagualu2.fusion import build_chains, dp, exact as exact_schedule
-from bagualu2.mitigation import exact, greedy
+from bagualu2.fusion import build_chains, dp
+from bagualu2.mitigation import greedy
 
 from .common import (HARDWARE_HELP, CliError, blame, check_graph, console, echo_json, handle_errors, integer_option,
                      json_help, load_hardware, load_model, parse_imbalance, parse_number, progress_bar)
@@ -41,6 +41,9 @@ def _ratio(fast: float, best: float) -> float:
 
 def compare_point(graph: OpGraph, hardware: Hardware, budget_bytes: int, time_limit_s: float) -> dict[str, Any]:
     """Greedy vs exact plan and DP vs exact schedule for one graph and budget."""
+    from bagualu2.fusion import exact as exact_schedule  # OR-Tools: loaded by this command only
+    from bagualu2.mitigation import exact
+
     fast = greedy.solve(graph, budget_bytes)
     best = exact.solve(graph, budget_bytes, time_limit_s=time_limit_s)
     chains = build_chains(graph, fast.plan, graph, fast.plan, hardware=hardware)

@@ -11,7 +11,7 @@ from rich.table import Table
 from bagualu2.costmodel import OpGraph, Strategy, build_graph, resolve
 from bagualu2.costmodel.graph import ITEM_BYTES
 from bagualu2.costmodel.strategy import tensor_offload_ns, tensor_quantize_ns
-from bagualu2.mitigation import Solution, check_conflicts, exact, greedy
+from bagualu2.mitigation import Solution, check_conflicts, greedy
 
 from .common import (GIB, HARDWARE_HELP, IMBALANCE_HELP, JSON_HELP, MIB, MODEL_HELP, CliError, check_graph, console,
                      echo_json, handle_errors, integer_option, load_hardware, load_model, parse_imbalance, parse_number)
@@ -54,6 +54,8 @@ def plan_rows(graph: OpGraph, solution: Solution) -> list[dict[str, Any]]:
 
 def _solve(graph: OpGraph, budget_bytes: int, solver: str, time_limit_s: float) -> Solution:
     if solver == "exact":
+        from bagualu2.mitigation import exact  # OR-Tools: loaded for this solver only
+
         return exact.solve(graph, budget_bytes, time_limit_s=time_limit_s)
     variant = "paper" if solver == "greedy-paper" else "improved"
     return greedy.solve(graph, budget_bytes, config=greedy.GreedyConfig(variant=variant))

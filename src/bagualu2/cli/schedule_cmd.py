@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from bagualu2.costmodel import build_graph, point_relation
-from bagualu2.fusion import CHAIN_KINDS, Chains, Order, Timeline, build_chains, dp, exact, simulate
+from bagualu2.fusion import CHAIN_KINDS, Chains, Order, Timeline, build_chains, dp, simulate
 from bagualu2.fusion.baselines import BASELINES
 from bagualu2.fusion.gantt import gantt_png_bytes, gantt_text
 from bagualu2.mitigation import greedy
@@ -28,6 +28,8 @@ GANTT_WIDTH = 100
 def solve_orders(chains: Chains, time_limit_s: float) -> dict[str, Order]:
     """The DP order, the exact CP-SAT order (seeded with the DP's; absent when the time limit stopped CP-SAT before
     any schedule) and the baseline orders, by name."""
+    from bagualu2.fusion import exact  # OR-Tools: loaded by this command only
+
     dp_order = dp.solve(chains)
     orders = {"dp": dp_order}
     try:
