@@ -159,6 +159,8 @@ def _check(path: Path, step: int | None, hashes: bool) -> dict[str, Any]:
         raise _Refused(f"missing {MANIFEST} (partial checkpoint)") from None
     except (OSError, ValueError) as exc:
         raise _Refused(f"invalid {MANIFEST}: {exc}") from None
+    except RecursionError:  # JSON nested deeper than the parser goes: garbage, not a manifest
+        raise _Refused(f"invalid {MANIFEST}: nested too deeply") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise _Refused(f"invalid {MANIFEST}: format is not {FORMAT}")
     files = manifest.get("files")

@@ -144,15 +144,22 @@ class Run:
     def close(self) -> None:
         import torch.distributed as dist
 
+        guard = self.session.guard if self.session is not None else None
         try:
             if dist.is_initialized():
                 try:
+                    if guard is not None:
+                        guard.beat("the final barrier")
                     dist.barrier()
+                except Exception as exc:  # a peer stopped or died after the last step: the step loop's one line
+                    if guard is not None:
+                        guard.fatal(exc, guard.step)
+                    raise
                 finally:
                     dist.destroy_process_group()
         finally:
-            if self.session is not None:
-                self.session.guard.close()
+            if guard is not None:
+                guard.close()
                 if self.session.directory_lock is not None:  # the checkpoint directory is free for the next run
                     self.session.directory_lock.close()
 

@@ -94,6 +94,13 @@ LOCK = ".bagualu2.lock"
 BUSY = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)  # flock's "held by another": anything else cannot lock
 
 
+def lock_wait_s(collective_timeout_s: float, *, restart: bool) -> float:
+    """How long rank 0 tries the directory's lock: a restart waits for its previous attempt's rank 0 to exit (up to
+    a minute), a first launch 5 s; either at most half the collective timeout, within which the other ranks, waiting
+    in the broadcast of the answer, hear it instead of timing out."""
+    return min(60.0 if restart else 5.0, 0.5 * collective_timeout_s)
+
+
 def lock_directory(directory: str, *, wait_s: float = 0.0) -> tuple[Any, str | None]:
     """An exclusive lock on the run's state ``directory`` (its checkpoint directory, or its own temp folder, which
     keeps other launches' :func:`sweep_finished_runs` out) for this process's life (the system releases it when the
@@ -144,7 +151,7 @@ def read_refusal(directory: str | None) -> str | None:
         return None
     try:
         record = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     if not isinstance(record, dict) or record.get("run_id") != _refusal_tag():
         return None
@@ -254,7 +261,7 @@ class RunState:
         if not fresh and path.is_file():
             try:
                 state = json.loads(path.read_text())
-            except (OSError, ValueError):
+            except (OSError, ValueError, RecursionError):
                 state = None
             if isinstance(state, dict):  # anything else (null, a list, a torn file) is no state
                 self.data.update(state)
@@ -280,7 +287,7 @@ class RunState:
         for marker in sorted(self.dir.glob(pattern)) if self.dir else ():
             try:
                 record = json.loads(marker.read_text())
-            except (OSError, ValueError):
+            except (OSError, ValueError, RecursionError):
                 continue
             if isinstance(record, dict) and isinstance(record.get("time"), (int, float)):
                 found.append(record)

@@ -24,7 +24,7 @@ from .parallel import build_groups, is_expert_parameter, reduce_gradients
 from .policies import OOM_EXIT_CODE, fallback, fixed_plans
 from .provision import Provisioner
 from .resilience import NONFINITE_EXIT_CODE, Guard
-from .restarts import (RunState, lock_directory, read_refusal, state_directory, sweep_finished_runs,
+from .restarts import (RunState, lock_directory, lock_wait_s, read_refusal, state_directory, sweep_finished_runs,
                        write_refusal)
 from .routing import record_routing, routing_stats
 from .watchdog import find_cause
@@ -134,7 +134,7 @@ class Session:
         box: list[str | None] = [None]
         self.directory_lock = None  # rank 0's open lock file: the lock lasts as long as this process
         if groups.rank == 0 and config.checkpoint_dir:  # a restart waits for its previous attempt's rank 0 to exit
-            wait_s = min(60.0, config.collective_timeout_s) if self.restarts > 0 else 5.0
+            wait_s = lock_wait_s(config.collective_timeout_s, restart=self.restarts > 0)
             self.directory_lock, busy = lock_directory(config.checkpoint_dir, wait_s=wait_s)
             if busy is not None:
                 box[0] = f"--checkpoint-dir {config.checkpoint_dir}: {busy}; give another directory"

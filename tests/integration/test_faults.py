@@ -99,18 +99,26 @@ def test_sigkill_mid_step_and_during_a_checkpoint_write_resume_bitwise(tmp_path,
 
 
 def test_sigstop_is_detected_within_the_collective_timeout_restarted_and_resumed(tmp_path, uninterrupted):
+    """A rank stopped mid-run, and (the restart) one stopped after the last step's checkpoint while the others wait
+    in the final barrier: each ends its launch in lines naming the step, where and the stopped rank, leaves its
+    fault for the next launch's count, and the run resumes bitwise."""
     metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
     proc = launch(2, *COMMON, "--metrics-file", str(metrics), "--checkpoint-dir", str(ckpt), "--checkpoint-every",
-                  "1", "--collective-timeout", "4", faults="stop@2:rank=1:for=12", restarts=1)
+                  "1", "--collective-timeout", "4",
+                  faults="stop@2:rank=1:for=12,stop@4:rank=1:at=saved:for=12:launch=1", restarts=2)
     ok(proc)
     assert losses(metrics) == uninterrupted
     stalled = [line for line in errors(proc) if "made no progress" in line or "a collective failed" in line]
-    assert stalled and all("exit code 76" in line and "step 2" in line for line in stalled), proc.stderr[-3000:]
-    assert any("rank 1 stopped answering" in line for line in stalled), proc.stderr[-3000:]  # the stopped rank
+    first = [line for line in stalled if "step 2" in line]
+    assert first and all("exit code 76" in line for line in stalled), proc.stderr[-3000:]
+    assert any("rank 1 stopped answering" in line for line in first), proc.stderr[-3000:]  # the stopped rank
+    final = [line for line in stalled if "in the final barrier" in line]
+    assert final and all("step 4" in line and "rank 1 stopped answering" in line for line in final), \
+        proc.stderr[-3000:]
     assert "stacks of every thread" in proc.stderr or "a collective failed" in proc.stderr
     assert not has_traceback(proc.stderr)
     summary = records(metrics)[-1]
-    assert summary["restarts"] == 1 and summary["stalls"] == 1 and summary["restart_s"] > 0
+    assert summary["restarts"] == 2 and summary["stalls"] == 2 and summary["restart_s"] > 0
 
 
 def test_a_diverged_collective_order_is_one_line(tmp_path):

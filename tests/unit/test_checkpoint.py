@@ -149,6 +149,16 @@ def test_partial_checkpoints_are_ignored_with_a_warning(tmp_path, capsys):
     assert (no_manifest).exists()  # a step dir without a manifest is not ours to delete
 
 
+
+def test_a_manifest_nested_deeper_than_json_parses_is_skipped_like_any_invalid_one(tmp_path, capsys):
+    """``[[[[...`` raises RecursionError, not ValueError, in ``json.loads``: it refused the whole resume before."""
+    good = save(tmp_path, 4, _state(4))
+    deep = save(tmp_path, 5, _state(5), keep=5)
+    (deep / "manifest.json").write_text("[" * 100_000)
+    assert find_latest(tmp_path) == (good, 4)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert err == [f"warning: checkpoint {deep} refused: invalid manifest.json: nested too deeply; using {good}"]
+
 def test_paths_that_are_not_checkpoint_dirs_are_refused(tmp_path):
     afile = tmp_path / "ckpt"
     afile.write_text("x")

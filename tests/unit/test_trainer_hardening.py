@@ -291,6 +291,30 @@ def test_restarts_count_over_every_launch_of_the_run(tmp_path):
     assert RunState(str(tmp_path), fresh=True).data["restarts"] == 0  # a new run starts over
 
 
+
+@pytest.mark.parametrize("timeout_s", [0.1, 1.0, 4.0, 10.0, 120.0, 600.0])
+@pytest.mark.parametrize("restart", [False, True])
+def test_rank_0_gives_up_the_lock_within_the_others_collective_timeout(timeout_s, restart):
+    """The other ranks wait for rank 0's answer in a broadcast bounded by ``--collective-timeout``: rank 0 tries a
+    held lock for less than that, so a busy directory is refused in one line (exit 2), not reported as a timed
+    out collective (exit 76, restarted); before, a first launch tried it for 5 s whatever the timeout."""
+    from reference_trainer.restarts import lock_wait_s
+
+    wait_s = lock_wait_s(timeout_s, restart=restart)
+    assert 0 < wait_s < timeout_s
+    assert wait_s == min(60.0 if restart else 5.0, timeout_s / 2)
+
+
+def test_run_state_files_nested_deeper_than_json_parses_are_no_state(tmp_path):
+    """A torn or foreign state file, marker or refusal is no record (RecursionError escaped these reads before)."""
+    deep = "[" * 100_000
+    (tmp_path / STATE).write_text(deep)
+    (tmp_path / "oom-rank0.json").write_text(deep)
+    state = RunState(str(tmp_path), fresh=False)
+    assert state.data["restarts"] == 0 and state.markers() == []
+    (tmp_path / "refused.json").write_text(deep)
+    assert read_refusal(str(tmp_path)) is None
+
 def test_a_checkpoint_directory_is_locked_by_one_process_at_a_time(tmp_path):
     """Two launches in one checkpoint directory would resume from and delete each other's checkpoints: the second
     finds the lock held (a lock is per open file, so a second open in this process meets it as another launch's

@@ -427,10 +427,11 @@ def read_report(path: str | os.PathLike[str]) -> dict:
                 raise ValueError(f"stage {entry['stage']} after stage {stage}")
             steps.append(entry["rows"])
             numbers.append(entry["step"])
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
             if index == len(lines) and isinstance(exc, json.JSONDecodeError):
                 break
-            raise ValueError(f"{path}: line {index}: not a report line ({exc})") from None
+            why = "nested too deeply" if isinstance(exc, RecursionError) else exc
+            raise ValueError(f"{path}: line {index}: not a report line ({why})") from None
     return {"stage": stage, "steps": steps, "step_numbers": numbers}
 
 
