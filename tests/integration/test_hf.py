@@ -223,8 +223,11 @@ def test_remove_puts_the_model_back_and_a_refused_instrument_changes_nothing():
     with torch.no_grad():
         plain = model(input_ids=ids)
     assert type(plain.past_key_values).__name__ == "DynamicCache"
-    with pytest.raises(ValueError, match="Qwen3MoeSparseMoeBlock has no routed-experts module"):
-        hf.instrument(model.model.layers[0].mlp)  # refused after the experts implementation was installed
+    layer = model.model.layers[0]
+    for part in (layer, layer.mlp, layer.mlp.experts):  # refused after the experts implementation was installed
+        with pytest.raises(ValueError, match=f"^{type(part).__name__} holds routed experts but no decoder layers .*"
+                                             "instrument the whole transformers model"):
+            hf.instrument(part)
     assert state() == before
     instrumented = hf.instrument(model)
     assert state() != before  # the cache off, the experts split
@@ -236,6 +239,54 @@ def test_remove_puts_the_model_back_and_a_refused_instrument_changes_nothing():
     hf.instrument(model).remove()  # instrumented again after remove
     assert state() == before
 
+
+
+def test_a_copy_of_an_instrumented_model_runs_unhooked_and_is_refused_by_instrument():
+    """``copy.deepcopy`` of an instrumented model (a teacher, an EMA) copies its hooks, which no ``remove()`` takes
+    off the copy: the copy runs as a plain model, inside the original's micro-batch too (the step stays bitwise),
+    and instrumenting it is refused in one line."""
+    import copy
+
+    model, ids = tiny("mixtral")
+    instrumented = hf.instrument(model)
+    graph = instrumented.trace_graph(input_ids=ids, labels=ids, hardware=HW, loss=lambda out: out.loss)
+    plan = greedy.solve(graph, graph.floor_bytes).plan  # re-runs most ops
+    assert Strategy.RECOMPUTE in {strategy for _, strategy in plan.entries}
+    loss0, grads0, _, _ = run_plan(model, ids, instrumented, None)
+    teacher = copy.deepcopy(model)
+    with torch.no_grad():
+        alone = teacher(input_ids=ids).logits
+    torch.manual_seed(0)
+    executor = apply_plan(instrumented, plan, verify=True)
+    model.zero_grad(set_to_none=True)
+    with executor.micro_batch("kd") as record:
+        out = model(input_ids=ids, labels=ids)
+        with torch.no_grad():
+            inside = teacher(input_ids=ids).logits
+    out.loss.backward()
+    executor.release("kd")
+    assert record.device_bytes == evaluate(graph, plan).activation_bytes and torch.equal(inside, alone)
+    assert torch.equal(out.loss.detach(), loss0)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads0) if p.grad is not None)
+    with pytest.raises(ValueError, match="^module 'model.layers.0.self_attn' carries the op hooks of another "
+                                         "instrumented model .* copy the model before instrument\\(\\) or after "
+                                         "remove\\(\\)$"):
+        hf.instrument(teacher)
+
+
+def test_remove_while_a_micro_batch_awaits_its_backward_names_it_when_the_backward_re_runs():
+    model, ids = tiny("mixtral")
+    instrumented = hf.instrument(model)
+    graph = instrumented.trace_graph(input_ids=ids, labels=ids, hardware=HW, loss=lambda out: out.loss)
+    plan = greedy.solve(graph, graph.floor_bytes).plan  # re-runs most ops
+    assert Strategy.RECOMPUTE in {strategy for _, strategy in plan.entries}
+    executor = apply_plan(instrumented, plan)
+    with executor.micro_batch("mb"):
+        loss = model(input_ids=ids, labels=ids).loss
+    instrumented.remove()
+    with pytest.raises(RuntimeError, match=r"^cannot re-run \S+ for its backward: InstrumentedModel.remove\(\) "
+                                           "took the hooks off while its micro-batch awaited the backward"):
+        loss.backward()
 
 def test_models_that_share_a_config_keep_their_own_instrumentation():
     """Two models from one config object (a teacher beside a student): the one not instrumented runs as it did,

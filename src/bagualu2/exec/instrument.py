@@ -133,6 +133,7 @@ def check_device(model: torch.nn.Module) -> None:
 
 # the modules that carry op hooks (weakly held: a model dropped with its hooks leaves the set)
 _HOOKED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+_OP_HOOKS: weakref.WeakSet = weakref.WeakSet()  # the hook functions: a copy of a hooked module holds them too
 
 
 class UntracedSavingsWarning(UserWarning):
@@ -175,9 +176,9 @@ class InstrumentedModel:
             # the op is the module's forward, as a replay re-runs it: the pre-hook goes after the module's own
             # pre-hooks and the hook before its own hooks (an expert-parallel dispatch and combine put on the
             # module run outside the op, in its parent)
-            pre = module.register_forward_pre_hook(self._pre_hook(binding), with_kwargs=True)
-            post = module.register_forward_hook(self._post_hook(binding), with_kwargs=True, always_call=True,
-                                                prepend=True)
+            pre = module.register_forward_pre_hook(self._pre_hook(binding, module), with_kwargs=True)
+            post = module.register_forward_hook(self._post_hook(binding, module), with_kwargs=True,
+                                                always_call=True, prepend=True)
             self._handles += [pre, post]
             self._hook_ids[path] = (pre.id, post.id)
 
@@ -379,9 +380,23 @@ class InstrumentedModel:
             return None
         return name
 
-    def _pre_hook(self, binding: OpBinding):
+    def _while_hooked(self, op: str, fn: Callable):
+        """``fn``, the op's re-run, refused once :meth:`remove` restored what instrumenting changed (the experts'
+        implementation among them): the re-run would save other tensors than the forward did."""
+        def rerun(*args):
+            if self.removed:
+                raise RuntimeError(f"cannot re-run {op} for its backward: InstrumentedModel.remove() took the hooks "
+                                   "off while its micro-batch awaited the backward; call remove() after the backward "
+                                   "of every micro-batch")
+            return fn(*args)
+
+        return rerun
+
+    def _pre_hook(self, binding: OpBinding, own: torch.nn.Module):
+        own = weakref.ref(own)
+
         def hook(module, args, kwargs):
-            if REPLAYING.get():
+            if REPLAYING.get() or module is not own():  # a copy of the module (copy.deepcopy) runs unhooked
                 return None
             active, tracer = ACTIVE.get(), TRACER.get()
             if active is None and tracer is None:
@@ -414,15 +429,19 @@ class InstrumentedModel:
                 if (standby or binding.op in record.rerun) and not torch.is_inference_mode_enabled():
                     snapshot = self.trace is not None and binding.path in self.trace.buffer_modules
                     flat, fn = _replay_call(module, args, kwargs, record, op=binding.op, snapshot=snapshot)
+                    fn = self._while_hooked(binding.op, fn)
                     frame.replay = executor.begin_replay(record, binding.op, fn, flat, active=not standby)
             return None
 
+        _OP_HOOKS.add(hook)
         return hook
 
-    def _post_hook(self, binding: OpBinding):
+    def _post_hook(self, binding: OpBinding, own: torch.nn.Module):
+        own = weakref.ref(own)
+
         def hook(module, args, kwargs, output):
             frame = FRAME.get()
-            if REPLAYING.get() or frame is None or frame.binding is not binding:
+            if REPLAYING.get() or frame is None or frame.binding is not binding or module is not own():
                 return None
             active, tracer = ACTIVE.get(), TRACER.get()
             try:
@@ -448,6 +467,7 @@ class InstrumentedModel:
                     after_gate(binding.layer, int(report.received), report.group, report.most)
             return None
 
+        _OP_HOOKS.add(hook)
         return hook
 
 
@@ -548,3 +568,10 @@ def check_instrumentable(model: torch.nn.Module) -> None:
     if hooked is not None:
         raise ValueError(f"model is instrumented already (module {hooked or '<root>'!r} has op hooks); call remove() "
                          "on its InstrumentedModel first")
+    copied = next((path for path, module in model.named_modules()
+                   if any(hook in _OP_HOOKS for hook in (*module._forward_pre_hooks.values(),
+                                                         *module._forward_hooks.values()))), None)
+    if copied is not None:
+        raise ValueError(f"module {copied or '<root>'!r} carries the op hooks of another instrumented model (a copy "
+                         "made while that one was instrumented, e.g. copy.deepcopy, keeps its hooks, which no "
+                         "remove() takes off the copy): copy the model before instrument() or after remove()")

@@ -144,6 +144,10 @@ def op_map(model: torch.nn.Module) -> dict[str, str]:
                 labels[path] = "router"
             elif name in MIXER_NAMES and not _is_norm(child):  # a linear-attention or state-space token mixer
                 labels[path] = "mixer:core_attn"
+    if not found_experts and not layers and any(is_experts(module) for module in model.modules()):
+        raise ValueError(f"{type(model).__name__} holds routed experts but no decoder layers (a ModuleList named "
+                         "'layers'): instrument the whole transformers model or its inner model, not a layer, MoE "
+                         "block or experts module of it")
     if not found_experts:
         inside = tuple(f"{layer_path}." for layer_path, _ in layers)
         deeper = [path for path, module in model.named_modules() if is_experts(module) and path.startswith(inside)]
