@@ -303,3 +303,42 @@ def test_paper_trace_refuses_huge_rates_and_takes_numpy_seeds():
         with pytest.raises(ValueError, match=rf"^{field} must be a finite number in .*, 65536\], got "):
             paper_trace(5, **{field: value})
     assert paper_trace(20, seed=np.int64(3)) == paper_trace(20, seed=3)
+
+
+def test_integers_beyond_the_floats_are_refused_like_any_out_of_range_number(tmp_path):
+    """``float(10**400)`` raises OverflowError: every number the simulator takes, in a trace file too, is one line
+    naming it (with the integer shown short), as 1e400 is."""
+    from bagualu2.sim import load_trace, paper_trace, simulate
+
+    model, parallel = presets.model("glm-188b-a20b")
+    hardware = presets.hardware("paper-gpu")
+    huge = 10 ** 400
+    refused(lambda: paper_trace(3, base_low=huge), r"^base_low must be a finite number in \[1, 65536\], got an "
+                                                   "integer of about 401 digits$")
+    refused(lambda: paper_trace(3, spike_share=huge), r"^spike_share must be a finite number in \[0, 1\]")
+    refused(lambda: simulate(model, parallel, hardware, "ideal", [1.0], restart_s=huge), r"^restart_s must be")
+    refused(lambda: simulate(model, parallel, hardware, "ideal", [1.0], plan_imbalance=huge),
+            r"^plan_imbalance must be")
+    refused(lambda: simulate(model, parallel, hardware, "ideal", [huge]),
+            r"^trace\[0\] \(iteration 0\): imbalance must be .* got an integer of about 401 digits$")
+    path = tmp_path / "huge.jsonl"
+    path.write_text('{"iteration": 0, "microbatch": 0, "imbalance": 1' + "0" * 400 + "}\n")
+    refused(lambda: load_trace(path), rf"^{re.escape(str(path))}: line 1: imbalance must be a finite number >= 1, "
+                                      "got an integer of about 401 digits$")
+
+
+def test_an_iteration_of_unordered_rates_and_repeated_sweep_values_are_not_taken_silently():
+    """A set or a dict of rates has no micro-batch order (a set's follows the hashes): refused as one iteration, as
+    it is as the whole trace. Fig. 10's top-k and sequence lengths given twice run once, as models do."""
+    from bagualu2.sim import simulate
+    from bagualu2.sim.reproduce import ReproduceConfig
+
+    model, parallel = presets.model("glm-188b-a20b")
+    hardware = presets.hardware("paper-gpu")
+    rates = [1.0 + i / 100 for i in range(parallel.num_microbatches)]
+    for entry in (set(rates), dict.fromkeys(rates, 0)):
+        refused(lambda entry=entry: simulate(model, parallel, hardware, "ideal", [entry]),
+                rf"^trace\[0\] \(iteration 0\): must be a rate or a sequence of {parallel.num_microbatches} "
+                "per-micro-batch rates")
+    config = ReproduceConfig(top_ks=(2, 4, 2), seq_lengths=(4096, 8192, 4096), models=("glm-188b-a20b",) * 2)
+    assert (config.top_ks, config.seq_lengths, config.models) == ((2, 4), (4096, 8192), ("glm-188b-a20b",))

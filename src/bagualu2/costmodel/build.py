@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from .validate import require_int, require_number
+from .validate import require_int, require_number, shown
 
 
 from .config import Hardware, ModelConfig, ParallelConfig, check_compatible, check_hardware
@@ -269,7 +269,7 @@ def check_imbalance(imbalance: float, *, ep: int | None = None, model: ModelConf
     except ValueError:
         raise ValueError(f"imbalance must be a finite number in [1, {limit_text(limit)}] (a token reaches at most "
                          f"top_k={model.top_k} of num_experts={model.num_experts} experts: one of ep={ep} ranks "
-                         f"receives at most num_experts / top_k times the mean), got {imbalance!r}") from None
+                         f"receives at most num_experts / top_k times the mean), got {shown(imbalance)}") from None
 
 
 def build_graph(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, *, imbalance: float = 1.0,

@@ -43,14 +43,14 @@ def require_int(name: str, value: Any, low: int | None = None, high: int | None 
     if type(value) is not int:  # the hot path skips the generic checks
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise ValueError(f"{name} must be an integer{_range_text(low, high, False, high_open)}, "
-                             f"got {_shown(value)}")
+                             f"got {shown(value)}")
         value = int(value)
     if (low is not None and value < low) or (high is not None and (value >= high if high_open else value > high)):
-        raise ValueError(f"{name} must be an integer{_range_text(low, high, False, high_open)}, got {_shown(value)}")
+        raise ValueError(f"{name} must be an integer{_range_text(low, high, False, high_open)}, got {shown(value)}")
     return value
 
 
-def _shown(value: Any) -> str:
+def shown(value: Any) -> str:
     """``value`` for an error message: an integer of more than 21 digits in floating-point notation, anything
     else as ``repr`` cut to 80 characters."""
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**21:
@@ -85,11 +85,14 @@ def require_number(name: str, value: Any, low: float | None = None, high: float 
     ``ValueError("<name> must be a finite number > 0, got ...")``."""
     allowed = _range_text(low, high, low_open, high_open)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a finite number{allowed}, got {value!r}")
-    number = float(value)
+        raise ValueError(f"{name} must be a finite number{allowed}, got {shown(value)}")
+    try:
+        number = float(value)
+    except OverflowError:  # an integer beyond the floats
+        number = math.inf
     if not math.isfinite(number) or (low is not None and (number <= low if low_open else number < low)) \
             or (high is not None and (number >= high if high_open else number > high)):
-        raise ValueError(f"{name} must be a finite number{allowed}, got {value!r}")
+        raise ValueError(f"{name} must be a finite number{allowed}, got {shown(value)}")
     return number
 
 

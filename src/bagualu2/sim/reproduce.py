@@ -73,7 +73,7 @@ class ReproduceConfig:
     """iterations: paper-trace iterations per run (in [10, 10**7]); seed: its seed (in [0, 2**63)); restart_s:
     seconds an OOM restart costs (the paper's 284; at most 1e9); hardware: a hardware preset name; focus: the preset
     of Fig. 9-11 (the paper's GLM-423B-A30B); top_ks: Fig. 10a's top-k values (each in [1, experts]); seq_lengths:
-    Fig. 10b's; overhead_iterations: iterations of the decision-overhead replay, at most the trace's (>= 1; default
+    Fig. 10b's (models, top_ks and seq_lengths: a value given twice is one run); overhead_iterations: iterations of the decision-overhead replay, at most the trace's (>= 1; default
     the whole trace: a run's typical iteration, its first iterations making the plans the later ones find);
     plan_imbalance: the imbalance the plans fixed before training are made for (>= 1; default the trace's highest
     ordinary rate); jobs: worker processes for the simulations (in [1, 1024], never more than the distinct runs;
@@ -128,6 +128,7 @@ class ReproduceConfig:
                                  f"{self.focus}, {experts}, over the paper trace's largest rate {highest:g}: a "
                                  f"token reaches at most top_k experts), got {k!r}")
             limits[f"top-{k}"] = imbalance_limit(dataclasses.replace(model, top_k=k), parallel)
+        object.__setattr__(self, "top_ks", tuple(dict.fromkeys(self.top_ks)))  # one run and one row per value
         lowest = min(limits.values())
         if self.plan_imbalance > lowest:
             raise ValueError(f"plan_imbalance must be in [1, {limit_text(lowest)}] (the smallest imbalance limit of "
@@ -139,6 +140,7 @@ class ReproduceConfig:
                 check_compatible(dataclasses.replace(model, seq_length=length), parallel)
             except ValueError as exc:
                 raise ValueError(f"seq_lengths: {length} does not fit {self.focus}: {exc}") from None
+        object.__setattr__(self, "seq_lengths", tuple(dict.fromkeys(self.seq_lengths)))
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 from ..costmodel import Hardware, ModelConfig, ParallelConfig
 from ..costmodel.build import check_imbalance, imbalance_limit, limit_text
-from ..costmodel.validate import require_int, require_number
+from ..costmodel.validate import require_int, require_number, shown
 from ..runtime import check_downgrade, run_iteration
 from .execution import check_overlap
 from .overheads import stage_overheads
@@ -170,8 +170,10 @@ def check_trace(trace, parallel: ParallelConfig, model: ModelConfig | None = Non
             if isinstance(entry, numbers.Real) and not isinstance(entry, bool):
                 keys.append(check_imbalance(entry, ep=parallel.ep, model=model))
                 continue
-            if isinstance(entry, (str, bytes)) or not hasattr(entry, "__len__") or len(entry) != count:
-                raise ValueError(f"must be a rate or {count} per-micro-batch rates, got {entry!r:.60}")
+            if (isinstance(entry, (str, bytes, set, frozenset, dict)) or not hasattr(entry, "__len__")
+                    or len(entry) != count):  # an unordered collection has no micro-batch order
+                raise ValueError(f"must be a rate or a sequence of {count} per-micro-batch rates, "
+                                 f"got {shown(entry)}")
             rates = []
             for m, rate in enumerate(entry):
                 try:
