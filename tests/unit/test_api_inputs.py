@@ -342,3 +342,20 @@ def test_an_iteration_of_unordered_rates_and_repeated_sweep_values_are_not_taken
                 "per-micro-batch rates")
     config = ReproduceConfig(top_ks=(2, 4, 2), seq_lengths=(4096, 8192, 4096), models=("glm-188b-a20b",) * 2)
     assert (config.top_ks, config.seq_lengths, config.models) == ((2, 4), (4096, 8192), ("glm-188b-a20b",))
+
+
+def test_plan_and_order_text_errors_stay_one_short_line():
+    """A 100,000-character key, a 5,000-digit number, a missing JSON field and a stage index no text form can print
+    are each one short ValueError; a stage listed twice is no order (each stage runs once)."""
+    for call, match in ((lambda: Plan.from_str("x" * 100_000 + "=R"), r"^plan key 'xxx.*\.\.\. is neither"),
+                        (lambda: Plan.from_json("1" * 5000), r"holds a number of over 4300 digits$"),
+                        (lambda: Plan.from_json('{"plan": [{"key": "a/b"}]}'), r"missing field 'strategy'$"),
+                        (lambda: Order.from_str("F" + "9" * 5000), r"^stage 'F999.*\.\.\. must be a chain kind"),
+                        (lambda: Order(((("F", 10 ** 5000),),)), r"^unknown stage 'F' an integer of about 5001 digits"),
+                        (lambda: Order.from_str("F0>F0"), r"^stage F0 appears twice in the order"),
+                        (lambda: Order.from_str("F0+B0|F0"), r"^stage F0 appears twice in the order")):
+        refused(call, match)
+        with pytest.raises(ValueError) as excinfo:
+            call()
+        assert len(str(excinfo.value)) < 400
+    assert str(Order.from_str("F2147483647")) == "F2147483647"

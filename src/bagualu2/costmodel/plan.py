@@ -19,6 +19,7 @@ from typing import Iterable, Mapping
 
 from .graph import OP_KINDS
 from .strategy import Strategy
+from .validate import shown
 
 NONE_TEXT = "none"
 
@@ -26,13 +27,13 @@ NONE_TEXT = "none"
 def _check_key(key: str) -> str:
     if not isinstance(key, str) or not key or any(c in ",='\"" or c.isspace() or not c.isprintable() for c in key):
         raise ValueError("plan key must be an op kind or OP/TENSOR without ',', '=', quotes, whitespace or control "
-                         f"characters (so that every text form reads it back), got {key!r}")
+                         f"characters (so that every text form reads it back), got {shown(key)}")
     if "/" in key:
         op, _, tensor = key.partition("/")
         if not op or not tensor or "/" in tensor:
-            raise ValueError(f"plan key {key!r} must be OP/TENSOR with both parts non-empty")
+            raise ValueError(f"plan key {shown(key)} must be OP/TENSOR with both parts non-empty")
     elif key not in OP_KINDS:
-        raise ValueError(f"plan key {key!r} is neither OP/TENSOR nor an op kind; kinds: {', '.join(OP_KINDS)}")
+        raise ValueError(f"plan key {shown(key)} is neither OP/TENSOR nor an op kind; kinds: {', '.join(OP_KINDS)}")
     return key
 
 
@@ -129,13 +130,23 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
+        shape = 'plan JSON must be {"plan": [{"key": ..., "strategy": ...}]}'
         try:
             data = json.loads(text)
             rows = data["plan"]
-            return cls.of([(row["key"], row["strategy"]) for row in rows])
-        except (json.JSONDecodeError, KeyError, TypeError, RecursionError) as exc:
-            raise ValueError(f"plan JSON must be {{\"plan\": [{{\"key\": ..., \"strategy\": ...}}]}}: "
-                             f"{exc!s:.200}") from None
+            pairs = [(row["key"], row["strategy"]) for row in rows]
+        except KeyError as exc:
+            raise ValueError(f"{shape}: missing field {shown(exc.args[0])}") from None
+        except RecursionError:
+            raise ValueError(f"{shape}: nested too deeply") from None
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise ValueError(f"{shape}: {exc!s:.200}") from None
+        except ValueError:  # an integer literal longer than Python converts
+            raise ValueError(f"{shape}: it holds a number of over 4300 digits") from None
+        try:
+            return cls.of(pairs)
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"{shape}: {exc!s:.200}") from None
 
     def to_csv(self) -> str:
         """Two columns with a header: ``key,strategy``."""

@@ -13,17 +13,20 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
-from ..costmodel.validate import require_int
+from ..costmodel.validate import require_int, shown
 from .chains import CHAIN_KINDS
 
 StageRef = tuple[str, int]
+MAX_STAGE_INDEX = 2**31 - 1  # a chain of more stages is no point's (its ops would not fit int64 nanoseconds)
 EMPTY = "empty"  # the order of a point with no stages
 
 
 def _parse_ref(text: str) -> StageRef:
     text = text.strip()
-    if len(text) < 2 or text[0] not in CHAIN_KINDS or not (text[1:].isascii() and text[1:].isdigit()):
-        raise ValueError(f"stage {text!r} must be a chain kind ({', '.join(CHAIN_KINDS)}) and an index, e.g. F0")
+    if (len(text) < 2 or text[0] not in CHAIN_KINDS or not (text[1:].isascii() and text[1:].isdigit())
+            or len(text) > 2 + len(str(MAX_STAGE_INDEX))):
+        raise ValueError(f"stage {shown(text)} must be a chain kind ({', '.join(CHAIN_KINDS)}) and an index in "
+                         f"[0, {MAX_STAGE_INDEX}], e.g. F0")
     return text[0], int(text[1:])
 
 
@@ -61,8 +64,13 @@ class Order:
             if not self.barriers and len(group) != 1:
                 raise ValueError("an order without barriers lists one stage per group")
             for kind, index in group:
-                if kind not in CHAIN_KINDS or index < 0:
-                    raise ValueError(f"unknown stage {kind}{index}")
+                if kind not in CHAIN_KINDS or not 0 <= index <= MAX_STAGE_INDEX:
+                    raise ValueError(f"unknown stage {shown(kind)} {shown(index)}: a stage is a chain kind "
+                                     f"({', '.join(CHAIN_KINDS)}) and an index in [0, {MAX_STAGE_INDEX}]")
+        stages = [ref for group in groups for ref in group]
+        if len(set(stages)) != len(stages):
+            twice = next(f"{k}{i}" for k, i in stages if stages.count((k, i)) > 1)
+            raise ValueError(f"stage {twice} appears twice in the order; each stage runs once")
         object.__setattr__(self, "groups", groups)
 
     @property
