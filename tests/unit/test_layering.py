@@ -152,8 +152,8 @@ def test_the_pure_packages_import_with_torch_blocked():
             "assert BudgetAssigner(m_max_bytes=4, m0_bytes=1, num_microbatches=2, num_warmup=2)"
             ".next_forward_budget() == 2\n"
             "assert sys.modules['torch'] is None\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
+    run_clean(code)
+
 
 @pytest.mark.launch
 def test_the_command_line_loads_or_tools_and_its_commands_only_when_used():
@@ -167,5 +167,10 @@ def test_the_command_line_loads_or_tools_and_its_commands_only_when_used():
             "assert not [m for m in sys.modules if m.startswith(('ortools', 'torch'))]\n"
             "from bagualu2.cli import app, main\n"
             "assert app is bagualu2.cli.commands.app and callable(main)\n")
+    run_clean(code)
+
+
+def run_clean(code: str) -> None:
+    """``code`` in a fresh interpreter (nothing this test process imported): it must exit 0."""
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

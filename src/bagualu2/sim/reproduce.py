@@ -73,8 +73,9 @@ class ReproduceConfig:
     """iterations: paper-trace iterations per run (in [10, 10**7]); seed: its seed (in [0, 2**63)); restart_s:
     seconds an OOM restart costs (the paper's 284; at most 1e9); hardware: a hardware preset name; focus: the preset
     of Fig. 9-11 (the paper's GLM-423B-A30B); top_ks: Fig. 10a's top-k values (each in [1, experts]); seq_lengths:
-    Fig. 10b's (models, top_ks and seq_lengths: a value given twice is one run); overhead_iterations: iterations of the decision-overhead replay, at most the trace's (>= 1; default
-    the whole trace: a run's typical iteration, its first iterations making the plans the later ones find);
+    Fig. 10b's (models, top_ks and seq_lengths: a value given twice is one run); overhead_iterations: iterations
+    of the decision-overhead replay, at most the trace's (>= 1; default the whole trace: a run's typical iteration,
+    its first iterations making the plans the later ones find);
     plan_imbalance: the imbalance the plans fixed before training are made for (>= 1; default the trace's highest
     ordinary rate); jobs: worker processes for the simulations (in [1, 1024], never more than the distinct runs;
     None: :func:`default_jobs`; 1: in this process)."""

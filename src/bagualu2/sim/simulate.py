@@ -14,9 +14,10 @@ the mean over stages of (busy time / chunk forwards)::
     iteration_s = max over stages (busy_s + exposed gradient sync + optimizer_s) + (pp - 1) * T_c
 
 (Megatron's interleaved 1F1B bubble); the gradient reduce-scatter hides behind the last micro-batch's backwards
-and the parameter all-gather behind the first one's forwards, except under ``overlap="none"``. MFU = model FLOPs per GPU per iteration / (iteration_s * peak_flops), the
-model FLOPs being the mean over stages of :meth:`~.stage.StageContext.model_flops` (3 x forward matrix-product
-FLOPs at balanced load) plus the output layer's; a run's ``mean_mfu`` averages it per iteration (§VI-A).
+and the parameter all-gather behind the first one's forwards, except under ``overlap="none"``. MFU = model FLOPs
+per GPU per iteration / (iteration_s * peak_flops), the model FLOPs being the mean over stages of
+:meth:`~.stage.StageContext.model_flops` (3 x forward matrix-product FLOPs at balanced load) plus the output
+layer's; a run's ``mean_mfu`` averages it per iteration (§VI-A).
 
 Restarts. When a policy with a fallback (``FALLBACKS``: static-under, kwai, adapipe, L1, L2) OOMs, the iteration
 is lost — its whole time plus ``restart_s`` (the paper's 284 s) is paid — and the same iteration is run again:
