@@ -176,8 +176,15 @@ def test_report_paths_every_rank_can_write_are_checked_before_training(tmp_path,
     with pytest.raises(ValueError) as excinfo:
         _converter(report_path=str(tmp_path / "r{rank}.json"))
     assert "exists and is a directory" in one_line(excinfo)
-    _converter(report_path=str(tmp_path / "new" / "r{rank}.json"))  # a folder that can be made is fine
-    assert (tmp_path / "new").is_dir()
+    _converter(report_path=str(tmp_path / "new" / "deeper" / "r{rank}.json"))  # a folder that can be made is fine
+    assert not (tmp_path / "new").exists()  # made by the report's first write: a run refused later leaves nothing
+    from bagualu2.integrations.torchtitan_stage import read_report, write_report
+
+    assert write_report(str(tmp_path / "new" / "deeper" / "r{rank}.json"), 0, 1, [], fresh=True)
+    assert read_report(next((tmp_path / "new" / "deeper").iterdir()))["step_numbers"] == [1]
+    with pytest.raises(ValueError) as excinfo:
+        _converter(report_path=str(tmp_path / "afile" / "new" / "r{rank}.json"))
+    assert "cannot write in" in one_line(excinfo) and "is not a folder" in one_line(excinfo)
     _converter(schedule="1f1b")  # torch matches schedule names in any case
 
 

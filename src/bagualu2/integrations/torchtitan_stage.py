@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import inspect
 import json
 import os
@@ -320,7 +321,9 @@ def report_file(pattern: str, stage: int) -> str:
 
 def check_report_path(pattern: str, world_size: int) -> None:
     """Before training: ``ValueError`` (one line) unless every rank can write its report: ``{rank}`` in the path
-    when several ranks run, its folder made or there and writable, and the file, if it exists, a regular file."""
+    when several ranks run, its folder there and writable or the nearest existing folder above it writable (the
+    report's folder is made by its first write: a run refused before it leaves nothing behind), and the file, if it
+    exists, a regular file."""
     if not pattern:
         return
     if "\0" in pattern:
@@ -338,8 +341,13 @@ def check_report_path(pattern: str, world_size: int) -> None:
     ranked = os.path.expanduser(pattern).replace("{rank}", os.environ.get("RANK", "0"))
     if "{stage}" in os.path.dirname(ranked):  # one folder per stage: check the folder above the first of them
         directory = os.path.abspath(ranked[:ranked.index("{stage}")].rpartition(os.sep)[0] or ".")
+    existing = directory
+    while not os.path.lexists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
     try:
-        probe_folder(directory)
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(errno.ENOTDIR, f"{existing} is not a folder")
+        probe_folder(existing, make=False)
     except OSError as exc:
         raise ValueError(f"bagualu2.report_path {path!r}: cannot write in {directory} ({exc.strerror or exc})"
                          ) from None
