@@ -367,8 +367,9 @@ class Stage(_Engine):
         """What ``plan`` on the graph of (chunk, imbalance) takes per micro-batch of the chunk in this stage's
         schedule: its steady points F_x B_y, its forwards that run alone (warmup; every forward where none pairs)
         and its backwards that run alone (cooldown), each in its own order, averaged over the micro-batches of
-        the chunk and of the chunks that share its decisions (``step_counts``). Copies a steady point hides may be exposed where a step runs alone; a plan ranked by its
-        steady point alone may then be slower than one that copies less."""
+        the chunk and of the chunks that share its decisions (``step_counts``). Copies a steady point hides may be
+        exposed where a step runs alone; a plan ranked by its steady point alone may then be slower than one that
+        copies less."""
         self.check_chunk(chunk)
         pairs, forwards, backwards, chunks = self.step_counts[chunk]
         total = pairs * self.point_order(plan, imbalance, chunk).makespan_ns if pairs else 0
