@@ -3,8 +3,10 @@
 ``python tests/integration/forkrun.py TORCHRUN_ARGS -m MODULE ARGS`` parses the arguments with torchrun's own
 parser and runs torchrun's elastic agent (``elastic_launch``: rendezvous, restarts, the monitor, the failure
 report) on ``MODULE.main(ARGS)`` with ``start_method="fork"`` (``MODULE``: ``reference_trainer.train`` or
-``reference_trainer.experiments.measure``; a returned non-zero int is the worker's exit code). Torch and the
-module are imported once, here, instead of once per worker and launch (about 3.5 s of CPU each). Everything
+``reference_trainer.experiments.measure``; a returned non-zero int is the worker's exit code), or
+``python tests/integration/forkrun.py TORCHRUN_ARGS tests/integration/torchtitan_harness.py ARGS`` on the harness's
+``main(ARGS)`` after its ``prepare()`` (torchtitan's trainer). Torch and the module are imported once, here,
+instead of once per worker and launch (about 3.5 s of CPU each; torchtitan's 5 s). Everything
 from ``main`` on is what ``torchrun -m MODULE`` runs; the tests of the command line itself (``bagualu2 train``),
 the two-node rendezvous and the chaos run still go through the ``torchrun`` executable.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import atexit
 import faulthandler
 import importlib
+import importlib.util
 import multiprocessing
 import os
 import runpy
@@ -39,6 +42,8 @@ from torch.distributed.launcher.api import elastic_launch
 import reference_trainer.pipeline  # noqa: F401 (with torch.distributed.pipelining: the workers inherit them)
 
 MODULES = ("reference_trainer.train", "reference_trainer.experiments.measure")
+HERE = Path(__file__).resolve().parent
+SCRIPTS = ("torchtitan_harness.py",)  # in this folder: ``prepare()``, then ``main(argv)`` in each worker
 _main = None  # the module's main, set before the workers fork
 
 
@@ -48,13 +53,29 @@ def worker(*argv: str) -> None:
         raise SystemExit(code)
 
 
+def _entry(script: str, *, module: bool):
+    """The workers' ``main``: of a module of ``MODULES``, or of a script of ``SCRIPTS`` after its ``prepare()``
+    (run here, in the agent, so that the workers inherit what it imported and set up)."""
+    if module:
+        if script not in MODULES:
+            raise SystemExit(f"forkrun.py runs -m {' or -m '.join(MODULES)} or a script of {', '.join(SCRIPTS)}")
+        return importlib.import_module(script).main
+    path = Path(script).resolve()
+    if path.parent != HERE or path.name not in SCRIPTS:
+        raise SystemExit(f"forkrun.py runs -m {' or -m '.join(MODULES)} or a script of {', '.join(SCRIPTS)}")
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    loaded = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = loaded
+    spec.loader.exec_module(loaded)
+    loaded.prepare()
+    return loaded.main
+
+
 @record
 def main(argv: list[str]) -> None:
     global _main
     args = torchrun.parse_args(argv)
-    if args.module is not True or args.training_script not in MODULES:
-        raise SystemExit(f"forkrun.py runs -m {' or -m '.join(MODULES)} only")
-    _main = importlib.import_module(args.training_script).main
+    _main = _entry(args.training_script, module=args.module is True)
     if args.standalone:  # what torchrun's run() does for --standalone
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     if args.master_port is None:

@@ -38,6 +38,7 @@ from pathlib import Path
 import pytest
 
 from bagualu2.integrations.torchtitan_stage import read_report
+from forkrun import FORKRUN, forked
 
 # find_spec, not an import: torchtitan 0.2.2 imports triton at import time, which a CPU machine lacks (the harness
 # stands in for it in its own processes)
@@ -94,13 +95,14 @@ def launch(out: Path, assets: Path, data: Path, nproc: int, layout: tuple[str, .
     env = {**os.environ, "OMP_NUM_THREADS": "1", "BAGUALU2_PROBE_DIR": str(out), "HF_DATASETS_OFFLINE": "1",
            "HF_HUB_OFFLINE": "1", **(env or {}),
            "PYTHONPATH": os.pathsep.join([str(HARNESS.parent), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(HARNESS), "--job.dump_folder", str(out / "dump"), "--job.custom_config_module",
-               "bagualu2.integrations.torchtitan", "--model.hf_assets_path", str(assets), "--training.dataset",
-               "c4_test", "--training.dataset_path", str(data), *layout, "--activation_checkpoint.mode", "none",
-               "--optimizer.implementation", "foreach", "--metrics.log_freq", "1", "--debug.seed", "0",
-               "--debug.deterministic", *extra]
-    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    # torchrun's elastic agent with forked workers, itself forked from the tests' fork server (forkrun.py): torch
+    # and torchtitan import once per launch, not once per worker
+    proc = forked(FORKRUN, "--standalone", f"--nproc_per_node={nproc}", str(HARNESS), "--job.dump_folder",
+                  str(out / "dump"), "--job.custom_config_module", "bagualu2.integrations.torchtitan",
+                  "--model.hf_assets_path", str(assets), "--training.dataset", "c4_test", "--training.dataset_path",
+                  str(data), *layout, "--activation_checkpoint.mode", "none", "--optimizer.implementation",
+                  "foreach", "--metrics.log_freq", "1", "--debug.seed", "0", "--debug.deterministic", *extra,
+                  cwd=ROOT, env=env, timeout=TIMEOUT_S)
     assert ok is None or (proc.returncode == 0) == ok, (proc.stdout + proc.stderr)[-6000:]
     (out / "log.txt").write_text(proc.stdout + proc.stderr)
     return proc.stdout + proc.stderr

@@ -208,23 +208,38 @@ def _no_final_wait() -> None:
     torchtitan.train.time = TimeWithoutTheFinalWait("time")
 
 
-def main() -> None:
+def prepare() -> None:
+    """Everything a run needs before its flags, once per process: the stand-ins, the flavors, the converters
+    registered, no final wait. torchrun's agent of ``forkrun.py`` calls it before it forks the workers."""
     torch.set_num_threads(1)
     setup()
     from torchtitan.protocols.model_converter import register_model_converter
-    from torchtitan.train import Trainer, main as train
 
     import bagualu2.integrations.torchtitan  # noqa: F401  (registers the "bagualu2" converter)
 
     register_model_converter(Probe, "probe")
     _no_final_wait()
-    train(Trainer)
+
+
+def main(argv: list[str]) -> None:
+    """torchtitan's trainer on ``argv`` (its own ``main`` parses ``sys.argv`` as it was when torchtitan imported:
+    a forked worker gets its flags through a ``ConfigManager`` defaulting to ``argv``)."""
+    import torchtitan.train
+    from torchtitan.train import Trainer
+
+    class Flags(torchtitan.train.ConfigManager):
+        def parse_args(self, args: list[str] | None = None):
+            return super().parse_args(list(argv) if args is None else args)
+
+    torchtitan.train.ConfigManager = Flags
+    torchtitan.train.main(Trainer)
+
+
+if __name__ == "__main__":
+    prepare()
+    main(sys.argv[1:])
     sys.stdout.flush()
     sys.stderr.flush()
     # The run is done and its files are written: skip interpreter teardown, whose gloo
     # thread destructors can abort under load.
     os._exit(0)
-
-
-if __name__ == "__main__":
-    main()
