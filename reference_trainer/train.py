@@ -178,6 +178,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                              f"(launch with torchrun --nproc_per_node={config.world_size})")
         from .loop import prepare
 
+        startup.one_thread_unless_told()
         run = prepare(config)  # everything that can fail on user input, before any collective
         report = {"config": startup.fingerprint(config)}
     except ValueError as exc:

@@ -40,3 +40,22 @@ def test_a_field_no_flag_sets_is_named_as_the_recipes():
     changed = {**config, "weight_decay": 0.5}
     assert "the recipe's weight_decay is 0.0 on rank 0 and 0.5 on rank 1" in verdict(
         {0: {"config": config}, 1: {"config": changed}}, FLAG_NAMES)
+
+
+def test_a_run_takes_one_intra_op_thread_unless_omp_num_threads_says_otherwise(monkeypatch):
+    """As torchrun gives its workers: a one-process run computes as every rank of a launch does."""
+    import torch
+
+    from reference_trainer.startup import one_thread_unless_told
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        one_thread_unless_told()
+        assert torch.get_num_threads() == 2
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        one_thread_unless_told()
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
