@@ -492,3 +492,21 @@ def test_trainer_recipes_and_reproduce_hardware_take_any_case():
     assert recipe("GLM_MOE_DEBUG") == recipe("glm_moe_debug")
     assert ReproduceConfig(hardware="PAPER-GPU").hardware == "paper-gpu"
     assert "--hardware" not in command(ReproduceConfig(hardware="Paper-GPU"))
+
+
+def test_a_dense_model_on_the_paper_trace_is_told_to_use_a_trace_of_rates_1(tmp_path: Path) -> None:
+    model, parallel = costmodel.presets.model("tiny-moe")
+    dense = dataclasses.replace(model, num_experts=0, top_k=0, moe_ffn_hidden_size=0, num_shared_experts=0,
+                                num_dense_layers=0)
+    source = tmp_path / "dense.json"
+    source.write_text(json.dumps({"model": dataclasses.asdict(dense),
+                                  "parallel": dataclasses.asdict(dataclasses.replace(parallel, ep=1))}))
+    result = run("simulate", "-m", str(source), "-n", "3")
+    assert result.exit_code == 2, result.stdout
+    assert one_line_error(result.stderr, "--model").endswith("is a dense model (no experts, imbalance 1 only): the "
+                                                             "paper trace's spikes need a MoE model; use --trace "
+                                                             "with rates of 1")
+    trace = tmp_path / "ones.jsonl"
+    trace.write_text("".join(json.dumps({"iteration": 0, "microbatch": m, "imbalance": 1}) + "\n"
+                             for m in range(parallel.num_microbatches)))
+    assert run("simulate", "-m", str(source), "--trace", str(trace), "-p", "flexible").exit_code == 0

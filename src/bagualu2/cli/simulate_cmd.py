@@ -150,6 +150,9 @@ def simulate_cmd(
         source = f"{escape(trace)} ({len(rates)} iterations)"
     else:
         highest = PaperTrace(num_iterations=1).spike_max
+        if limit < highest and not model_config.num_experts:
+            raise CliError(f"{name} is a dense model (no experts, imbalance 1 only): the paper trace's spikes "
+                           f"need a MoE model; use --trace with rates of 1", "--model")
         if limit < highest:
             raise CliError(f"{name} takes imbalances {rate_range(model_config, parallel)}, below the paper "
                            f"trace's largest rate {highest:g}; use --trace or a model with ep >= "
