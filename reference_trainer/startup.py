@@ -9,8 +9,8 @@ exit code 2 on every rank, before any process group exists. A rank that does not
 it).
 
 :func:`one_thread_unless_told` gives a run one intra-op thread unless ``OMP_NUM_THREADS`` says otherwise, as torchrun
-gives its workers. :func:`die_with_launcher` asks Linux to kill this worker when its launcher (torchrun's agent) dies, even by
-``SIGKILL``: otherwise the workers of a killed launch would keep training, or waiting, as orphans.
+gives its workers. :func:`die_with_launcher` asks Linux to kill this worker when its launcher (torchrun's agent)
+dies, even by ``SIGKILL``: otherwise the workers of a killed launch would keep training, or waiting, as orphans.
 """
 
 from __future__ import annotations
