@@ -10,6 +10,7 @@ import re
 import numpy as np
 import pytest
 
+from bagualu2.budget import BudgetPhase
 from bagualu2.costmodel import Plan, Strategy, build_graph, presets
 from bagualu2.costmodel.strategy import Knee, calibrate, fit_knee, knee
 from bagualu2.exec import ActivationTracker, apply_plan
@@ -88,6 +89,15 @@ def test_iteration_records_without_budgets_are_checked():
     iteration.record_backward(0)
     refused(lambda: iteration.record_backward(0), "not in flight")
     assert (iteration.held_bytes, iteration.peak_bytes) == (0, 10)
+
+
+def test_a_budgets_phase_is_warmup_or_steady():
+    """Any other phase was taken as steady, silently dropping the warmup's absorption limit."""
+    iteration = Iteration(Stage(MODEL, PARALLEL, HW))
+    assert iteration.budget(BudgetPhase.WARMUP) == iteration.budget("warmup")
+    assert iteration.budget("warmup")[1] is not None and iteration.budget("steady")[1] is None
+    for bad in ("WARMUP", "x", 5, None):
+        refused(lambda: iteration.budget(bad), "phase must be one of warmup, steady")
 
 
 def test_knees_fits_and_buckets():
@@ -227,6 +237,7 @@ def test_gate_helpers_and_iteration_drivers_name_a_wrong_argument():
     refused(lambda: run_iteration(engine, path.decide, (r for r in rates)), "imbalances must be a sequence")
     refused(lambda: run_iteration(engine, path.decide, {"a": 1.0}), "imbalances must be a sequence")
     refused(lambda: run_iteration(engine, lambda *args: 5, rates), "decide must return what the forward runs")
+    refused(lambda: run_iteration(engine, lambda *args: None, rates), "kept_bytes; got NoneType")
     refused(lambda: Iteration(None), "stage must be a runtime Stage")
     refused(lambda: replay_iteration(MODEL, PARALLEL, HW, rates, stage=False), "stage must be an integer")
     refused(lambda: replay_iteration(MODEL, None, HW, rates), "parallel must be a ParallelConfig")
@@ -359,3 +370,17 @@ def test_plan_and_order_text_errors_stay_one_short_line():
             call()
         assert len(str(excinfo.value)) < 400
     assert str(Order.from_str("F2147483647")) == "F2147483647"
+
+
+def test_json_readers_take_text_and_name_what_is_wrong():
+    from pathlib import Path
+
+    from bagualu2.costmodel import Hardware
+
+    for reader, what in ((Hardware.from_json, "hardware JSON"), (presets.model_from_json, "model JSON")):
+        refused(lambda: reader(Path("hw.json")), f"{what} must be the text of a JSON document \\(str or bytes\\), "
+                                                 "got PosixPath")
+        refused(lambda: reader(None), f"{what} must be the text of a JSON document")
+        refused(lambda: reader(b"\xff\xfe\x00"), f"{what} is not UTF-8 text")  # was: "a number over 4300 digits"
+    refused(lambda: Plan.from_json(b"\xff\xfe\x00"), "it is not UTF-8 text")
+    assert Hardware.from_json(presets.hardware("paper-gpu").to_json().encode()) == presets.hardware("paper-gpu")

@@ -6,7 +6,7 @@ All three are keyword-only, frozen and validated in ``__post_init__``; every inv
 
 from __future__ import annotations
 
-from .validate import require_fields, require_int, require_number
+from .validate import load_json, require_fields, require_int, require_number
 
 import dataclasses
 import json
@@ -359,14 +359,7 @@ class Hardware:
 
     @classmethod
     def from_json(cls, text: str) -> "Hardware":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"hardware JSON is not valid JSON: {exc}") from None
-        except ValueError:  # an integer literal longer than Python converts (4300 digits)
-            raise ValueError("hardware JSON holds a number too long to be a size (over 4300 digits)") from None
-        except RecursionError:
-            raise ValueError("hardware JSON is nested too deeply (expected one object of Hardware fields)") from None
+        data = load_json(text, "hardware JSON", "expected one object of Hardware fields")
         if not isinstance(data, dict):
             raise ValueError("hardware JSON must be an object of Hardware fields")
         fields = {f.name for f in dataclasses.fields(cls)}

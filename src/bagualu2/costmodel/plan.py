@@ -141,6 +141,8 @@ class Plan:
             raise ValueError(f"{shape}: nested too deeply") from None
         except (json.JSONDecodeError, TypeError) as exc:
             raise ValueError(f"{shape}: {exc!s:.200}") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"{shape}: it is not UTF-8 text") from None
         except ValueError:  # an integer literal longer than Python converts
             raise ValueError(f"{shape}: it holds a number of over 4300 digits") from None
         try:

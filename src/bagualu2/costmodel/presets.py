@@ -28,9 +28,9 @@ fractions of its own peak (an assumption: the paper gives no kernel efficiency).
 from __future__ import annotations
 
 import dataclasses
-import json
 
 from .config import Hardware, ModelConfig, ParallelConfig, check_compatible
+from .validate import load_json
 
 GIB = 1 << 30
 TABLE_II_LAYERS = 32
@@ -138,15 +138,7 @@ def hardware(name: str) -> Hardware:
 def model_from_json(text: str) -> tuple[ModelConfig, ParallelConfig]:
     """``(ModelConfig, ParallelConfig)`` from JSON ``{"model": {ModelConfig fields}, "parallel": {ParallelConfig
     fields}}`` (``parallel`` optional: one device); ``ValueError`` in one line naming the bad field otherwise."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"model JSON is not valid JSON: {exc}") from None
-    except ValueError:  # an integer literal longer than Python converts (4300 digits)
-        raise ValueError("model JSON holds a number too long to be a size (over 4300 digits)") from None
-    except RecursionError:
-        raise ValueError("model JSON is nested too deeply (expected {\"model\": {...}, \"parallel\": {...}})") \
-            from None
+    data = load_json(text, "model JSON", 'expected {"model": {...}, "parallel": {...}}')
     if not isinstance(data, dict) or not isinstance(data.get("model"), dict) \
             or not isinstance(data.get("parallel", {}), dict) or set(data) - {"model", "parallel"}:
         raise ValueError('model JSON must be {"model": {ModelConfig fields}, "parallel": {ParallelConfig fields}}')

@@ -7,6 +7,7 @@ exists is a regular file (never replace anything else)."""
 from __future__ import annotations
 
 import errno
+import json
 import math
 import numbers
 import os
@@ -94,6 +95,24 @@ def require_number(name: str, value: Any, low: float | None = None, high: float 
             or (high is not None and (number >= high if high_open else number > high)):
         raise ValueError(f"{name} must be a finite number{allowed}, got {shown(value)}")
     return number
+
+
+def load_json(text: Any, what: str, nested: str) -> Any:
+    """``json.loads(text)``, or a one-line ``ValueError`` naming ``what`` ("hardware JSON"): text that is not str
+    or bytes, not JSON, not UTF-8, an integer literal longer than Python converts (4300 digits), or nesting deeper
+    than the interpreter's recursion limit (``nested`` says what was expected)."""
+    if not isinstance(text, (str, bytes, bytearray)):
+        raise ValueError(f"{what} must be the text of a JSON document (str or bytes), got {type(text).__name__}")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what} is not valid JSON: {exc}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{what} is not UTF-8 text") from None
+    except ValueError:  # an integer literal longer than Python converts (4300 digits)
+        raise ValueError(f"{what} holds a number too long to be a size (over 4300 digits)") from None
+    except RecursionError:
+        raise ValueError(f"{what} is nested too deeply ({nested})") from None
 
 
 def require_fields(label: str, given, fields: list[str]) -> None:

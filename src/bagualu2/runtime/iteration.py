@@ -13,11 +13,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, NamedTuple
 
-from ..budget import BudgetAssigner
+from ..budget import BudgetAssigner, BudgetPhase
 from ..costmodel.validate import require_int
 from .stage import Stage, Step
 
-WARMUP = "warmup"
+WARMUP = BudgetPhase.WARMUP.value
+PHASES = (WARMUP, BudgetPhase.STEADY.value)  # the phases a forward runs in
 
 
 class Forward(NamedTuple):
@@ -83,7 +84,11 @@ class Iteration:
 
     def budget(self, phase: str) -> tuple[int, int | None]:
         """``(budget, limit)`` of the next forward: Algorithm 1's budget and, in warmup, the most an overrun may
-        keep (``BudgetAssigner.absorb_limit_bytes``; None in the steady phase). ``(0, None)`` unbudgeted."""
+        keep (``BudgetAssigner.absorb_limit_bytes``; None in the steady phase). ``(0, None)`` unbudgeted.
+        ``phase``: ``"warmup"``, ``"steady"`` or a :class:`~bagualu2.budget.BudgetPhase`."""
+        phase = getattr(phase, "value", phase)
+        if phase not in PHASES:
+            raise ValueError(f"phase must be one of {', '.join(PHASES)} (or a BudgetPhase), got {phase!r}")
         assigner = self.assigner
         if assigner is None:
             return 0, None
@@ -147,7 +152,7 @@ def run_iteration(stage: Stage, decide: Callable[[Step, float, int, int | None],
     raw = []
     keep = raw.append
     started = time.perf_counter()
-    result = None
+    result = missing = object()  # what no decide returned yet
     try:
         for step in stage.steps:  # the timed hot path: budget, decision, re-basing
             if not step.forward:
@@ -158,7 +163,7 @@ def run_iteration(stage: Stage, decide: Callable[[Step, float, int, int | None],
             result = decide(step, imbalance, budget_bytes, limit_bytes)
             keep((step, imbalance, budget_bytes, result, record_forward(step.index, result.kept_bytes)))
     except AttributeError:
-        if result is not None and not hasattr(result, "kept_bytes"):
+        if result is not missing and not hasattr(result, "kept_bytes"):
             raise ValueError(f"decide must return what the forward runs, with kept_bytes; got "
                              f"{type(result).__name__}") from None
         raise
