@@ -384,3 +384,12 @@ def test_json_readers_take_text_and_name_what_is_wrong():
         refused(lambda: reader(b"\xff\xfe\x00"), f"{what} is not UTF-8 text")  # was: "a number over 4300 digits"
     refused(lambda: Plan.from_json(b"\xff\xfe\x00"), "it is not UTF-8 text")
     assert Hardware.from_json(presets.hardware("paper-gpu").to_json().encode()) == presets.hardware("paper-gpu")
+
+
+def test_buckets_take_an_imbalance_of_at_least_1():
+    for bad in (None, "1", 0.5, -5, math.inf, math.nan, 10**400):
+        refused(lambda: ceil_bucket(bad, 0.02), "imbalance must be a finite number >= 1")
+        refused(lambda: floor_bucket(bad, 0.02), "imbalance must be a finite number >= 1")
+    refused(lambda: ceil_bucket(1.5, 0.02, "x"), "ceiling must be a number >= 1")
+    assert (ceil_bucket(1.51, 0.02), ceil_bucket(3.0, 0.5, math.inf), ceil_bucket(5, 0.5, 4.0)) == (1.52, 3.0, 5.0)
+    assert floor_bucket(np.float64(1.57), 0.05) == 1.55

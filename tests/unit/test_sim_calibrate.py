@@ -149,3 +149,11 @@ def test_a_chunk_without_moe_layers_logs_no_rates_and_reads_as_balanced(tmp_path
         {"step": 1, "microbatches": [{"stage": 0, "chunk": 0, "microbatch": 0}]},
         {"step": [1], "summary": True, "microbatches": []})) + "\n")
     assert load_trace(path) == ((1.0,), (1.0,))
+
+
+def test_a_metrics_files_layer_mean_stays_finite(tmp_path):
+    """Rates whose sum overflows a float read as their mean, not infinity (as the row format reads each rate)."""
+    path = tmp_path / "huge.jsonl"
+    path.write_text(json.dumps({"step": 0, "microbatches": [{"stage": 0, "chunk": 0, "microbatch": 0,
+                                                             "imbalance": [1e308, 1e308]}]}) + "\n")
+    assert load_trace(path) == ((1e308,),)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 import numbers
 
+from ..costmodel.validate import require_number
+
 
 def _check_step(step) -> None:
     if isinstance(step, bool) or not isinstance(step, numbers.Real) or not 0 < step < math.inf:
@@ -18,6 +20,10 @@ def ceil_bucket(imbalance: float, step: float, ceiling: float | None = None) -> 
     imbalance there is: ``costmodel.imbalance_limit``, the most routed copies one rank can receive); an imbalance
     above ``ceiling`` is returned as it is, for the graph builder to refuse."""
     _check_step(step)
+    imbalance = require_number("imbalance", imbalance, 1)
+    if ceiling is not None and (isinstance(ceiling, bool) or not isinstance(ceiling, numbers.Real)
+                                or not ceiling >= 1):
+        raise ValueError(f"ceiling must be a number >= 1 (infinite: none) or None, got {ceiling!r:.40}")
     bucket = max(round(math.ceil(imbalance / step - 1e-9) * step, 9), 1.0)
     if bucket < imbalance:  # within the float tolerance above a multiple: never below what was measured
         bucket = float(imbalance)
@@ -27,4 +33,5 @@ def ceil_bucket(imbalance: float, step: float, ceiling: float | None = None) -> 
 def floor_bucket(imbalance: float, step: float) -> float:
     """``imbalance`` rounded down to a multiple of ``step`` (at least 1.0)."""
     _check_step(step)
+    imbalance = require_number("imbalance", imbalance, 1)
     return max(round(math.floor(imbalance / step + 1e-9) * step, 9), 1.0)

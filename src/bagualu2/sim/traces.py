@@ -183,7 +183,7 @@ def _metrics_rows(records: list[tuple[int, dict]], path) -> dict[int, dict[int, 
                     raise ValueError(f"micro-batch {microbatch}: imbalance must be a list of numbers, got "
                                      f"{measured!r:.40}")
                 rates = [require_number("imbalance", r, 0) for r in measured]
-                mean = sum(rates) / len(rates) if rates else 1.0
+                mean = sum(r / len(rates) for r in rates) if rates else 1.0  # finite for finite rates
                 per[microbatch] = max(per.get(microbatch, 1.0), mean)
         except ValueError as exc:
             raise ValueError(f"{label}: {exc}") from None
