@@ -393,3 +393,19 @@ def test_buckets_take_an_imbalance_of_at_least_1():
     refused(lambda: ceil_bucket(1.5, 0.02, "x"), "ceiling must be a number >= 1")
     assert (ceil_bucket(1.51, 0.02), ceil_bucket(3.0, 0.5, math.inf), ceil_bucket(5, 0.5, 4.0)) == (1.52, 3.0, 5.0)
     assert floor_bucket(np.float64(1.57), 0.05) == 1.55
+
+
+def test_fusion_entry_points_refuse_what_is_not_an_order_or_chains():
+    from bagualu2.costmodel.rescale import at_imbalance
+    from bagualu2.fusion import baselines, build_chains, simulate
+
+    for baseline in (baselines.sequential, baselines.megatron_core, baselines.megatron_kwai,
+                     baselines.megatron_overlapped, baselines.megatron_overlapped_groups):
+        refused(lambda: baseline(None), "chains must be a Chains")
+    graph = build_graph(MODEL, PARALLEL, HW)
+    chains = build_chains(graph, None, graph, None, hardware=HW)
+    order = baselines.sequential(chains)
+    refused(lambda: simulate(str(order), chains), "order must be an Order \\(its text form: Order.from_str\\)")
+    assert simulate(Order.from_str(str(order)), chains).makespan_ns == order.makespan_ns
+    refused(lambda: Stage(MODEL, PARALLEL, HW).order(5), "chains must be a Chains")
+    refused(lambda: at_imbalance(graph, 1e308), "beyond any routing")

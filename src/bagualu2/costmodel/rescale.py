@@ -27,7 +27,11 @@ def at_imbalance(graph: OpGraph, imbalance: float) -> OpGraph:
     if not graph.mean_routed_tokens:
         raise ValueError(f"graph {graph.label!r} has no routed token copies to rescale (a dense graph, or one traced "
                          "without gate reports)")
-    target = graph.routed_tokens(imbalance)
+    try:
+        target = graph.routed_tokens(imbalance)
+    except OverflowError:  # more copies than a float holds: no routing sends that
+        raise ValueError(f"imbalance {imbalance:g} x the mean {graph.mean_routed_tokens} routed copies is beyond "
+                         "any routing") from None
     factors: dict[int, tuple[int, int]] = {}
     tensors = dict(graph.tensors)
     for name, spec in graph.tensors.items():

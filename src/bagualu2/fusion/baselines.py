@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..costmodel import Resource
-from .chains import Chains
+from .chains import Chains, check_chains
 from .order import Order, StageRef
 from .simulate import simulate
 
@@ -20,6 +20,7 @@ def _singles(chains: Chains, kind: str) -> list[tuple[StageRef, ...]]:
 
 def sequential(chains: Chains) -> Order:
     """F, then B, then O, then R, one stage at a time."""
+    check_chains(chains)
     return _finish([g for kind in "FBOR" for g in _singles(chains, kind)], chains, "sequential")
 
 
@@ -47,6 +48,7 @@ def megatron_core(chains: Chains) -> Order:
     """Megatron-Core's fixed combined-1F1B order for F and B; offload and recovery after them (an order to compare
     with; the simulator runs Megatron-Core as :func:`megatron_overlapped`, which also knows when the pairing is
     refused)."""
+    check_chains(chains)
     return _finish(_pair_f_b(chains) + _singles(chains, "O") + _singles(chains, "R"), chains, "megatron-core")
 
 
@@ -57,6 +59,7 @@ def megatron_overlapped(chains: Chains, *, pair: bool = True, own: bool = False)
     recomputed ops, on the compute stream before the backward that needs them) one stage at a time after.
     ``pair=False``: F then B (as where R re-runs an all-to-all; a caller whose plan re-runs one outside R, inside
     B, says so). ``own``: the copies are F's and B's own (a point of pipeline degree 1, :func:`with_copies`)."""
+    check_chains(chains)
     return _finish(list(megatron_overlapped_groups(chains, pair=pair, own=own)), chains, "megatron-overlapped")
 
 
@@ -68,6 +71,7 @@ def megatron_overlapped_groups(chains: Chains, *, pair: bool = True, own: bool =
     method or layer count, and a recomputed ``moe`` module (``TransformerConfig``'s checks), so F and B run one
     after the other, each still joined by the copies. ``pair=False``: never paired (a Megatron release before
     that overlap, Megatron-Core 0.14), the copies still beside compute; ``own``: as :func:`with_copies`."""
+    check_chains(chains)
     groups = (_singles(chains, "F") + _singles(chains, "B") if not pair or reruns_all_to_all(chains)
               else _pair_f_b(chains))
     return with_copies(groups, chains, own=own)
@@ -90,6 +94,7 @@ def with_copies(groups, chains: Chains, *, own: bool = False) -> tuple[tuple[Sta
     reads them, so reload k (of h) runs in a group before the one holding B stage floor(k * |B| / h), alone right
     before it when no group is left. The rest of R stays after B (its compute would run on the compute stream
     before the backward stage that needs it; its place there changes no time)."""
+    check_chains(chains)
     reloads = 0
     if chains.recovery:
         while reloads < len(chains.recovery) and chains.recovery.stages[reloads].resource is Resource.H2D:
@@ -130,6 +135,7 @@ def reruns_all_to_all(chains: Chains) -> bool:
 
 def megatron_kwai(chains: Chains) -> Order:
     """Megatron-Kwai: the forward alone, then each backward stage with the next offload and recovery stages."""
+    check_chains(chains)
     backward = [[("B", j)] for j in range(len(chains.backward) if chains.backward else 0)]
     return _finish(_singles(chains, "F") + _join(backward, chains, len(chains.recovery) if chains.recovery else 0),
                    chains, "megatron-kwai")

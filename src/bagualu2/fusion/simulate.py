@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..costmodel import Resource
-from .chains import CHAIN_KINDS, Chains
+from .chains import CHAIN_KINDS, Chains, check_chains
 from .order import Order
 
 MITIGATION_CHAINS = ("O", "R")
@@ -37,6 +37,9 @@ class Timeline:
 
 def simulate(order: Order, chains: Chains) -> Timeline:
     """Run ``order`` on ``chains``; ``ValueError`` if it skips, repeats or reorders a chain's stages."""
+    if not isinstance(order, Order):
+        raise ValueError(f"order must be an Order (its text form: Order.from_str), got {type(order).__name__}")
+    check_chains(chains)
     expected = {kind: (len(chains.get(kind)) if chains.get(kind) is not None else 0) for kind in CHAIN_KINDS}
     done = {kind: 0 for kind in CHAIN_KINDS}
     chain_end = {kind: 0 for kind in CHAIN_KINDS}

@@ -318,6 +318,8 @@ class Stage(_Engine):
         and durations, so points that differ elsewhere share one order. ``share``: the compute slowdown beside
         communication the DP orders for (``fusion.interference``; 0, the DP's own cost, is what the decision
         path uses)."""
+        if not isinstance(chains, Chains):
+            raise ValueError(f"chains must be a Chains (fusion.build_chains), got {type(chains).__name__}")
         key = OrderKey(tuple(None if chain is None else tuple((s.resource, s.duration_ns) for s in chain.stages)
                              for chain in (chains.forward, chains.backward, chains.offload, chains.recovery)),
                        share)
