@@ -56,13 +56,11 @@ def worker(*argv: str) -> None:
 def _entry(script: str, *, module: bool):
     """The workers' ``main``: of a module of ``MODULES``, or of a script of ``SCRIPTS`` after its ``prepare()``
     (run here, in the agent, so that the workers inherit what it imported and set up)."""
-    if module:
-        if script not in MODULES:
-            raise SystemExit(f"forkrun.py runs -m {' or -m '.join(MODULES)} or a script of {', '.join(SCRIPTS)}")
-        return importlib.import_module(script).main
     path = Path(script).resolve()
-    if path.parent != HERE or path.name not in SCRIPTS:
+    if (script not in MODULES) if module else (path.parent != HERE or path.name not in SCRIPTS):
         raise SystemExit(f"forkrun.py runs -m {' or -m '.join(MODULES)} or a script of {', '.join(SCRIPTS)}")
+    if module:
+        return importlib.import_module(script).main
     spec = importlib.util.spec_from_file_location(path.stem, path)
     loaded = importlib.util.module_from_spec(spec)
     sys.modules[path.stem] = loaded

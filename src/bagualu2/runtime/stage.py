@@ -34,6 +34,7 @@ from ..costmodel.rescale import at_imbalance
 from ..costmodel.validate import require_int
 from ..fusion import Chains, Order, build_chains, dp
 from ..fusion.baselines import sequential
+from ..fusion.chains import check_chains
 from ..mitigation.space import share_decisions
 from .keys import chunk_aliases
 
@@ -318,8 +319,7 @@ class Stage(_Engine):
         and durations, so points that differ elsewhere share one order. ``share``: the compute slowdown beside
         communication the DP orders for (``fusion.interference``; 0, the DP's own cost, is what the decision
         path uses)."""
-        if not isinstance(chains, Chains):
-            raise ValueError(f"chains must be a Chains (fusion.build_chains), got {type(chains).__name__}")
+        check_chains(chains)
         key = OrderKey(tuple(None if chain is None else tuple((s.resource, s.duration_ns) for s in chain.stages)
                              for chain in (chains.forward, chains.backward, chains.offload, chains.recovery)),
                        share)
