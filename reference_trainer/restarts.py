@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import stat
 import sys
@@ -138,7 +139,9 @@ def lock_directory(directory: str, *, wait_s: float = 0.0) -> tuple[Any, str | N
             time.sleep(0.5)
     handle.seek(0)
     handle.truncate()
-    handle.write(f"pid {os.getpid()} on {os.uname().nodename}, torchrun run id {_run_id() or 'none'}\n")
+    agent = _agent()  # read by sweep_finished_runs where the run's state was never written (a failed set-up)
+    handle.write(f"pid {os.getpid()} on {agent['host']}, torchrun agent {agent['pid']}, torchrun run id "
+                 f"{_run_id() or 'none'}\n")
     handle.flush()
     return handle, None
 
@@ -198,11 +201,30 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _recorded_agent(folder: Path) -> Any:
+    """The torchrun agent a run's folder records: its ``run_state.json``'s, else (a launch that failed before its
+    logger wrote the state) the one its lock file names; None when neither says (a torn state is no record)."""
+    try:
+        record = json.loads((folder / STATE).read_text())
+        return record.get("agent") if isinstance(record, dict) else None
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, RecursionError):
+        return None
+    try:
+        with open(folder / LOCK, encoding="utf-8", errors="replace") as lock:
+            found = re.match(r"pid \d+ on (\S+), torchrun agent (\d+),", lock.read(400))
+    except OSError:
+        return None
+    return {"host": found[1], "pid": int(found[2])} if found else None
+
+
 def sweep_finished_runs(own: str | os.PathLike[str]) -> int:
     """Remove this user's ``bagualu2-run-*`` folders in the temp directory (other than ``own``) whose run's
-    torchrun agent on this host has exited, as recorded in their ``run_state.json``: a run without a checkpoint
-    directory or metrics file that failed with no restart left (or was killed) leaves its folder, and a
-    ``--standalone`` launch draws a new run id, so no later launch reads it. A folder without that record, of
+    torchrun agent on this host has exited, as recorded in their ``run_state.json`` or their lock file (a launch
+    that failed during its set-up): a run without a checkpoint directory or metrics file that failed with no
+    restart left (or was killed) leaves its folder, and a ``--standalone`` launch draws a new run id, so no later
+    launch reads it. A folder without that record, of
     another user or host, of an agent still running, or whose lock a live rank 0 holds (a launch that reuses a run
     id, before it records its agent; another PID namespace) is kept. Returns how many were removed."""
     import fcntl
@@ -215,10 +237,9 @@ def sweep_finished_runs(own: str | os.PathLike[str]) -> int:
             info = os.lstat(folder)
             if (not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or folder.resolve() == own_path):
                 continue
-            record = json.loads((folder / STATE).read_text())
-        except (OSError, ValueError, RecursionError):
+        except OSError:
             continue
-        agent = record.get("agent") if isinstance(record, dict) else None
+        agent = _recorded_agent(folder)
         if (not isinstance(agent, dict) or agent.get("host") != host or type(agent.get("pid")) is not int
                 or _alive(agent["pid"])):
             continue
@@ -237,6 +258,21 @@ def marker_files(directory: Path) -> list[Path]:
     run's set-up refuses it)."""
     return [path for pattern in MARKERS for path in sorted(directory.glob(pattern))
             if path.is_file() and not path.is_symlink()]
+
+
+def _torn_writes(directory: Path, *, before: float) -> list[Path]:
+    """The temp files of record writes (``_write_json``'s) that a killed process left in ``directory``, made
+    before ``before`` (a later one may be another rank's write in progress)."""
+    torn = []
+    for pattern in (*MARKERS, STATE):
+        for path in directory.glob(f".{pattern}.*"):
+            try:
+                info = os.lstat(path)
+            except OSError:
+                continue
+            if stat.S_ISREG(info.st_mode) and info.st_mtime < before:
+                torn.append(path)
+    return torn
 
 
 class RunState:
@@ -258,6 +294,8 @@ class RunState:
         if fresh or first_launch:
             for marker in marker_files(self.dir):
                 marker.unlink(missing_ok=True)
+        for torn in _torn_writes(self.dir, before=self.launched_at - 1.0):
+            torn.unlink(missing_ok=True)
         if not fresh and path.is_file():
             try:
                 state = json.loads(path.read_text())

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from reference_trainer.checkpoint import find_latest, save
 from reference_trainer.data import TokenCorpus, load_tokenizer
 from reference_trainer.loop import check_state_dir
 from reference_trainer.recipes import recipe
-from reference_trainer.restarts import STATE, RunState, read_refusal, state_directory, write_refusal
+from reference_trainer.restarts import LOCK, STATE, RunState, read_refusal, state_directory, write_refusal
 
 
 def test_a_pipe_or_a_device_as_data_is_refused_without_reading_it(tmp_path):
@@ -399,3 +400,36 @@ def test_the_temp_folders_of_runs_whose_agent_exited_are_swept_and_no_other(tmp_
     state.launched("flexible", fresh=True, is_logger=True)  # a launch records its agent: the worker's parent
     saved = json.loads((tmp_path / "bagualu2-run-new" / STATE).read_text())
     assert saved["agent"] == {"host": host, "pid": os.getppid()}
+
+
+def test_the_temp_folder_of_a_launch_that_failed_in_its_set_up_is_swept_by_its_lock(tmp_path, monkeypatch):
+    """A launch that fails before its logger writes ``run_state.json`` left only its lock file and fault markers:
+    the lock names the agent, so the folder goes once that agent has exited (and stays while it runs)."""
+    from reference_trainer.restarts import lock_directory, sweep_finished_runs
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with open("/proc/sys/kernel/pid_max") as limit:
+        exited = int(limit.read())
+    for name, agent in (("failed", exited), ("running", os.getpid())):
+        monkeypatch.setattr(os, "getppid", lambda agent=agent: agent)
+        held, why = lock_directory(str(tmp_path / f"bagualu2-run-{name}"))
+        assert why is None and f", torchrun agent {agent}, " in (tmp_path / f"bagualu2-run-{name}" / LOCK).read_text()
+        (tmp_path / f"bagualu2-run-{name}" / "fault-rank1.json").write_text("{}")
+        held.close()  # rank 0 exited
+    (tmp_path / "bagualu2-run-other").mkdir()
+    (tmp_path / "bagualu2-run-other" / LOCK).write_text(f"pid 1 on {os.uname().nodename}-other, torchrun agent "
+                                                        f"{exited}, torchrun run id x\n")
+    assert sweep_finished_runs(tmp_path / "bagualu2-run-own") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bagualu2-run-other", "bagualu2-run-running"]
+
+
+def test_a_launch_removes_the_temp_files_of_record_writes_a_killed_process_left(tmp_path):
+    """A rank killed while writing a marker leaves ``_write_json``'s temp file: the next launch in the directory
+    removes those older than itself, and no other file."""
+    old = time.time() - 60
+    for name in (".fault-rank3.json.tas5gbyf", ".run_state.json.x1", ".oom-rank0.json.y", ".keep.json.z", "notes"):
+        (tmp_path / name).write_text("{")
+        os.utime(tmp_path / name, (old, old))
+    (tmp_path / ".oom-rank1.json.now").write_text("{")  # another rank of this launch, writing
+    RunState(str(tmp_path), fresh=False, first_launch=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".keep.json.z", ".oom-rank1.json.now", "notes"]
