@@ -409,3 +409,33 @@ def test_fusion_entry_points_refuse_what_is_not_an_order_or_chains():
     assert simulate(Order.from_str(str(order)), chains).makespan_ns == order.makespan_ns
     refused(lambda: Stage(MODEL, PARALLEL, HW).order(5), "chains must be a Chains")
     refused(lambda: at_imbalance(graph, 1e308), "beyond any routing")
+
+
+def test_hand_made_graphs_and_chains_name_what_is_wrong():
+    """The public constructors of the cost graph and of a point's chains refuse what no evaluator or DP can cost:
+    a tensor of negative, fractional or unknown-dtype size, an op of a fractional duration, an op reading what a
+    later op makes (a cycle), chains whose nanoseconds leave int64, stages that are not stages."""
+    from bagualu2.costmodel import OpGraph
+    from bagualu2.fusion import Chain, Chains
+    from bagualu2.fusion import Stage as ChainStage
+
+    def remade(**changes):
+        return lambda: OpGraph(**{**{f.name: getattr(GRAPH, f.name) for f in dataclasses.fields(GRAPH) if f.init},
+                                  **changes})
+
+    remade()()  # the graph as built is accepted
+    name, spec = next(iter(GRAPH.tensors.items()))
+    for numel, match in ((-1, ">= 0, got -1"), (2.5, "an integer >= 0, got 2.5")):
+        refused(remade(tensors={**GRAPH.tensors, name: spec._replace(numel=numel)}),
+                f"tensor {name!r}'s numel .*{match}")
+    refused(remade(tensors={**GRAPH.tensors, name: spec._replace(dtype="fp4")}), "unknown dtype 'fp4'; allowed: fp32")
+    ops = list(GRAPH.ops)
+    refused(remade(ops=tuple([ops[0]._replace(forward_ns=1.5)] + ops[1:])), "forward_ns must be an integer")
+    reader = next(i for i, op in enumerate(ops) if any(GRAPH.tensors[t].producer for t in op.inputs))
+    swapped = ops[:reader - 1] + [ops[reader], ops[reader - 1]] + ops[reader + 1:]
+    refused(remade(ops=tuple(swapped)), "makes at or after it; ops must be in program order")
+    huge = Chain("F", (ChainStage("f0", "compute", 1 << 59), ChainStage("f1", "comm", 1 << 59)))
+    refused(lambda: Chains(forward=huge, backward=Chain("B", (ChainStage("b0", "compute", 1 << 59),))),
+            "take 1.73e\\+09 s together .* stays an int64")
+    refused(lambda: Chain("F", (3,)), "chain F's stages must be Stage objects, got int")
+    refused(lambda: Chain("F", "f0"), "chain F's stages must be a sequence of Stage, got 'f0'")

@@ -15,6 +15,7 @@ from types import MappingProxyType
 from typing import Mapping, NamedTuple
 
 from .config import Hardware
+from .validate import require_int
 
 ITEM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "bool": 1, "int32": 4, "int64": 8, "complex64": 8}
 FLOAT_DTYPES = frozenset({"fp32", "bf16", "fp16"})  # may be quantised to FP8
@@ -134,8 +135,8 @@ class OpGraph:
                 raise ValueError(f"duplicate op name {op.name!r}")
             if op.kind not in OP_KINDS:
                 raise ValueError(f"op {op.name!r} has unknown kind {op.kind!r}; allowed: {', '.join(OP_KINDS)}")
-            if op.forward_ns < 0 or op.backward_ns < 0:
-                raise ValueError(f"op {op.name!r} has a negative duration")
+            for field_name in ("forward_ns", "backward_ns", "flops", "moved_bytes"):
+                require_int(f"op {op.name!r}'s {field_name}", getattr(op, field_name), 0)
             if not isinstance(op.resource, Resource) or op.resource not in (Resource.COMPUTE, Resource.COMM):
                 raise ValueError(f"op {op.name!r} has resource {op.resource!r}; allowed: compute, comm")
             index[op.name] = position
@@ -155,8 +156,18 @@ class OpGraph:
                                     "every sum of nanoseconds stays an int64): a faster hardware profile or a smaller "
                                     "model")
         for name, spec in self.tensors.items():
+            require_int(f"tensor {name!r}'s numel", spec.numel, 0)
+            if spec.dtype not in ITEM_BYTES:
+                raise ValueError(f"tensor {name!r} has unknown dtype {spec.dtype!r}; allowed: "
+                                 f"{', '.join(ITEM_BYTES)}")
             if spec.producer is not None and spec.producer not in index:
                 raise ValueError(f"tensor {name!r} has unknown producer {spec.producer!r}")
+        for position, op in enumerate(self.ops):  # program order: nothing reads a tensor an op after it makes
+            for name in op.inputs:
+                producer = self.tensors[name].producer
+                if producer is not None and index[producer] >= position:
+                    raise ValueError(f"op {op.name!r} reads tensor {name!r}, which op {producer!r} makes at or after "
+                                     "it; ops must be in program order")
         if self.pinned:
             savings = {(op.name, s.tensor) for op in self.ops for s in op.saves}
             unknown = sorted(self.pinned - savings)  # sorted: the first reported is the same in every process

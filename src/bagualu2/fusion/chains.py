@@ -14,8 +14,6 @@ compute stream and stay inside compute stages. Long copy stages are cut into pie
 
 from __future__ import annotations
 
-from ..costmodel.validate import require_int
-
 import weakref
 from dataclasses import dataclass
 from itertools import groupby
@@ -24,11 +22,13 @@ from typing import Iterator
 
 from ..costmodel import Hardware, OpGraph, Plan, Resource
 from ..costmodel.evaluate import MitigationOps, memoised_per_plan, mitigation_ops
+from ..costmodel.validate import require_int
 
 CHAIN_KINDS = ("F", "B", "O", "R")
 EP_COMM_KINDS = frozenset({"dispatch", "combine"})
 COPY_RESOURCES = (Resource.D2H, Resource.H2D)
 MAX_PIECES = 16  # a copy stage is cut into at most this many pieces (bounds the DP table)
+MAX_POINT_NS = 1 << 60  # every stage of a point's chains together: an order's makespan never reaches int64's end
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,9 +61,14 @@ class Chain:
     def __post_init__(self) -> None:
         if self.kind not in CHAIN_KINDS:
             raise ValueError(f"chain kind must be one of {', '.join(CHAIN_KINDS)}, got {self.kind!r}")
+        if isinstance(self.stages, (str, bytes)) or not hasattr(self.stages, "__iter__"):
+            raise ValueError(f"chain {self.kind}'s stages must be a sequence of Stage, got {self.stages!r}")
+        object.__setattr__(self, "stages", tuple(self.stages))
         if not self.stages:
             raise ValueError(f"chain {self.kind} is empty; pass None for a chain that has no ops at this point")
-        object.__setattr__(self, "stages", tuple(self.stages))
+        for stage in self.stages:
+            if not isinstance(stage, Stage):
+                raise ValueError(f"chain {self.kind}'s stages must be Stage objects, got {type(stage).__name__}")
 
     def __len__(self) -> int:
         return len(self.stages)
@@ -87,6 +92,10 @@ class Chains:
         for kind, chain in zip(CHAIN_KINDS, (self.forward, self.backward, self.offload, self.recovery)):
             if chain is not None and (not isinstance(chain, Chain) or chain.kind != kind):
                 raise ValueError(f"chain {kind} must be a Chain of kind {kind!r} or None")
+        total_ns = sum(chain.duration_ns for chain in self.present())
+        if total_ns > MAX_POINT_NS:
+            raise ValueError(f"the chains of {self.label or 'the point'} take {total_ns * 1e-9:.3g} s together (at "
+                             f"most {MAX_POINT_NS * 1e-9:.3g} s, so that every sum of nanoseconds stays an int64)")
 
     def get(self, kind: str) -> Chain | None:
         if kind not in CHAIN_KINDS:
