@@ -58,6 +58,9 @@ class Guard:
         self.watchdog = Watchdog(timeout_s=timeout_s, rank=rank,
                                  describe=self.recorder.describe if self.recorder is not None else None,
                                  on_stall=self._stalled, heartbeats=self.heartbeats)
+        self.watchdog.beat("the set-up")
+        if self.heartbeats is not None:  # from the set-up on: a rank stopped there is named in the others' lines
+            self.heartbeats.start(lambda: (self.watchdog.step, self.watchdog.label))
         self.step = 0
         self.done = 0  # the steps whose update is applied (a fault after step s's update loses s + 1 - resume)
 
@@ -90,7 +93,8 @@ class Guard:
 
     # ---- failures -----------------------------------------------------------------------------------------------
     def fatal(self, exc: BaseException, step: int) -> None:
-        """Exit in one line if ``exc`` is a failed collective or a diverged collective order; else return."""
+        """Exit in one line if ``exc`` is a failed collective or a diverged collective order; else return.
+        ``step`` < 0: before the first step."""
         if isinstance(exc, collectives.CollectiveOrderError):
             if self.rank == 0:
                 sys.stderr.write(f"error: {exc}; exit code {collectives.DIVERGENCE_EXIT_CODE}\n")
@@ -101,7 +105,8 @@ class Guard:
             return
         message = " ".join(str(failed).split())[:300]
         silent = self.heartbeats.silent() if self.heartbeats is not None else ""
-        line = (f"error: rank {self.rank}: a collective failed at step {step} in {self.watchdog.label} "
+        where = f"at step {step} in" if step >= 0 else "in"  # no step yet: the set-up, the resume load
+        line = (f"error: rank {self.rank}: a collective failed {where} {self.watchdog.label} "
                 f"({type(failed).__name__}: {message}){'; ' + silent if silent else ''}; exit code "
                 f"{STALL_EXIT_CODE} (torchrun --max-restarts restarts from the last complete checkpoint)")
         self.run_state.record_fault(rank=self.rank, step=step, kind="collective", message=line, done=self.done)

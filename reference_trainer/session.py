@@ -364,6 +364,7 @@ class Session:
     def train(self) -> dict:
         config, groups = self.config, self.groups
         if self.resume:
+            self.guard.beat("the resume load")
             try:
                 self._resume()
             except ValueError as exc:  # another world size, seed or corpus: every rank raises the same error

@@ -13,7 +13,8 @@ on the live ranks at about the same time; :func:`collective_failure` recognises 
 exception's chain) so the loop reports it in one line and exits with the same code instead of a traceback.
 
 A stopped or killed rank cannot say so itself. Under torchrun every rank also publishes a heartbeat
-(:class:`Heartbeats`: the time, its step and what it was doing) to the launch's store about once a second; the line
+(:class:`Heartbeats`: the time, its step and what it was doing) to the launch's store about once a second, from its
+set-up on; the line
 of a live rank whose collective failed or whose watchdog fired names the ranks whose heartbeat stopped (``rank 2
 stopped answering 11 s ago (last heard at step 3, in the forward of c0.m1)``).
 """
@@ -103,7 +104,7 @@ class Watchdog:
         self._last = time.monotonic()
         self._thread.start()
         if self.heartbeats is not None:
-            self.heartbeats.start(lambda: (self.step, self.label))
+            self.heartbeats.start(lambda: (self.step, self.label))  # once: a no-op if the set-up started them
         return self
 
     def beat(self, label: str, step: int | None = None) -> None:
@@ -167,8 +168,14 @@ class Heartbeats:
         self.store, self.rank, self.world_size = store, rank, world_size
         self.period_s, self.stale_s, self.answer_s = period_s, stale_s, answer_s
         self._stop = threading.Event()
+        self._started: float | None = None
 
     def start(self, source: Callable[[], tuple[int, str]]) -> None:
+        """Publish what ``source`` says from now on (a second call does nothing)."""
+        if self._started is not None:
+            return
+        self._started = time.time()
+
         def run() -> None:
             while True:
                 self.publish(*source())
@@ -202,11 +209,14 @@ class Heartbeats:
                 continue
             key = f"heartbeat/{rank}"
             try:
-                if not self.store.check([key]):
-                    continue  # not started yet (the first beat comes with the first step)
+                if not self.store.check([key]):  # the first beat comes with a rank's set-up, after its flags agree
+                    if self._started is not None and now - self._started > self.stale_s:
+                        found.append(f"rank {rank} was never heard from (it stopped before its set-up, or during "
+                                     "it)")
+                    continue
                 at, step, label = json.loads(self.store.get(key))
             except Exception:  # noqa: BLE001
                 continue
             if now - at > self.stale_s:
-                found.append(f"rank {rank} stopped answering {now - at:.0f} s ago (last heard at step {step}, in "
-                             f"{label})")
+                where = f"at step {step}, in {label}" if step >= 0 else f"in {label}"
+                found.append(f"rank {rank} stopped answering {now - at:.0f} s ago (last heard {where})")

@@ -108,8 +108,34 @@ def test_heartbeats_name_the_ranks_that_stopped_answering(monkeypatch):
     beats[0].publish(4, "the gradient reduction")
     beats[1].publish(4, "the gradient reduction")
     assert beats[0].silent() == "rank 2 stopped answering 11 s ago (last heard at step 3, in the forward of c0.m1)"
-    assert beats[1].silent() == beats[0].silent()  # rank 3 never published: not named
+    assert beats[1].silent() == beats[0].silent()  # rank 3 never published: not named by a rank not publishing
     assert beats[2].silent() == ""  # what rank 2 would say of the others: they answer
+
+
+def test_heartbeats_start_with_the_set_up_and_name_a_rank_never_heard_from(monkeypatch):
+    """A rank publishes from its set-up on (step -1: no step yet); once this rank has published for longer than
+    ``stale_s``, a rank that never published is named too (it stopped before or during its set-up)."""
+    import datetime
+    import time
+
+    from reference_trainer.watchdog import Heartbeats
+
+    store = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=datetime.timedelta(seconds=5),
+                                       wait_for_workers=False)
+    now = time.time()
+    monkeypatch.setattr(time, "time", lambda: now)
+    beats = [Heartbeats(store, rank=rank, world_size=3, stale_s=3.0, period_s=60.0) for rank in range(3)]
+    beats[0].start(lambda: (-1, "the set-up"))
+    beats[1].start(lambda: (-1, "the resume load"))
+    beats[1].start(lambda: (5, "twice"))  # a second start does nothing
+    time.sleep(0.5)  # the threads' first beats
+    assert beats[0].silent() == ""  # rank 2 has had no time to start yet
+    now += 10
+    beats[0].publish(-1, "the set-up")
+    assert beats[0].silent() == ("rank 1 stopped answering 10 s ago (last heard in the resume load); rank 2 was "
+                                 "never heard from (it stopped before its set-up, or during it)")
+    for beat in beats:
+        beat.stop()
 
 
 def test_the_watchdog_stays_quiet_while_beats_come_and_refuses_a_bad_timeout():
