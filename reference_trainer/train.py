@@ -43,6 +43,9 @@ def _exit_on_interrupt(signum, _frame) -> NoReturn:
 if __name__ == "__main__":  # before the imports below, which take seconds (torch)
     sys.excepthook, sys.unraisablehook = _quiet_interrupt, _quiet_unraisable
     signal.signal(signal.SIGINT, _exit_on_interrupt)  # until main() starts: the imports are done then
+    # ``bagualu2 train``'s agent starts the ranks with SIGINT blocked (a Ctrl-C in the interpreter's own start-up
+    # would print its fatal error): one that came meanwhile is delivered now, to the handler above
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 from . import startup
 from .policies import POLICIES

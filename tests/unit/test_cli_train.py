@@ -320,6 +320,48 @@ def test_ctrl_c_while_the_trainer_starts_prints_no_traceback():
     assert proc.returncode in (130, -signal.SIGINT) and "Traceback" not in stderr, stderr
 
 
+@pytest.mark.launch
+def test_the_agent_of_bagualu2_train_forks_its_workers_with_sigint_held_and_keeps_its_own():
+    """A Ctrl-C in a worker's first milliseconds (the interpreter's start-up, before any handler) printed Python's
+    fatal error: ``bagualu2 train``'s agent forks the workers with SIGINT blocked, and its own mask is restored."""
+    import signal
+
+    from bagualu2.cli.launch import workers_start_with_sigint_held
+
+    class Agent:
+        def _start_workers(self, worker_group):
+            status = subprocess.run([sys.executable, "-c", "print(open('/proc/self/status').read())"],
+                                    capture_output=True, text=True, check=True).stdout
+            return int(next(line for line in status.splitlines() if line.startswith("SigBlk:")).split()[1], 16)
+
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    assert not Agent()._start_workers(None) >> (signal.SIGINT - 1) & 1  # as torchrun forks them: not held
+    workers_start_with_sigint_held(Agent)
+    workers_start_with_sigint_held(Agent)  # wrapped once
+    assert Agent()._start_workers(None) >> (signal.SIGINT - 1) & 1
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, set()) == before
+
+
+@pytest.mark.launch
+def test_a_sigint_held_since_the_trainer_was_forked_ends_it_quietly():
+    """The trainer unblocks SIGINT once its handler stands: one sent while it was held (the worker's first
+    milliseconds) ends it then, with exit code 130 and no traceback."""
+    import signal
+
+    def held() -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+    proc = subprocess.Popen([sys.executable, "-m", "reference_trainer.train", "--pp", "1", "--dp", "1", "--ep", "1",
+                             "--steps", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=held)
+    try:
+        proc.send_signal(signal.SIGINT)  # at once: the interpreter is starting
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and stderr == "", stderr
+
+
 @pytest.mark.parametrize("given, endpoint", [("::1", "[::1]"), ("[fe80::1]", "[fe80::1]"), ("10.0.0.7", "10.0.0.7"),
                                              ("node-01.cluster", "node-01.cluster"), ("my_host", "my_host")])
 def test_the_rendezvous_host_is_a_name_or_an_address(given, endpoint):

@@ -91,6 +91,27 @@ def no_restart_after_final_failures(agent_class) -> None:
     agent_class._monitor_workers = wrapped
 
 
+def workers_start_with_sigint_held(agent_class) -> None:
+    """Wraps the agent's worker start: the workers are forked with SIGINT blocked, so a Ctrl-C in their first
+    milliseconds (the interpreter's own start-up, before any handler can stand: Python's "Fatal Python error:
+    init_import_site" and a traceback) stays pending until the reference trainer unblocks it with its handler in
+    place, and exits quietly. The agent's own mask is restored at once: its Ctrl-C arrives as before."""
+    start = agent_class._start_workers
+    if getattr(start, "holds_sigint", False):
+        return
+
+    @functools.wraps(start)
+    def wrapped(agent, worker_group):
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            return start(agent, worker_group)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+    wrapped.holds_sigint = True
+    agent_class._start_workers = wrapped
+
+
 def _agent(argv: list[str]) -> int:
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -100,6 +121,8 @@ def _agent(argv: list[str]) -> int:
     for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
         logging.getLogger(name).addFilter(_NoWorkerFailure())
     no_restart_after_final_failures(LocalElasticAgent)
+    if os.environ.get(LAUNCHER_PID, "").isdigit():  # ``bagualu2 train``: the workers are the reference trainer
+        workers_start_with_sigint_held(LocalElasticAgent)
     try:
         torchrun_main(argv)
     except ChildFailedError as exc:
