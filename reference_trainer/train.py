@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -56,7 +57,7 @@ CHOICES = {"--schedule": SCHEDULES, "--policy": POLICIES, "--on-nonfinite": NONF
 
 
 def integer(text: str) -> int:
-    """An integer flag (argparse names the type by this function): decimal digits with an optional sign."""
+    """An integer flag: decimal digits with an optional sign."""
     return parse_int(text)
 
 
@@ -95,7 +96,13 @@ def _rank() -> int:
 
 
 def _usage_error(message: str) -> NoReturn:
-    """argparse's error: a user error like any other (``main`` reports it, after the ranks agree)."""
+    """argparse's error: a user error like any other (``main`` reports it, after the ranks agree). A flag whose
+    value starts with ``-`` (``--memory-cap -5MiB``) reads to argparse as a flag without a value: say how to give
+    one."""
+    missing = re.fullmatch(r"argument (--[\w-]+): expected one argument", message)
+    if missing:
+        flag = missing[1]
+        message = f"{flag} needs a value (a value that starts with '-' is given as {flag}=VALUE)"
     raise ValueError(message)
 
 
@@ -123,9 +130,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, argparse
                                      description="The distributed reference trainer (docs/trainer.md): GLM-MoE, PP x "
                                      "DP (EP carved from DP), per-micro-batch activation provisioning.")
     parser.add_argument("--recipe", default="glm_moe_debug", help=f"one of {', '.join(RECIPES)}")
-    for flag, (field, kind) in FLAGS.items():
-        parser.add_argument(flag, dest=field, default=None, type=str if kind is parse_bytes else kind,
-                            choices=CHOICES.get(flag), help=f"TrainConfig.{field} (default: the recipe's)")
+    for flag, (field, kind) in FLAGS.items():  # values parsed below: the config names what a bad one may be
+        parser.add_argument(flag, dest=field, default=None, choices=CHOICES.get(flag),
+                            help=f"TrainConfig.{field} (default: the recipe's)")
     parser.add_argument("--resume", action="store_true", default=None, help="from the latest complete checkpoint")
     parser.add_argument("--paired", action=argparse.BooleanOptionalAction, default=None,
                         help="TrainConfig.paired: combined 1F1B, one more warmup forward per stage (default: on for "
@@ -142,8 +149,17 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, argparse
     changes: dict[str, Any] = {}
     for flag, (field, kind) in FLAGS.items():
         value = getattr(args, field)
-        if value is not None:
-            changes[field] = kind(value, flag) if kind is parse_bytes else value
+        if value is None:
+            continue
+        if kind is parse_bytes:
+            changes[field] = kind(value, flag)
+        elif kind is str:
+            changes[field] = value
+        else:
+            try:
+                changes[field] = kind(value)
+            except ValueError:  # not a number: the config refuses it, naming the range (--steps must be ...)
+                changes[field] = value
     if "memory_cap_fraction" in changes and "memory_cap_imbalance" not in changes:
         changes["memory_cap_imbalance"] = None  # the fraction given on the command line decides the default cap
     if args.resume:

@@ -143,7 +143,7 @@ def test_the_launcher_restarts_only_failures_a_restart_can_mend():
     ("train", ["--seed", "-3", "--steps", "1"], "error: --seed"),
     ("train", ["--lr", "1e300"], "error: --lr"),
     ("train", ["--lr", "inf", "--json"], "error: --lr"),
-    ("train", ["--steps", "x"], "error: argument --steps"),
+    ("train", ["--steps", "x"], "error: --steps must be an integer >= 1, got 'x'"),
     ("train", ["--pp", "4", "--dp", "1", "--ep", "1"], "error: the world size 2 must equal --pp x --dp"),
     ("train", ["--pp", "2", "--dp", "1", "--ep", "2"], "error: --ep=2 must divide --dp=1"),
     ("train", ["--checkpoint-every", "1"], "error: --checkpoint-every needs --checkpoint-dir"),

@@ -33,9 +33,13 @@ from reference_trainer.train import main, parse_args
     (["--vp", "2", "--num-microbatches", "2"], "needs --num-microbatches > --pp=2"),
     (["--paired", "--schedule", "plain"], "--paired needs --schedule runtime"),
     (["--paired", "--ep", "1"], "--paired needs --ep >= 2"),
-    (["--steps", "1_0"], "argument --steps: invalid integer value: '1_0'"),
-    (["--pp", "\u0662"], "argument --pp: invalid integer value"),
-    (["--lr", "1_0e-3"], "argument --lr: invalid number value: '1_0e-3'"),
+    (["--steps", "1_0"], "--steps must be an integer >= 1, got '1_0'"),
+    (["--steps", "abc"], "--steps must be an integer >= 1, got 'abc'"),
+    (["--pp", "\u0662"], "--pp must be an integer >= 1, got '\u0662'"),
+    (["--lr", "1_0e-3"], "--lr must be a finite number in (0, 10000], got '1_0e-3'"),
+    (["--collective-timeout", "soon"], "--collective-timeout must be a finite number in [0.1, 1e+07], got 'soon'"),
+    (["--memory-cap", "-5MiB"], "--memory-cap needs a value (a value that starts with '-' is given as "
+                                "--memory-cap=VALUE)"),
 ])
 def test_bad_flags_fail_in_one_line(argv, message, capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
