@@ -108,12 +108,14 @@ def test_a_dry_run_checks_the_data_and_the_output_paths_and_writes_nothing(tmp_p
 
 @pytest.mark.launch
 @pytest.mark.integration
-def test_train_runs_the_trainer_under_torchrun():
+def test_train_runs_the_trainer_under_torchrun(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "bagualu2.cli", "train", "--json", "--", "--steps", "1"],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "TMPDIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     record = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
     assert record["steps"] == 1 and record["max_prediction_error"] == 0.0  # 4 ranks: glm_moe_debug's PP=2 x DP=2
+    left = [path.name for path in tmp_path.iterdir() if "torchelastic" in path.name or "bagualu2" in path.name]
+    assert not left  # neither torchrun's log folder nor the run's state folder is left
 
 
 @pytest.mark.launch
@@ -278,9 +280,11 @@ def test_an_agent_killed_from_outside_is_one_line_and_128_plus_the_signal(capsys
 
 
 @pytest.mark.launch
-def test_a_rank_killed_from_outside_with_no_restart_left_is_one_line_from_the_launcher():
+def test_a_rank_killed_from_outside_with_no_restart_left_is_one_line_from_the_launcher(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "bagualu2.cli", "train", "--", "--steps", "3"], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "BAGUALU2_FAULTS": "kill@1:rank=1"})
+                          text=True, timeout=300, env={**os.environ, "BAGUALU2_FAULTS": "kill@1:rank=1",
+                                                       "TMPDIR": str(tmp_path)})
+    assert not list(tmp_path.glob("*torchelastic*"))  # the workers' error files went with the launch
     assert proc.returncode == 128 + 9, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines() == [
         "error: rank 1 was stopped by SIGKILL (from outside the trainer: kill, the host's out-of-memory killer) and "

@@ -12,8 +12,10 @@ import ctypes
 import functools
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 
 from .signals import how_it_ended
 
@@ -60,12 +62,22 @@ def main(argv: list[str] | None = None) -> int:
     sys.unraisablehook = _unraisable
     if not _stop_with_launcher():
         return 128 + signal.SIGTERM
+    argv = sys.argv[1:] if argv is None else list(argv)
+    own_logs = None
+    if not any(arg.split("=", 1)[0] in ("--log-dir", "--log_dir") for arg in argv):
+        # torchrun's default is a new torchelastic_* folder in the temp directory per launch, left behind: the
+        # workers' error files live in one of this launch's own, removed when the agent is done with them
+        own_logs = tempfile.mkdtemp(prefix="bagualu2-torchelastic-")
+        argv = ["--log-dir", own_logs, *argv]
     try:
-        return _agent(sys.argv[1:] if argv is None else argv)
+        return _agent(argv)
     except KeyboardInterrupt:  # Ctrl-C before torchrun's own handlers stand (importing torch, the rendezvous)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the same Ctrl-C forwarded by ``bagualu2 train`` too
         print("stopped by signal 2; the workers were stopped", file=sys.stderr, flush=True)
         return 130
+    finally:
+        if own_logs is not None:
+            shutil.rmtree(own_logs, ignore_errors=True)
 
 
 def no_restart_after_final_failures(agent_class) -> None:
