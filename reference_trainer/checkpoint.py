@@ -167,7 +167,7 @@ def _check(path: Path, step: int | None, hashes: bool) -> dict[str, Any]:
     if not isinstance(files, dict) or ".metadata" not in files or not isinstance(manifest.get("world_size"), int):
         raise _Refused(f"invalid {MANIFEST}: no world size or no DCP .metadata listed")
     if step is not None and manifest.get("step") != step:
-        raise _Refused(f"{MANIFEST} records step {manifest.get('step')}, not {step}")
+        raise _Refused(f"{MANIFEST} records step {manifest.get('step')!r}, not {step} (its folder's name)")
     for name, record in sorted(files.items()):
         if Path(name).is_absolute() or ".." in Path(name).parts or not isinstance(record, dict):
             raise _Refused(f"invalid {MANIFEST}: bad entry {name!r}")

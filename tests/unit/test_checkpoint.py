@@ -159,6 +159,18 @@ def test_a_manifest_nested_deeper_than_json_parses_is_skipped_like_any_invalid_o
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert err == [f"warning: checkpoint {deep} refused: invalid manifest.json: nested too deeply; using {good}"]
 
+def test_a_manifest_whose_step_is_text_names_it_as_text(tmp_path, capsys):
+    """A hand-edited ``"step": "5"`` read "records step 5, not 5"."""
+    good = save(tmp_path, 4, _state(4))
+    edited = save(tmp_path, 5, _state(5), keep=5)
+    manifest = json.loads((edited / "manifest.json").read_text())
+    (edited / "manifest.json").write_text(json.dumps({**manifest, "step": "5"}))
+    assert find_latest(tmp_path) == (good, 4)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert err == [f"warning: checkpoint {edited} refused: manifest.json records step '5', not 5 (its folder's "
+                   f"name); using {good}"]
+
+
 def test_paths_that_are_not_checkpoint_dirs_are_refused(tmp_path):
     afile = tmp_path / "ckpt"
     afile.write_text("x")
