@@ -211,6 +211,39 @@ def test_a_loss_of_its_own_traced_with_the_model_keeps_the_predicted_bytes():
     assert record.device_bytes == evaluate(graph, plan).activation_bytes
 
 
+def test_without_a_loss_the_trace_differentiates_every_tensor_a_model_output_holds():
+    """A transformers model returns a ``ModelOutput`` (a dict): the default loss sums its tensors (logits, the loss
+    given labels), so ``trace_graph`` needs no ``loss=``, and the ops are those a loss on the logits traces."""
+    model, ids = tiny("mixtral")
+    instrumented = hf.instrument(model)
+    default = instrumented.trace_graph(input_ids=ids, labels=ids, hardware=HW)
+    on_logits = instrumented.trace_graph(input_ids=ids, hardware=HW, loss=lambda out: out.logits.float().sum())
+    instrumented.remove()
+    assert [op.name for op in default.ops] == [op.name for op in on_logits.ops]
+    assert default.floor_bytes > 0
+
+
+def test_a_budget_below_the_floor_gets_a_floor_plan_that_runs(family="mixtral"):
+    """Below M0 the solvers return the floor plan (a value, not an exception): on a traced graph the tensors made
+    outside every op cannot be recomputed, so it offloads those, and the micro-batch keeps M0 exactly."""
+    from bagualu2.mitigation import check_conflicts, floor_plan
+
+    model, ids = tiny(family)
+    instrumented = hf.instrument(model)
+    graph = instrumented.trace_graph(input_ids=ids, labels=ids, hardware=HW, loss=lambda out: out.loss)
+    low = greedy.solve(graph, graph.floor_bytes - 1)
+    assert low.status.value == "INFEASIBLE" and low.plan == floor_plan(graph)
+    assert not check_conflicts(graph, low.plan) and low.cost.activation_bytes == graph.floor_bytes
+    assert Strategy.OFFLOAD in {strategy for _, strategy in low.plan.entries}
+    executor = apply_plan(instrumented, low.plan, verify=True)
+    with executor.micro_batch("mb") as record:
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    executor.release("mb")
+    instrumented.remove()
+    assert record.device_bytes == graph.floor_bytes
+
+
 def test_remove_puts_the_model_back_and_a_refused_instrument_changes_nothing():
     model, ids = tiny("qwen3_moe")
     experts = model.model.layers[0].mlp.experts

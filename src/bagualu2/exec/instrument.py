@@ -231,8 +231,9 @@ class InstrumentedModel:
     def trace_graph(self, *args, hardware: Hardware, timed: bool = False,
                     loss: Callable[[Any], torch.Tensor] | None = None, **kwargs) -> OpGraph:
         """One forward + backward of ``model(*args, **kwargs)`` recorded into an :class:`OpGraph`
-        (:mod:`bagualu2.exec.trace`); ``loss(output)`` (default: the sum of the outputs) drives the backward, and
-        what it saves is traced outside every op (give the loss each micro-batch computes in its block);
+        (:mod:`bagualu2.exec.trace`); ``loss(output)`` (default: the sum of the tensors it returns, in tuples,
+        lists and dicts too) drives the backward, and what it saves is traced outside every op (give the loss each
+        micro-batch computes in its block);
         ``timed``: Δt measured instead of the roofline of ``hardware``. Also kept as :attr:`trace`."""
         if not isinstance(timed, bool):
             raise ValueError(f"timed must be True or False, got {timed!r}")

@@ -298,10 +298,11 @@ def run_trace(model: torch.nn.Module, recorder: TraceRecorder, args: tuple, kwar
                              + (f"a tensor of shape {tuple(value.shape)} (requires_grad={value.requires_grad})"
                                 if isinstance(value, torch.Tensor) else type(value).__name__))
     else:
-        parts = [t.float().sum() for t in tensors_of(output) if t.requires_grad]
+        # every tensor the model returns, in tuples, lists and dicts too (a transformers ModelOutput is a dict)
+        parts = [t.float().sum() for t in nested_tensors(output) if t.requires_grad]
         if not parts:
-            raise ValueError("trace_graph: the model's output needs grad for the backward (no parameter and no "
-                             "input requires grad?); pass loss=...")
+            raise ValueError(f"trace_graph: the model's output ({type(output).__name__}) holds no tensor that needs "
+                             "grad for the backward (no parameter and no input requires grad?); pass loss=...")
         value = torch.stack(parts).sum()
     targets = list({id(t): t for t in (*model.parameters(), *nested_tensors((args, kwargs)))
                     if t.requires_grad}.values())

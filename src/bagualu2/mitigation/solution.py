@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from ..costmodel.validate import require_int
-
 import enum
 import weakref
 from dataclasses import dataclass, field
@@ -12,6 +10,7 @@ from typing import Any, Mapping
 
 from ..costmodel import OpGraph, Plan, PlanCost, evaluate
 from ..costmodel.evaluate import check_graph
+from ..costmodel.validate import require_int
 
 
 class SolveStatus(enum.Enum):
@@ -48,12 +47,27 @@ def check_budget(budget_bytes: Any) -> int:
 
 
 def floor_plan(graph: OpGraph) -> Plan:
-    """Full recompute: every mitigable saving RECOMPUTE (keeps only the pinned block inputs)."""
+    """Full recompute: every mitigable saving RECOMPUTE (keeps only the pinned block inputs), but OFFLOAD where no
+    re-run can make the tensor (``PlanCost.unavailable``: a traced graph's tensors made outside every op), so the
+    plan runs and keeps M0 on the device."""
     from ..costmodel import Strategy
 
     check_graph(graph)
+    found = _FLOORS.get(graph)
+    if found is not None:
+        return found
     pinned = {tensor for _, tensor in graph.pinned}
-    return Plan.from_decisions({key: Strategy.RECOMPUTE for key in graph.decisions if key[1] not in pinned})
+    decisions = {key: Strategy.RECOMPUTE for key in graph.decisions if key[1] not in pinned}
+    plan = Plan.from_decisions(decisions)
+    for _ in range(len(decisions)):  # each round offloads at least one more tensor, or stops
+        unavailable = set(_evaluate(graph, plan).unavailable)
+        moved = [key for key, strategy in decisions.items() if key[1] in unavailable and strategy is Strategy.RECOMPUTE]
+        if not moved:
+            break
+        decisions.update(dict.fromkeys(moved, Strategy.OFFLOAD))
+        plan = Plan.from_decisions(decisions)
+    _FLOORS[graph] = plan
+    return plan
 
 
 def make_solution(graph: OpGraph, plan: Plan, status: SolveStatus, solver: str, started_s: float, now_s: float,
@@ -63,6 +77,7 @@ def make_solution(graph: OpGraph, plan: Plan, status: SolveStatus, solver: str, 
 
 
 _UNMITIGATED: "weakref.WeakKeyDictionary[OpGraph, PlanCost]" = weakref.WeakKeyDictionary()
+_FLOORS: "weakref.WeakKeyDictionary[OpGraph, Plan]" = weakref.WeakKeyDictionary()  # floor_plan per graph object
 
 
 def _evaluate(graph: OpGraph, plan: Plan) -> PlanCost:
