@@ -44,6 +44,11 @@ class CheckpointError(ValueError):
     """A checkpoint cannot be written, found or loaded; the message is one line naming the path."""
 
 
+class LoadFailed(CheckpointError):
+    """DCP could not read a checkpoint that verified (its shards agree with a manifest edited by hand, a file
+    system that fails reads): every rank raises it alike."""
+
+
 class _Refused(Exception):
     """Internal: why a checkpoint directory does not verify."""
 
@@ -354,9 +359,10 @@ def step_dirs(directory: str | os.PathLike[str]) -> list[str]:
     return _on_rank0(scan)
 
 
-def find_latest(directory: str | os.PathLike[str]) -> tuple[Path, int] | None:
+def find_latest(directory: str | os.PathLike[str], *, below: int | None = None) -> tuple[Path, int] | None:
     """The newest complete, verified checkpoint in ``directory`` as ``(path, step)``, or None (no ``step-*``
-    checkpoint there); ``CheckpointError`` when there are some and none verifies.
+    checkpoint there); ``CheckpointError`` when there are some and none verifies. ``below``: only checkpoints of
+    an earlier step (the one after a checkpoint that failed to load).
 
     Rank 0 verifies (every file of the manifest with its size and sha256) and broadcasts its choice; it prints
     one ``warning: checkpoint ... refused: <reason>; using ...`` line per skipped ``step-*`` or ``.tmp-*`` dir.
@@ -368,10 +374,12 @@ def find_latest(directory: str | os.PathLike[str]) -> tuple[Path, int] | None:
             return None
         if not root.is_dir():
             raise CheckpointError(f"checkpoint directory {root}: exists and is not a directory")
-        refused = [(p, "partial (temporary directory of an interrupted save)") for p in sorted(root.glob(".tmp-*"))]
+        refused = [] if below is not None else [  # said already by the search that found the one that failed
+            (p, "partial (temporary directory of an interrupted save)") for p in sorted(root.glob(".tmp-*"))]
         chosen = None
         for step, path in sorted(((int(m.group(1)), p) for p in root.iterdir()
-                                  if (m := STEP_DIR.fullmatch(p.name))), reverse=True):
+                                  if (m := STEP_DIR.fullmatch(p.name)) and (below is None or int(m.group(1)) < below)),
+                                 reverse=True):
             try:
                 _check(path, step, hashes=True)
             except _Refused as exc:
@@ -428,8 +436,31 @@ def load(path: str | os.PathLike[str], state: dict[str, Any], *, run: dict[str, 
         with _quiet():
             dcp.load(state, checkpoint_id=ckpt)
     except dcp.CheckpointException as exc:
-        raise CheckpointError(f"checkpoint {ckpt}: DCP load failed: {_failure(exc)}") from exc
+        raise LoadFailed(f"checkpoint {ckpt}: DCP load failed: {_failure(exc)}") from exc
     return step
+
+
+def load_latest(directory: str | os.PathLike[str], state: dict[str, Any], *, run: dict[str, Any] | None = None,
+                found: tuple[Path, int] | None = None) -> tuple[Path, int] | None:
+    """Collective: :func:`load` the newest verified checkpoint of ``directory`` (``found``, when
+    :func:`find_latest` has said it) into ``state``; one that DCP cannot read is refused with a warning line
+    (rank 0) and the one before it loaded instead, as :func:`find_latest` refuses one that does not verify.
+    ``(path, step)``, or None when there is none; ``CheckpointError`` when the last one fails too."""
+    found = find_latest(directory) if found is None else found
+    while found is not None:
+        try:
+            return found[0], load(found[0], state, run=run)
+        except LoadFailed as exc:
+            older = find_latest(directory, below=found[1])
+            if not _distributed() or dist.get_rank() == 0:
+                reason = str(exc).split(": ", 1)[1]
+                print(f"warning: checkpoint {found[0]} refused: {reason}; using {older[0] if older else 'none'}",
+                      file=sys.stderr, flush=True)
+            if older is None:
+                raise CheckpointError(f"{exc}; no earlier checkpoint in {directory} verifies: none can be resumed; "
+                                      "move it away to start from step 0, or give another --checkpoint-dir") from None
+            found = older
+    return None
 
 
 def _difference(flag: str, saved: Any, mine: Any) -> str | None:

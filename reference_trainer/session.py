@@ -244,9 +244,8 @@ class Session:
                 print(f"note: no complete checkpoint in {self.config.checkpoint_dir}; starting from step 0",
                       file=sys.stderr, flush=True)
             return
-        path, _ = found
         state = self._state(0)
-        step = checkpoint.load(path, state, run=self._run_flags())
+        path, step = checkpoint.load_latest(self.config.checkpoint_dir, state, run=self._run_flags(), found=found)
         mine = state[f"rank{self.groups.rank}"]
         extra = checkpoint.unpack_json(mine.pop("extra"))
         if extra.get("step") != step:  # every rank saved the step it agreed on; only an edited manifest differs

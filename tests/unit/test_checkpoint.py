@@ -171,6 +171,35 @@ def test_a_manifest_whose_step_is_text_names_it_as_text(tmp_path, capsys):
                    f"name); using {good}"]
 
 
+def test_a_checkpoint_dcp_cannot_read_is_refused_and_the_one_before_it_loaded(tmp_path, capsys):
+    """A shard deleted and taken out of the manifest by hand verifies (every listed file is there, hashes right)
+    but DCP cannot read it: the resume refuses it in one warning and loads the checkpoint before, bitwise; with
+    none before, one error naming both."""
+    from reference_trainer.checkpoint import load_latest
+
+    good = save(tmp_path, 4, _state(4))
+    edited = save(tmp_path, 5, _state(5), keep=5)
+    manifest = json.loads((edited / "manifest.json").read_text())
+    shard = next(name for name in manifest["files"] if name.endswith(".distcp"))
+    (edited / shard).unlink()
+    del manifest["files"][shard]
+    (edited / "manifest.json").write_text(json.dumps(manifest))
+    assert find_latest(tmp_path) == (edited, 5)  # it verifies
+    state = _state(0)
+    assert load_latest(tmp_path, state) == (good, 4)
+    assert torch.equal(state["model"]["layers"]["0"]["weight"], _state(4)["model"]["layers"]["0"]["weight"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(err) == 1 and err[0].startswith(f"warning: checkpoint {edited} refused: DCP load failed: rank 0: ")
+    assert err[0].endswith(f"; using {good}")
+    import shutil
+
+    shutil.rmtree(good)
+    with pytest.raises(CheckpointError, match=r"DCP load failed: .*; no earlier checkpoint in .* verifies: none can "
+                                              r"be resumed"):
+        load_latest(tmp_path, _state(0))
+    assert capsys.readouterr().err.strip().endswith("; using none")
+
+
 def test_paths_that_are_not_checkpoint_dirs_are_refused(tmp_path):
     afile = tmp_path / "ckpt"
     afile.write_text("x")
