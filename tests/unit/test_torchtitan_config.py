@@ -290,6 +290,31 @@ def test_a_report_path_is_checked_as_the_system_sees_it(tmp_path, monkeypatch):
     assert private.stat().st_mode & 0o7777 == 0o640
 
 
+def test_a_report_path_with_its_stage_is_checked_for_every_stage_before_the_first_step(tmp_path, monkeypatch):
+    """``{stage}`` names the pipeline stage a rank runs: the check before training looks at the file of every
+    stage, not stage 0's only (a later stage's read-only file was replaced, a folder in its way failed mid-run)."""
+    from bagualu2.integrations.torchtitan_stage import check_report_path
+
+    monkeypatch.setenv("RANK", "1")
+    pattern = str(tmp_path / "r{rank}.s{stage}.jsonl")
+    check_report_path(pattern, 2, stages=2)
+    (tmp_path / "r1.s1.jsonl").mkdir()
+    with pytest.raises(ValueError) as excinfo:
+        check_report_path(pattern, 2, stages=2)
+    assert "r1.s1.jsonl" in one_line(excinfo) and "is a directory" in one_line(excinfo)
+    check_report_path(pattern, 2, stages=1)  # no pipeline: stage 0 only
+    (tmp_path / "s1").write_text("a file where stage 1's folder goes")
+    with pytest.raises(ValueError) as excinfo:
+        check_report_path(str(tmp_path / "s{stage}" / "r{rank}.jsonl"), 2, stages=2)
+    assert "is not a folder" in one_line(excinfo)
+    read_only = tmp_path / "ro1.s1.jsonl"
+    read_only.write_text("")
+    read_only.chmod(0o444)
+    with pytest.raises(ValueError) as excinfo:
+        check_report_path(str(tmp_path / "ro{rank}.s{stage}.jsonl"), 2, stages=2)
+    assert one_line(excinfo).endswith("is read-only (not replaced)")
+
+
 def test_a_resumed_report_keeps_only_its_own_stages_earlier_steps(tmp_path):
     """A launch of another layout left stage 1's lines in this rank's file: the resumed stage 0 keeps its own."""
     import json

@@ -125,7 +125,8 @@ class Bagualu2Converter:
             raise ValueError("parallelism.pipeline_parallel_schedule_csv must be empty with the bagualu2 converter "
                              "(a schedule from a file replaces 1F1B, whose in-flight micro-batches the budgets "
                              f"assume), got {parallelism.pipeline_parallel_schedule_csv!r}")
-        check_report_path(config.report_path, int(os.environ.get("WORLD_SIZE", "1")))
+        check_report_path(config.report_path, int(os.environ.get("WORLD_SIZE", "1")),
+                          stages=getattr(parallel_dims, "pp", 1) if pipelined else 1)  # 1F1B: a stage a rank
         local = job_config.training.local_batch_size
         # without a pipeline each forward (one per gradient-accumulation micro-step) is backwarded before the next
         size = parallelism.pipeline_parallel_microbatch_size if pipelined else local

@@ -319,11 +319,12 @@ def report_file(pattern: str, stage: int) -> str:
     return os.path.expanduser(pattern).replace("{rank}", os.environ.get("RANK", "0")).replace("{stage}", str(stage))
 
 
-def check_report_path(pattern: str, world_size: int) -> None:
-    """Before training: ``ValueError`` (one line) unless every rank can write its report: ``{rank}`` in the path
-    when several ranks run, its folder there and writable or the nearest existing folder above it writable (the
-    report's folder is made by its first write: a run refused before it leaves nothing behind), and the file, if it
-    exists, a regular file."""
+def check_report_path(pattern: str, world_size: int, *, stages: int = 1) -> None:
+    """Before training: ``ValueError`` (one line) unless this rank can write its report of each of the pipeline's
+    ``stages`` (the one it runs among them: ``{stage}`` names it): ``{rank}`` in the path when several ranks run,
+    its folder there and writable or the nearest existing folder above it writable (the report's folder is made by
+    its first write: a run refused before it leaves nothing behind), and the file, if it exists, a regular file
+    that is not read-only."""
     if not pattern:
         return
     if "\0" in pattern:
@@ -331,16 +332,17 @@ def check_report_path(pattern: str, world_size: int) -> None:
     if world_size > 1 and "{rank}" not in pattern:
         raise ValueError(f"bagualu2.report_path must contain {{rank}} when {world_size} ranks run (each writes its "
                          f"own report), got {pattern!r}")
-    path = report_file(pattern, 0)
+    for stage in range(stages if "{stage}" in pattern else 1):
+        _check_report_file(pattern, report_file(pattern, stage))
+
+
+def _check_report_file(pattern: str, path: str) -> None:
     if pattern.endswith(("/", os.sep)) or os.path.basename(path).strip() in ("", ".", ".."):
         raise ValueError(f"bagualu2.report_path must name a file, got {pattern!r}")
     _refuse_non_file(path)
     if os.path.isfile(path) and not _mode(path) & 0o222:  # root may write it; no one is meant to
         raise ValueError(f"bagualu2.report_path {path!r} is read-only (not replaced)")
     directory = os.path.dirname(os.path.abspath(path))
-    ranked = os.path.expanduser(pattern).replace("{rank}", os.environ.get("RANK", "0"))
-    if "{stage}" in os.path.dirname(ranked):  # one folder per stage: check the folder above the first of them
-        directory = os.path.abspath(ranked[:ranked.index("{stage}")].rpartition(os.sep)[0] or ".")
     existing = directory
     while not os.path.lexists(existing) and os.path.dirname(existing) != existing:
         existing = os.path.dirname(existing)
