@@ -46,7 +46,9 @@ class CheckpointError(ValueError):
 
 class LoadFailed(CheckpointError):
     """DCP could not read a checkpoint that verified (its shards agree with a manifest edited by hand, a file
-    system that fails reads): every rank raises it alike."""
+    system that fails reads): every rank raises it alike. ``reason``: the message without the path."""
+
+    reason = ""
 
 
 class _Refused(Exception):
@@ -436,7 +438,9 @@ def load(path: str | os.PathLike[str], state: dict[str, Any], *, run: dict[str, 
         with _quiet():
             dcp.load(state, checkpoint_id=ckpt)
     except dcp.CheckpointException as exc:
-        raise LoadFailed(f"checkpoint {ckpt}: DCP load failed: {_failure(exc)}") from exc
+        failed = LoadFailed(f"checkpoint {ckpt}: DCP load failed: {_failure(exc)}")
+        failed.reason = f"DCP load failed: {_failure(exc)}"
+        raise failed from exc
     return step
 
 
@@ -453,8 +457,7 @@ def load_latest(directory: str | os.PathLike[str], state: dict[str, Any], *, run
         except LoadFailed as exc:
             older = find_latest(directory, below=found[1])
             if not _distributed() or dist.get_rank() == 0:
-                reason = str(exc).split(": ", 1)[1]
-                print(f"warning: checkpoint {found[0]} refused: {reason}; using {older[0] if older else 'none'}",
+                print(f"warning: checkpoint {found[0]} refused: {exc.reason}; using {older[0] if older else 'none'}",
                       file=sys.stderr, flush=True)
             if older is None:
                 raise CheckpointError(f"{exc}; no earlier checkpoint in {directory} verifies: none can be resumed; "
