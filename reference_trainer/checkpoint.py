@@ -438,8 +438,9 @@ def load(path: str | os.PathLike[str], state: dict[str, Any], *, run: dict[str, 
         with _quiet():
             dcp.load(state, checkpoint_id=ckpt)
     except dcp.CheckpointException as exc:
-        failed = LoadFailed(f"checkpoint {ckpt}: DCP load failed: {_failure(exc)}")
-        failed.reason = f"DCP load failed: {_failure(exc)}"
+        reason = f"DCP load failed: {_failure(exc)}"
+        failed = LoadFailed(f"checkpoint {ckpt}: {reason}")
+        failed.reason = reason
         raise failed from exc
     return step
 

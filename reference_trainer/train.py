@@ -231,9 +231,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             os._exit(1)
         guard = getattr(run.session, "guard", None)
         if guard is not None:  # the session is set up: its line names the phase and the ranks that went silent
-            guard.fatal(exc, guard.watchdog.step)  # -1 before the first step
-        exit_after_failure(failed, f"error: rank {_rank()}: a collective failed ({type(failed).__name__}: "
-                                   f"{' '.join(str(failed).split())[:300]}); exit code {STALL_EXIT_CODE}")
+            guard.fatal(exc, guard.watchdog.step)  # exits (a failed collective); step -1 before the first step
+        else:
+            exit_after_failure(failed, f"error: rank {_rank()}: a collective failed ({type(failed).__name__}: "
+                                       f"{' '.join(str(failed).split())[:300]}); exit code {STALL_EXIT_CODE}")
     if args.json and _rank() == 0:
         print(json.dumps(summary))
 

@@ -102,9 +102,7 @@ class Watchdog:
 
     def start(self) -> "Watchdog":
         self._last = time.monotonic()
-        self._thread.start()
-        if self.heartbeats is not None:
-            self.heartbeats.start(lambda: (self.step, self.label))  # once: a no-op if the set-up started them
+        self._thread.start()  # the heartbeats (read by the line, stopped with the watchdog) start with the set-up
         return self
 
     def beat(self, label: str, step: int | None = None) -> None:
