@@ -1,5 +1,5 @@
 """The need grid of the decision path (``runtime.keys.NeedGrid``): a level decides a budget no larger than the
-request's, gives up less than ``step`` times the smaller of the need and the budget, maps one key to one decided
+request's, gives up less than ``step`` times the need or ``budget_step`` times the budget, maps one key to one decided
 budget, orders the keys of each grid by need, and decides a budget equal to the anchor exactly."""
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ def requests(draw):
 
 
 @settings(max_examples=400)
-@given(requests(), steps)
-def test_a_level_decides_at_most_the_budget_and_gives_up_little(request, step):
+@given(requests(), steps, st.none() | steps)
+def test_a_level_decides_at_most_the_budget_and_gives_up_little(request, step, budget_step):
     quantum, anchor, unmitigated, floor, budget = request
-    grid = NeedGrid(quantum, step, anchor_bytes=anchor)
+    grid = NeedGrid(quantum, step, anchor_bytes=anchor, budget_step=budget_step)
     key, decided = grid.level(unmitigated, floor, budget)
     assert floor <= decided <= budget or key == ("exact", budget)
     if key == ("exact", budget):
@@ -34,15 +34,17 @@ def test_a_level_decides_at_most_the_budget_and_gives_up_little(request, step):
         return
     need = unmitigated - budget
     given_up = budget - decided
-    # the need grid: one step of the need (the first step: one quantum); the budget grid: one step of the budget
-    assert given_up <= min(max(step * need, quantum) + 1, step * budget + 1)
+    # the need grid: one step of the need (the first step: one quantum); the budget grid: one of its steps of the
+    # budget
+    budget_step = step if budget_step is None else budget_step
+    assert given_up <= min(max(step * need, quantum) + 1, budget_step * budget + 1)
 
 
 @settings(max_examples=200)
-@given(requests(), steps, st.lists(st.integers(0, 1 << 42), min_size=2, max_size=30))
-def test_one_key_decides_one_budget_and_keys_order_needs_within_a_grid(request, step, budgets):
+@given(requests(), steps, st.none() | steps, st.lists(st.integers(0, 1 << 42), min_size=2, max_size=30))
+def test_one_key_decides_one_budget_and_keys_order_needs_within_a_grid(request, step, budget_step, budgets):
     quantum, anchor, unmitigated, _, _ = request
-    grid = NeedGrid(quantum, step, anchor_bytes=anchor)
+    grid = NeedGrid(quantum, step, anchor_bytes=anchor, budget_step=budget_step)
     decided_by_key: dict = {}
     for budget in budgets:
         budget = min(budget, unmitigated)
@@ -57,7 +59,7 @@ def test_one_key_decides_one_budget_and_keys_order_needs_within_a_grid(request, 
 @settings(max_examples=200)
 @given(st.integers(1, 1 << 20), st.integers(1, 1 << 40), st.integers(0, 1 << 42), steps)
 def test_a_budget_of_the_whole_anchor_is_decided_exactly(quantum, anchor, extra, step):
-    grid = NeedGrid(quantum, step, anchor_bytes=anchor)
+    grid = NeedGrid(quantum, step, anchor_bytes=anchor, budget_step=step / 3)
     key, decided = grid.level(anchor + extra, 0, anchor)
     assert decided == anchor
 

@@ -151,23 +151,29 @@ def test_one_recomputed_dispatch_or_combine_is_enough_to_lose_the_pairing(saving
 
 
 
-@pytest.mark.parametrize("policy", ["static-under", "static-over"])
-def test_without_overlap_an_iteration_is_the_serial_sum_of_all_it_runs(policy):
+@pytest.mark.parametrize("policy, spike_at", [("static-under", None), ("static-over", None), ("L1", 0),
+                                               ("static-under", -1), ("static-over", 5)])
+def test_without_overlap_an_iteration_is_the_serial_sum_of_all_it_runs(policy, spike_at):
     """``overlap="none"``: every chunk's forward and backward in series, the output layer and embedding, and the
     gradient reduce-scatter, parameter all-gather and optimizer step all exposed (none hides behind a backward
-    or forward), plus the interleaved 1F1B bubble: the simulator's iteration is that sum, stage by stage."""
+    or forward), plus the interleaved 1F1B bubble: the simulator's iteration is that sum, stage by stage — each
+    micro-batch's forward and backward at its own rate, wherever a spike falls (first, last or steady: a steady
+    pair runs x's forward beside y's own backward)."""
     from bagualu2.sim.overheads import stage_overheads
 
-    rate, m = 1.1, PARALLEL.num_microbatches
-    run = simulate(MODEL, PARALLEL, HW, policy, [rate], overlap="none", restart_s=0.0, plan_imbalance=1.2)
+    m = PARALLEL.num_microbatches
+    rates = [1.1] * m
+    if spike_at is not None:
+        rates[spike_at] = 2.0
+    run = simulate(MODEL, PARALLEL, HW, policy, [tuple(rates)], overlap="none", restart_s=0.0, plan_imbalance=2.0)
     assert run.oom_events == 0
     busy, totals = [], []
     for stage in range(PARALLEL.pp):
         ctx = StageContext(MODEL, PARALLEL, HW, stage)
-        plans = bagualu2.sim.make_policy(policy, ctx, plan_imbalance=1.2).plans
+        plans = bagualu2.sim.make_policy(policy, ctx, plan_imbalance=2.0).plans
         extra = stage_overheads(MODEL, PARALLEL, HW, stage)
-        stage_s = m * sum(ctx.cost(c, rate, plans[c]).forward_s + ctx.cost(c, rate, plans[c]).backward_s
-                          for c in range(PARALLEL.vp)) + extra.head_s
+        stage_s = sum(ctx.cost(c, rate, plans[c]).forward_s + ctx.cost(c, rate, plans[c]).backward_s
+                      for c in range(PARALLEL.vp) for rate in rates) + extra.head_s
         busy.append(stage_s)
         totals.append(stage_s + extra.reduce_s + extra.gather_s + extra.optimizer_s)
     bubble_s = (PARALLEL.pp - 1) * sum(busy) / len(busy) / (m * PARALLEL.vp)
@@ -199,14 +205,16 @@ def test_more_overlap_never_slows_an_iteration(trace, policy):
 ordinary = st.floats(1.0, 1.2, allow_nan=False).map(lambda r: round(r, 2))
 
 
-def assert_flexible_never_behind(model, parallel, hardware, trace, plan_imbalance: float = 1.2) -> None:
-    """Every iteration of flexible at most as long as the same iteration under each static policy (none OOMs)."""
-    flexible = simulate(model, parallel, hardware, "flexible", trace, plan_imbalance=plan_imbalance)
+def assert_flexible_never_behind(model, parallel, hardware, trace, plan_imbalance: float = 1.2,
+                                 overlap: str = "real", tolerance: float = 1e-9) -> None:
+    """Every iteration of flexible at most ``1 + tolerance`` times as long as the same iteration under each static
+    policy (none OOMs)."""
+    flexible = simulate(model, parallel, hardware, "flexible", trace, plan_imbalance=plan_imbalance, overlap=overlap)
     for policy in ("static-under", "static-over", "kwai", "adapipe", "L1", "L2"):
-        static = simulate(model, parallel, hardware, policy, trace, plan_imbalance=plan_imbalance)
+        static = simulate(model, parallel, hardware, policy, trace, plan_imbalance=plan_imbalance, overlap=overlap)
         assert static.oom_events == 0
         for fast, slow in zip(flexible.iterations, static.iterations):
-            assert fast.time_s <= slow.time_s * (1 + 1e-9), policy
+            assert fast.time_s <= slow.time_s * (1 + tolerance), policy
 
 
 @pytest.mark.slow
@@ -235,6 +243,20 @@ def test_flexible_is_never_behind_a_static_policy_under_deep_pressure_off_the_ta
     model, base = presets.model(name)
     parallel = dataclasses.replace(base, pp=2, vp=vp, dp=base.dp * base.pp // 2, num_microbatches=16)
     assert_flexible_never_behind(model, parallel, presets.hardware("paper-gpu"), trace, plan_imbalance)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap", ["none", "fused-only"])
+def test_flexible_is_never_behind_a_static_policy_without_overlap_under_deep_pressure(overlap):
+    """glm-319b-a30b at pp = 2, vp = 2, unpaired, all serial: stage 0 may keep about a tenth of a chunk's
+    activations, so every pre-gate plan is made for a budget rounded down on the budget grid, whose coarse steps
+    would give up more of it than the gate's re-plan of the MoE module wins back (flexible 1.2% behind
+    static-under when pre-gate budgets took the pre-gate grid's 15% steps). The gate's 5% steps still leave it up to
+    7e-6 behind at rate 1.1 (a budget decided on a grid, where static-under's plan fills its own exactly)."""
+    model, base = presets.model("glm-319b-a30b")
+    parallel = dataclasses.replace(base, pp=2, vp=2, dp=base.dp * base.pp // 2, num_microbatches=16, paired=False)
+    assert_flexible_never_behind(model, parallel, presets.hardware("paper-gpu"), (1.0, 1.1, 1.2), overlap=overlap,
+                                 tolerance=1e-5)
 
 
 @pytest.mark.slow

@@ -111,9 +111,13 @@ def test_an_imbalance_above_the_expert_parallel_degree_is_refused():
     from bagualu2.exec import DeferredPlanner
     from bagualu2.runtime import ceil_bucket
 
-    path = DecisionPath(MODEL, PARALLEL, HW, spike_step=0.3)  # 1.8 + 0.3 would pass ep = 2
+    def fresh():
+        return DecisionPath(MODEL, PARALLEL, HW, spike_step=0.3)  # 1.8 + 0.3 would pass ep = 2
+
+    path = fresh()
     budget = path.graph(0, 1.0).unmitigated_bytes // 2
-    assert path.forward(budget, 2.0, "steady", 0).plan == path.forward(budget, 1.95, "steady", 0).plan
+    # one bucket, capped at ep (fresh paths: a gate's measurement raises the next pre-gate plan's imbalance)
+    assert path.forward(budget, 2.0, "steady", 0).plan == fresh().forward(budget, 1.95, "steady", 0).plan
     for call in (lambda: path.forward(budget, 2.01, "steady", 0), lambda: path.observe(0, 3.0),
                  lambda: path.pre_gate(budget, 0, planned=2.5), lambda: build_graph(MODEL, PARALLEL, HW, imbalance=4),
                  lambda: DecisionPath(MODEL, PARALLEL, HW, planned_imbalance=2.5)):

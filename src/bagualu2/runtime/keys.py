@@ -2,10 +2,11 @@
 
 * :class:`NeedGrid` — a decision's *need* is ``unmitigated bytes - budget``; its level rounds the need *up* on a
   geometric grid of ratio ``1 + step`` starting at ``quantum`` bytes, or — when that gives up less — the budget
-  *down* on a grid of the same ratio anchored at the stage's ``M_max``, so a decision made for a level frees at
-  least what every request of that level needs and gives up less than ``step`` times the smaller of the need and
-  the budget (at most one ``quantum`` for a smaller need): finely for small needs, coarsely for the large, rare
-  ones of spikes, never much of a tight budget, and nothing of a budget of the whole ``M_max``.
+  *down* on a grid of ratio ``1 + budget_step`` (default the same) anchored at the stage's ``M_max``, so a decision
+  made for a level frees at least what every request of that level needs and gives up less than ``step`` times
+  the need (at most one ``quantum`` for a smaller need) or ``budget_step`` times the budget: finely for small
+  needs, coarsely for the large, rare ones of spikes, never much of a tight budget, and nothing of a budget of the
+  whole ``M_max``.
 * :func:`chunk_aliases` — virtual chunks whose graphs are the same up to layer numbering share one set of caches.
 * :class:`PlannedImbalance` — the imbalance a chunk's pre-gate plan is made for: the smallest of the last
   ``window`` gate measurements, floored to the imbalance bucket grid (a low estimate: what is mitigated before the
@@ -30,20 +31,24 @@ MIN_STEP = 1e-6  # the finest need grid: ratio 1 + step stays above 1 in floatin
 class NeedGrid:
     """Need levels: ``level(unmitigated, floor, budget) -> (key, budget the decision is made for)``.
 
-    Two grids of ratio ``1 + step``: the need rounded up from ``quantum`` (key ``k >= 0``: the need
-    ``quantum * ratio**k``) and the budget rounded down on the points ``anchor_bytes / ratio**j`` (any integer
-    ``j``; key ``j - BUDGET_KEYS < 0``). A request takes the one whose decided budget is larger, so it gives up
-    less than ``step`` times the smaller of its need and its budget (a need below ``quantum``: at most
-    ``quantum``), and nothing of a budget equal to the anchor. Within each grid a larger key is a larger need (what
+    Two grids: the need rounded up from ``quantum`` (key ``k >= 0``: the need ``quantum * ratio**k``, ratio
+    ``1 + step``) and the budget rounded down on the points ``anchor_bytes / budget_ratio**j`` (any integer ``j``;
+    key ``j - BUDGET_KEYS < 0``; ``budget_ratio = 1 + budget_step``, default ``step``). A request takes the one
+    whose decided budget is larger, so it gives up less than ``step`` times its need (a need below ``quantum``: at
+    most ``quantum``) or ``budget_step`` times its budget, and nothing of a budget equal to the anchor. Within each grid a larger key is a larger need (what
     the stand-ins rely on); keys of the two grids never mix. The anchor is fixed per stage engine (its ``M_max``):
     the engine's memo holds levels, so every path over one engine must map a budget to the same level."""
 
-    def __init__(self, quantum: int, step: float, *, anchor_bytes: int, name: str = "need_step"):
+    def __init__(self, quantum: int, step: float, *, anchor_bytes: int, name: str = "need_step",
+                 budget_step: float | None = None, budget_name: str = "need_step"):
         self.quantum = require_int("budget_quantum_bytes", quantum, 1)
         self.step = require_number(name, step, MIN_STEP, 1)  # below it, 1 + step rounds to 1
         self.anchor = require_int("anchor_bytes", anchor_bytes, 1)
         self.ratio = 1.0 + self.step
         self._log = math.log(self.ratio)  # the grid's own ratio, as rounded
+        self.budget_step = self.step if budget_step is None else require_number(budget_name, budget_step, MIN_STEP, 1)
+        self.budget_ratio = 1.0 + self.budget_step
+        self._budget_log = math.log(self.budget_ratio)
 
     def level(self, unmitigated_bytes: int, floor_bytes: int, budget_bytes: int) -> tuple:
         """The key of a request and the budget its decision is made for; a decided budget below ``floor_bytes``
@@ -57,7 +62,8 @@ class NeedGrid:
             rounded = math.ceil(quantum * ratio ** level)
         decided = unmitigated_bytes - rounded
         if budget_bytes > 0 and decided < budget_bytes:
-            j = math.floor(math.log(self.anchor / budget_bytes) / self._log)
+            ratio = self.budget_ratio
+            j = math.floor(math.log(self.anchor / budget_bytes) / self._budget_log)
             while math.floor(self.anchor / ratio ** (j - 1)) <= budget_bytes:  # floating point at a grid point
                 j -= 1
             while math.floor(self.anchor / ratio ** j) > budget_bytes:

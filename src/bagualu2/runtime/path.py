@@ -28,7 +28,9 @@ makes keeping it an option —, imbalance bucket, chunk); orders by what the DP 
 ``budget_quantum_bytes``), so a decision frees at least what is needed, finely for small needs and coarsely for the
 large, rare needs of spikes; a need larger than the budget rounds the budget *down* instead, on a grid anchored at
 ``M_max`` (:class:`NeedGrid`). Pre-gate plans use a coarser grid (``pregate_need_step``): what they free beyond the
-need is in part inside the MoE module, which the gate re-plans at the fine grid. On a miss, a gate decision of a
+need is in part inside the MoE module, which the gate re-plans at the fine grid; a need above the budget rounds
+the budget down on the fine grid for them too (a coarse step of a tight budget gives up more than the re-plan of
+the MoE module wins back). On a miss, a gate decision of a
 nearby need level (up to ``reuse_levels`` away) stands in when it is as good: a smaller-need one that fits this
 budget at the measured imbalance, or a larger-need one that fits and costs at most ``1 + need_step`` times the
 smaller-need one (with no smaller-need one cached: one at most ``UNREFERENCED_LEVELS`` levels up). Kept bytes are
@@ -89,7 +91,8 @@ class DecisionPath:
       spike_threshold       imbalances above it (spikes: rare, each a new value) are bucketed by ``spike_step``.
       spike_step            bucket width of spikes (> 0).
       need_step             ratio - 1 of the need grid of gate decisions (in [1e-6, 1]).
-      pregate_need_step     ratio - 1 of the need grid of pre-gate plans (in [1e-6, 1]).
+      pregate_need_step     ratio - 1 of the need grid of pre-gate plans (in [1e-6, 1]); their budget grid (a
+                            need above the budget) is the gate decisions' (``need_step``).
       reuse_levels          how many need levels away a decision made may stand in (>= 0).
       hidden_copies         also plan with copies priced by what they leave exposed (``greedy.GreedyConfig``'s
                             ``copy_window_ns`` = the steady point's time under the plan priced in full, and half
@@ -128,8 +131,9 @@ class DecisionPath:
             budget_quantum_bytes = max(min(self.graph(c, 1.0).unmitigated_bytes for c in range(parallel.vp)) >> 10, 1)
         anchor = max(engine.memory.m_max_bytes, 1)
         self.needs = NeedGrid(budget_quantum_bytes, need_step, anchor_bytes=anchor)
+        # a need above the budget: the budget grid, the gate's ratio (a coarser level gives up more of the budget)
         self.pregate_needs = NeedGrid(budget_quantum_bytes, pregate_need_step, anchor_bytes=anchor,
-                                      name="pregate_need_step")
+                                      name="pregate_need_step", budget_step=need_step)
         self.reuse_levels = require_int("reuse_levels", reuse_levels, 0)
         if not isinstance(hidden_copies, bool):
             raise ValueError(f"hidden_copies must be true or false, got {hidden_copies!r}")

@@ -215,7 +215,7 @@ def stage_time(policy: StagePolicy, rates: tuple[float, ...]) -> StageTime:
             choice = running[step.index] = next(choices)
             if (step.microbatch, step.chunk) in ctx.point_leads:  # F_x B_y: the backward is the next step
                 after = steps[i + 1]
-                busy += choice.pair_s  # a steady F_x B_y point: the pair in the policy's execution
+                busy += ctx.pair_s(choice, running[after.index])  # a steady F_x B_y point, each its own plan
                 paired = True
                 if after.microbatch == final_mb:  # the last backward ran inside the pair: sync hides behind it
                     final += running[after.index].backward_s

@@ -17,18 +17,6 @@ from ..fusion.interference import makespan_ns
 from .execution import order_of
 
 
-class Choice(NamedTuple):
-    """What one chunk-forward runs: the bytes it keeps (exact at its imbalance) and the seconds of the three steps
-    it can be part of under the policy's execution (:mod:`.execution`): a forward alone (with the offload copies
-    of the forward before it), a backward alone (with the recovery of the next one), and a steady F_x B_y pair
-    (x's graph and plan on both sides, the runtime's convention)."""
-
-    kept_bytes: int
-    forward_s: float
-    backward_s: float
-    pair_s: float
-
-
 class ChoiceKey(NamedTuple):
     """What running a plan on (chunk, imbalance) costs under one execution and interference."""
 
@@ -37,6 +25,27 @@ class ChoiceKey(NamedTuple):
     entries: tuple
     execution: str
     share: float
+
+
+class Choice(NamedTuple):
+    """What one chunk-forward runs: the bytes it keeps (exact at its imbalance) and the seconds of the three steps
+    it can be part of under the policy's execution (:mod:`.execution`): a forward alone (with the offload copies
+    of the forward before it), a backward alone (with the recovery of the next one), and a steady F_x B_y pair
+    with its own backward (``pair_s``: y's graph and plan are x's; :meth:`StageContext.pair_s` times a pair with
+    y's own); ``key``: what it was made for."""
+
+    kept_bytes: int
+    forward_s: float
+    backward_s: float
+    pair_s: float
+    key: ChoiceKey
+
+
+class PairKey(NamedTuple):
+    """A steady point F_x B_y: x's forward and y's backward, each as its own :class:`ChoiceKey` says."""
+
+    lead: ChoiceKey
+    back: ChoiceKey
 
 
 @lru_cache(maxsize=32)
@@ -94,6 +103,7 @@ class StageContext:
         self.point_leads = frozenset((group[0].microbatch, group[0].chunk)
                                      for group in points(parallel, stage) if len(group) == 2)
         self._choices = self.timing.memo.table(ChoiceKey)
+        self._pairs = self.timing.memo.table(PairKey)
         # a step's copies are its own micro-batches': at points of relation 1, and wherever each forward and
         # backward runs alone (no pipeline and no pairing, or too few micro-batches for any steady pair)
         self.own_copies = self.engine.point_relation == 1 or self.engine.alone
@@ -166,22 +176,34 @@ class StageContext:
         key = ChoiceKey(chunk, imbalance, plan.entries, execution, share)
         found = self._choices.get(key)
         if found is None:
-            graph = self.timing_graph(chunk, imbalance)
-            hardware = self.hardware
-
-            def fused(chains):  # the DP orders for the slowdown it is timed with
-                return self.timing.order(chains, share=share)
-
-            def seconds(chains) -> float:
-                return 1e-9 * makespan_ns(order_of(execution, chains, fused, own_copies=self.own_copies), chains,
-                                          share)
-
+            graph, hardware = self.timing_graph(chunk, imbalance), self.hardware
             found = self._choices[key] = Choice(
                 self.cost(chunk, imbalance, plan).activation_bytes,
-                seconds(build_chains(graph, plan, None, None, hardware=hardware)),
-                seconds(build_chains(None, None, graph, plan, hardware=hardware)),
-                seconds(build_chains(graph, plan, graph, plan, hardware=hardware)))
+                self._seconds(build_chains(graph, plan, None, None, hardware=hardware), execution, share),
+                self._seconds(build_chains(None, None, graph, plan, hardware=hardware), execution, share),
+                self._seconds(build_chains(graph, plan, graph, plan, hardware=hardware), execution, share), key)
         return found
+
+    def pair_s(self, lead: Choice, back: Choice) -> float:
+        """Seconds of the steady point F_x B_y whose forward ran ``lead`` and whose backward is of the forward that
+        ran ``back``: each on its own graph and plan, under ``lead``'s execution (memoised)."""
+        if back.key == lead.key:
+            return lead.pair_s
+        key = PairKey(lead.key, back.key)
+        found = self._pairs.get(key)
+        if found is None:
+            x, y = lead.key, back.key
+            chains = build_chains(self.timing_graph(x.chunk, x.imbalance), Plan(x.entries),
+                                  self.timing_graph(y.chunk, y.imbalance), Plan(y.entries), hardware=self.hardware)
+            found = self._pairs[key] = self._seconds(chains, x.execution, x.share)
+        return found
+
+    def _seconds(self, chains, execution: str, share: float) -> float:
+        """The makespan of ``chains`` under ``execution`` (the fused one: the DP's order for the slowdown
+        ``share`` it is timed with)."""
+        order = order_of(execution, chains, lambda chains: self.timing.order(chains, share=share),
+                         own_copies=self.own_copies)
+        return 1e-9 * makespan_ns(order, chains, share)
 
     def model_flops(self) -> int:
         """Model FLOPs of this stage per iteration: 3 x the forward matrix-product FLOPs (``MATMUL_KINDS``) of
