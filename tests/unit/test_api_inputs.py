@@ -439,3 +439,26 @@ def test_hand_made_graphs_and_chains_name_what_is_wrong():
             "take 1.73e\\+09 s together .* stays an int64")
     refused(lambda: Chain("F", (3,)), "chain F's stages must be Stage objects, got int")
     refused(lambda: Chain("F", "f0"), "chain F's stages must be a sequence of Stage, got 'f0'")
+
+
+def test_each_error_names_the_field_it_is_about():
+    from bagualu2.budget import BudgetAssigner
+    from bagualu2.costmodel import imbalance_limit
+    from bagualu2.sim import PaperTrace, SimConfig
+    from bagualu2.sim.reproduce import ReproduceConfig
+
+    refused(lambda: imbalance_limit(None, PARALLEL), "^model must be a ModelConfig, got NoneType$")
+    refused(lambda: imbalance_limit(MODEL, "pp=2"), "^parallel must be a ParallelConfig, got str$")
+    refused(lambda: ReproduceConfig(focus="x"), "^focus: unknown model preset 'x'")
+    refused(lambda: ReproduceConfig(models=("glm-188b-a20b", "x")), "^models: unknown model preset 'x'")
+    refused(lambda: ReproduceConfig(hardware="x"), "^hardware: unknown hardware preset 'x'")
+    refused(lambda: PaperTrace(num_iterations=10, base_low=1.5), r"^base_high must be >= base_low \(1.5\), got 1.2$")
+    refused(lambda: PaperTrace(num_iterations=10, spike_max=1.2), r"^spike_max must be > base_high \(1.2\) while")
+    refused(lambda: fit_prefix(GRAPH, "nosuch", 1), "^base: plan entry 'nosuch'")
+    # what has no use beyond a bound is refused at it rather than taken (or looped over) without end
+    refused(lambda: spike_trace(10**30), r"^num_microbatches must be an integer in \[1, 100000000\], got an integer "
+                                         r"of 31 digits, about 1e\+30$")
+    refused(lambda: PaperTrace(num_iterations=10, seed=10**30), r"^seed must be an integer in \[0, 2\*\*63\)")
+    refused(lambda: SimConfig(plan_imbalance=10**30), r"^plan_imbalance must be a finite number in \[1, 65536\]")
+    refused(lambda: BudgetAssigner(m_max_bytes=10, m0_bytes=1, num_microbatches=10**30, num_warmup=1),
+            r"^num_microbatches must be an integer in \[1, 2\*\*22\]")

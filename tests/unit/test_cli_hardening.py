@@ -478,8 +478,8 @@ def test_negative_zero_reads_as_zero_and_huge_integers_read_short():
     from bagualu2.costmodel.validate import parse_float, require_int
 
     assert str(parse_float("-0")) == "0.0" and str(parse_float("-0.0e3")) == "0.0"
-    with pytest.raises(ValueError, match=r"got 1e\+300$"):
-        require_int("num_layers", int(1e300), 1, 1024)
+    with pytest.raises(ValueError, match=r"got an integer of 301 digits, about 1e\+300$"):
+        require_int("num_layers", int(1e300), 1, 1024)  # an integer, never shown as if a float
     with pytest.raises(ValueError, match=r"got an integer of about 5001 digits$"):
         require_int("num_layers", 10**5000, 1, 1024)
 
@@ -510,3 +510,32 @@ def test_a_dense_model_on_the_paper_trace_is_told_to_use_a_trace_of_rates_1(tmp_
     trace.write_text("".join(json.dumps({"iteration": 0, "microbatch": m, "imbalance": 1}) + "\n"
                              for m in range(parallel.num_microbatches)))
     assert run("simulate", "-m", str(source), "--trace", str(trace), "-p", "flexible").exit_code == 0
+
+
+def test_a_closed_standard_output_is_one_line_and_exit_code_2(monkeypatch, capsys):
+    """``bagualu2 presets >&-``: Python starts with ``sys.stdout`` None, where rich's console would fail."""
+    from bagualu2.cli import commands
+
+    monkeypatch.setattr(sys, "stdout", None)
+    monkeypatch.setattr(sys, "argv", ["bagualu2", "presets"])
+    with pytest.raises(SystemExit) as exit_:
+        commands.main()
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == "error: standard output is closed; redirect it to a file or to /dev/null\n"
+
+
+def test_a_help_that_cannot_be_written_is_one_line_and_exit_code_2(monkeypatch, capsys):
+    """``bagualu2 --help > /dev/full``: the help is printed while the arguments are parsed, outside every
+    command's own error handling."""
+    import errno
+    import io
+
+    class Full(io.StringIO):
+        def write(self, text):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(sys, "stdout", Full())
+    with pytest.raises(SystemExit) as exit_:
+        app(["plan", "--help"], prog_name="bagualu2")
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == "error: cannot write the output: No space left on device\n"

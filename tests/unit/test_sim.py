@@ -239,6 +239,10 @@ def test_cli_trace_rate_above_ep_names_the_file_iteration_and_micro_batch(tmp_pa
                                      f"what {MODEL} takes: must be in [1, 16] (max/mean device load: a token reaches "
                                      "at most top_k=4 of num_experts=64 experts, so one of ep=32 ranks receives at "
                                      "most num_experts / top_k times the mean)")
+    rows = [json.dumps({"iteration": 0, "microbatch": m, "imbalance": 16.0000001 if m == 3 else 1.1})
+            for m in range(64)]
+    just_above = runner.invoke(app, ["simulate", "-m", MODEL, "--trace", str(write(tmp_path, rows)), "-p", "ideal"])
+    assert just_above.exit_code == 2 and "imbalance 16.0000001 above" in just_above.stderr  # never shown as 16
 
 
 def test_cli_malformed_trace(tmp_path):

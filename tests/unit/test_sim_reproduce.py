@@ -242,6 +242,12 @@ def test_cli_reproduce_writes_the_report_and_plots_atomically(tmp_path, monkeypa
     (tmp_path / "other" / "img").write_text("a file where the plots' folder goes")
     clash = runner.invoke(app, ["reproduce", "--docs", str(tmp_path / "other")])
     assert clash.exit_code == 2 and "is not a folder" in clash.output and len(clash.output.strip().splitlines()) == 1
+    (tmp_path / "linked").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "linked" / "img").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    linked = runner.invoke(app, ["reproduce", "--docs", str(tmp_path / "linked")])  # not followed out of DIR
+    assert linked.exit_code == 2 and "is a symbolic link" in linked.output
+    assert not any((tmp_path / "elsewhere").iterdir())
     made = runner.invoke(app, ["reproduce", "--docs", str(tmp_path / "fresh")])  # a missing folder is made
     assert made.exit_code == 0, made.output
     assert (tmp_path / "fresh" / "reproduction.md").read_text() == markdown(report)

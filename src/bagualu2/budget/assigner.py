@@ -61,7 +61,10 @@ from __future__ import annotations
 
 import enum
 
+from ..costmodel.config import PARALLEL_MAX
 from ..costmodel.validate import require_int
+
+MAX_FORWARDS = PARALLEL_MAX["num_microbatches"] * PARALLEL_MAX["vp"]  # chunk-forwards of a stage's iteration
 
 __all__ = ["BudgetAssigner", "BudgetPhase"]
 
@@ -101,7 +104,7 @@ class BudgetAssigner:
             raise ValueError(f"contain_overruns must be True or False, got {contain_overruns!r}")
         m_max_bytes = require_int("m_max_bytes", m_max_bytes, 0)
         m0_bytes = require_int("m0_bytes", m0_bytes, 0)
-        num_microbatches = require_int("num_microbatches", num_microbatches, 1)
+        num_microbatches = require_int("num_microbatches", num_microbatches, 1, MAX_FORWARDS, high_open=False)
         num_warmup = require_int("num_warmup", num_warmup, 1, num_microbatches, high_open=False)
         floor_bytes = num_warmup * m0_bytes
         if m_max_bytes < floor_bytes:

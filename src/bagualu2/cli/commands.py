@@ -12,6 +12,7 @@ from bagualu2 import __version__
 
 from . import budget_cmd, compare_cmd, curve_cmd, demo_cmd, memory_cmd, plan_cmd, presets_cmd
 from . import reproduce_cmd, schedule_cmd, simulate_cmd, train_cmd
+from .common import EXIT_USAGE
 from .usage import OneLineErrors
 
 app = typer.Typer(
@@ -53,7 +54,12 @@ def _root(
 
 
 def main() -> None:
-    """Console-script entry point (``bagualu2``)."""
+    """Console-script entry point (``bagualu2``). Started with standard output closed (``>&-``), where no result
+    could be delivered, it says so in one line and exits with code 2."""
+    if sys.stdout is None:
+        if sys.stderr is not None:
+            sys.stderr.write("error: standard output is closed; redirect it to a file or to /dev/null\n")
+        sys.exit(EXIT_USAGE)
     for stream in (sys.stdout, sys.stderr):  # a character the stream's encoding lacks (µ under ASCII) is escaped
         with contextlib.suppress(AttributeError, ValueError):
             stream.reconfigure(errors="backslashreplace")

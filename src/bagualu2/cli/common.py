@@ -294,7 +294,8 @@ def parse_plan(text: str) -> Plan:
 MODEL_HELP = ("Model preset (see `bagualu2 presets`), or a path to a JSON file (*.json) "
               '{"model": {ModelConfig fields}, "parallel": {ParallelConfig fields}}.')
 HARDWARE_HELP = "Hardware preset name, or a path to a Hardware JSON file (*.json)."
-IMBALANCE_HELP = "Imbalance rate r = max/mean device load of routed tokens; a number >= 1."
+IMBALANCE_HELP = ("Imbalance rate r = max/mean device load of routed tokens; a number in [1, min(ep, num_experts "
+                  "/ top_k)] (no expert-parallel rank receives more).")
 PLAN_HELP = ("Mitigation plan, e.g. expert_act=RECOMPUTE,core_attn=OFFLOAD; 'none' keeps everything. "
              "OP/TENSOR entries name ops of one stage: combine them with --stage.")
 JSON_HELP = "Print one JSON object on stdout instead of tables."

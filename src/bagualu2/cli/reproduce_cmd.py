@@ -73,6 +73,9 @@ def reproduce_cmd(
         else:
             report_path = check_output_path(str(folder / "reproduction.md"), "reproduction.md")
         make_images = make_folder or (not images.exists() and not images.is_symlink())
+        if not make_images and (images.is_symlink() or not images.is_dir()):  # the plots go into DIR/img itself
+            raise ValueError(f"{str(images)!r} is " + ("a symbolic link" if images.is_symlink() else "not a folder")
+                             + "; the plots are written only into a folder of that name")
         image_paths = {name: (images / name) if make_images else check_output_path(str(images / name))
                        for name in names}
     progress = progress_bar()

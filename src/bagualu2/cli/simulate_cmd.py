@@ -145,7 +145,8 @@ def simulate_cmd(
             for i, rates_i in enumerate(rates):
                 for m, rate in enumerate(rates_i):
                     if rate > limit:
-                        raise ValueError(f"{trace}: iteration {i}, micro-batch {m}: imbalance {rate:g} above what "
+                        shown_rate = f"{rate:g}" if float(f"{rate:g}") == rate else repr(rate)  # never rounded
+                        raise ValueError(f"{trace}: iteration {i}, micro-batch {m}: imbalance {shown_rate} above what "
                                          f"{name} takes: must be {rate_range(model_config, parallel)}")
         source = f"{escape(trace)} ({len(rates)} iterations)"
     else:

@@ -85,6 +85,10 @@ class OneLineErrors(TyperGroup):
         except typer.Abort:
             typer.echo("error: aborted", err=True)
             code = 1
+        except OSError as exc:  # e.g. the help (printed while parsing) could not be written: a full disk
+            where = "the output" if exc.filename is None else repr(exc.filename)
+            typer.echo(" ".join(f"error: cannot write {where}: {exc.strerror or exc}".split()), err=True)
+            code = EXIT_USAGE
         except Exception as exc:
             names = kinds(exc)
             if "ClickException" not in names:

@@ -246,6 +246,10 @@ def imbalance_limit(model: ModelConfig, parallel: ParallelConfig) -> float:
     ``num_experts / ep`` experts and a token sends it at most ``min(top_k, num_experts / ep)`` of its ``top_k``
     copies, so the busiest of ``ep`` ranks receives at most ``min(ep, num_experts / top_k)`` times the mean (a
     dense model: ``ep``)."""
+    if not isinstance(model, ModelConfig):
+        raise ValueError(f"model must be a ModelConfig, got {type(model).__name__}")
+    if not isinstance(parallel, ParallelConfig):
+        raise ValueError(f"parallel must be a ParallelConfig, got {type(parallel).__name__}")
     return min(float(parallel.ep), routing_limit(model))
 
 

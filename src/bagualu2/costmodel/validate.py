@@ -52,12 +52,12 @@ def require_int(name: str, value: Any, low: int | None = None, high: int | None 
 
 
 def shown(value: Any) -> str:
-    """``value`` for an error message: an integer of more than 21 digits in floating-point notation, anything
-    else as ``repr`` cut to 80 characters."""
+    """``value`` for an error message: an integer of more than 21 digits by its digit count and magnitude
+    (``an integer of 31 digits, about 1e+30``), anything else as ``repr`` cut to 80 characters."""
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**21:
         try:
-            return f"{float(value):.6g}"
-        except OverflowError:
+            return f"an integer of {len(str(abs(value)))} digits, about {float(value):.6g}"
+        except (OverflowError, ValueError):  # beyond a float, or more digits than str() converts
             return f"an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits"
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."

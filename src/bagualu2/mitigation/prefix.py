@@ -41,7 +41,10 @@ def tensor_savings(graph: OpGraph) -> dict[str, list[str]]:
 def _checked(graph, base) -> tuple[OpGraph, Plan]:
     """``(graph, base)``: an OpGraph and a plan (its text form read); one ``ValueError`` otherwise."""
     check_graph(graph)
-    base = Plan.coerce(base)
+    try:
+        base = Plan.coerce(base)
+    except ValueError as exc:
+        raise ValueError(f"base: {exc}") from None
     return graph, Plan() if base is None else base
 
 

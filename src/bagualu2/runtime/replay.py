@@ -19,6 +19,8 @@ from ..costmodel.validate import require_int, require_number
 from .iteration import is_sequence, run_iteration
 from .path import DecisionPath
 
+MAX_TRACE = 10**8  # imbalances one spike_trace draws (about 4 GB of floats)
+
 
 def spike_trace(num_microbatches: int, *, spike_rate: float = 0.029, max_imbalance: float = 2.6,
                 base_imbalance: float = 1.1, base_jitter: float = 0.0, spike_min: float | None = None,
@@ -26,8 +28,9 @@ def spike_trace(num_microbatches: int, *, spike_rate: float = 0.029, max_imbalan
     """Imbalance per micro-batch, seeded: most micro-batches at ``base_imbalance`` (uniform within
     ``± base_jitter``, at least 1), a share ``spike_rate`` drawn uniformly in ``[spike_min, max_imbalance]``
     (``spike_min`` defaults to ``base_imbalance + base_jitter``). The paper: 97.1% below 1.2x, 2.9% spikes up to
-    2.6x — ``spike_trace(n, base_imbalance=1.1, base_jitter=0.1)``. Values are rounded to 2 decimals."""
-    require_int("num_microbatches", num_microbatches, 1)
+    2.6x — ``spike_trace(n, base_imbalance=1.1, base_jitter=0.1)``. Values are rounded to 2 decimals; at most
+    ``MAX_TRACE`` of them."""
+    require_int("num_microbatches", num_microbatches, 1, MAX_TRACE, high_open=False)
     spike_rate = require_number("spike_rate", spike_rate, 0, 1)
     base_jitter = require_number("base_jitter", base_jitter, 0)
     check_imbalance(base_imbalance)

@@ -112,8 +112,15 @@ class ReproduceConfig:
         PaperTrace(num_iterations=self.iterations, seed=self.seed)
         require_number("restart_s", self.restart_s, 0, MAX_RESTART_S)
         require_int("overhead_iterations", self.overhead_iterations, 1)
-        presets.hardware(self.hardware)
-        object.__setattr__(self, "hardware", self.hardware.lower())  # one spelling, as the report prints it
+        object.__setattr__(self, "hardware", self.hardware.lower() if isinstance(self.hardware, str)
+                           else self.hardware)  # one spelling, as the report prints it
+        for name, values, find in (("hardware", (self.hardware,), presets.hardware),
+                                   ("focus", (self.focus,), presets.model), ("models", self.models, presets.model)):
+            for value in values:
+                try:
+                    find(value)
+                except ValueError as exc:
+                    raise ValueError(f"{name}: {exc}") from None
         highest = PaperTrace(num_iterations=1).spike_max
         limits = {name: imbalance_limit(*presets.model(name)) for name in (self.focus, *self.models)}
         for name, limit in limits.items():

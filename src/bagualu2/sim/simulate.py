@@ -40,6 +40,7 @@ from typing import NamedTuple
 
 from ..costmodel import Hardware, ModelConfig, ParallelConfig
 from ..costmodel.build import check_imbalance, imbalance_limit, limit_text
+from ..costmodel.config import PARALLEL_MAX
 from ..costmodel.validate import require_int, require_number, shown
 from ..runtime import check_downgrade, run_iteration
 from .execution import check_overlap
@@ -85,7 +86,7 @@ class SimConfig:
         if self.m_max_bytes is not None:
             require_int("m_max_bytes", self.m_max_bytes, 1)
         require_number("restart_s", self.restart_s, 0, MAX_RESTART_S)
-        require_number("plan_imbalance", self.plan_imbalance, 1)
+        require_number("plan_imbalance", self.plan_imbalance, 1, PARALLEL_MAX["ep"])  # no rank gets more than ep x
         if self.on_oom not in ON_OOM:
             raise ValueError(f"on_oom must be one of {', '.join(ON_OOM)}, got {self.on_oom!r}")
 

@@ -69,11 +69,17 @@ class PaperTrace:
 
     def __post_init__(self) -> None:
         require_int("num_iterations", self.num_iterations, 1, MAX_ITERATIONS, high_open=False)
-        object.__setattr__(self, "seed", require_int("seed", self.seed, 0))  # a numpy integer as a Python one
+        object.__setattr__(self, "seed", require_int("seed", self.seed, 0, 2**63))  # a numpy integer as a Python one
         require_number("spike_share", self.spike_share, 0, 1)
         require_number("base_low", self.base_low, 1, MAX_RATE)
-        require_number("base_high", self.base_high, self.base_low, MAX_RATE)
-        require_number("spike_max", self.spike_max, self.base_high, MAX_RATE, low_open=self.spike_share > 0)
+        require_number("base_high", self.base_high, 1, MAX_RATE)
+        if self.base_high < self.base_low:
+            raise ValueError(f"base_high must be >= base_low ({self.base_low!r}), got {self.base_high!r}")
+        require_number("spike_max", self.spike_max, 1, MAX_RATE)
+        if self.spike_max < self.base_high or (self.spike_share > 0 and self.spike_max == self.base_high):
+            spikes = self.spike_share > 0
+            raise ValueError(f"spike_max must be {'>' if spikes else '>='} base_high ({self.base_high!r})"
+                             f"{' while spike_share > 0' if spikes else ''}, got {self.spike_max!r}")
         scale = 10 ** DECIMALS
         for name in ("base_low", "base_high", "spike_max"):
             value = getattr(self, name)
