@@ -53,11 +53,19 @@ def test_in_flight_never_exceeds_m_max_for_any_imbalance_sequence(name, stage, d
 @given(name=st.sampled_from(PRESETS), chunk=st.integers(0, 1), imbalance=imbalances,
        extra=st.integers(0, 1 << 34), phase=st.sampled_from(["warmup", "steady"]))
 def test_a_covering_budget_gives_the_empty_plan_and_exact_bytes(name, chunk, imbalance, extra, phase):
+    """Covering: the unmitigated bytes at the measured imbalance and at the planned one (below it a pre-gate plan
+    ran before the gate, which the decision keeps or re-plans around)."""
     model, parallel = presets.model(name)
     chunk = min(chunk, parallel.vp - 1)
     exact = graph_at(name, 0, chunk, imbalance)
-    decision = path(name, 0).forward(exact.unmitigated_bytes + extra, imbalance, phase, chunk)
+    warm = path(name, 0)
+    planned = graph_at(name, 0, chunk, warm.planned(chunk))
+    budget = max(exact.unmitigated_bytes, planned.unmitigated_bytes) + extra
+    decision = warm.forward(budget, imbalance, phase, chunk)
     assert len(decision.plan) == 0 and decision.kept_bytes == exact.unmitigated_bytes
+    if planned.unmitigated_bytes > exact.unmitigated_bytes + extra:  # covered at r only: a plan ran, and it fits
+        decision = warm.forward(exact.unmitigated_bytes + extra, imbalance, phase, chunk)
+        assert decision.kept_bytes <= exact.unmitigated_bytes + extra
 
 
 @settings(max_examples=scaled(30))

@@ -252,11 +252,23 @@ def test_flexible_is_never_behind_a_static_policy_without_overlap_under_deep_pre
     activations, so every pre-gate plan is made for a budget rounded down on the budget grid, whose coarse steps
     would give up more of it than the gate's re-plan of the MoE module wins back (flexible 1.2% behind
     static-under when pre-gate budgets took the pre-gate grid's 15% steps). The gate's 5% steps still leave it up to
-    7e-6 behind at rate 1.1 (a budget decided on a grid, where static-under's plan fills its own exactly)."""
+    1e-5 behind at rates 1.1 and 1.2 (a budget decided on a grid, where static-under's plan fills its own exactly)."""
     model, base = presets.model("glm-319b-a30b")
     parallel = dataclasses.replace(base, pp=2, vp=2, dp=base.dp * base.pp // 2, num_microbatches=16, paired=False)
     assert_flexible_never_behind(model, parallel, presets.hardware("paper-gpu"), (1.0, 1.1, 1.2), overlap=overlap,
-                                 tolerance=1e-5)
+                                 tolerance=2e-5)
+
+
+@pytest.mark.slow
+def test_flexible_is_never_behind_a_static_policy_at_the_highest_rates_it_was_planned_for():
+    """glm-1041b-a35b at pp = 2, vp = 2 with 2 micro-batches on h100 (every step runs alone), rates 12-16 with
+    plans for 16: a budget that would cover balanced load but not the planned 16x has its pre-gate plan made over
+    the whole chunk; left to the gate, the MoE module alone paid for the load (flexible 1.048x kwai's iteration).
+    The need grid's steps still leave it up to 1e-4 behind."""
+    model, base = presets.model("glm-1041b-a35b")
+    parallel = dataclasses.replace(base, pp=2, vp=2, dp=2048, num_microbatches=2)
+    assert_flexible_never_behind(model, parallel, presets.hardware("h100"), (16.0, 14.58, 12.0), plan_imbalance=16,
+                                 tolerance=2e-4)
 
 
 @pytest.mark.slow

@@ -462,3 +462,19 @@ def test_each_error_names_the_field_it_is_about():
     refused(lambda: SimConfig(plan_imbalance=10**30), r"^plan_imbalance must be a finite number in \[1, 65536\]")
     refused(lambda: BudgetAssigner(m_max_bytes=10, m0_bytes=1, num_microbatches=10**30, num_warmup=1),
             r"^num_microbatches must be an integer in \[1, 2\*\*22\]")
+
+
+def test_a_trace_longer_than_any_run_is_refused_before_its_entries_are_read():
+    from bagualu2.sim import simulate
+    from bagualu2.sim.simulate import MAX_ITERATIONS
+
+    class Endless:  # a sequence of rates whose entries are never read
+        def __len__(self):
+            return MAX_ITERATIONS + 1
+
+        def __getitem__(self, index):
+            raise AssertionError("an entry was read")
+
+    refused(lambda: simulate(MODEL, PARALLEL, HW, "ideal", Endless()),
+            r"^trace must have 1 to 10,000,000 iterations, got 10,000,001$")
+    refused(lambda: simulate(MODEL, PARALLEL, HW, "ideal", []), r"^trace must have 1 to 10,000,000 iterations, got 0$")

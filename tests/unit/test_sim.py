@@ -177,7 +177,7 @@ def test_per_microbatch_trace_equals_the_uniform_one():
                                            ({"trace": (1.0, 0.5)}, r"trace\[1\] \(iteration 1\): imbalance"),
                                            ({"trace": ((1.0, 1.1),)},
                                             r"trace\[0\] \(iteration 0\): must be a rate or a sequence of 64"),
-                                           ({"trace": ()}, "at least one"),
+                                           ({"trace": ()}, "1 to 10,000,000 iterations, got 0"),
                                            ({"restart_s": -1.0}, "restart_s"),
                                            ({"plan_imbalance": 0.9}, "imbalance")])
 def test_simulate_rejects_bad_inputs(kwargs, match):

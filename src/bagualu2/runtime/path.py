@@ -2,12 +2,13 @@
 
 Per chunk-forward, ``DecisionPath.forward(budget, imbalance, phase, chunk)``:
 
-1. **covered** — a budget at or above the unmitigated bytes at the measured imbalance (exact, not bucketed) runs
-   the empty plan. Such a budget also covers balanced load, so nothing was committed before the gate (step 2).
-2. **pre-gate plan** — what runs before the gate: a budget covering the unmitigated bytes at balanced load
-   (r = 1) commits nothing (the gate can always make room in the MoE module); a tighter one is planned by greedy
-   on the graph at the *planned* imbalance — the smallest the last ``window`` gates of this chunk measured (a low
-   estimate: what is committed before the gate cannot be undone, the MoE module can still be re-planned). With
+1. **covered** — a budget at or above the unmitigated bytes at the measured imbalance (exact, not bucketed) and at
+   the planned one (step 2: nothing was committed before the gate) runs the empty plan.
+2. **pre-gate plan** — what runs before the gate: a budget covering the unmitigated bytes at the *planned*
+   imbalance — the smallest the last ``window`` gates of this chunk measured (a low estimate: what is committed
+   before the gate cannot be undone, the MoE module can still be re-planned) — commits nothing; a tighter one is
+   planned by greedy on the graph at the planned imbalance, over every tensor of the chunk (a re-plan of the MoE
+   module alone would leave the cheaper savings outside it unused). With
    ``hidden_copies``, the greedy with copy windows and the offload-prefix plans (``mitigation.prefix``) are
    candidates too, and the one whose steady point is shortest runs.
 3. **gate** — in warmup, an overrun of the pre-gate plan within ``limit_bytes`` is absorbed (the next budgets
@@ -273,8 +274,9 @@ class DecisionPath:
         if seen is None:
             seen = self._seen_row(imbalance, chunk)  # validates the chunk and the imbalance
         planned = self._planner.observe(chunk, imbalance)  # the estimate before this gate
-        if budget_bytes >= seen.unmitigated_bytes:
-            # covered at the measured imbalance, so at r = 1 too: nothing was committed before the gate
+        if budget_bytes >= seen.unmitigated_bytes and (
+                planned <= imbalance or budget_bytes >= self.graph(seen.chunk, planned).unmitigated_bytes):
+            # covered at the measured imbalance and at the planned one: nothing was committed before the gate
             self.hits += 1
             covered = seen.warmup if phase == WARMUP else seen.steady
             return covered if covered is not None else self._covered(seen, phase == WARMUP, budget_bytes)
@@ -387,9 +389,9 @@ class DecisionPath:
 
     def _pre_gate(self, budget_bytes: int, planned: float, chunk: int) -> PreGate:
         """The plan in force before the gate (step 2 of the module docstring), with its id."""
-        if budget_bytes >= self.graph(chunk, 1.0).unmitigated_bytes:
-            return NO_PRE
         graph = self.graph(chunk, planned)
+        if budget_bytes >= graph.unmitigated_bytes:
+            return NO_PRE
         level, decided = self.pregate_needs.level(graph.unmitigated_bytes, graph.floor_bytes, budget_bytes)
         key = PreGateKey(level, planned, chunk)
         found = self._pregate.get(key)  # no stand-ins: what runs before the gate cannot be undone
@@ -404,9 +406,28 @@ class DecisionPath:
             if not solution.ok:  # below M0 nothing fits: the least the micro-batch can keep (full recompute)
                 solution = greedy.solve(graph, graph.floor_bytes)
             plan = solution.plan
-            found = self._pregate[key] = PreGate(plan, self._pre_ids.setdefault(plan.entries, len(self._pre_ids)))
             self.engine.remember_cost(plan, planned, chunk, solution.cost)  # the evaluator's, once
+            if self._gate_alone_as_good(plan, graph, planned, chunk, decided):
+                found = self._pregate[key] = NO_PRE
+            else:
+                found = self._pregate[key] = PreGate(plan, self._pre_ids.setdefault(plan.entries, len(self._pre_ids)))
         return found
+
+    def _gate_alone_as_good(self, plan: Plan, graph: OpGraph, planned: float, chunk: int, decided: int) -> bool:
+        """Whether committing nothing before the gate is as good as ``plan`` at the planned imbalance: the decided
+        budget covers balanced load (whatever the gate measures, the MoE module can make room) and the gate's
+        decision from nothing, at the planned imbalance, fits and runs no longer than ``plan`` (its step with
+        copies priced as the path prices them, else its overhead)."""
+        if decided < self.graph(chunk, 1.0).unmitigated_bytes:
+            return False
+        engine = self.engine
+        gate = after_gate(graph, NO_PLAN, decided, downgrade=self.downgrade,
+                          cost=lambda candidate: engine.cost(candidate, planned, chunk))
+        if gate.cost.activation_bytes > decided or gate.cost.unavailable:
+            return False
+        if self.hidden_copies:
+            return self._point_ns(gate.plan, planned, chunk) <= self._point_ns(plan, planned, chunk)
+        return gate.cost.overhead_ns <= engine.cost(plan, planned, chunk).overhead_ns
 
     def _outcome(self, pre: PreGate, level, row: Row, chunk: int, decided: int, budget_bytes: int = 0,
                  tokens: int = 0) -> tuple[Outcome, tuple | None]:

@@ -163,8 +163,8 @@ def check_trace(trace, parallel: ParallelConfig, model: ModelConfig | None = Non
     ``ValueError`` naming the entry otherwise."""
     if isinstance(trace, (str, bytes, set, frozenset, dict)) or not hasattr(trace, "__len__"):
         raise ValueError(f"trace must be a sequence of rates or of per-micro-batch rates, got {type(trace).__name__}")
-    if len(trace) == 0:
-        raise ValueError("trace must have at least one iteration")
+    if not 1 <= len(trace) <= MAX_ITERATIONS:
+        raise ValueError(f"trace must have 1 to {MAX_ITERATIONS:,} iterations, got {len(trace):,}")
     keys = []
     count = parallel.num_microbatches
     for i, entry in enumerate(trace):
