@@ -478,3 +478,11 @@ def test_a_trace_longer_than_any_run_is_refused_before_its_entries_are_read():
     refused(lambda: simulate(MODEL, PARALLEL, HW, "ideal", Endless()),
             r"^trace must have 1 to 10,000,000 iterations, got 10,000,001$")
     refused(lambda: simulate(MODEL, PARALLEL, HW, "ideal", []), r"^trace must have 1 to 10,000,000 iterations, got 0$")
+
+
+def test_a_json_file_that_gives_a_field_twice_is_refused():
+    from bagualu2.costmodel import Hardware
+
+    model_json = '{"model": {"num_layers": 2, "num_layers": 4}, "parallel": {}}'
+    refused(lambda: presets.model_from_json(model_json), "^model JSON gives the key 'num_layers' twice")
+    refused(lambda: Hardware.from_json('{"name": "a", "name": "b"}'), "^hardware JSON gives the key 'name' twice")

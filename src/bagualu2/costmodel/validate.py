@@ -97,14 +97,34 @@ def require_number(name: str, value: Any, low: float | None = None, high: float 
     return number
 
 
+class _Twice(Exception):
+    """A JSON object naming one key twice (raised from inside ``json.loads``)."""
+
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
 def load_json(text: Any, what: str, nested: str) -> Any:
     """``json.loads(text)``, or a one-line ``ValueError`` naming ``what`` ("hardware JSON"): text that is not str
     or bytes, not JSON, not UTF-8, an integer literal longer than Python converts (4300 digits), or nesting deeper
-    than the interpreter's recursion limit (``nested`` says what was expected)."""
+    than the interpreter's recursion limit (``nested`` says what was expected), or an object that names one key
+    twice (which value is meant?)."""
     if not isinstance(text, (str, bytes, bytearray)):
         raise ValueError(f"{what} must be the text of a JSON document (str or bytes), got {type(text).__name__}")
+
+    def unique(pairs: list) -> dict:
+        found: dict = {}
+        for key, value in pairs:
+            if key in found:
+                raise _Twice(key)
+            found[key] = value
+        return found
+
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=unique)
+    except _Twice as exc:
+        raise ValueError(f"{what} gives the key {exc.key!r} twice; give each field once") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"{what} is not valid JSON: {exc}") from None
     except UnicodeDecodeError:
