@@ -77,8 +77,9 @@ class ReproduceConfig:
     of the decision-overhead replay, at most the trace's (>= 1; default the whole trace: a run's typical iteration,
     its first iterations making the plans the later ones find);
     plan_imbalance: the imbalance the plans fixed before training are made for (>= 1; default the trace's highest
-    ordinary rate); jobs: worker processes for the simulations (in [1, 1024], never more than the distinct runs;
-    None: :func:`default_jobs`; 1: in this process)."""
+    ordinary rate); jobs: worker processes for the simulations (in [1, 1024], never more than the distinct models
+    and layouts, the simulations of each running in one process; None: :func:`default_jobs`; 1: in this
+    process)."""
 
     iterations: int = 1000
     seed: int = 0
@@ -241,10 +242,17 @@ def default_jobs() -> int:
     return max(1, min(cpus, available // WORKER_BYTES))
 
 
-def _simulate_one(key, hardware, trace, config: ReproduceConfig) -> SimResult:
-    model, parallel, policy, overlap, _ = key
+def _simulate_one(key, hardware, config: ReproduceConfig) -> SimResult:
+    model, parallel, policy, overlap, normal = key
+    trace = trace_for(config, parallel.num_microbatches, normal=normal)
     return simulate(model, parallel, hardware, policy, trace, restart_s=config.restart_s, on_oom=on_oom(policy),
                     plan_imbalance=config.plan_imbalance, overlap=overlap)
+
+
+def _simulate_group(keys, hardware, config: ReproduceConfig) -> dict:
+    """The simulations of one model and layout, in one process: they share its stage engines' memo (graphs, costs,
+    orders), which a process of their own would build again."""
+    return {key: _simulate_one(key, hardware, config) for key in keys}
 
 
 def tokens_held(parallel: ParallelConfig, base_length: int, length: int) -> ParallelConfig:
@@ -290,28 +298,29 @@ def _runs(config: ReproduceConfig, step: Callable[[str], None]):
     parts = _parts(config)
     specs = [spec for part in parts for spec in part]
     keys = list(dict.fromkeys(_key(m, p, policy, o, n) for _, m, p, policies, o, n in specs for policy in policies))
-    jobs = min(config.jobs or default_jobs(), len(keys))  # a configuration met twice is simulated once
-
-    def trace(key):
-        return trace_for(config, key[1].num_microbatches, normal=key[4])
+    groups: dict[tuple, list] = {}  # a configuration met twice is simulated once; one model and layout per job
+    for key in keys:
+        groups.setdefault(key[:2], []).append(key)
+    jobs = min(config.jobs or default_jobs(), len(groups))
 
     pool, futures, done, others = None, {}, {}, set()
-    if jobs > 1:  # every simulation submitted in the report's order: the progress follows the runs as they finish
+    if jobs > 1:  # every group submitted in the report's order: the progress follows the runs as they finish
         # the workers ignore Ctrl-C: this process gets it and stops them (below), nothing half-done prints
         others = set(multiprocessing.active_children())  # child processes that are not the pool's
         pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
                                    initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN))
-        futures = {key: pool.submit(_simulate_one, key, hardware, trace(key), config) for key in keys}
+        futures = {group: pool.submit(_simulate_group, members, hardware, config)
+                   for group, members in groups.items()}
 
     def result(key) -> SimResult:
-        if key in futures:
+        if key[:2] in futures:
             try:
-                return futures[key].result()
+                return futures[key[:2]].result()[key]
             except BrokenProcessPool:
                 raise WorkerDied(f"one of {jobs} simulation worker processes died (killed, or out of memory?); run "
                                  "with fewer jobs (1: every simulation in this process)") from None
         if key not in done:
-            done[key] = _simulate_one(key, hardware, trace(key), config)
+            done[key] = _simulate_one(key, hardware, config)
         return done[key]
 
     def run(label, model, parallel, policies, overlap, normal) -> Run:
