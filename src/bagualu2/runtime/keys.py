@@ -35,9 +35,10 @@ class NeedGrid:
     ``1 + step``) and the budget rounded down on the points ``anchor_bytes / budget_ratio**j`` (any integer ``j``;
     key ``j - BUDGET_KEYS < 0``; ``budget_ratio = 1 + budget_step``, default ``step``). A request takes the one
     whose decided budget is larger, so it gives up less than ``step`` times its need (a need below ``quantum``: at
-    most ``quantum``) or ``budget_step`` times its budget, and nothing of a budget equal to the anchor. Within each grid a larger key is a larger need (what
-    the stand-ins rely on); keys of the two grids never mix. The anchor is fixed per stage engine (its ``M_max``):
-    the engine's memo holds levels, so every path over one engine must map a budget to the same level."""
+    most ``quantum``) or ``budget_step`` times its budget, and nothing of a budget equal to the anchor. Within each
+    grid a larger key is a larger need (what the stand-ins rely on); keys of the two grids never mix. The anchor is
+    fixed per stage engine (its ``M_max``): the engine's memo holds levels, so every path over one engine must map
+    a budget to the same level."""
 
     def __init__(self, quantum: int, step: float, *, anchor_bytes: int, name: str = "need_step",
                  budget_step: float | None = None, budget_name: str = "need_step"):
