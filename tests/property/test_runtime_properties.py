@@ -1,5 +1,5 @@
 """Property tests of bagualu2.runtime: the decision path is safe for any imbalance sequence, wastes nothing when
-the budget covers the micro-batch, reports exact bytes; the graded gate is never worse than the full downgrade;
+the budget covers the micro-batch and nothing ran before the gate, reports exact bytes; the graded gate is never worse than the full downgrade;
 warmup absorption keeps M0 for later warmup batches; ``downgrade="paper"`` is the behaviour before it."""
 
 from __future__ import annotations
@@ -53,19 +53,20 @@ def test_in_flight_never_exceeds_m_max_for_any_imbalance_sequence(name, stage, d
 @given(name=st.sampled_from(PRESETS), chunk=st.integers(0, 1), imbalance=imbalances,
        extra=st.integers(0, 1 << 34), phase=st.sampled_from(["warmup", "steady"]))
 def test_a_covering_budget_gives_the_empty_plan_and_exact_bytes(name, chunk, imbalance, extra, phase):
-    """Covering: the unmitigated bytes at the measured imbalance and at the planned one (below it a pre-gate plan
-    ran before the gate, which the decision keeps or re-plans around)."""
+    """Covering the unmitigated bytes at the measured imbalance, with nothing committed before the gate (the budget
+    covers the planned imbalance too, or the pre-gate step left it to the gate), runs the empty plan; a plan that
+    ran before the gate is kept or re-planned around, and fits."""
     model, parallel = presets.model(name)
     chunk = min(chunk, parallel.vp - 1)
     exact = graph_at(name, 0, chunk, imbalance)
-    warm = path(name, 0)
-    planned = graph_at(name, 0, chunk, warm.planned(chunk))
-    budget = max(exact.unmitigated_bytes, planned.unmitigated_bytes) + extra
-    decision = warm.forward(budget, imbalance, phase, chunk)
-    assert len(decision.plan) == 0 and decision.kept_bytes == exact.unmitigated_bytes
-    if planned.unmitigated_bytes > exact.unmitigated_bytes + extra:  # covered at r only: a plan ran, and it fits
-        decision = warm.forward(exact.unmitigated_bytes + extra, imbalance, phase, chunk)
-        assert decision.kept_bytes <= exact.unmitigated_bytes + extra
+    budget = exact.unmitigated_bytes + extra
+    for planned in (1.0, 2.0, 3.0):  # a path expecting more than the gate measures has planned for it
+        fresh = DecisionPath(model, parallel, HW, planned_imbalance=planned)
+        committed = fresh.pre_gate(budget, chunk)
+        decision = fresh.forward(budget, imbalance, phase, chunk)
+        assert decision.kept_bytes == evaluate(exact, decision.plan).activation_bytes <= budget
+        if planned <= imbalance or not committed.entries:
+            assert len(decision.plan) == 0 and decision.kept_bytes == exact.unmitigated_bytes
 
 
 @settings(max_examples=scaled(30))

@@ -538,4 +538,4 @@ def test_a_help_that_cannot_be_written_is_one_line_and_exit_code_2(monkeypatch, 
     with pytest.raises(SystemExit) as exit_:
         app(["plan", "--help"], prog_name="bagualu2")
     assert exit_.value.code == 2
-    assert capsys.readouterr().err == "error: cannot write the output: No space left on device\n"
+    assert capsys.readouterr().err == "error: input/output error on the output: No space left on device\n"

@@ -163,6 +163,18 @@ def test_provisioning_is_measured_on_the_normal_iterations_even_after_an_early_f
     assert "nan" not in markdown(report).lower()
 
 
+def test_simulations_are_grouped_by_model_and_layout_in_even_shares():
+    from bagualu2.sim import reproduce as module
+
+    keys = [(model, layout, policy) for model in "ab" for layout in (1, 2) for policy in range(5)] + [("c", 1, 0)]
+    for jobs in (1, 2, 3, 8, 100):
+        groups = module._groups(keys, jobs)
+        assert sorted(key for group in groups for key in group) == sorted(keys)  # each simulation once
+        assert all(len({key[:2] for key in group}) == 1 for group in groups)  # one model and layout each
+        assert max(map(len, groups)) <= max(1, -(-len(keys) // jobs))  # no worker holds more than its share
+    assert len(module._groups(keys, 1)) == 5 and len(module._groups(keys, 100)) == len(keys)
+
+
 @pytest.mark.launch
 def test_worker_processes_change_nothing_but_the_wall_time():
     config = {**SMALL, "iterations": 35, "overhead_iterations": 1}  # one spike

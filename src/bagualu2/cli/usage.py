@@ -87,7 +87,7 @@ class OneLineErrors(TyperGroup):
             code = 1
         except OSError as exc:  # e.g. the help (printed while parsing) could not be written: a full disk
             where = "the output" if exc.filename is None else repr(exc.filename)
-            typer.echo(" ".join(f"error: cannot write {where}: {exc.strerror or exc}".split()), err=True)
+            typer.echo(" ".join(f"error: input/output error on {where}: {exc.strerror or exc}".split()), err=True)
             code = EXIT_USAGE
         except Exception as exc:
             names = kinds(exc)

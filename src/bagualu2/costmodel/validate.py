@@ -124,7 +124,7 @@ def load_json(text: Any, what: str, nested: str) -> Any:
     try:
         return json.loads(text, object_pairs_hook=unique)
     except _Twice as exc:
-        raise ValueError(f"{what} gives the key {exc.key!r} twice; give each field once") from None
+        raise ValueError(f"{what} gives the key {shown(exc.key)} twice; give each field once") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"{what} is not valid JSON: {exc}") from None
     except UnicodeDecodeError:

@@ -8,7 +8,8 @@ Per chunk-forward, ``DecisionPath.forward(budget, imbalance, phase, chunk)``:
    imbalance — the smallest the last ``window`` gates of this chunk measured (a low estimate: what is committed
    before the gate cannot be undone, the MoE module can still be re-planned) — commits nothing; a tighter one is
    planned by greedy on the graph at the planned imbalance, over every tensor of the chunk (a re-plan of the MoE
-   module alone would leave the cheaper savings outside it unused). With
+   module alone would leave the cheaper savings outside it unused), and still commits nothing when its decided
+   budget covers balanced load and the gate's decision from nothing is as fast at the planned imbalance. With
    ``hidden_copies``, the greedy with copy windows and the offload-prefix plans (``mitigation.prefix``) are
    candidates too, and the one whose steady point is shortest runs.
 3. **gate** — in warmup, an overrun of the pre-gate plan within ``limit_bytes`` is absorbed (the next budgets
@@ -140,11 +141,11 @@ class DecisionPath:
             raise ValueError(f"hidden_copies must be true or false, got {hidden_copies!r}")
         self.hidden_copies = hidden_copies
         grid = (self.step, self.spike_threshold, self.spike_step, self.needs.ratio, self.pregate_needs.ratio,
-                budget_quantum_bytes, hidden_copies)
+                budget_quantum_bytes, hidden_copies, self.downgrade)
         if engine.memo.enabled and engine.path_grid not in (None, grid):
             raise ValueError("engine: another decision path over this Stage uses other grid options (imbalance_step, "
                              "spike_threshold, spike_step, need_step, pregate_need_step, budget_quantum_bytes, "
-                             "hidden_copies), and "
+                             "hidden_copies, downgrade), and "
                              "the Stage's memo holds its decisions; use the same options or another Stage")
         engine.path_grid = grid
         self._alias = engine.aliases
@@ -275,8 +276,9 @@ class DecisionPath:
             seen = self._seen_row(imbalance, chunk)  # validates the chunk and the imbalance
         planned = self._planner.observe(chunk, imbalance)  # the estimate before this gate
         if budget_bytes >= seen.unmitigated_bytes and (
-                planned <= imbalance or budget_bytes >= self.graph(seen.chunk, planned).unmitigated_bytes):
-            # covered at the measured imbalance and at the planned one: nothing was committed before the gate
+                planned <= imbalance or budget_bytes >= self.graph(seen.chunk, planned).unmitigated_bytes
+                or self._pre(budget_bytes, planned, seen.chunk) is NO_PRE):
+            # covered at the measured imbalance, and nothing was committed before the gate
             self.hits += 1
             covered = seen.warmup if phase == WARMUP else seen.steady
             return covered if covered is not None else self._covered(seen, phase == WARMUP, budget_bytes)
@@ -312,10 +314,7 @@ class DecisionPath:
         """A forward whose budget does not cover its unmitigated bytes: steps 2-4 of the module docstring. Returns
         the decision and, when it rests on a stand-in, the family of gate decisions it was found in."""
         row, tokens, chunk, offset = seen.row, seen.tokens, seen.chunk, seen.offset  # the canonical chunk's
-        pre = self._pre_budget.get((budget_bytes, planned, chunk))
-        if pre is None:
-            pre = self._pre_budget[PreBudgetKey(budget_bytes, planned, chunk)] = self._pre_gate(budget_bytes, planned,
-                                                                                              chunk)
+        pre = self._pre(budget_bytes, planned, chunk)
         outcome = family = None
         fits = False  # does the pre-gate plan fit this budget at the measured imbalance (exact, not bucketed)?
         if pre is not NO_PRE:
@@ -386,6 +385,14 @@ class DecisionPath:
             fixed, per_token = split_bytes(graph, self.engine.cost(NO_PLAN, bucket, chunk))
             row = self._rows[key] = Row(bucket, graph, graph.unmitigated_bytes, fixed, per_token)
         return row
+
+    def _pre(self, budget_bytes: int, planned: float, chunk: int) -> PreGate:
+        """:meth:`_pre_gate`, memoised by the exact budget (canonical ``chunk``)."""
+        pre = self._pre_budget.get((budget_bytes, planned, chunk))
+        if pre is None:
+            pre = self._pre_budget[PreBudgetKey(budget_bytes, planned, chunk)] = self._pre_gate(budget_bytes, planned,
+                                                                                              chunk)
+        return pre
 
     def _pre_gate(self, budget_bytes: int, planned: float, chunk: int) -> PreGate:
         """The plan in force before the gate (step 2 of the module docstring), with its id."""

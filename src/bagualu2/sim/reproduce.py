@@ -77,9 +77,8 @@ class ReproduceConfig:
     of the decision-overhead replay, at most the trace's (>= 1; default the whole trace: a run's typical iteration,
     its first iterations making the plans the later ones find);
     plan_imbalance: the imbalance the plans fixed before training are made for (>= 1; default the trace's highest
-    ordinary rate); jobs: worker processes for the simulations (in [1, 1024], never more than the distinct models
-    and layouts, the simulations of each running in one process; None: :func:`default_jobs`; 1: in this
-    process)."""
+    ordinary rate); jobs: worker processes for the simulations (in [1, 1024]; the simulations of one model and
+    layout run in one process, up to an even share of them; None: :func:`default_jobs`; 1: in this process)."""
 
     iterations: int = 1000
     seed: int = 0
@@ -249,6 +248,16 @@ def _simulate_one(key, hardware, config: ReproduceConfig) -> SimResult:
                     plan_imbalance=config.plan_imbalance, overlap=overlap)
 
 
+def _groups(keys: list, jobs: int) -> list[list]:
+    """``keys`` in groups of one model and layout (``key[:2]``), each cut into pieces of at most an even share of
+    ``jobs`` workers, so that one large group does not hold the others' workers back."""
+    share = max(1, math.ceil(len(keys) / max(jobs, 1)))
+    by_layout: dict[tuple, list] = {}
+    for key in keys:
+        by_layout.setdefault(key[:2], []).append(key)
+    return [members[i:i + share] for members in by_layout.values() for i in range(0, len(members), share)]
+
+
 def _simulate_group(keys, hardware, config: ReproduceConfig) -> dict:
     """The simulations of one model and layout, in one process: they share its stage engines' memo (graphs, costs,
     orders), which a process of their own would build again."""
@@ -298,24 +307,24 @@ def _runs(config: ReproduceConfig, step: Callable[[str], None]):
     parts = _parts(config)
     specs = [spec for part in parts for spec in part]
     keys = list(dict.fromkeys(_key(m, p, policy, o, n) for _, m, p, policies, o, n in specs for policy in policies))
-    groups: dict[tuple, list] = {}  # a configuration met twice is simulated once; one model and layout per job
-    for key in keys:
-        groups.setdefault(key[:2], []).append(key)
-    jobs = min(config.jobs or default_jobs(), len(groups))
+    wanted = config.jobs or default_jobs()
+    groups = _groups(keys, wanted)  # a configuration met twice is simulated once
+    jobs = min(wanted, len(groups))
 
     pool, futures, done, others = None, {}, {}, set()
-    if jobs > 1:  # every group submitted in the report's order: the progress follows the runs as they finish
+    if jobs > 1:  # the largest groups first, so that the last to finish are short
         # the workers ignore Ctrl-C: this process gets it and stops them (below), nothing half-done prints
         others = set(multiprocessing.active_children())  # child processes that are not the pool's
         pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
                                    initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN))
-        futures = {group: pool.submit(_simulate_group, members, hardware, config)
-                   for group, members in groups.items()}
+        for members in sorted(groups, key=len, reverse=True):
+            future = pool.submit(_simulate_group, members, hardware, config)
+            futures.update((key, future) for key in members)
 
     def result(key) -> SimResult:
-        if key[:2] in futures:
+        if key in futures:
             try:
-                return futures[key[:2]].result()[key]
+                return futures[key].result()[key]
             except BrokenProcessPool:
                 raise WorkerDied(f"one of {jobs} simulation worker processes died (killed, or out of memory?); run "
                                  "with fewer jobs (1: every simulation in this process)") from None
