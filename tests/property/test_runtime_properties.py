@@ -1,6 +1,7 @@
 """Property tests of bagualu2.runtime: the decision path is safe for any imbalance sequence, wastes nothing when
-the budget covers the micro-batch and nothing ran before the gate, reports exact bytes; the graded gate is never worse than the full downgrade;
-warmup absorption keeps M0 for later warmup batches; ``downgrade="paper"`` is the behaviour before it."""
+the budget covers the micro-batch and nothing ran before the gate, reports exact bytes; the graded gate is never
+worse than the full downgrade; warmup absorption keeps M0 for later warmup batches; ``downgrade="paper"`` is the
+behaviour before it."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from ..costmodel.validate import require_int, require_number
 from .iteration import is_sequence, run_iteration
 from .path import DecisionPath
 
-MAX_TRACE = 10**8  # imbalances one spike_trace draws (about 4 GB of floats)
+MAX_TRACE = 10**8  # imbalances one spike_trace draws (about 3 GB of Python floats)
 
 
 def spike_trace(num_microbatches: int, *, spike_rate: float = 0.029, max_imbalance: float = 2.6,
