@@ -11,6 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from bagualu2.costmodel import imbalance_limit
+from bagualu2.costmodel.validate import number_text
 from bagualu2.fusion.gantt import png_bytes
 from bagualu2.sim import (ABLATION, ON_OOM, OVERLAP, POLICIES, PaperTrace, SimResult, load_trace, paper_trace,
                           simulate)
@@ -145,9 +146,8 @@ def simulate_cmd(
             for i, rates_i in enumerate(rates):
                 for m, rate in enumerate(rates_i):
                     if rate > limit:
-                        shown_rate = f"{rate:g}" if float(f"{rate:g}") == rate else repr(rate)  # never rounded
-                        raise ValueError(f"{trace}: iteration {i}, micro-batch {m}: imbalance {shown_rate} above what "
-                                         f"{name} takes: must be {rate_range(model_config, parallel)}")
+                        raise ValueError(f"{trace}: iteration {i}, micro-batch {m}: imbalance {number_text(rate)} "
+                                         f"above what {name} takes: must be {rate_range(model_config, parallel)}")
         source = f"{escape(trace)} ({len(rates)} iterations)"
     else:
         highest = PaperTrace(num_iterations=1).spike_max

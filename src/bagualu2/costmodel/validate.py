@@ -17,13 +17,19 @@ import tempfile
 from typing import Any
 
 
+def number_text(value: float) -> str:
+    """A float as a person reads it, never rounded: ``1e+09`` for ``1000000000.0``, ``16`` for ``16.0``, but
+    ``16.0000001`` in full (a rounded value could read as one it is not)."""
+    short = f"{value:g}"
+    return short if float(short) == value else repr(value)
+
+
 def _bound(value) -> str:
-    """A range's bound as a person reads it: ``2**63`` rather than its 19 digits, ``1e+09`` for ``1000000000.0``."""
+    """A range's bound as a person reads it: ``2**63`` rather than its 19 digits, floats by :func:`number_text`."""
     if isinstance(value, int) and value >= 1 << 20 and value & (value - 1) == 0:
         return f"2**{value.bit_length() - 1}"
     if isinstance(value, float):
-        short = f"{value:g}"
-        return short if float(short) == value else repr(value)  # never a rounded bound the value contradicts
+        return number_text(value)  # never a rounded bound the value contradicts
     return str(value)
 
 

@@ -41,13 +41,15 @@ class NeedGrid:
     a budget to the same level."""
 
     def __init__(self, quantum: int, step: float, *, anchor_bytes: int, name: str = "need_step",
-                 budget_step: float | None = None, budget_name: str = "need_step"):
+                 budget_step: float | None = None):
         self.quantum = require_int("budget_quantum_bytes", quantum, 1)
         self.step = require_number(name, step, MIN_STEP, 1)  # below it, 1 + step rounds to 1
         self.anchor = require_int("anchor_bytes", anchor_bytes, 1)
         self.ratio = 1.0 + self.step
         self._log = math.log(self.ratio)  # the grid's own ratio, as rounded
-        self.budget_step = self.step if budget_step is None else require_number(budget_name, budget_step, MIN_STEP, 1)
+        if budget_step is not None:
+            budget_step = require_number("budget_step", budget_step, MIN_STEP, 1)
+        self.budget_step = self.step if budget_step is None else budget_step
         self.budget_ratio = 1.0 + self.budget_step
         self._budget_log = math.log(self.budget_ratio)
 

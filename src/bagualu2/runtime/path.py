@@ -276,8 +276,7 @@ class DecisionPath:
             seen = self._seen_row(imbalance, chunk)  # validates the chunk and the imbalance
         planned = self._planner.observe(chunk, imbalance)  # the estimate before this gate
         if budget_bytes >= seen.unmitigated_bytes and (
-                planned <= imbalance or budget_bytes >= self.graph(seen.chunk, planned).unmitigated_bytes
-                or self._pre(budget_bytes, planned, seen.chunk) is NO_PRE):
+                planned <= imbalance or self._pre(budget_bytes, planned, seen.chunk) is NO_PRE):
             # covered at the measured imbalance, and nothing was committed before the gate
             self.hits += 1
             covered = seen.warmup if phase == WARMUP else seen.steady
