@@ -2,8 +2,9 @@
 
 Per chunk-forward, ``DecisionPath.forward(budget, imbalance, phase, chunk)``:
 
-1. **covered** — a budget at or above the unmitigated bytes at the measured imbalance (exact, not bucketed) and at
-   the planned one (step 2: nothing was committed before the gate) runs the empty plan.
+1. **covered** — a budget at or above the unmitigated bytes at the measured imbalance (exact, not bucketed) runs
+   the empty plan when nothing was committed before the gate (step 2: the planned imbalance was no higher, or the
+   pre-gate step left everything to the gate).
 2. **pre-gate plan** — what runs before the gate: a budget covering the unmitigated bytes at the *planned*
    imbalance — the smallest the last ``window`` gates of this chunk measured (a low estimate: what is committed
    before the gate cannot be undone, the MoE module can still be re-planned) — commits nothing; a tighter one is
