@@ -384,3 +384,10 @@ def test_a_model_is_instrumented_once_whole_or_in_part():
     assert "the plan mitigates ops the instrumented model does not have: L0.norm1" in one_line(excinfo)
     instrumented.remove()
     instrument(model.layers[0], {"attn_norm": "norm1"}).remove()  # the hooks are off: it can be again
+
+
+def test_apply_plan_on_the_bare_model_says_what_to_pass():
+    model, _ = make()
+    instrument(model, OP_MAP)
+    with pytest.raises(ValueError, match=r"^target: .* pass the InstrumentedModel that instrumenting it returned"):
+        apply_plan(model, None)

@@ -567,6 +567,8 @@ def graph_of(model: torch.nn.Module, imbalance: float = 1.0) -> OpGraph:
 
     config = getattr(model, "config", None)
     if not isinstance(config, ModelConfig):
-        raise ValueError(f"{type(model).__name__} has no ModelConfig 'config'; pass its OpGraph instead")
+        raise ValueError(f"target: {type(model).__name__} has no bagualu2 ModelConfig as its 'config'; pass the "
+                         "InstrumentedModel that instrumenting it returned (e.g. integrations.hf.instrument), an "
+                         "OpGraph of its ops, or a model built from a ModelConfig")
     ep = int(getattr(model, "ep_size", 1))
     return build_graph(config, ParallelConfig(dp=ep, ep=ep), presets.hardware("cpu"), imbalance=imbalance)
