@@ -132,8 +132,9 @@ def plan(
     One row per mitigated tensor (all its consumers together): strategy, bytes saved and the copy/cast time
     it adds; recompute time is shown as a total. Conflicts of the plan, if any, are listed in red.
 
-    Exit codes: 0 a plan fits (OPTIMAL / FEASIBLE); 1 no plan (INFEASIBLE: budget below the floor M0, or TIMEOUT
-    of --solver exact), the reason is printed; 2 bad input.
+    Exit codes: 0 a plan fits (OPTIMAL / FEASIBLE: --solver exact starts from the greedy's plan, which stands if
+    its time limit comes first); 1 no plan (INFEASIBLE: budget below the floor M0, or TIMEOUT of --solver exact
+    with no plan found), the reason is printed; 2 bad input.
     """
     name, model_config, parallel = load_model(model)
     hw = load_hardware(hardware)
