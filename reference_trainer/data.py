@@ -226,10 +226,23 @@ def _cache_file(key: tuple[str, str]) -> Path:
     return cache_dir() / f"corpus-{_sha256('/'.join(key).encode())[:32]}.npz"
 
 
-def _load_cached(key: tuple[str, str]) -> dict[str, np.ndarray] | None:
-    """The cached token ids of ``key`` (archives' and tokenizer's sha256), if a cache file holds them intact."""
+def _regular_or_absent(path: Path) -> bool:
     try:
-        with np.load(_cache_file(key), allow_pickle=False) as data:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return True
+    except OSError:  # a component that is not a folder, a name too long: no cache there
+        return False
+
+
+def _load_cached(key: tuple[str, str]) -> dict[str, np.ndarray] | None:
+    """The cached token ids of ``key`` (archives' and tokenizer's sha256), if a cache file holds them intact (a
+    path that is not a regular file, e.g. a FIFO that would block the read, is no cache)."""
+    file = _cache_file(key)
+    if not _regular_or_absent(file) or not file.exists():
+        return None
+    try:
+        with np.load(file, allow_pickle=False) as data:
             domains = {name: data[name] for name in DOMAINS}
             expected = str(data["digest"])
     except (OSError, KeyError, ValueError, zipfile.BadZipFile, EOFError):
@@ -238,8 +251,11 @@ def _load_cached(key: tuple[str, str]) -> dict[str, np.ndarray] | None:
 
 
 def _store_cached(key: tuple[str, str], domains: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Write the cache file atomically (best effort: a cache that cannot be written is skipped)."""
+    """Write the cache file atomically (best effort: a cache that cannot be written is skipped, and so is one
+    whose path holds something other than a regular file, which is never replaced)."""
     file = _cache_file(key)
+    if not _regular_or_absent(file):
+        return domains
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=f".{file.name}.", suffix=".npz")

@@ -39,10 +39,11 @@ def prepare(config: TrainConfig, *, dry_run: bool = False) -> "Run":
         raise ValueError(f"--metrics-file {config.metrics_file} is the --checkpoint-dir: the metrics are a file in "
                          "or beside that folder")
     if config.metrics_file:  # before the data is read: the data may hold an earlier run's metrics
-        from .metrics import check_path
+        from .metrics import check_path, check_writable
 
         try:
             check_path(config.metrics_file)
+            check_writable(config.metrics_file)
         except ValueError as exc:
             raise ValueError(f"--metrics-file: {exc}") from None
         check_metrics_clashes(config)
@@ -71,9 +72,26 @@ def prepare(config: TrainConfig, *, dry_run: bool = False) -> "Run":
     return Run(config=config, batches=batches, cap_bytes=cap, hardware=presets.hardware(config.hardware))
 
 
+def _same_file(a: str, b: str) -> bool:
+    """Do ``a`` and ``b`` both exist and name one file (one device and inode: a hard link too)?"""
+    try:
+        return os.path.samefile(a, b)
+    except (OSError, ValueError):
+        return False
+
+
+def _data_files(folder: str) -> list[str]:
+    """The files of a ``--data`` folder read as data (``.txt`` / ``.jsonl``, not recursive)."""
+    try:
+        return [entry.path for entry in os.scandir(folder)
+                if os.path.splitext(entry.name)[1].lower() in (".txt", ".jsonl")]
+    except OSError:
+        return []
+
+
 def check_metrics_clashes(config: TrainConfig) -> None:
     """The metrics file is none of the files the run reads or keeps its state in: not the ``--data`` file, not a
-    ``.txt`` / ``.jsonl`` file of the ``--data`` folder (read as data at the next start, a restart's too), not a
+    ``.txt`` / ``.jsonl`` file of the ``--data`` folder (by path or, hard-linked, by inode) (read as data at the next start, a restart's too), not a
     name the run's state takes in its folder (``run_state.json``, the markers, the lock) nor, in the checkpoint
     directory, a checkpoint's (``step-<8+ digits>``)."""
     import fnmatch
@@ -84,11 +102,12 @@ def check_metrics_clashes(config: TrainConfig) -> None:
     metrics = os.path.realpath(config.metrics_file)
     if config.data:
         data = os.path.realpath(config.data)
-        if metrics == data:
+        if metrics == data or _same_file(metrics, data):  # the same path, or a hard link to the data file
             raise ValueError(f"--metrics-file {config.metrics_file} is the --data file: the metrics would replace "
                              "the training data")
-        if (os.path.isdir(data) and os.path.dirname(metrics) == data
-                and os.path.splitext(metrics)[1].lower() in (".txt", ".jsonl")):
+        if os.path.isdir(data) and ((os.path.dirname(metrics) == data
+                                     and os.path.splitext(metrics)[1].lower() in (".txt", ".jsonl"))
+                                    or any(_same_file(metrics, file) for file in _data_files(data))):
             raise ValueError(f"--metrics-file {config.metrics_file} lies in the --data folder, whose .txt and .jsonl "
                              "files are read as training data; put the metrics elsewhere")
     folder, name = os.path.split(metrics)

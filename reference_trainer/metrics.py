@@ -142,6 +142,21 @@ def check_path(path: str) -> None:
         raise ValueError(f"metrics path {path} exists and is not a regular file")
 
 
+def check_writable(path: str) -> None:
+    """One-line ``ValueError`` unless ``path``'s directory takes new files and ``path``, if it exists, opens for
+    writing (without changing it): a read-only file system or a file without write permission is refused before
+    the run starts, not when its first record is due."""
+    from bagualu2.costmodel.validate import probe_folder
+
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        probe_folder(directory, make=False)
+        if os.path.lexists(path):
+            os.close(os.open(path, os.O_WRONLY | getattr(os, "O_NONBLOCK", 0)))
+    except OSError as exc:
+        raise ValueError(f"metrics path {path}: cannot write it ({exc.strerror or exc})") from None
+
+
 def _kept(line: str, resume_step: int) -> bool:
     try:
         record = json.loads(line)
@@ -194,7 +209,10 @@ class MetricsWriter:
             require_int("resume_step", resume_step, 0)
             if os.path.exists(self.path):
                 truncate_for_resume(self.path, resume_step)
-        self._file = open(self.path, "wb" if resume_step is None else "ab", buffering=0)  # a record is one write
+        try:
+            self._file = open(self.path, "wb" if resume_step is None else "ab", buffering=0)  # a record: one write
+        except OSError as exc:
+            raise ValueError(f"metrics path {self.path}: cannot write it ({exc.strerror or exc})") from None
         self._whole_bytes = self._file.seek(0, os.SEEK_END)  # the bytes of whole records
 
     def write(self, record: Mapping[str, Any]) -> None:

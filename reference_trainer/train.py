@@ -211,7 +211,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         summary = run.train()
         run.close()  # its final barrier is a collective too
     except KeyboardInterrupt:
-        raise SystemExit(130) from None
+        if not _process_groups():
+            raise SystemExit(130) from None
+        # no interpreter teardown with process groups alive: gloo's threads can abort it ("terminate called
+        # without an active exception") and the rank would end by SIGABRT, not quietly with 130
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
     except Exception as exc:  # a collective that failed outside the step loop (set-up, resume): one line
         from .watchdog import STALL_EXIT_CODE, collective_failure, exit_after_failure, termination_signal
 

@@ -208,6 +208,35 @@ def test_the_metrics_file_is_no_file_the_run_reads_or_keeps_its_state_in(args, m
         assert capsys.readouterr().out.strip() == "1"
 
 
+def test_a_metrics_file_hard_linked_to_the_data_or_in_a_folder_that_takes_no_files_is_refused(tmp_path,
+                                                                                              monkeypatch, capsys):
+    """A hard link is the data file under another name (refused like the path itself); a metrics folder the run
+    cannot write in is refused before any collective, also by --check and beside --checkpoint-dir."""
+    import os
+
+    from reference_trainer import train
+
+    monkeypatch.chdir(tmp_path)
+    text = " ".join(f"word{i}" for i in range(400))
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.txt").write_text(text)
+    os.link(tmp_path / "d" / "a.txt", tmp_path / "link.jsonl")
+    os.link(tmp_path / "d" / "a.txt", tmp_path / "link2.log")
+    (tmp_path / "ck").mkdir()
+    cases = [(["--data", "d/a.txt", "--metrics-file", "link.jsonl"], "--metrics-file link.jsonl is the --data file"),
+             (["--data", "d", "--metrics-file", "link2.log"], "--metrics-file link2.log lies in the --data folder")]
+    if os.path.isdir("/proc"):  # a folder that takes no new files, for root too
+        cases.append((["--checkpoint-dir", "ck", "--metrics-file", "/proc/bagualu2-metrics.jsonl"],
+                      "--metrics-file: metrics path /proc/bagualu2-metrics.jsonl: cannot write it"))
+    for args, message in cases:
+        with pytest.raises(SystemExit) as exited:
+            train.main(["--pp", "1", "--dp", "1", "--ep", "1", "--world-size", "--check", *args])
+        out, err = capsys.readouterr()
+        assert exited.value.code == 2 and out == ""
+        assert err.startswith(f"error: {message}") and len(err.strip().splitlines()) == 1, err
+    assert (tmp_path / "d" / "a.txt").read_text() == text
+
+
 @pytest.mark.launch
 @pytest.mark.slow
 def test_a_stopped_launch_stops_its_workers(tmp_path):

@@ -301,3 +301,29 @@ def test_the_token_cache_is_reused_and_a_damaged_one_is_rebuilt(tmp_path, tokeni
     monkeypatch.setattr(data, "_MEMO", {})
     assert TokenCorpus.bundled(tokenizer).sha256 == first.sha256
     assert data._load_cached(next(iter(data._MEMO))) is not None  # rewritten intact
+
+
+@pytest.mark.slow
+def test_a_token_cache_path_that_is_not_a_regular_file_is_left_alone(tmp_path, tokenizer, monkeypatch):
+    """A FIFO (or a folder) where the cache file goes: not read (a FIFO would block the start-up forever), not
+    replaced; the corpus is tokenized as without a cache."""
+    import os
+    import threading
+
+    from reference_trainer import data
+
+    monkeypatch.setenv("BAGUALU2_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(data, "_MEMO", {})
+    first = TokenCorpus.bundled(tokenizer)
+    (cached,) = tmp_path.glob("corpus-*.npz")
+    cached.unlink()
+    os.mkfifo(cached)
+    monkeypatch.setattr(data, "_MEMO", {})
+    loaded = []
+    worker = threading.Thread(target=lambda: loaded.append(TokenCorpus.bundled(tokenizer)), daemon=True)
+    worker.start()
+    worker.join(120)
+    if worker.is_alive():  # unblock the reader before failing
+        os.close(os.open(cached, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("loading the corpus blocked on the FIFO at the cache path")
+    assert loaded[0].sha256 == first.sha256 and cached.is_fifo()
