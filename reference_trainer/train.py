@@ -86,9 +86,13 @@ FLAG_NAMES = {**{field: flag for flag, (field, _) in FLAGS.items()},
 
 
 def _process_groups() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
+    """Are torch.distributed's process groups up? Never imports torch: an interrupt can land in its import, which
+    is then half done."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return dist is not None and dist.is_available() and dist.is_initialized()
+    except Exception:  # a module left half-imported by the interrupt: no group was made with it
+        return False
 
 
 def _rank() -> int:
