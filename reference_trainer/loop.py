@@ -91,9 +91,9 @@ def _data_files(folder: str) -> list[str]:
 
 def check_metrics_clashes(config: TrainConfig) -> None:
     """The metrics file is none of the files the run reads or keeps its state in: not the ``--data`` file, not a
-    ``.txt`` / ``.jsonl`` file of the ``--data`` folder (by path or, hard-linked, by inode) (read as data at the next start, a restart's too), not a
-    name the run's state takes in its folder (``run_state.json``, the markers, the lock) nor, in the checkpoint
-    directory, a checkpoint's (``step-<8+ digits>``)."""
+    ``.txt`` / ``.jsonl`` file of the ``--data`` folder (read as data at the next start, a restart's too) — by path,
+    or by inode for a hard link —, not a name the run's state takes in its folder (``run_state.json``, the markers,
+    the lock) nor, in the checkpoint directory, a checkpoint's (``step-<8+ digits>``)."""
     import fnmatch
 
     from .checkpoint import STEP_DIR
