@@ -114,7 +114,7 @@ def test_apply_plan_takes_the_model_itself():
     assert record.device_bytes == evaluate(graph, "expert_act=RECOMPUTE,core_attn=OFFLOAD").activation_bytes
     with pytest.raises(ValueError, match="OpGraph or a model"):
         apply_plan("tiny-moe", "none")
-    with pytest.raises(ValueError, match="no ModelConfig"):
+    with pytest.raises(ValueError, match="has no bagualu2 ModelConfig as its .config.; pass the InstrumentedModel"):
         apply_plan(torch.nn.Linear(2, 2), "none")
 
 
