@@ -48,6 +48,7 @@ import tokenizers  # noqa: E402
 DOMAINS = ("code", "prose", "tables")
 CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
 DOC_SEPARATOR = "\n\x1e\n"
+DATA_SUFFIXES = (".txt", ".jsonl")  # the files a --data path or folder is read from
 EOT, PAD = "<|endoftext|>", "<|pad|>"
 _ALLOWED = "expected a .txt file, a .jsonl file or a directory of them"
 MAX_DOCUMENT_BYTES = 8 << 20  # one document (a .txt document, a .jsonl line): larger ones are refused
@@ -144,13 +145,13 @@ class TokenCorpus:
         if not root.exists():
             raise ValueError(f"{path}: no such file or directory ({_ALLOWED})")
         if root.is_dir():
-            files = sorted(p for p in root.iterdir() if p.suffix.lower() in (".txt", ".jsonl"))  # OK.TXT too
+            files = data_files(root)
             odd = next((p for p in files if not p.is_file()), None)
             if odd is not None:  # a dangling link, a device, a pipe or a folder named like a data file
                 raise ValueError(f"{odd}: not a regular file ({_ALLOWED}); remove it from {path} or make it one")
             if not files:
                 raise ValueError(f"{path}: no .txt or .jsonl files in this directory ({_ALLOWED})")
-        elif root.suffix.lower() in (".txt", ".jsonl"):
+        elif root.suffix.lower() in DATA_SUFFIXES:
             files = [root]
         else:
             raise ValueError(f"{path}: unsupported file type {root.suffix or '(none)'!r} ({_ALLOWED})")
@@ -226,6 +227,11 @@ def _cache_file(key: tuple[str, str]) -> Path:
     return cache_dir() / f"corpus-{_sha256('/'.join(key).encode())[:32]}.npz"
 
 
+def data_files(folder: str | os.PathLike[str]) -> list[Path]:
+    """The files of a data folder read as data: ``.txt`` / ``.jsonl`` (``OK.TXT`` too), sorted, not recursive."""
+    return sorted(p for p in Path(folder).iterdir() if p.suffix.lower() in DATA_SUFFIXES)
+
+
 def _regular_or_absent(path: Path) -> bool:
     try:
         return stat.S_ISREG(os.lstat(path).st_mode)
@@ -239,7 +245,7 @@ def _load_cached(key: tuple[str, str]) -> dict[str, np.ndarray] | None:
     """The cached token ids of ``key`` (archives' and tokenizer's sha256), if a cache file holds them intact (a
     path that is not a regular file, e.g. a FIFO that would block the read, is no cache)."""
     file = _cache_file(key)
-    if not _regular_or_absent(file) or not file.exists():
+    if not _regular_or_absent(file):
         return None
     try:
         with np.load(file, allow_pickle=False) as data:

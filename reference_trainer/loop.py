@@ -80,15 +80,6 @@ def _same_file(a: str, b: str) -> bool:
         return False
 
 
-def _data_files(folder: str) -> list[str]:
-    """The files of a ``--data`` folder read as data (``.txt`` / ``.jsonl``, not recursive)."""
-    try:
-        return [entry.path for entry in os.scandir(folder)
-                if os.path.splitext(entry.name)[1].lower() in (".txt", ".jsonl")]
-    except OSError:
-        return []
-
-
 def check_metrics_clashes(config: TrainConfig) -> None:
     """The metrics file is none of the files the run reads or keeps its state in: not the ``--data`` file, not a
     ``.txt`` / ``.jsonl`` file of the ``--data`` folder (read as data at the next start, a restart's too) — by path,
@@ -97,6 +88,7 @@ def check_metrics_clashes(config: TrainConfig) -> None:
     import fnmatch
 
     from .checkpoint import STEP_DIR
+    from .data import DATA_SUFFIXES, data_files
     from .restarts import LOCK, MARKERS, STATE
 
     metrics = os.path.realpath(config.metrics_file)
@@ -106,8 +98,8 @@ def check_metrics_clashes(config: TrainConfig) -> None:
             raise ValueError(f"--metrics-file {config.metrics_file} is the --data file: the metrics would replace "
                              "the training data")
         if os.path.isdir(data) and ((os.path.dirname(metrics) == data
-                                     and os.path.splitext(metrics)[1].lower() in (".txt", ".jsonl"))
-                                    or any(_same_file(metrics, file) for file in _data_files(data))):
+                                     and os.path.splitext(metrics)[1].lower() in DATA_SUFFIXES)
+                                    or any(_same_file(metrics, str(file)) for file in data_files(data))):
             raise ValueError(f"--metrics-file {config.metrics_file} lies in the --data folder, whose .txt and .jsonl "
                              "files are read as training data; put the metrics elsewhere")
     folder, name = os.path.split(metrics)

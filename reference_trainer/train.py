@@ -95,6 +95,15 @@ def _process_groups() -> bool:
         return False
 
 
+def _leave(code: int) -> NoReturn:
+    """Exit with ``code`` without interpreter teardown: process groups destroyed during finalization can abort the
+    process in gloo's worker threads ("terminate called without an active exception", SIGABRT) instead of exiting
+    with the code."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
@@ -217,28 +226,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     except KeyboardInterrupt:
         if not _process_groups():
             raise SystemExit(130) from None
-        # no interpreter teardown with process groups alive: gloo's threads can abort it ("terminate called
-        # without an active exception") and the rank would end by SIGABRT, not quietly with 130
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(130)
+        _leave(130)  # with process groups alive: no interpreter teardown (see _leave)
     except Exception as exc:  # a collective that failed outside the step loop (set-up, resume): one line
         from .watchdog import STALL_EXIT_CODE, collective_failure, exit_after_failure, termination_signal
 
         signum = termination_signal(exc)
         if signum is not None:  # the launcher stops this rank (a peer failed first and reported it): exit quietly
-            sys.stdout.flush()
-            os._exit(128 + signum)
+            _leave(128 + signum)
         failed = collective_failure(exc)
         if failed is None:
             if not _process_groups():
                 raise
-            # a defect, not a user error: its traceback, then exit 1 without interpreter teardown (destroying the
-            # process groups there can abort the process, "terminate called without an active exception")
-            traceback.print_exc()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(1)
+            traceback.print_exc()  # a defect, not a user error: its traceback, then exit 1
+            _leave(1)
         guard = getattr(run.session, "guard", None)
         if guard is not None:  # the session is set up: its line names the phase and the ranks that went silent
             guard.fatal(exc, guard.watchdog.step)  # exits (a failed collective); step -1 before the first step
@@ -251,9 +251,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
-    # A finished run leaves without interpreter teardown: process groups still referenced (the model's and the
-    # session's sub-groups) would otherwise be destroyed during finalization, where gloo's worker threads can abort
-    # the process ("terminate called without an active exception") after a successful run.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    _leave(0)  # a finished run, its process groups (the model's and the session's sub-groups) still referenced
