@@ -187,6 +187,9 @@ def test_worker_processes_change_nothing_but_the_wall_time():
         assert getattr(two, part) == getattr(one, part), part
     assert two.ablation.results["L4"].policy == "L4"
     assert two.ablation.results["L4"].iterations == two.focus.results["flexible"].iterations
+    # the decision-overhead replays ran in the workers: every model's, beside the same simulated iteration
+    assert [(name, s) for name, _, s in two.overhead] == [(name, s) for name, _, s in one.overhead]
+    assert all(ms > 0 for _, ms, _ in two.overhead)
 
 
 def test_cli_reproduce_reports_a_dead_worker_in_one_line(tmp_path, monkeypatch):
@@ -206,11 +209,30 @@ def test_default_workers_are_the_usable_cpus_within_the_available_memory(monkeyp
     import bagualu2.sim.reproduce as module
 
     monkeypatch.setattr(module.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
-    pages = {"SC_PAGE_SIZE": 4096}
-    monkeypatch.setattr(module.os, "sysconf", lambda name: pages[name])
-    for available, jobs in ((64 << 30, 4), (9 << 30, 2), (1 << 30, 1)):
-        pages["SC_AVPHYS_PAGES"] = available // 4096
+    for available, jobs in ((64 << 30, 4), (9 << 30, 2), (1 << 30, 1), (None, 4)):
+        monkeypatch.setattr(module, "available_bytes", lambda: available)
         assert module.default_jobs() == jobs
+
+
+def test_available_memory_counts_the_page_cache_the_kernel_can_drop(tmp_path, monkeypatch):
+    import bagualu2.sim.reproduce as module
+
+    pages = {"SC_PAGE_SIZE": 4096, "SC_AVPHYS_PAGES": (1 << 30) // 4096}  # 1 GiB free: the rest is page cache
+
+    def sysconf(name):
+        if name not in pages:
+            raise ValueError(f"unknown configuration name {name}")
+        return pages[name]
+
+    monkeypatch.setattr(module.os, "sysconf", sysconf)
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:         1048576 kB\nMemAvailable:   20971520 kB\n")
+    assert module.available_bytes(str(meminfo)) == 20 << 30
+    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:         1048576 kB\n")  # an old kernel: no estimate
+    assert module.available_bytes(str(meminfo)) == 1 << 30
+    assert module.available_bytes(str(tmp_path / "absent")) == 1 << 30  # not on Linux
+    del pages["SC_AVPHYS_PAGES"]
+    assert module.available_bytes(str(tmp_path / "absent")) is None
 
 
 @pytest.mark.parametrize("kwargs, field", [({"iterations": 5}, "iterations"), ({"jobs": 0}, "jobs"), ({"restart_s": -1.0}, "restart_s"),

@@ -27,7 +27,8 @@ trainer's fallback).
 
 The simulations are independent of each other (a simulation's result depends on its inputs only, whatever ran
 before it in the process), so ``jobs`` worker processes run them side by side; the report is the same for any
-``jobs``. The decision overhead is measured afterwards, in this process, with nothing else running.
+``jobs``. The decision overhead is measured afterwards, once every simulation is done: the replays side by side in
+the workers, each alone on its CPU (in this process, one after another, with one job).
 """
 
 from __future__ import annotations
@@ -227,16 +228,31 @@ WORKER_BYTES = 4 << 30  # above a worker's peak: 1.7 GB for a whole `-n 300` run
 #                         process of a two-worker `-n 2000` run
 
 
+def available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    """The memory new processes can have now without swapping: Linux's ``MemAvailable`` (free memory and the page
+    cache the kernel can drop), else the free pages the platform reports, else None."""
+    try:
+        with open(meminfo, encoding="ascii") as lines:
+            for line in lines:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the figure is in kB
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def default_jobs() -> int:
     """The CPUs this process may run on (its affinity where the platform reports one), at most one worker per
-    ``WORKER_BYTES`` of the memory available now."""
+    ``WORKER_BYTES`` of the memory available now (:func:`available_bytes`)."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cpus = os.cpu_count() or 1
-    try:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # no figure for it: the CPUs decide
+    available = available_bytes()
+    if available is None:  # no figure for it: the CPUs decide
         return cpus
     return max(1, min(cpus, available // WORKER_BYTES))
 
@@ -321,13 +337,16 @@ def _runs(config: ReproduceConfig, step: Callable[[str], None]):
             future = pool.submit(_simulate_group, members, hardware, config)
             futures.update((key, future) for key in members)
 
+    def collected(future):
+        try:
+            return future.result()
+        except BrokenProcessPool:
+            raise WorkerDied(f"one of {jobs} simulation worker processes died (killed, or out of memory?); run "
+                             "with fewer jobs (1: every simulation in this process)") from None
+
     def result(key) -> SimResult:
         if key in futures:
-            try:
-                return futures[key].result()[key]
-            except BrokenProcessPool:
-                raise WorkerDied(f"one of {jobs} simulation worker processes died (killed, or out of memory?); run "
-                                 "with fewer jobs (1: every simulation in this process)") from None
+            return collected(futures[key])[key]
         if key not in done:
             done[key] = _simulate_one(key, hardware, config)
         return done[key]
@@ -338,9 +357,26 @@ def _runs(config: ReproduceConfig, step: Callable[[str], None]):
         return Run(label, {p: r if r.policy == p else dataclasses.replace(r, policy=p) for p, r in found.items()},
                    parallel.world_size, parallel.num_microbatches)
 
+    def overheads(scales) -> tuple:
+        """(model, decision ms per iteration, simulated seconds per iteration) for each of ``config.models``, the
+        replays side by side in the workers once every simulation is done (each alone on its CPU)."""
+        trace = trace_for(config)
+        names = [run.label for run in scales if run.label in config.models]
+        args = (config.hardware, trace, config.overhead_iterations)
+        replays = {name: pool.submit(decision_ms, name, *args) for name in names} if pool is not None else {}
+        found = []
+        for run in scales:
+            if run.label in config.models:
+                step(f"decision overhead {run.label}")
+                ms = collected(replays[run.label]) if replays else decision_ms(run.label, *args)
+                flexible = run.results["flexible"]
+                found.append((run.label, ms, flexible.total_time_s / len(flexible.iterations)))
+        return tuple(found)
+
     try:
         scales, sparsity, lengths, tokens, ablation, released, provisioning = (tuple(run(*spec) for spec in part)
                                                                                for part in parts)
+        overhead = overheads(scales)
     except BaseException:  # Ctrl-C or a failure: the running simulations are not waited for
         if pool is not None:
             for child in set(multiprocessing.active_children()) - others:
@@ -349,7 +385,7 @@ def _runs(config: ReproduceConfig, step: Callable[[str], None]):
         raise
     if pool is not None:
         pool.shutdown(cancel_futures=True)
-    return scales, sparsity, lengths, tokens, ablation[0], released[0], provisioning
+    return scales, sparsity, lengths, tokens, ablation[0], released[0], provisioning, overhead
 
 
 def decision_ms(model_name: str, hardware_name: str, trace, iterations: int) -> float:
@@ -381,15 +417,6 @@ def reproduce(config: ReproduceConfig | None = None, *, progress: Callable[[str]
     if progress is not None and not callable(progress):
         raise ValueError(f"progress must be a callable or None, got {type(progress).__name__}")
     step = progress or (lambda label: None)
-    trace = trace_for(config)
-    scales, sparsity, lengths, tokens, ablation, released, provisioning = _runs(config, step)
-    overhead = []
-    for run in scales:
-        if run.label not in config.models:
-            continue
-        step(f"decision overhead {run.label}")
-        flexible = run.results["flexible"]
-        overhead.append((run.label, decision_ms(run.label, config.hardware, trace, config.overhead_iterations),
-                         flexible.total_time_s / len(flexible.iterations)))
-    return Report(config, tuple(trace), scales, sparsity, lengths, tokens, ablation, released, tuple(overhead),
+    scales, sparsity, lengths, tokens, ablation, released, provisioning, overhead = _runs(config, step)
+    return Report(config, tuple(trace_for(config)), scales, sparsity, lengths, tokens, ablation, released, overhead,
                   provisioning)
