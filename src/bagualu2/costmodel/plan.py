@@ -12,6 +12,7 @@ the ops of that kind (their inputs stay; see :func:`~bagualu2.costmodel.evaluate
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 from dataclasses import dataclass
@@ -22,12 +23,20 @@ from .strategy import Strategy
 from .validate import shown
 
 NONE_TEXT = "none"
+KEY_RULE = ("plan key must be an op kind or OP/TENSOR without ',', '=', quotes, whitespace or control characters (so "
+            "that every text form reads it back), got ")
 
 
 def _check_key(key: str) -> str:
-    if not isinstance(key, str) or not key or any(c in ",='\"" or c.isspace() or not c.isprintable() for c in key):
-        raise ValueError("plan key must be an op kind or OP/TENSOR without ',', '=', quotes, whitespace or control "
-                         f"characters (so that every text form reads it back), got {shown(key)}")
+    if not isinstance(key, str):
+        raise ValueError(KEY_RULE + shown(key))
+    return _checked_key(key)
+
+
+@functools.lru_cache(maxsize=1 << 16)  # plans are made again and again from the same graphs' names
+def _checked_key(key: str) -> str:
+    if not key or any(c in ",='\"" or c.isspace() or not c.isprintable() for c in key):
+        raise ValueError(KEY_RULE + shown(key))
     if "/" in key:
         op, _, tensor = key.partition("/")
         if not op or not tensor or "/" in tensor:
