@@ -166,3 +166,30 @@ def test_memory_curve_entries_are_byte_counts():
     for bad in ("12", True, 1.5, None, (1.5, 2), (1, 2, 3), b"12"):
         with pytest.raises(ValueError, match="bytes of micro-batch 0 must be an int or 2 per-chunk ints"):
             memory_curve(parallel, [bad] * 4)
+
+
+@given(pp=st.integers(1, 8), vp=st.integers(1, 4), k=st.integers(1, 4), paired=st.booleans(), data=st.data())
+def test_inflight_chunks_and_the_peak_are_the_schedule_walked(pp, vp, k, paired, data):
+    """The closed forms the large layouts take (no schedule built) agree with walking the schedule."""
+    vp = 1 if pp == 1 else vp
+    parallel = ParallelConfig(pp=pp, vp=vp, num_microbatches=k * pp, paired=paired)
+    stage = data.draw(st.integers(0, pp - 1))
+    held = peak = 0
+    for action in schedule(parallel, stage):
+        held += 1 if action.kind == "F" else -1
+        peak = max(peak, held)
+    assert inflight_chunks(parallel, stage) == peak
+    per_microbatch = data.draw(st.lists(st.one_of(st.integers(0, 10**6), st.tuples(*[st.integers(0, 10**6)] * vp)),
+                                        min_size=k * pp, max_size=k * pp))
+    assert peak_bytes(parallel, per_microbatch, stage=stage) == max(memory_curve(parallel, per_microbatch,
+                                                                                  stage=stage))
+
+
+def test_the_largest_layout_in_bounds_is_counted_without_its_schedule():
+    """pp=4, vp=256, 16,384 micro-batches (every bound at its largest): 8.4M actions a stage, walked once."""
+    parallel = ParallelConfig(pp=4, vp=256, num_microbatches=16384)
+    assert inflight_chunks(parallel, 0) == num_warmup(parallel, 0) + 1
+    with pytest.raises(ValueError, match="per_microbatch_bytes must be a sequence of one entry per micro-batch"):
+        memory_curve(parallel, 5)
+    with pytest.raises(ValueError, match="parallel must be a ParallelConfig"):
+        memory_curve(None, [1])

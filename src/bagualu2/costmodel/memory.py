@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from .build import build_graph, check_imbalance, chunk_layers
 from .config import Hardware, ModelConfig, ParallelConfig, check_compatible
 from .evaluate import evaluate
-from .pipeline import inflight_chunks, inflight_microbatches, memory_curve
+from .pipeline import inflight_chunks, inflight_microbatches, peak_bytes
 from .plan import Plan
 
 
@@ -152,9 +152,8 @@ def stage_memory(model: ModelConfig, parallel: ParallelConfig, hardware: Hardwar
         if unknown:
             raise ValueError(f"plan entries name ops that stage {stage} does not have: {', '.join(unknown)}")
     chunk_bytes = tuple(evaluate(g, _chunk_plan(plan, {op.name for op in g.ops})).activation_bytes for g in graphs)
-    curve = memory_curve(parallel, [chunk_bytes] * parallel.num_microbatches, stage=stage)
     extra = logits_bytes(model, parallel) if stage == parallel.pp - 1 else 0
-    activation_peak = max(curve) + extra
+    activation_peak = peak_bytes(parallel, [chunk_bytes] * parallel.num_microbatches, stage=stage) + extra
     static = static_bytes(model, parallel, stage=stage)
     return StageMemory(
         static_bytes=static,

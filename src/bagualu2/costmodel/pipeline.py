@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Iterator, Sequence, Union
 
 from .config import ParallelConfig
 from .validate import require_int, require_number
@@ -47,23 +47,29 @@ def num_warmup(parallel: ParallelConfig, stage: int = 0) -> int:
 
 def schedule(parallel: ParallelConfig, stage: int = 0) -> tuple[Action, ...]:
     """Order of forward and backward chunk executions on ``stage`` for one iteration."""
-    pp, vp, m = parallel.pp, parallel.vp, parallel.num_microbatches
-    total = m * vp
+    return tuple(Action("F" if forward else "B", microbatch, chunk)
+                 for forward, microbatch, chunk in _order(parallel, stage))
 
-    def step(k: int, forward: bool) -> Action:
-        group = k % (pp * vp)
+
+def _order(parallel: ParallelConfig, stage: int) -> Iterator[tuple[bool, int, int]]:
+    """:func:`schedule`'s actions as ``(forward, micro-batch, chunk)``, one at a time."""
+    pp, vp, m = parallel.pp, parallel.vp, parallel.num_microbatches
+    total, group_size = m * vp, pp * vp
+
+    def step(k: int, forward: bool) -> tuple[bool, int, int]:
+        group = k % group_size
         chunk = group // pp if forward else vp - 1 - group // pp
-        microbatch = (k // (pp * vp)) * pp + k % pp if vp > 1 else k
-        return Action("F" if forward else "B", microbatch, chunk)
+        microbatch = (k // group_size) * pp + k % pp if vp > 1 else k
+        return forward, microbatch, chunk
 
     warmup = num_warmup(parallel, stage)
-    actions = [step(k, True) for k in range(warmup)]
-    steady = total - warmup
-    for i in range(steady):
-        actions.append(step(warmup + i, True))
-        actions.append(step(i, False))
-    actions.extend(step(k, False) for k in range(steady, total))
-    return tuple(actions)
+    for k in range(warmup):
+        yield step(k, True)
+    for i in range(total - warmup):
+        yield step(warmup + i, True)
+        yield step(i, False)
+    for k in range(total - warmup, total):
+        yield step(k, False)
 
 
 def points(parallel: ParallelConfig, stage: int = 0) -> tuple[tuple[Action, ...], ...]:
@@ -112,12 +118,9 @@ def point_relation(parallel: ParallelConfig, stage: int = 0) -> int:
 
 
 def inflight_chunks(parallel: ParallelConfig, stage: int = 0) -> int:
-    """Most chunk activations ``stage`` holds at once (warmup + 1 for a full steady phase)."""
-    held = peak = 0
-    for action in schedule(parallel, stage):
-        held += 1 if action.kind == "F" else -1
-        peak = max(peak, held)
-    return peak
+    """Most chunk activations ``stage`` holds at once: its warmup forwards, and one more when a steady phase
+    follows (each steady forward comes before the backward it pairs with)."""
+    return min(num_warmup(parallel, stage) + 1, parallel.num_microbatches * parallel.vp)
 
 
 def inflight_microbatches(parallel: ParallelConfig, stage: int = 0) -> float:
@@ -132,14 +135,26 @@ def _is_count(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _chunk_bytes(per_microbatch: Sequence[ChunkBytes], microbatch: int, chunk: int, vp: int) -> int:
-    entry = per_microbatch[microbatch]
-    if _is_count(entry):
-        return int(entry)
-    if (isinstance(entry, (str, bytes)) or not isinstance(entry, Sequence) or len(entry) != vp
-            or not all(_is_count(value) for value in entry)):
-        raise ValueError(f"bytes of micro-batch {microbatch} must be an int or {vp} per-chunk ints, got {entry!r:.60}")
-    return int(entry[chunk])
+def _checked_bytes(per_microbatch: Sequence[ChunkBytes], vp: int) -> list[int | tuple[int, ...]]:
+    """Each micro-batch's entry checked once: an int (every chunk's bytes) or ``vp`` per-chunk ints."""
+    rows: list[int | tuple[int, ...]] = []
+    for microbatch, entry in enumerate(per_microbatch):
+        if microbatch and entry is per_microbatch[microbatch - 1]:  # the same object again (``[entry] * m``)
+            rows.append(rows[-1])
+            continue
+        if _is_count(entry):
+            if entry < 0:
+                raise ValueError(f"bytes of micro-batch {microbatch} must be >= 0, got {entry}")
+            rows.append(int(entry))
+            continue
+        if (isinstance(entry, (str, bytes)) or not isinstance(entry, Sequence) or len(entry) != vp
+                or not all(_is_count(value) for value in entry)):
+            raise ValueError(f"bytes of micro-batch {microbatch} must be an int or {vp} per-chunk ints, got "
+                             f"{entry!r:.60}")
+        rows.append(tuple(map(int, entry)))
+        if any(nbytes < 0 for nbytes in rows[-1]):
+            raise ValueError(f"bytes of micro-batch {microbatch} must be >= 0, got {min(rows[-1])}")
+    return rows
 
 
 def memory_curve(parallel: ParallelConfig, per_microbatch_bytes: Sequence[ChunkBytes], *, stage: int = 0,
@@ -149,22 +164,37 @@ def memory_curve(parallel: ParallelConfig, per_microbatch_bytes: Sequence[ChunkB
     ``per_microbatch_bytes[i]`` is the bytes one chunk-forward of micro-batch ``i`` keeps: an int (same for
     every chunk) or ``vp`` ints. A spike is a larger entry.
     """
+    return tuple(_held(parallel, per_microbatch_bytes, stage, require_int("base_bytes", base_bytes, 0)))
+
+
+def _held(parallel: ParallelConfig, per_microbatch_bytes: Sequence[ChunkBytes], stage: int,
+          held: int) -> Iterator[int]:
+    """The bytes held from ``held`` on, after each action of the schedule: :func:`memory_curve`'s points."""
+    if not isinstance(parallel, ParallelConfig):
+        raise ValueError(f"parallel must be a ParallelConfig, got {type(parallel).__name__}")
+    if isinstance(per_microbatch_bytes, (str, bytes)) or not isinstance(per_microbatch_bytes, Sequence):
+        raise ValueError("per_microbatch_bytes must be a sequence of one entry per micro-batch, got "
+                         f"{type(per_microbatch_bytes).__name__}")
     if len(per_microbatch_bytes) != parallel.num_microbatches:
         raise ValueError(f"per_microbatch_bytes must have num_microbatches={parallel.num_microbatches} entries, "
                          f"got {len(per_microbatch_bytes)}")
-    held = require_int("base_bytes", base_bytes, 0)
-    curve = [held]
-    for action in schedule(parallel, stage):
-        nbytes = _chunk_bytes(per_microbatch_bytes, action.microbatch, action.chunk, parallel.vp)
-        if nbytes < 0:
-            raise ValueError(f"bytes of micro-batch {action.microbatch} must be >= 0, got {nbytes}")
-        held += nbytes if action.kind == "F" else -nbytes
-        curve.append(held)
-    return tuple(curve)
+    _check_stage(parallel, stage)
+    rows = _checked_bytes(per_microbatch_bytes, parallel.vp)
+    return _walk(_order(parallel, stage), rows, held)
+
+
+def _walk(order, rows: list, held: int) -> Iterator[int]:
+    yield held
+    for forward, microbatch, chunk in order:
+        row = rows[microbatch]
+        nbytes = row if isinstance(row, int) else row[chunk]
+        held += nbytes if forward else -nbytes
+        yield held
 
 
 def peak_bytes(parallel: ParallelConfig, per_microbatch_bytes: Sequence[ChunkBytes], *, stage: int = 0) -> int:
-    return max(memory_curve(parallel, per_microbatch_bytes, stage=stage))
+    """``max(memory_curve(parallel, per_microbatch_bytes, stage=stage))``, without the curve."""
+    return max(_held(parallel, per_microbatch_bytes, stage, 0))
 
 
 def timed_curve(parallel: ParallelConfig, per_microbatch_bytes: Sequence[ChunkBytes], *, forward_s: float,
