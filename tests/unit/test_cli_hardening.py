@@ -35,7 +35,7 @@ HW_FILES = {
     # every field in range, together too slow: the duration guard, not CP-SAT's "integer overflow"
     "slowok": {"peak_flops": 1e9, "matmul_efficiency": 0.01, "hbm_bytes_per_s": 1e6,
                "intra_node_bytes_per_s": 1e6, "inter_node_bytes_per_s": 1e6},
-    "oops": {"name": "[/oops]"}, "red": {"name": "[red]x[/red]"},
+    "oops": {"name": "[/oops]"}, "red": {"name": "[red]x[/red]"}, "backslash": {"name": "gpu\\"},
 }
 
 
@@ -198,11 +198,12 @@ def test_png_replaces_a_regular_file(tmp_path: Path) -> None:
                                   ["demo", "--train-steps", "0"],
                                   ["budget"], ["curve"], ["compare", "-m", "tiny-moe", "-r", "1", "--budgets", "1"]],
                          ids=lambda a: a[0])
-@pytest.mark.parametrize("name", ["oops", "red"])
+@pytest.mark.parametrize("name", ["oops", "red", "backslash"])
 def test_markup_in_hardware_name_is_literal(files: Path, args: list[str], name: str) -> None:
     result = run(*args, "-H", str(files / f"{name}.json"))
     assert result.exit_code == 0, result.stderr
     assert HW_FILES[name]["name"] in result.stdout
+    assert HW_FILES[name]["name"] + "\\" not in result.stdout  # a trailing backslash printed once
 
 
 # ---- typer's parse errors through the real entry point ------------------------------------------------------

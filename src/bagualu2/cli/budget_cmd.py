@@ -6,13 +6,12 @@ from __future__ import annotations
 from typing import Annotated, Any, Optional
 
 import typer
-from rich.markup import escape
 from rich.table import Table
 
 from bagualu2.costmodel import Plan
 from bagualu2.runtime import ForwardDecision, IterationReplay, replay_iteration
 
-from .common import (GIB, HARDWARE_HELP, MODEL_HELP, console, echo_json, handle_errors, integer_option, json_help,
+from .common import (literal, GIB, HARDWARE_HELP, MODEL_HELP, console, echo_json, handle_errors, integer_option, json_help,
                      number_option, progress_bar)
 from .iteration import (DEFAULT_HARDWARE, DEFAULT_MODEL, DOWNGRADE_HELP, MAX_IMBALANCE_HELP, SEED_HELP, SPIKE_HELP,
                         SPIKE_RATE_HELP, STAGE_HELP, Iteration, prepare)
@@ -55,7 +54,7 @@ def _table(replay: IterationReplay, show_all: bool) -> Table:
         plan = d.plan if len(d.plan) <= 40 else d.plan[:37] + "..."
         table.add_row(str(d.index), str(d.microbatch), str(d.chunk), d.phase, f"{d.imbalance:g}",
                       f"{d.budget_bytes / GIB:.3f}", f"{d.kept_bytes / GIB:.3f}", action, f"{d.overhead_s * 1e3:.2f}",
-                      f"{d.in_flight_bytes / GIB:.2f}", str(len(Plan.from_str(d.plan))), escape(plan))
+                      f"{d.in_flight_bytes / GIB:.2f}", str(len(Plan.from_str(d.plan))), literal(plan))
     return table
 
 
@@ -96,7 +95,7 @@ def budget(
         counts[d.action] = counts.get(d.action, 0) + 1
     verdict = "[green]fits[/green]" if replay.fits else "[bold red]OOM[/bold red]"
     spiked = ", ".join(f"{i}={r:g}" for i, r in sorted(spikes.items())) or "none"
-    out.print(f"budget: {escape(run.name)} on {escape(run.hardware.name)}, stage {run.stage}, downgrade "
+    out.print(f"budget: {literal(run.name)} on {literal(run.hardware.name)}, stage {run.stage}, downgrade "
               f"{run.downgrade}: M_max {replay.m_max_bytes / GIB:.2f} GiB, M0 {replay.m0_bytes / GIB:.3f} GiB per "
               f"chunk; spikes (micro-batch=imbalance) {spiked}", soft_wrap=True)
     out.print(_table(replay, show_all))

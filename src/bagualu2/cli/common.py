@@ -301,6 +301,15 @@ PLAN_HELP = ("Mitigation plan, e.g. expert_act=RECOMPUTE,core_attn=OFFLOAD; 'non
 JSON_HELP = "Print one JSON object on stdout instead of tables."
 
 
+def literal(text: str) -> str:
+    """``text`` for rich markup where no tag follows it (a name in a sentence or a cell): ``[`` escaped, a
+    trailing backslash kept single (``rich.markup.escape`` doubles it, which only a following tag reads as one)."""
+    from rich.markup import escape
+
+    escaped = escape(text)
+    return escaped[:-1] if text.endswith("\\") and escaped.endswith("\\\\") else escaped
+
+
 def json_help(doc: str, *, lead: str = JSON_HELP) -> str:
     """The ``--json`` option's help: ``lead`` and the format ``doc`` (escaped: rich would read ``[...]`` as
     markup and drop it)."""

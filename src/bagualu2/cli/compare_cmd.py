@@ -13,7 +13,6 @@ from typing import Annotated, Any, Optional
 
 import numpy as np
 import typer
-from rich.markup import escape
 from rich.table import Table
 
 from bagualu2.costmodel import Hardware, ModelConfig, OpGraph, ParallelConfig, build_graph, imbalance_limit
@@ -21,7 +20,7 @@ from bagualu2.costmodel.validate import require_int
 from bagualu2.fusion import build_chains, dp
 from bagualu2.mitigation import greedy
 
-from .common import (HARDWARE_HELP, CliError, blame, check_graph, console, echo_json, handle_errors, integer_option,
+from .common import (literal, HARDWARE_HELP, CliError, blame, check_graph, console, echo_json, handle_errors, integer_option,
                      json_help, load_hardware, load_model, parse_imbalance, parse_number, progress_bar)
 
 DEFAULT_MODELS = ("glm-188b-a20b", "glm-1041b-a35b")
@@ -125,7 +124,7 @@ def compare(
             for k in range(1, count + 1):
                 fraction = k / (count + 1)
                 budget = graph.floor_bytes + int(fraction * (graph.unmitigated_bytes - graph.floor_bytes))
-                progress.update(task, description=f"{escape(name)} r={rate:g} budget {k}/{count}")
+                progress.update(task, description=f"{literal(name)} r={rate:g} budget {k}/{count}")
                 points.append({"model": name, "imbalance": rate, "budget_fraction": fraction,
                                **compare_point(graph, hw, budget, limit)})
                 progress.advance(task)
@@ -143,14 +142,14 @@ def compare(
 
 def _print(points: list[dict[str, Any]], result: dict[str, Any], hw: Hardware, limit: float) -> None:
     out = console()
-    table = Table(title=f"fast vs exact on {escape(hw.name)} ({len(points)} points, CP-SAT limit {limit:g} s each)")
+    table = Table(title=f"fast vs exact on {literal(hw.name)} ({len(points)} points, CP-SAT limit {limit:g} s each)")
     for header in ("model", "r", "budget", "greedy ovh ms", "exact ovh ms", "status", "greedy/exact",
                    "DP span ms", "exact span ms", "DP/exact"):
         table.add_column(header, justify="left" if header in ("model", "status") else "right")
     for p in points:
         exact_ms = "-" if p["exact_overhead_s"] is None else f"{p['exact_overhead_s'] * 1e3:.3f}"
         ratio = "-" if p["mitigation_ratio"] is None else f"{p['mitigation_ratio']:.4f}"
-        table.add_row(escape(p["model"]), f"{p['imbalance']:g}", f"{p['budget_fraction']:.2f}",
+        table.add_row(literal(p["model"]), f"{p['imbalance']:g}", f"{p['budget_fraction']:.2f}",
                       f"{p['greedy_overhead_s'] * 1e3:.3f}", exact_ms, p["exact_status"], ratio,
                       f"{p['dp_makespan_s'] * 1e3:.3f}",
                       "-" if p["exact_makespan_s"] is None else f"{p['exact_makespan_s'] * 1e3:.3f}",

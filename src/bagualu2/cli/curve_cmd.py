@@ -12,12 +12,11 @@ from __future__ import annotations
 from typing import Annotated, Any, Optional
 
 import typer
-from rich.markup import escape
 
 from bagualu2.fusion.gantt import png_bytes
 from bagualu2.runtime import DecisionPath, replay_iteration
 
-from .common import (GIB, HARDWARE_HELP, MODEL_HELP, CliError, console, echo_json, handle_errors, integer_option,
+from .common import (literal, GIB, HARDWARE_HELP, MODEL_HELP, CliError, console, echo_json, handle_errors, integer_option,
                      json_help, number_option, output_path, progress_bar, write_output)
 from .iteration import (DEFAULT_HARDWARE, DEFAULT_MODEL, DOWNGRADE_HELP, MAX_IMBALANCE_HELP, SEED_HELP, SPIKE_HELP,
                         SPIKE_RATE_HELP, STAGE_HELP, Iteration, prepare)
@@ -88,7 +87,7 @@ def _print(run: Iteration, capacity: int, result: dict[str, list[int]], png: Any
     out = console()
     top = max([capacity, *(max(c) for c in result.values())])
     steps = len(next(iter(result.values())))
-    out.print(f"curve: {escape(run.name)} on {escape(run.hardware.name)}, stage {run.stage}: in-flight activation "
+    out.print(f"curve: {literal(run.name)} on {literal(run.hardware.name)}, stage {run.stage}: in-flight activation "
               f"bytes after each of {steps} schedule steps, {min(WIDTH, steps)} columns (each its steps' max); "
               f"█ = {top / GIB:.2f} GiB, capacity M_max {capacity / GIB:.2f} GiB", soft_wrap=True)
     label = max(len(p) for p in result) + 1
@@ -98,7 +97,7 @@ def _print(run: Iteration, capacity: int, result: dict[str, list[int]], png: Any
         verdict = "[green]fits[/green]" if peak <= capacity else "[bold red]exceeds capacity[/bold red]"
         out.print(f"{policy:<{label}}|{line}| peak {peak / GIB:.2f} GiB ({verdict})", soft_wrap=True)
     if png is not None:
-        out.print(f"wrote the curve to {escape(str(png))}", soft_wrap=True)
+        out.print(f"wrote the curve to {literal(str(png))}", soft_wrap=True)
 
 
 @handle_errors

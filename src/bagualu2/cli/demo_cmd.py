@@ -26,7 +26,7 @@ from rich.table import Table
 from bagualu2.costmodel import stage_memory
 from bagualu2.runtime import replay_iteration
 
-from .common import (GIB, HARDWARE_HELP, JSON_HELP, MIB, MODEL_HELP, CliError, console, echo_json, handle_errors,
+from .common import (literal, GIB, HARDWARE_HELP, JSON_HELP, MIB, MODEL_HELP, CliError, console, echo_json, handle_errors,
                      integer_option, number_option, one_thread_env, progress_bar, require_extra)
 from .iteration import MAX_IMBALANCE_HELP, SEED_HELP, SPIKE_RATE_HELP, prepare
 
@@ -65,7 +65,7 @@ def demo(
                    "forwards": [d.__dict__ for d in replay.decisions], "training": training})
         return
     out = console()
-    out.print(f"[bold]{escape(name)}[/bold] on {escape(hw.name)}, stage {stage}: activation capacity M_max "
+    out.print(f"[bold]{escape(name)}[/bold] on {literal(hw.name)}, stage {stage}: activation capacity M_max "
               f"{replay.m_max_bytes / GIB:.2f} GiB, floor M0 {replay.m0_bytes / GIB:.3f} GiB per chunk; "
               f"a static plan sized for the worst spike ({max(trace):g}x) would need "
               f"{unmitigated.activation_peak_bytes / GIB:.2f} GiB unmitigated.", soft_wrap=True)
@@ -83,7 +83,7 @@ def demo(
     if training is not None:
         exact = "exactly the predicted bytes" if training["max_prediction_error"] == 0 else \
             f"the predicted bytes within {100 * training['max_prediction_error']:.3f}%"
-        out.print(f"trained {escape(str(training['recipe']))} on the bundled corpus (CPU, one process) for "
+        out.print(f"trained {literal(str(training['recipe']))} on the bundled corpus (CPU, one process) for "
                   f"{training['steps']} step{'' if training['steps'] == 1 else 's'} in {training['seconds']:.1f} s: "
                   f"loss {training['first_loss']:.3f} -> {training['final_loss']:.3f}; every micro-batch kept {exact}; "
                   "peak "

@@ -5,12 +5,11 @@ from __future__ import annotations
 from typing import Annotated, Any, Optional
 
 import typer
-from rich.markup import escape
 from rich.table import Table
 
 from bagualu2.costmodel import Hardware, ModelConfig, ParallelConfig, Plan, StageMemory, build_graph, stage_memory
 
-from .common import (GIB, HARDWARE_HELP, IMBALANCE_HELP, JSON_HELP, MIB, MODEL_HELP, PLAN_HELP, CliError, blame,
+from .common import (literal, GIB, HARDWARE_HELP, IMBALANCE_HELP, JSON_HELP, MIB, MODEL_HELP, PLAN_HELP, CliError, blame,
                      console, echo_json, handle_errors, integer_option, load_hardware, load_model, parse_imbalance,
                      parse_plan)
 
@@ -109,7 +108,7 @@ def memory(
                    "stages": [stage_json(s, mem) for s, mem in rows]})
         return
     oom = sum(not mem.fits for _, mem in rows)
-    title = (f"memory per stage: {escape(name)} on {escape(hw.name)}, imbalance {rate:g}, "
-             f"plan {escape(str(mitigation))} "
+    title = (f"memory per stage: {literal(name)} on {literal(hw.name)}, imbalance {rate:g}, "
+             f"plan {literal(str(mitigation))} "
              f"({'all fit' if not oom else f'{oom} OOM'})")
     console().print(_table(title, rows))

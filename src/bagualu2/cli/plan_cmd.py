@@ -13,7 +13,7 @@ from bagualu2.costmodel.graph import ITEM_BYTES
 from bagualu2.costmodel.strategy import tensor_offload_ns, tensor_quantize_ns
 from bagualu2.mitigation import Solution, check_conflicts, greedy
 
-from .common import (GIB, HARDWARE_HELP, IMBALANCE_HELP, JSON_HELP, MIB, MODEL_HELP, CliError, check_graph, console,
+from .common import (literal, GIB, HARDWARE_HELP, IMBALANCE_HELP, JSON_HELP, MIB, MODEL_HELP, CliError, check_graph, console,
                      echo_json, handle_errors, integer_option, load_hardware, load_model, parse_imbalance, parse_number)
 
 DEFAULT_MODEL = "glm-423b-a30b"
@@ -68,7 +68,7 @@ def _ms(seconds: float) -> str:
 def _print(graph: OpGraph, solution: Solution, rows: list[dict[str, Any]], violations: list, budget: int,
            header: str) -> None:
     out, cost = console(), solution.cost
-    out.print(escape(header), soft_wrap=True)
+    out.print(literal(header), soft_wrap=True)
     if solution.ok:
         table = Table(title="mitigated tensors (recompute time: see the total below)")
         for name, justify in (("tensor", "left"), ("consumers", "left"), ("strategy", "left"),
@@ -76,7 +76,7 @@ def _print(graph: OpGraph, solution: Solution, rows: list[dict[str, Any]], viola
             table.add_column(name, justify=justify)  # type: ignore[arg-type]
         for row in rows:
             added = "-" if row["added_s"] is None else _ms(row["added_s"])
-            table.add_row(escape(row["tensor"]), escape(", ".join(row["consumers"])), row["strategy"],
+            table.add_row(literal(row["tensor"]), literal(", ".join(row["consumers"])), row["strategy"],
                           f"{row['saved_bytes'] / MIB:.2f}", added)
         if rows:
             out.print(table)
@@ -87,7 +87,7 @@ def _print(graph: OpGraph, solution: Solution, rows: list[dict[str, Any]], viola
         for name in ("rule", "op/tensor", "message"):
             bad.add_column(name)
         for v in violations:
-            bad.add_row(v.rule, escape(f"{v.op}/{v.tensor}"), escape(v.message), style="red")
+            bad.add_row(v.rule, literal(f"{v.op}/{v.tensor}"), literal(v.message), style="red")
         out.print(bad)
     colour = "green" if solution.ok else "bold red"
     status = (f"status [{colour}]{solution.status.name}[/{colour}], solver {solution.solver}, "
@@ -107,7 +107,7 @@ def _print(graph: OpGraph, solution: Solution, rows: list[dict[str, Any]], viola
     out.print(status)
     if solution.reason:  # e.g. CP-SAT's time limit reached: the greedy seed it started from
         out.print(f"[yellow]note: {escape(solution.reason)}[/yellow]", soft_wrap=True)
-    out.print(f"plan {escape(str(solution.plan))}", soft_wrap=True)  # Plan.from_str reads it back
+    out.print(f"plan {literal(str(solution.plan))}", soft_wrap=True)  # Plan.from_str reads it back
 
 
 @handle_errors

@@ -7,14 +7,13 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.markup import escape
 
 from bagualu2.costmodel import presets
 from bagualu2.sim.figures import figures
 from bagualu2.sim.report import headline, markdown
 from bagualu2.sim.reproduce import ReproduceConfig, WorkerDied, reproduce, steps, table_ii
 
-from .common import (JSON_HELP, CliError, blame, check_device_room, check_output_path, console, echo_json,
+from .common import (literal, JSON_HELP, CliError, blame, check_device_room, check_output_path, console, echo_json,
                      handle_errors, integer_option, number_option, progress_bar)
 from .files import atomic_write_many
 
@@ -85,7 +84,7 @@ def reproduce_cmd(
         started: list[str] = []
 
         def advance(label: str) -> None:  # called before each step: the ones started before it are done
-            progress.update(task, description=escape(label), completed=len(started))
+            progress.update(task, description=literal(label), completed=len(started))
             started.append(label)
 
         try:
@@ -109,8 +108,8 @@ def reproduce_cmd(
     if json_output:
         echo_json(headline(report))
         return
-    console().print(f"wrote {escape(str(report_path))} and {len(image_paths)} plots in "
-                    f"{escape(str(folder / 'img'))}", soft_wrap=True)
+    console().print(f"wrote {literal(str(report_path))} and {len(image_paths)} plots in "
+                    f"{literal(str(folder / 'img'))}", soft_wrap=True)
 
 
 def _made(path: Path) -> bool:

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
-from rich.markup import escape
 from rich.table import Table
 
 from bagualu2.costmodel import build_graph, point_relation
@@ -16,7 +15,7 @@ from bagualu2.fusion.baselines import BASELINES
 from bagualu2.fusion.gantt import gantt_png_bytes, gantt_text
 from bagualu2.mitigation import greedy
 
-from .common import (GIB, HARDWARE_HELP, IMBALANCE_HELP, JSON_HELP, MODEL_HELP, CliError, check_graph, console,
+from .common import (literal, GIB, HARDWARE_HELP, IMBALANCE_HELP, JSON_HELP, MODEL_HELP, CliError, check_graph, console,
                      echo_json, handle_errors, integer_option, load_hardware, load_model, output_path, parse_imbalance,
                      parse_number, write_output)
 
@@ -51,8 +50,8 @@ def _ms(ns: int) -> str:
 def _print(header: str, chains: Chains, orders: dict[str, Order], timelines: dict[str, Timeline],
            png: Path | None) -> None:
     out = console()
-    out.print(escape(header), soft_wrap=True)
-    out.print("DP order: " + escape(str(orders["dp"])), soft_wrap=True)
+    out.print(literal(header), soft_wrap=True)
+    out.print("DP order: " + literal(str(orders["dp"])), soft_wrap=True)
     out.print(gantt_text(timelines["dp"], chains, width=GANTT_WIDTH), markup=False, highlight=False, soft_wrap=True)
     table = Table(title="orders, costed by the simulator")
     for name, justify in (("order", "left"), ("solver", "left"), ("makespan ms", "right"), ("vs DP", "right"),
@@ -69,7 +68,7 @@ def _print(header: str, chains: Chains, orders: dict[str, Order], timelines: dic
     ratio = reference / bound if bound else 1.0
     out.print(f"lower bound {_ms(bound)} ms (busiest resource or longest chain); DP / lower bound {ratio:.3f}")
     if png is not None:
-        out.print(f"wrote the DP order's Gantt chart to {escape(str(png))}")
+        out.print(f"wrote the DP order's Gantt chart to {literal(str(png))}")
 
 
 @handle_errors

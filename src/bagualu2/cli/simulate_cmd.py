@@ -7,7 +7,6 @@ import math
 from typing import Annotated, Any, Optional
 
 import typer
-from rich.markup import escape
 from rich.table import Table
 
 from bagualu2.costmodel import imbalance_limit
@@ -17,7 +16,7 @@ from bagualu2.sim import (ABLATION, ON_OOM, OVERLAP, POLICIES, PaperTrace, SimRe
                           simulate)
 from bagualu2.sim.simulate import MAX_ITERATIONS, MAX_RESTART_S
 
-from .common import (HARDWARE_HELP, MODEL_HELP, CliError, blame, check_device_room, console, echo_json, handle_errors,
+from .common import (literal, HARDWARE_HELP, MODEL_HELP, CliError, blame, check_device_room, console, echo_json, handle_errors,
                      integer_option, json_help, load_hardware, load_model, number_option, output_path, progress_bar,
                      rate_range, write_output)
 
@@ -148,7 +147,7 @@ def simulate_cmd(
                     if rate > limit:
                         raise ValueError(f"{trace}: iteration {i}, micro-batch {m}: imbalance {number_text(rate)} "
                                          f"above what {name} takes: must be {rate_range(model_config, parallel)}")
-        source = f"{escape(trace)} ({len(rates)} iterations)"
+        source = f"{literal(trace)} ({len(rates)} iterations)"
     else:
         highest = PaperTrace(num_iterations=1).spike_max
         if limit < highest and not model_config.num_experts:
@@ -167,7 +166,7 @@ def simulate_cmd(
     with progress:
         task = progress.add_task("simulating", total=len(policies) * len(rates))
         for k, value in enumerate(policies):
-            progress.update(task, description=escape(value))
+            progress.update(task, description=literal(value))
             with blame("--trace" if trace is not None else "--model"):
                 results.append(simulate(model_config, parallel, hw, value, rates, restart_s=restart_s,
                                         on_oom=on_oom, plan_imbalance=plan_imbalance, overlap=overlap,
@@ -178,7 +177,7 @@ def simulate_cmd(
     if json_output:
         echo_json([result_json(r, name, hw.name) for r in results])
         return
-    table = Table(title=f"{escape(name)} on {escape(hw.name)}: {source}, restart {restart_s:g} s")
+    table = Table(title=f"{literal(name)} on {literal(hw.name)}: {source}, restart {restart_s:g} s")
     for header in ("policy", "mean MFU", "tokens/s", "OOM events", "restarts", "time lost s", "total time s"):
         table.add_column(header, justify="left" if header == "policy" else "right")
     for r in results:
@@ -186,4 +185,4 @@ def simulate_cmd(
                       f"{r.time_lost_s:.1f}", f"{r.total_time_s:.1f}")
     console().print(table)
     if png_path is not None:
-        console().print(f"wrote the MFU plot to {escape(str(png_path))}", soft_wrap=True)
+        console().print(f"wrote the MFU plot to {literal(str(png_path))}", soft_wrap=True)
