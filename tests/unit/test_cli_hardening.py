@@ -536,7 +536,18 @@ def test_a_help_that_cannot_be_written_is_one_line_and_exit_code_2(monkeypatch, 
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(sys, "stdout", Full())
-    with pytest.raises(SystemExit) as exit_:
-        app(["plan", "--help"], prog_name="bagualu2")
-    assert exit_.value.code == 2
-    assert capsys.readouterr().err == "error: input/output error on the output: No space left on device\n"
+    for args in (["plan", "--help"], ["presets"], ["memory", "-m", "tiny-moe", "--json"]):  # a command's output too
+        with pytest.raises(SystemExit) as exit_:
+            app(args, prog_name="bagualu2")
+        assert exit_.value.code == 2
+        assert capsys.readouterr().err == "error: input/output error on the output: No space left on device\n"
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["budget", "--spike-rate", ""], "error: --spike-rate: must be a number in [0, 1], got ''"),
+    (["curve", "--max-imbalance", "x"], "error: --max-imbalance: must be a number >= 1, got 'x'"),
+    (["simulate", "--restart-s", ""], "error: --restart-s: must be a number in [0, 1e9] (seconds), got ''"),
+])
+def test_a_number_that_does_not_parse_names_what_is_allowed(args: list[str], expected: str) -> None:
+    result = run(*args)
+    assert result.exit_code == 2 and result.stderr.strip() == expected

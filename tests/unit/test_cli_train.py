@@ -26,6 +26,9 @@ def test_dry_run_builds_the_torchrun_command():
     assert wrong.exit_code == 2
     assert wrong.stderr.strip() == ("error: --nproc-per-node: the trainer's flags need 2 ranks (--pp x --dp), not "
                                     "3 per node x 1 node(s)")
+    # a real launch is refused alike, before torchrun starts (it would fail on every rank, naming no flag)
+    launched = CliRunner().invoke(app, ["train", "--nproc-per-node", "3", "--", "--pp", "1", "--dp", "2"])
+    assert launched.exit_code == 2 and launched.stderr == wrong.stderr
     nodes = CliRunner().invoke(app, ["train", "--nnodes", "2", "--node-rank", "1", "--master-port", "29511",
                                      "--master-addr", "127.0.0.1", "--dry-run", "--json"])
     assert "--rdzv-endpoint=127.0.0.1:29511" in json.loads(nodes.stdout)["command"]

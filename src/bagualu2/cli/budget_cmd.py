@@ -11,8 +11,8 @@ from rich.table import Table
 from bagualu2.costmodel import Plan
 from bagualu2.runtime import ForwardDecision, IterationReplay, replay_iteration
 
-from .common import (literal, GIB, HARDWARE_HELP, MODEL_HELP, console, echo_json, handle_errors, integer_option, json_help,
-                     number_option, progress_bar)
+from .common import (GIB, HARDWARE_HELP, MODEL_HELP, console, echo_json, handle_errors, integer_option, json_help,
+                     literal, number_in, progress_bar)
 from .iteration import (DEFAULT_HARDWARE, DEFAULT_MODEL, DOWNGRADE_HELP, MAX_IMBALANCE_HELP, SEED_HELP, SPIKE_HELP,
                         SPIKE_RATE_HELP, STAGE_HELP, Iteration, prepare)
 
@@ -64,8 +64,8 @@ def budget(
     hardware: Annotated[str, typer.Option("--hardware", "-H", help=HARDWARE_HELP)] = DEFAULT_HARDWARE,
     stage: Annotated[int, typer.Option("--stage", "-s", parser=integer_option(), help=STAGE_HELP)] = 0,
     seed: Annotated[int, typer.Option(parser=integer_option(), help=SEED_HELP)] = 0,
-    spike_rate: Annotated[float, typer.Option(parser=number_option, help=SPIKE_RATE_HELP)] = 0.05,
-    max_imbalance: Annotated[Optional[float], typer.Option(parser=number_option, help=MAX_IMBALANCE_HELP)] = None,
+    spike_rate: Annotated[float, typer.Option(parser=number_in("in [0, 1]"), help=SPIKE_RATE_HELP)] = 0.05,
+    max_imbalance: Annotated[Optional[float], typer.Option(parser=number_in(">= 1"), help=MAX_IMBALANCE_HELP)] = None,
     spike: Annotated[Optional[list[str]], typer.Option("--spike", metavar="AT=R", help=SPIKE_HELP)] = None,
     downgrade: Annotated[str, typer.Option(metavar="graded|paper", help=DOWNGRADE_HELP)] = "graded",
     show_all: Annotated[bool, typer.Option("--all", help="Show every forward, not only those that mitigated, "

@@ -10,6 +10,7 @@ op durations stay within the integer solvers' range, :func:`check_graph`).
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import math
@@ -72,12 +73,20 @@ def require_extra(extra: str, option: str | None = None) -> None:
                        f"{', '.join(missing)}; on CPU install torch==2.13.0 first)", option)
 
 
+WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EIO, errno.EFBIG, errno.EDQUOT})
+
+
 def _one_line(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         name = exc.filename
         if not (isinstance(name, str) and name and name.isprintable()):
             name = repr(name)  # an empty path shows as '', a newline in one as \n (one line names one path)
-        text = exc.strerror if exc.filename is None else f"cannot access {name}: {exc.strerror}"
+        if exc.filename is not None:
+            text = f"cannot access {name}: {exc.strerror}"
+        elif exc.errno in WRITE_ERRNOS:  # no file named: a write to an open stream, the command's output
+            text = f"input/output error on the output: {exc.strerror}"
+        else:
+            text = exc.strerror
     else:
         text = str(exc) or type(exc).__name__
     return " ".join(text.split())
@@ -199,15 +208,21 @@ def check_rate(value: float, parallel: ParallelConfig | None, option: str = "--i
         raise CliError(f"must be a finite number {rate_range(model, parallel)}, got {value!r}", option) from None
 
 
-def number_option(text) -> float:
+def number_option(text, allowed: str = "") -> float:
     """typer's parser of the float options (``typer.Option(parser=number_option)``): :func:`parse_float`, one
-    ``BadParameter`` line otherwise (the option's default comes in as a float)."""
+    ``BadParameter`` line otherwise, naming ``allowed`` (the option's default comes in as a float)."""
     if isinstance(text, (int, float)):
         return float(text)
     try:
         return parse_float(text)
     except ValueError:
-        raise typer.BadParameter(f"must be a number, got {text!r}") from None
+        raise typer.BadParameter(f"must be a number{' ' + allowed if allowed else ''}, got {text!r}") from None
+
+
+def number_in(allowed: str) -> Callable[[Any], float]:
+    """:func:`number_option` for an option whose values are ``allowed`` (e.g. ``"in [0, 1]"``; the command checks
+    the range itself, after parsing, where it depends on other options)."""
+    return lambda text: number_option(text, allowed)
 
 
 def integer_option(*, minimum: int | None = None, maximum: int | None = None) -> Callable[[Any], int]:

@@ -20,8 +20,8 @@ from bagualu2.costmodel.validate import require_int
 from bagualu2.fusion import build_chains, dp
 from bagualu2.mitigation import greedy
 
-from .common import (literal, HARDWARE_HELP, CliError, blame, check_graph, console, echo_json, handle_errors, integer_option,
-                     json_help, load_hardware, load_model, parse_imbalance, parse_number, progress_bar)
+from .common import (HARDWARE_HELP, CliError, blame, check_graph, console, echo_json, handle_errors, integer_option,
+                     json_help, literal, load_hardware, load_model, parse_imbalance, parse_number, progress_bar)
 
 DEFAULT_MODELS = ("glm-188b-a20b", "glm-1041b-a35b")
 DEFAULT_IMBALANCES = ("1.0", "2.0")

@@ -26,8 +26,8 @@ from rich.table import Table
 from bagualu2.costmodel import stage_memory
 from bagualu2.runtime import replay_iteration
 
-from .common import (literal, GIB, HARDWARE_HELP, JSON_HELP, MIB, MODEL_HELP, CliError, console, echo_json, handle_errors,
-                     integer_option, number_option, one_thread_env, progress_bar, require_extra)
+from .common import (GIB, HARDWARE_HELP, JSON_HELP, MIB, MODEL_HELP, CliError, console, echo_json, handle_errors,
+                     integer_option, literal, number_in, one_thread_env, progress_bar, require_extra)
 from .iteration import MAX_IMBALANCE_HELP, SEED_HELP, SPIKE_RATE_HELP, prepare
 
 PROGRESS_POLL_S = 0.5  # how often the progress bar reads the trainer's metrics file
@@ -38,8 +38,8 @@ def demo(
     model: Annotated[str, typer.Option("--model", "-m", help=MODEL_HELP)] = "glm-1041b-a35b",
     hardware: Annotated[str, typer.Option("--hardware", "-H", help=HARDWARE_HELP)] = "paper-gpu",
     stage: Annotated[int, typer.Option("--stage", "-s", parser=integer_option(), help="Pipeline stage (0-based).")] = 0,
-    spike_rate: Annotated[float, typer.Option(parser=number_option, help=SPIKE_RATE_HELP)] = 0.05,
-    max_imbalance: Annotated[Optional[float], typer.Option(parser=number_option, help=MAX_IMBALANCE_HELP)] = None,
+    spike_rate: Annotated[float, typer.Option(parser=number_in("in [0, 1]"), help=SPIKE_RATE_HELP)] = 0.05,
+    max_imbalance: Annotated[Optional[float], typer.Option(parser=number_in(">= 1"), help=MAX_IMBALANCE_HELP)] = None,
     seed: Annotated[int, typer.Option(parser=integer_option(), help=SEED_HELP)] = 0,
     train_steps: Annotated[int, typer.Option("--train-steps", parser=integer_option(minimum=0, maximum=10_000),
                                              help="Steps of the tiny CPU training run after the planning, 0 to "

@@ -9,9 +9,9 @@ from rich.table import Table
 
 from bagualu2.costmodel import Hardware, ModelConfig, ParallelConfig, Plan, StageMemory, build_graph, stage_memory
 
-from .common import (literal, GIB, HARDWARE_HELP, IMBALANCE_HELP, JSON_HELP, MIB, MODEL_HELP, PLAN_HELP, CliError, blame,
-                     console, echo_json, handle_errors, integer_option, load_hardware, load_model, parse_imbalance,
-                     parse_plan)
+from .common import (GIB, HARDWARE_HELP, IMBALANCE_HELP, JSON_HELP, MIB, MODEL_HELP, PLAN_HELP, CliError, blame,
+                     console, echo_json, handle_errors, integer_option, literal, load_hardware, load_model,
+                     parse_imbalance, parse_plan)
 
 DEFAULT_MODEL = "glm-423b-a30b"
 DEFAULT_HARDWARE = "paper-gpu"

@@ -13,8 +13,9 @@ from bagualu2.costmodel.graph import ITEM_BYTES
 from bagualu2.costmodel.strategy import tensor_offload_ns, tensor_quantize_ns
 from bagualu2.mitigation import Solution, check_conflicts, greedy
 
-from .common import (literal, GIB, HARDWARE_HELP, IMBALANCE_HELP, JSON_HELP, MIB, MODEL_HELP, CliError, check_graph, console,
-                     echo_json, handle_errors, integer_option, load_hardware, load_model, parse_imbalance, parse_number)
+from .common import (GIB, HARDWARE_HELP, IMBALANCE_HELP, JSON_HELP, MIB, MODEL_HELP, CliError, check_graph, console,
+                     echo_json, handle_errors, integer_option, literal, load_hardware, load_model, parse_imbalance,
+                     parse_number)
 
 DEFAULT_MODEL = "glm-423b-a30b"
 DEFAULT_HARDWARE = "paper-gpu"

@@ -13,8 +13,8 @@ from bagualu2.sim.figures import figures
 from bagualu2.sim.report import headline, markdown
 from bagualu2.sim.reproduce import ReproduceConfig, WorkerDied, reproduce, steps, table_ii
 
-from .common import (literal, JSON_HELP, CliError, blame, check_device_room, check_output_path, console, echo_json,
-                     handle_errors, integer_option, number_option, progress_bar)
+from .common import (JSON_HELP, CliError, blame, check_device_room, check_output_path, console, echo_json,
+                     handle_errors, integer_option, literal, number_in, progress_bar)
 from .files import atomic_write_many
 
 # config field -> option
@@ -29,7 +29,7 @@ def reproduce_cmd(
                                             "10**7]).")] = 1000,
     seed: Annotated[int, typer.Option(parser=integer_option(),
                                       help="Seed of the paper trace (an integer in [0, 2**63)).")] = 0,
-    restart_s: Annotated[float, typer.Option("--restart-s", parser=number_option,
+    restart_s: Annotated[float, typer.Option("--restart-s", parser=number_in("in [0, 1e9] (seconds)"),
                                               help="Seconds one OOM restart costs (in [0, 1e9]).")
                          ] = 284.0,
     hardware: Annotated[str, typer.Option("--hardware", "-H", help="Hardware preset name.")] = "paper-gpu",

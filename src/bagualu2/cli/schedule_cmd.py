@@ -15,9 +15,9 @@ from bagualu2.fusion.baselines import BASELINES
 from bagualu2.fusion.gantt import gantt_png_bytes, gantt_text
 from bagualu2.mitigation import greedy
 
-from .common import (literal, GIB, HARDWARE_HELP, IMBALANCE_HELP, JSON_HELP, MODEL_HELP, CliError, check_graph, console,
-                     echo_json, handle_errors, integer_option, load_hardware, load_model, output_path, parse_imbalance,
-                     parse_number, write_output)
+from .common import (GIB, HARDWARE_HELP, IMBALANCE_HELP, JSON_HELP, MODEL_HELP, CliError, check_graph, console,
+                     echo_json, handle_errors, integer_option, literal, load_hardware, load_model, output_path,
+                     parse_imbalance, parse_number, write_output)
 
 DEFAULT_MODEL = "glm-1041b-a35b"
 DEFAULT_HARDWARE = "paper-gpu"

@@ -16,9 +16,9 @@ from bagualu2.sim import (ABLATION, ON_OOM, OVERLAP, POLICIES, PaperTrace, SimRe
                           simulate)
 from bagualu2.sim.simulate import MAX_ITERATIONS, MAX_RESTART_S
 
-from .common import (literal, HARDWARE_HELP, MODEL_HELP, CliError, blame, check_device_room, console, echo_json, handle_errors,
-                     integer_option, json_help, load_hardware, load_model, number_option, output_path, progress_bar,
-                     rate_range, write_output)
+from .common import (HARDWARE_HELP, MODEL_HELP, CliError, blame, check_device_room, console, echo_json, handle_errors,
+                     integer_option, json_help, literal, load_hardware, load_model, number_in, output_path,
+                     progress_bar, rate_range, write_output)
 
 DEFAULT_MODEL = "glm-423b-a30b"
 DEFAULT_ITERATIONS = 200
@@ -66,14 +66,14 @@ def simulate_cmd(
     policy: Annotated[Optional[list[str]], typer.Option("--policy", "-p", help="Policy; repeatable; default: all "
                                                         f"of {', '.join(POLICIES)}; also the ablation levels "
                                                         f"{', '.join(ABLATION)} (Fig. 11).")] = None,
-    restart_s: Annotated[float, typer.Option("--restart-s", parser=number_option,
+    restart_s: Annotated[float, typer.Option("--restart-s", parser=number_in("in [0, 1e9] (seconds)"),
                                               help="Seconds one OOM restart costs (in [0, 1e9]).")
                          ] = 284.0,
     on_oom: Annotated[str, typer.Option("--on-oom", help="What a fixed plan restarts with after an OOM: fallback "
                                         "(static-over, the trainer's) or replan (the crashed iteration on its "
                                         "own plans re-made for its imbalance, then the normal plans again; the "
                                         "paper's §VI-A baselines).")] = "fallback",
-    plan_imbalance: Annotated[float, typer.Option("--plan-imbalance", parser=number_option,
+    plan_imbalance: Annotated[float, typer.Option("--plan-imbalance", parser=number_in(">= 1"),
                                                   help="Imbalance the plans fixed before training are made for "
                                                   "(>= 1).")] = 1.0,
     trace: Annotated[Optional[str], typer.Option("--trace", metavar="FILE", help="The trainer's JSONL imbalance "

@@ -58,8 +58,20 @@ def rendezvous_host(value: str) -> str:
 
 
 def _world_size(trainer_args: list[str], nnodes: int, *, check: bool = False) -> int:
-    """Processes per node the trainer's flags need (asks the trainer; its one-line error is ours). ``check``: the
-    trainer also checks its data and output paths as its launch would, leaving nothing on disk (a dry run)."""
+    """Processes per node the trainer's flags need (:func:`_trainer_world` over ``nnodes``)."""
+    world = _trainer_world(trainer_args, check=check)
+    if world > MAX_PROCESSES * nnodes:
+        raise CliError(f"the trainer's world size {world} (--pp x --dp) needs more than {MAX_PROCESSES} processes "
+                       f"per node on {nnodes} node(s)", "--nnodes")
+    if world % nnodes:
+        raise CliError(f"the trainer's world size {world} (--pp x --dp) is not divisible by --nnodes={nnodes}; "
+                       "give --nproc-per-node", "--nnodes")
+    return world // nnodes
+
+
+def _trainer_world(trainer_args: list[str], *, check: bool = False) -> int:
+    """The ranks the trainer's flags need (asks the trainer; its one-line error is ours). ``check``: the trainer
+    also checks its data and output paths as its launch would, leaving nothing on disk (a dry run)."""
     require_extra("trainer")
     asked = [*trainer_args, "--world-size", *(["--check"] if check else [])]
     proc = subprocess.run([sys.executable, "-m", TRAINER, *asked], capture_output=True, text=True)
@@ -70,14 +82,7 @@ def _world_size(trainer_args: list[str], nnodes: int, *, check: bool = False) ->
                      "--help the trainer's)")
         typer.echo(last if last.startswith("error:") else f"error: {last}", err=True)
         raise typer.Exit(code=2)
-    world = int(proc.stdout.strip().splitlines()[-1])
-    if world > MAX_PROCESSES * nnodes:
-        raise CliError(f"the trainer's world size {world} (--pp x --dp) needs more than {MAX_PROCESSES} processes "
-                       f"per node on {nnodes} node(s)", "--nnodes")
-    if world % nnodes:
-        raise CliError(f"the trainer's world size {world} (--pp x --dp) is not divisible by --nnodes={nnodes}; "
-                       "give --nproc-per-node", "--nnodes")
-    return world // nnodes
+    return int(proc.stdout.strip().splitlines()[-1])
 
 
 @handle_errors
@@ -131,7 +136,7 @@ def train(
         raise typer.Exit(code=subprocess.run([sys.executable, "-m", TRAINER, *asked]).returncode)
     if nproc_per_node is None:
         nproc_per_node = _world_size(trainer_args, nnodes, check=dry_run)
-    elif dry_run and nproc_per_node * nnodes != (world := _world_size(trainer_args, 1, check=True)):
+    elif nproc_per_node * nnodes != (world := _trainer_world(trainer_args, check=dry_run)):
         raise CliError(f"the trainer's flags need {world} ranks (--pp x --dp), not {nproc_per_node} per node x "
                        f"{nnodes} node(s)", "--nproc-per-node")
     if as_json and not dry_run and "--json" not in trainer_args:
