@@ -486,3 +486,37 @@ def test_a_json_file_that_gives_a_field_twice_is_refused():
     model_json = '{"model": {"num_layers": 2, "num_layers": 4}, "parallel": {}}'
     refused(lambda: presets.model_from_json(model_json), "^model JSON gives the key 'num_layers' twice")
     refused(lambda: Hardware.from_json('{"name": "a", "name": "b"}'), "^hardware JSON gives the key 'name' twice")
+
+
+def test_knees_curves_buckets_and_traces_refuse_what_they_cannot_compute(tmp_path):
+    from bagualu2.costmodel import ParallelConfig, memory_curve, num_parameters
+    from bagualu2.sim import load_trace
+
+    refused(lambda: fit_knee([1e300, 2e300, 3e300], [1, 2, 3]), "too far apart to fit a knee")
+    refused(lambda: knee(Strategy.RECOMPUTE, HW, op="x", saved_bytes=5), "op must be the Op")
+    refused(lambda: knee(Strategy.RECOMPUTE, HW, op=GRAPH.ops[0], saved_bytes=True), "saved_bytes")
+    refused(lambda: knee(Strategy.QUANTIZE, HW, dtype=[]), "dtype must be the name of a dtype")
+    refused(lambda: calibrate(HW, Strategy.QUANTIZE, Knee(1.0, 1e9), dtype=[]), "dtype must be the name of a dtype")
+    refused(lambda: num_parameters("tiny-moe"), "model must be a ModelConfig")
+    refused(lambda: memory_curve(ParallelConfig(), 5), "per_microbatch_bytes must be a sequence")
+    for bucket in (ceil_bucket, floor_bucket):
+        refused(lambda: bucket(1e300, 1e-300), "imbalance / step must be a finite number")
+    refused(lambda: spike_trace(8, base_jitter=1e308, max_imbalance=1e308), "max_imbalance")
+    refused(lambda: spike_trace(8, base_imbalance=1.1, base_jitter=1.0, max_imbalance=2.0, spike_min=1.5),
+            "base_jitter=1.0 must keep the ordinary rates")
+    refused(lambda: load_trace(tmp_path / "absent.jsonl"), "absent.jsonl: cannot read the trace")
+
+
+def test_gantt_charts_refuse_what_they_cannot_draw(tmp_path):
+    from bagualu2 import fusion
+    from bagualu2.fusion.gantt import gantt_png, gantt_png_bytes, gantt_text
+    from bagualu2.mitigation import greedy
+
+    plan = greedy.solve(GRAPH, GRAPH.floor_bytes).plan
+    chains = fusion.build_chains(GRAPH, plan, GRAPH, plan)
+    timeline = fusion.simulate(fusion.dp.solve(chains), chains)
+    refused(lambda: gantt_text(None), "timeline must be a fusion Timeline")
+    refused(lambda: gantt_text(timeline, width=10**7), "width must be an integer in")
+    refused(lambda: gantt_png(timeline, ""), "path must be a non-empty file path")
+    refused(lambda: gantt_png_bytes(timeline, title=5), "title must be a string")
+    assert gantt_png_bytes(timeline, title="$\\frac{").startswith(b"\x89PNG")  # a '$' is a character, not math

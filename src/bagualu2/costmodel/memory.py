@@ -36,6 +36,8 @@ def layer_parameters(model: ModelConfig, layer: int, *, tp: int = 1) -> tuple[in
 
 def num_parameters(model: ModelConfig) -> tuple[int, int]:
     """``(total, active per token)`` parameters of the whole model."""
+    if not isinstance(model, ModelConfig):
+        raise ValueError(f"model must be a ModelConfig, got {type(model).__name__}")
     total = active = 0
     for layer in range(model.num_layers):
         dense, expert = layer_parameters(model, layer)

@@ -20,12 +20,13 @@ into a hardware profile.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from .config import Hardware, check_hardware
 from .graph import FLOAT_DTYPES, ITEM_BYTES, Op, TensorSpec
-from .validate import require_number
+from .validate import require_int, require_number
 
 
 class Strategy(str, enum.Enum):
@@ -137,6 +138,9 @@ def knee(strategy: Strategy, hardware: Hardware, *, op: Op | None = None, saved_
         peak = 1.0 / (1.0 / hardware.d2h_bytes_per_s + 1.0 / hardware.h2d_bytes_per_s)
         return Knee(2 * hardware.copy_setup_s * peak, peak)
     if strategy is Strategy.QUANTIZE:
+        if not isinstance(dtype, str):
+            raise ValueError(f"dtype must be the name of a dtype ({', '.join(ITEM_BYTES)}), got "
+                             f"{type(dtype).__name__}")
         item = ITEM_BYTES.get(dtype, 0)
         if item <= 1:
             raise ValueError(f"dtype must be wider than FP8 to quantize, got {dtype!r}")
@@ -144,8 +148,10 @@ def knee(strategy: Strategy, hardware: Hardware, *, op: Op | None = None, saved_
         peak = hardware.hbm_bytes_per_s * (item - 1) / (3 * item + 2)
         return Knee(3 * launch * peak, peak)
     if strategy is Strategy.RECOMPUTE:
-        if op is None or saved_bytes <= 0:
-            raise ValueError("op and saved_bytes > 0 are required for the RECOMPUTE knee")
+        if not isinstance(op, Op):
+            raise ValueError(f"op must be the Op that regenerates the tensor for the RECOMPUTE knee, got "
+                             f"{type(op).__name__}")
+        saved_bytes = require_int("saved_bytes", saved_bytes, 1)
         work_s = max(op.forward_ns * 1e-9 - launch, 1e-12)
         peak = saved_bytes / work_s
         return Knee(launch * peak, peak)
@@ -169,16 +175,22 @@ def fit_knee(sizes_bytes: Sequence[float], overheads_s: Sequence[float]) -> Knee
     sizes_bytes = [require_number("sizes_bytes", s, 0, low_open=True) for s in sizes_bytes]
     overheads_s = [require_number("overheads_s", t, 0, low_open=True) for t in overheads_s]
     n = len(sizes_bytes)
-    mean_s = sum(sizes_bytes) / n
-    mean_t = sum(overheads_s) / n
-    var = sum((s - mean_s) ** 2 for s in sizes_bytes)
-    if var == 0:
-        raise ValueError("sizes_bytes must contain at least two different sizes")
-    slope = sum((s - mean_s) * (t - mean_t) for s, t in zip(sizes_bytes, overheads_s)) / var
-    if slope <= 0:
-        raise ValueError("overheads_s do not grow with sizes_bytes; cannot fit a bandwidth")
-    intercept = max(mean_t - slope * mean_s, 0.0)
-    peak = 1.0 / slope
+    too_far = "sizes_bytes and overheads_s are too far apart to fit a knee in floating point"
+    try:
+        mean_s = sum(sizes_bytes) / n
+        mean_t = sum(overheads_s) / n
+        var = sum((s - mean_s) ** 2 for s in sizes_bytes)
+        if var == 0:
+            raise ValueError("sizes_bytes must contain at least two different sizes")
+        slope = sum((s - mean_s) * (t - mean_t) for s, t in zip(sizes_bytes, overheads_s)) / var
+        if slope <= 0:
+            raise ValueError("overheads_s do not grow with sizes_bytes; cannot fit a bandwidth")
+        intercept = max(mean_t - slope * mean_s, 0.0)
+        peak = 1.0 / slope
+    except (OverflowError, ZeroDivisionError):
+        raise ValueError(too_far) from None
+    if not (math.isfinite(var) and math.isfinite(peak) and math.isfinite(intercept * peak)):
+        raise ValueError(too_far)
     return Knee(intercept * peak, peak)
 
 
@@ -193,6 +205,9 @@ def calibrate(hardware: Hardware, strategy: Strategy, fitted: Knee, *, dtype: st
         return hardware.replace(d2h_bytes_per_s=2 * fitted.peak_bytes_per_s,
                                 h2d_bytes_per_s=2 * fitted.peak_bytes_per_s, kernel_launch_s=launch)
     if strategy is Strategy.QUANTIZE:
+        if not isinstance(dtype, str):
+            raise ValueError(f"dtype must be the name of a dtype ({', '.join(ITEM_BYTES)}), got "
+                             f"{type(dtype).__name__}")
         item = ITEM_BYTES.get(dtype, 0)
         if item <= 1:
             raise ValueError(f"dtype must be wider than FP8 to quantize, got {dtype!r}")

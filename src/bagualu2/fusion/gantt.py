@@ -58,11 +58,20 @@ def _axis(makespan_ms: float, width: int, ticks: int = 4) -> str:
     return "".join(line).rstrip()
 
 
+MAX_WIDTH = 10_000  # cells a text chart's row may have
+
+
+def _check_timeline(timeline) -> None:
+    if not isinstance(timeline, Timeline):
+        raise ValueError(f"timeline must be a fusion Timeline (fusion.simulate), got {type(timeline).__name__}")
+
+
 def gantt_text(timeline: Timeline, chains: Chains | None = None, *, width: int = 100) -> str:
     """A text Gantt chart: a header, one ``|...|`` row per resource (compute, comm, d2h, h2d) of ``width`` cells
     holding the chain letter (F, B, O, R) of the stage that fills most of the cell or '.' when idle, a time axis
     in ms and a legend (stage counts from ``chains`` when given, else from the timeline's events)."""
-    require_int("width", width, 1)
+    _check_timeline(timeline)
+    require_int("width", width, 1, MAX_WIDTH, high_open=False)
     makespan_ms = timeline.makespan_ns * 1e-6
     lines = [f"makespan {makespan_ms:.3f} ms, exposed mitigation {timeline.exposed_mitigation_ns * 1e-6:.3f} ms "
              f"({width} columns of {makespan_ms / width:.4g} ms)"]
@@ -104,6 +113,9 @@ def gantt_png_bytes(timeline: Timeline, *, title: str = "") -> bytes:
 
     One row per resource, one ``broken_barh`` per chain and resource, a colour per chain, a legend, x in ms.
     """
+    _check_timeline(timeline)
+    if not isinstance(title, str):
+        raise ValueError(f"title must be a string, got {type(title).__name__}")
     from matplotlib.figure import Figure  # lazy: no pyplot, no global backend state (Agg canvas by default)
 
     resources = list(Resource)
@@ -124,7 +136,8 @@ def gantt_png_bytes(timeline: Timeline, *, title: str = "") -> bytes:
     axes.set_ylim(-0.6, len(resources) - 0.4)
     axes.set_xlim(0, max(timeline.makespan_ns * 1e-6, 1e-9))
     axes.set_xlabel("time (ms)")
-    axes.set_title(title or f"makespan {timeline.makespan_ns * 1e-6:.3f} ms")
+    # the title as written: a '$' would start matplotlib's math text (and an unbalanced one fail to render)
+    axes.set_title(title.replace("$", r"\$") or f"makespan {timeline.makespan_ns * 1e-6:.3f} ms")
     return png_bytes(figure, bbox_inches="tight")
 
 
@@ -142,9 +155,12 @@ def png_bytes(figure, **savefig) -> bytes:
 def gantt_png(timeline: Timeline, path: str | os.PathLike[str], *, title: str = "") -> Path:
     """Write :func:`gantt_png_bytes` of ``timeline`` to ``path`` (atomically) and return the path.
 
-    ``OSError`` (e.g. ``FileNotFoundError``) when the folder does not exist, or ``path`` exists and is not a
+    ``ValueError`` for a ``path`` that is no file path (empty, not a string); ``OSError`` (e.g.
+    ``FileNotFoundError``) when the folder does not exist, or ``path`` exists and is not a
     regular file (a folder, symlink, FIFO or device node is never replaced).
     """
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise ValueError(f"path must be a non-empty file path (str or os.PathLike), got {path!r:.60}")
     target = Path(path)
     if not target.parent.is_dir():
         raise FileNotFoundError(errno.ENOENT, "no such directory", str(target.parent))

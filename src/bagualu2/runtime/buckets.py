@@ -24,7 +24,7 @@ def ceil_bucket(imbalance: float, step: float, ceiling: float | None = None) -> 
     if ceiling is not None and (isinstance(ceiling, bool) or not isinstance(ceiling, numbers.Real)
                                 or not ceiling >= 1):
         raise ValueError(f"ceiling must be a number >= 1 (infinite: none) or None, got {ceiling!r:.40}")
-    bucket = max(round(math.ceil(imbalance / step - 1e-9) * step, 9), 1.0)
+    bucket = max(round(_steps(imbalance, step, math.ceil, -1e-9) * step, 9), 1.0)
     if bucket < imbalance:  # within the float tolerance above a multiple: never below what was measured
         bucket = float(imbalance)
     return bucket if ceiling is None else min(bucket, max(imbalance, ceiling))
@@ -34,4 +34,12 @@ def floor_bucket(imbalance: float, step: float) -> float:
     """``imbalance`` rounded down to a multiple of ``step`` (at least 1.0)."""
     _check_step(step)
     imbalance = require_number("imbalance", imbalance, 1)
-    return max(round(math.floor(imbalance / step + 1e-9) * step, 9), 1.0)
+    return max(round(_steps(imbalance, step, math.floor, 1e-9) * step, 9), 1.0)
+
+
+def _steps(imbalance: float, step: float, rounding, nudge: float) -> int:
+    """``imbalance / step`` rounded (a float tolerance ``nudge`` first); one line when the ratio is no number."""
+    ratio = imbalance / step + nudge
+    if not math.isfinite(ratio):
+        raise ValueError(f"imbalance / step must be a finite number, got {imbalance!r} / {step!r}")
+    return rounding(ratio)

@@ -19,6 +19,7 @@ from ..costmodel.validate import require_int, require_number
 from .iteration import is_sequence, run_iteration
 from .path import DecisionPath
 
+MAX_TRACE_IMBALANCE = 1 << 20  # above any expert-parallel degree (the most one rank can receive)
 MAX_TRACE = 10**8  # imbalances one spike_trace draws (about 3 GB of Python floats)
 
 
@@ -34,7 +35,10 @@ def spike_trace(num_microbatches: int, *, spike_rate: float = 0.029, max_imbalan
     spike_rate = require_number("spike_rate", spike_rate, 0, 1)
     base_jitter = require_number("base_jitter", base_jitter, 0)
     check_imbalance(base_imbalance)
-    check_imbalance(max_imbalance)
+    require_number("max_imbalance", max_imbalance, 1, MAX_TRACE_IMBALANCE, high_open=False)
+    if base_imbalance + base_jitter > max_imbalance:
+        raise ValueError(f"base_jitter={base_jitter} must keep the ordinary rates (base_imbalance={base_imbalance} "
+                         f"+- base_jitter) at most max_imbalance={max_imbalance}")
     low = base_imbalance + base_jitter if spike_min is None else check_imbalance(spike_min)
     if max_imbalance < low:
         raise ValueError(f"max_imbalance={max_imbalance} must be >= the spikes' lower end {low}")

@@ -202,15 +202,23 @@ def load_trace(path: str | Path) -> tuple[tuple[float, ...], ...]:
     ``{"iteration": i, "microbatch": m, "imbalance": r}``, or the trainer's metrics file (``--metrics-file``: see
     :func:`_metrics_rows`). Blank lines are skipped. Iterations and micro-batches must each be numbered 0, 1, ...
     without gaps, every iteration with the same micro-batch count, no duplicate; anything else is a one-line
-    ``ValueError`` naming the line."""
+    ``ValueError`` naming the line (or the file, for one that cannot be read)."""
     rows: dict[int, dict[int, float]] = {}
     where = {}
     records = []
     if not isinstance(path, (str, os.PathLike)):  # an integer would be read as a file descriptor
         raise ValueError(f"path must be a file path (str or os.PathLike), got {type(path).__name__}")
-    if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO or a device would block or never end
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:  # missing, unreadable folder, a name too long: one line, as for its content
+        raise ValueError(f"{path}: cannot read the trace ({exc.strerror or exc})") from None
+    if not stat.S_ISREG(mode):  # a FIFO or a device would block or never end
         raise ValueError(f"{path}: not a regular file")
-    with open(path, encoding="utf-8-sig") as handle:
+    try:
+        handle = open(path, encoding="utf-8-sig")
+    except OSError as exc:  # no read permission
+        raise ValueError(f"{path}: cannot read the trace ({exc.strerror or exc})") from None
+    with handle:
         lines = enumerate(handle, 1)
         while True:
             try:
