@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 from functools import lru_cache
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -160,6 +161,10 @@ def test_provisioning_is_measured_on_the_normal_iterations_even_after_an_early_f
     data = headline(report)
     assert data["sec2b"]["ratio"] == ratio and data["released"]["released"]["sec2b"] == provisioning_ratio(
         report, "released")[2]
+    cli_doc = (Path(__file__).parents[2] / "docs" / "cli.md").read_text()
+    documented = cli_doc[cli_doc.index("`--json` also prints the report's ratios"):]
+    for key in (*data, *data["fig8"], *data["fig9"], *data["sec2b"]):  # docs/cli.md names every key
+        assert f"`{key}`" in documented, key
     assert "nan" not in markdown(report).lower()
 
 
