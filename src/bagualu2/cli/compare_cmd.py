@@ -142,7 +142,8 @@ def compare(
 
 def _print(points: list[dict[str, Any]], result: dict[str, Any], hw: Hardware, limit: float) -> None:
     out = console()
-    table = Table(title=f"fast vs exact on {literal(hw.name)} ({len(points)} points, CP-SAT limit {limit:g} s each)")
+    counted = f"{len(points)} point{'s' if len(points) != 1 else ''}"
+    table = Table(title=f"fast vs exact on {literal(hw.name)} ({counted}, CP-SAT limit {limit:g} s each)")
     for header in ("model", "r", "budget", "greedy ovh ms", "exact ovh ms", "status", "greedy/exact",
                    "DP span ms", "exact span ms", "DP/exact"):
         table.add_column(header, justify="left" if header in ("model", "status") else "right")

@@ -70,7 +70,8 @@ def demo(
               f"a static plan sized for the worst spike ({max(trace):g}x) would need "
               f"{unmitigated.activation_peak_bytes / GIB:.2f} GiB unmitigated.", soft_wrap=True)
     actions = Counter(d.action for d in replay.decisions)
-    out.print("gate decisions: " + ", ".join(f"{action} {count}" for action, count in sorted(actions.items())),
+    label = "gate decisions" if run.model.num_experts else "decisions (a dense model: no gate)"
+    out.print(f"{label}: " + ", ".join(f"{action} {count}" for action, count in sorted(actions.items())),
               soft_wrap=True)
     if details:
         out.print(_table(replay))

@@ -140,7 +140,7 @@ def simulate_cmd(
         with blame("--trace"):
             rates = load_trace(trace)
             if len(rates[0]) != parallel.num_microbatches:
-                raise ValueError(f"{trace}: iterations have {len(rates[0])} micro-batches, {name} has "
+                raise ValueError(f"{trace}: iterations have {len(rates[0])} micro-batch(es), {name} has "
                                  f"num_microbatches={parallel.num_microbatches}")
             for i, rates_i in enumerate(rates):
                 for m, rate in enumerate(rates_i):
