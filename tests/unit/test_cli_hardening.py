@@ -551,3 +551,29 @@ def test_a_help_that_cannot_be_written_is_one_line_and_exit_code_2(monkeypatch, 
 def test_a_number_that_does_not_parse_names_what_is_allowed(args: list[str], expected: str) -> None:
     result = run(*args)
     assert result.exit_code == 2 and result.stderr.strip() == expected
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["plan", "-m", "tiny-moe", "-m", "glm-188b-a20b"], "error: --model: given more than once; give it once"),
+    (["plan", "-m", "tiny-moe", "--model=tiny-moe"],
+     "error: --model: given more than once (as -m and --model); give it once"),
+    (["simulate", "--hidden-copies", "--full-copies"],
+     "error: --hidden-copies: given more than once (as --hidden-copies and --full-copies); give it once"),
+    (["memory", "-mtiny-moe", "--json", "--json"], "error: --json: given more than once; give it once"),
+])
+def test_an_option_given_twice_is_refused_not_the_last_kept(args: list[str], expected: str) -> None:
+    result = run(*args)
+    assert result.exit_code == 2 and result.stderr.strip() == expected and result.stdout == ""
+
+
+def test_options_that_take_several_values_and_the_words_after_a_double_dash_may_repeat() -> None:
+    from typer.main import get_command
+
+    from bagualu2.cli.usage import repeated_option
+
+    group = get_command(app)
+    budget, train = group.commands["budget"], group.commands["train"]
+    assert repeated_option(budget, ["-m", "tiny-moe", "--spike", "1=2", "--spike", "2=2"]) is None
+    assert repeated_option(budget, ["--seed", "--seed"]) is None  # the second is the first one's value
+    assert repeated_option(train, ["--dry-run", "--", "--steps", "1", "--steps", "2"]) is None
+    assert repeated_option(train, ["--steps", "1", "--steps", "2"]) is None  # the trainer's own flags

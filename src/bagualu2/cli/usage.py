@@ -1,8 +1,9 @@
 """Typer's own parse errors (a bad ``-s abc``, an unknown option or command, an extra argument) as ONE line.
 
 The app's group class runs click in non-standalone mode and turns every ``click.ClickException`` into
-``error: --option: message`` on stderr with exit code 2, like the commands' own errors; ``--help`` and a bare
-``bagualu2`` (which prints the help) are unchanged. It covers ``bagualu2``, ``python -m bagualu2.cli`` and
+``error: --option: message`` on stderr with exit code 2, like the commands' own errors, and refuses an option
+given twice (:func:`repeated_option`; click would keep the last value); ``--help`` and a bare ``bagualu2`` (which
+prints the help) are unchanged. It covers ``bagualu2``, ``python -m bagualu2.cli`` and
 ``typer.testing.CliRunner`` alike, since they all call the group's ``main``. Typer vendors click, so the exception
 classes are recognised by name (``ClickException``, ``UsageError``, ...), never imported from a private module.
 """
@@ -80,8 +81,13 @@ class OneLineErrors(TyperGroup):
     def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
              standalone_mode: bool = True, **extra: Any) -> Any:
         try:
-            code = super().main(args=args, prog_name=prog_name, complete_var=complete_var, standalone_mode=False,
-                                **extra)
+            repeated = repeated_option(self._named_command(args), self._words(args))
+            if repeated is not None:
+                typer.echo(repeated, err=True)
+                code = EXIT_USAGE
+            else:
+                code = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
+                                    standalone_mode=False, **extra)
         except typer.Abort:
             typer.echo("error: aborted", err=True)
             code = 1
@@ -109,3 +115,43 @@ class OneLineErrors(TyperGroup):
         words = list(sys.argv[1:] if args is None else args)
         first = next((word for word in words if not str(word).startswith("-")), None)
         return None if first is None else self.commands.get(str(first))
+
+    @staticmethod
+    def _words(args: Any) -> list[str]:
+        """The words of ``args`` (default: the command line) after the subcommand's name."""
+        words = [str(word) for word in (sys.argv[1:] if args is None else args)]
+        first = next((i for i, word in enumerate(words) if not word.startswith("-")), len(words))
+        return words[first + 1:]
+
+
+def repeated_option(command: Any, words: list[str]) -> str | None:
+    """The one-line error for an option of ``command`` given twice in ``words`` (click would keep the last value
+    silently; an option that takes several, like ``--spike``, may repeat), else None. The words after ``--`` (the
+    trainer's, for ``train``) and the options ``command`` does not know are not looked at."""
+    if command is None:
+        return None
+    single = {}
+    for param in getattr(command, "params", ()):
+        if getattr(param, "multiple", False) or not hasattr(param, "opts"):
+            continue
+        for spelling in (*param.opts, *getattr(param, "secondary_opts", ())):
+            single[spelling] = param
+    seen: dict[str, str] = {}
+    index = 0
+    while index < len(words):
+        word = words[index]
+        if word == "--":
+            break
+        spelling = word.partition("=")[0] if word.startswith("--") else word[:2] if word.startswith("-") else ""
+        param = single.get(spelling)
+        index += 1
+        if param is None:
+            continue
+        if not getattr(param, "is_flag", False) and word == spelling:  # its value is the next word
+            index += 1
+        if param.name in seen:
+            first = seen[param.name]
+            also = f" (as {first} and {spelling})" if first != spelling else ""
+            return f"error: {_option_name(param)}: given more than once{also}; give it once"
+        seen[param.name] = spelling
+    return None
