@@ -577,3 +577,10 @@ def test_options_that_take_several_values_and_the_words_after_a_double_dash_may_
     assert repeated_option(budget, ["--seed", "--seed"]) is None  # the second is the first one's value
     assert repeated_option(train, ["--dry-run", "--", "--steps", "1", "--steps", "2"]) is None
     assert repeated_option(train, ["--steps", "1", "--steps", "2"]) is None  # the trainer's own flags
+
+
+@pytest.mark.parametrize("command", ["plan", "memory", "schedule", "budget", "curve", "demo"])
+def test_a_stage_out_of_range_reads_the_same_in_every_command(command: str) -> None:
+    result = run(command, "-m", "glm-188b-a20b", "-s", "99")
+    assert result.exit_code == 2
+    assert result.stderr.strip() == "error: --stage: must be in [0, 4) (pp=4 for glm-188b-a20b), got 99"

@@ -99,7 +99,7 @@ def memory(
     rate = parse_imbalance(imbalance, parallel, model=model_config)
     mitigation = parse_plan(plan)
     if stage is not None and not 0 <= stage < parallel.pp:
-        raise CliError(f"must be in [0, {parallel.pp}) for {name} (pp={parallel.pp}), got {stage}", "--stage")
+        raise CliError(f"must be in [0, {parallel.pp}) (pp={parallel.pp} for {name}), got {stage}", "--stage")
     stages = list(range(parallel.pp)) if stage is None else [stage]
     rows = stage_rows(model_config, parallel, hw, plan=mitigation, imbalance=rate, stages=stages)
     if json_output:

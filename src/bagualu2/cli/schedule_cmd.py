@@ -103,9 +103,9 @@ def schedule(
                                                                 maximum=2.0**30)
     limit = parse_number(time_limit, "--time-limit", minimum=0.0, strict=True, what=" (seconds)")
     if not 0 <= stage < parallel.pp:
-        raise CliError(f"must be in [0, {parallel.pp}) for {name} (pp={parallel.pp}), got {stage}", "--stage")
+        raise CliError(f"must be in [0, {parallel.pp}) (pp={parallel.pp} for {name}), got {stage}", "--stage")
     if not 0 <= chunk < parallel.vp:
-        raise CliError(f"must be in [0, {parallel.vp}) for {name} (vp={parallel.vp}), got {chunk}", "--chunk")
+        raise CliError(f"must be in [0, {parallel.vp}) (vp={parallel.vp} for {name}), got {chunk}", "--chunk")
     png_path = output_path(png, inputs={"--model": model, "--hardware": hardware})
     graph = check_graph(build_graph(model_config, parallel, hw, imbalance=rate, stage=stage, chunk=chunk))
     budget = (graph.floor_bytes + graph.unmitigated_bytes) // 2 if requested is None else int(requested * GIB)
