@@ -81,7 +81,7 @@ class OneLineErrors(TyperGroup):
     def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
              standalone_mode: bool = True, **extra: Any) -> Any:
         try:
-            repeated = repeated_option(self._named_command(args), self._words(args))
+            repeated = repeated_option(*self._split(args))
             if repeated is not None:
                 typer.echo(repeated, err=True)
                 code = EXIT_USAGE
@@ -112,16 +112,14 @@ class OneLineErrors(TyperGroup):
 
     def _named_command(self, args: Any) -> Any:
         """The subcommand the first word of ``args`` (default: the command line) names, or None."""
-        words = list(sys.argv[1:] if args is None else args)
-        first = next((word for word in words if not str(word).startswith("-")), None)
-        return None if first is None else self.commands.get(str(first))
+        return self._split(args)[0]
 
-    @staticmethod
-    def _words(args: Any) -> list[str]:
-        """The words of ``args`` (default: the command line) after the subcommand's name."""
+    def _split(self, args: Any) -> tuple[Any, list[str]]:
+        """The subcommand the first word of ``args`` (default: the command line) that is no option names (or
+        None), and the words after it."""
         words = [str(word) for word in (sys.argv[1:] if args is None else args)]
-        first = next((i for i, word in enumerate(words) if not word.startswith("-")), len(words))
-        return words[first + 1:]
+        first = next((i for i, word in enumerate(words) if not word.startswith("-")), None)
+        return (None, []) if first is None else (self.commands.get(words[first]), words[first + 1:])
 
 
 def repeated_option(command: Any, words: list[str]) -> str | None:

@@ -138,12 +138,7 @@ def knee(strategy: Strategy, hardware: Hardware, *, op: Op | None = None, saved_
         peak = 1.0 / (1.0 / hardware.d2h_bytes_per_s + 1.0 / hardware.h2d_bytes_per_s)
         return Knee(2 * hardware.copy_setup_s * peak, peak)
     if strategy is Strategy.QUANTIZE:
-        if not isinstance(dtype, str):
-            raise ValueError(f"dtype must be the name of a dtype ({', '.join(ITEM_BYTES)}), got "
-                             f"{type(dtype).__name__}")
-        item = ITEM_BYTES.get(dtype, 0)
-        if item <= 1:
-            raise ValueError(f"dtype must be wider than FP8 to quantize, got {dtype!r}")
+        item = _quantized_item_bytes(dtype)
         # saves (item-1)/item of S in (3*item + 2)/item * S / hbm seconds
         peak = hardware.hbm_bytes_per_s * (item - 1) / (3 * item + 2)
         return Knee(3 * launch * peak, peak)
@@ -156,6 +151,16 @@ def knee(strategy: Strategy, hardware: Hardware, *, op: Op | None = None, saved_
         peak = saved_bytes / work_s
         return Knee(launch * peak, peak)
     raise ValueError(f"KEEP has no mitigation knee; choose one of {', '.join(s.value for s in MITIGATIONS)}")
+
+
+def _quantized_item_bytes(dtype) -> int:
+    """Bytes per element of ``dtype``, a dtype QUANTIZE applies to (wider than FP8): one ``ValueError`` otherwise."""
+    if not isinstance(dtype, str):
+        raise ValueError(f"dtype must be the name of a dtype ({', '.join(ITEM_BYTES)}), got {type(dtype).__name__}")
+    item = ITEM_BYTES.get(dtype, 0)
+    if item <= 1:
+        raise ValueError(f"dtype must be wider than FP8 to quantize, got {dtype!r}")
+    return item
 
 
 def _strategy_on(strategy, hardware) -> tuple[Strategy, Hardware]:
@@ -205,12 +210,7 @@ def calibrate(hardware: Hardware, strategy: Strategy, fitted: Knee, *, dtype: st
         return hardware.replace(d2h_bytes_per_s=2 * fitted.peak_bytes_per_s,
                                 h2d_bytes_per_s=2 * fitted.peak_bytes_per_s, kernel_launch_s=launch)
     if strategy is Strategy.QUANTIZE:
-        if not isinstance(dtype, str):
-            raise ValueError(f"dtype must be the name of a dtype ({', '.join(ITEM_BYTES)}), got "
-                             f"{type(dtype).__name__}")
-        item = ITEM_BYTES.get(dtype, 0)
-        if item <= 1:
-            raise ValueError(f"dtype must be wider than FP8 to quantize, got {dtype!r}")
+        item = _quantized_item_bytes(dtype)
         return hardware.replace(hbm_bytes_per_s=fitted.peak_bytes_per_s * (3 * item + 2) / (item - 1),
                                 kernel_launch_s=fitted.setup_s / 3)
     raise ValueError(f"calibrate supports OFFLOAD and QUANTIZE, got {strategy.value}")

@@ -14,12 +14,12 @@ from typing import Callable
 
 from ..costmodel import Hardware, ModelConfig, ParallelConfig
 from ..costmodel.build import check_imbalance
-from ..costmodel.config import check_compatible
+from ..costmodel.config import PARALLEL_MAX, check_compatible
 from ..costmodel.validate import require_int, require_number
 from .iteration import is_sequence, run_iteration
 from .path import DecisionPath
 
-MAX_TRACE_IMBALANCE = 1 << 20  # above any expert-parallel degree (the most one rank can receive)
+MAX_TRACE_IMBALANCE = float(PARALLEL_MAX["ep"])  # no rank receives more than ep times the mean
 MAX_TRACE = 10**8  # imbalances one spike_trace draws (about 3 GB of Python floats)
 
 

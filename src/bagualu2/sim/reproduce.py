@@ -318,7 +318,7 @@ def _key(model, parallel, policy: str, overlap: str, normal: bool) -> tuple:
     return (model, parallel, "flexible" if policy == "L4" else policy, overlap, normal)  # L4 is flexible
 
 
-def _runs(config: ReproduceConfig, step: Callable[[str], None]):
+def _runs(config: ReproduceConfig, trace: tuple, step: Callable[[str], None]):
     hardware = presets.hardware(config.hardware)
     parts = _parts(config)
     specs = [spec for part in parts for spec in part]
@@ -360,7 +360,6 @@ def _runs(config: ReproduceConfig, step: Callable[[str], None]):
     def overheads(scales) -> tuple:
         """(model, decision ms per iteration, simulated seconds per iteration) for each of ``config.models``, the
         replays side by side in the workers once every simulation is done (each alone on its CPU)."""
-        trace = trace_for(config)
         names = [run.label for run in scales if run.label in config.models]
         args = (config.hardware, trace, config.overhead_iterations)
         replays = {name: pool.submit(decision_ms, name, *args) for name in names} if pool is not None else {}
@@ -417,6 +416,6 @@ def reproduce(config: ReproduceConfig | None = None, *, progress: Callable[[str]
     if progress is not None and not callable(progress):
         raise ValueError(f"progress must be a callable or None, got {type(progress).__name__}")
     step = progress or (lambda label: None)
-    scales, sparsity, lengths, tokens, ablation, released, provisioning, overhead = _runs(config, step)
-    return Report(config, tuple(trace_for(config)), scales, sparsity, lengths, tokens, ablation, released, overhead,
-                  provisioning)
+    trace = tuple(trace_for(config))
+    scales, sparsity, lengths, tokens, ablation, released, provisioning, overhead = _runs(config, trace, step)
+    return Report(config, trace, scales, sparsity, lengths, tokens, ablation, released, overhead, provisioning)

@@ -209,14 +209,10 @@ def load_trace(path: str | Path) -> tuple[tuple[float, ...], ...]:
     if not isinstance(path, (str, os.PathLike)):  # an integer would be read as a file descriptor
         raise ValueError(f"path must be a file path (str or os.PathLike), got {type(path).__name__}")
     try:
-        mode = os.stat(path).st_mode
-    except OSError as exc:  # missing, unreadable folder, a name too long: one line, as for its content
-        raise ValueError(f"{path}: cannot read the trace ({exc.strerror or exc})") from None
-    if not stat.S_ISREG(mode):  # a FIFO or a device would block or never end
-        raise ValueError(f"{path}: not a regular file")
-    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO or a device would block or never end
+            raise ValueError(f"{path}: not a regular file")
         handle = open(path, encoding="utf-8-sig")
-    except OSError as exc:  # no read permission
+    except OSError as exc:  # missing, no read permission, a name too long: one line, as for its content
         raise ValueError(f"{path}: cannot read the trace ({exc.strerror or exc})") from None
     with handle:
         lines = enumerate(handle, 1)
