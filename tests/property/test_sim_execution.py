@@ -180,6 +180,32 @@ def test_without_overlap_an_iteration_is_the_serial_sum_of_all_it_runs(policy, s
     assert stage_overheads(MODEL, PARALLEL, HW, 0).reduce_s > 0
     assert run.iterations[0].time_s == pytest.approx(max(totals) + bubble_s, rel=1e-9)
 
+@pytest.mark.parametrize("policy", ["kwai", "flexible"])
+def test_the_bubble_is_the_ramps_forwards_and_backwards_each_run_alone(policy):
+    """Under ``real`` a steady pair overlaps one micro-batch's all-to-all with the other's compute, but the
+    pipeline's warmup and cooldown ramp runs every chunk's forward and backward alone: the interleaved 1F1B
+    bubble is (pp - 1) chunk forwards and backwards at their alone times (each stage's every chunk-forward,
+    averaged, the output layer and embedding included), longer than the pairs' mean."""
+    from bagualu2.sim.overheads import stage_overheads
+    from bagualu2.sim.simulate import stage_time
+
+    m = PARALLEL.num_microbatches
+    rates = (1.1,) * m
+    run = simulate(MODEL, PARALLEL, HW, policy, [rates], restart_s=0.0, plan_imbalance=1.2)
+    wholes, ramps, busy = [], [], []
+    for stage in range(PARALLEL.pp):
+        ctx = StageContext(MODEL, PARALLEL, HW, stage)
+        timed = stage_time(bagualu2.sim.make_policy(policy, ctx, plan_imbalance=1.2), rates)
+        extra = stage_overheads(MODEL, PARALLEL, HW, stage)
+        wholes.append(timed.busy_s + extra.sync_s(timed.last_backward_s, timed.first_forward_s) + extra.head_s)
+        ramps.append(timed.alone_s + extra.head_s)
+        busy.append(timed.busy_s + extra.head_s)
+    per_chunk = m * PARALLEL.vp
+    assert run.iterations[0].time_s == pytest.approx(
+        max(wholes) + (PARALLEL.pp - 1) * sum(ramps) / len(ramps) / per_chunk, rel=1e-12)
+    assert sum(ramps) > sum(busy) * 1.01  # the pairs hid part of their steps: the ramp has no pairs to hide them
+
+
 rates = st.floats(1.0, 2.6, allow_nan=False).map(lambda r: round(r, 1))
 traces = st.lists(rates, min_size=1, max_size=3).map(tuple)
 

@@ -9,7 +9,9 @@ above the stage's ``M_max`` is an OOM (never for ``ideal``).
 
 Time. A stage is busy for its steps — a warmup forward, a steady F_x B_y pair, a cooldown backward, each in the
 policy's execution — plus the output layer and embedding of every micro-batch (:mod:`.overheads`). With ``T_c``
-the mean over stages of (busy time / chunk forwards)::
+the mean over stages and chunk-forwards of a chunk's forward and backward each run alone (as the pipeline's warmup
+and cooldown run them: the steady pairs' overlap does not shorten the ramp), the output layer and embedding
+included::
 
     iteration_s = max over stages (busy_s + exposed gradient sync + optimizer_s) + (pp - 1) * T_c
 
@@ -189,13 +191,16 @@ def check_trace(trace, parallel: ParallelConfig, model: ModelConfig | None = Non
 
 
 class StageTime(NamedTuple):
-    """One stage over one iteration: seconds busy with chunk steps, the in-flight activation peak, and the seconds
-    of the first micro-batch's forwards and the last one's backwards (what gradient traffic can hide behind)."""
+    """One stage over one iteration: seconds busy with chunk steps, the in-flight activation peak, the seconds of
+    the first micro-batch's forwards and the last one's backwards (what gradient traffic can hide behind), and
+    ``alone_s``: every chunk-forward's forward and backward each timed alone, as the pipeline's ramp runs them
+    (what the bubble is made of)."""
 
     busy_s: float
     peak_bytes: int
     first_forward_s: float
     last_backward_s: float
+    alone_s: float
 
 
 def stage_time(policy: StagePolicy, rates: tuple[float, ...]) -> StageTime:
@@ -207,13 +212,14 @@ def stage_time(policy: StagePolicy, rates: tuple[float, ...]) -> StageTime:
                         rates, m_max_bytes=ctx.plan_m_max_bytes, budgeted=policy.budgeted)
     choices = iter(f.result for f in run.forwards)
     running: dict[int, object] = {}
-    busy = first = final = 0.0
+    busy = first = final = alone = 0.0
     paired = False  # the backward after a steady forward ran inside its pair
     steps = ctx.steps
     final_mb = len(rates) - 1
     for i, step in enumerate(steps):
         if step.forward:
             choice = running[step.index] = next(choices)
+            alone += choice.forward_s + choice.backward_s
             if (step.microbatch, step.chunk) in ctx.point_leads:  # F_x B_y: the backward is the next step
                 after = steps[i + 1]
                 busy += ctx.pair_s(choice, running[after.index])  # a steady F_x B_y point, each its own plan
@@ -230,7 +236,7 @@ def stage_time(policy: StagePolicy, rates: tuple[float, ...]) -> StageTime:
             busy += running[step.index].backward_s
             if step.microbatch == final_mb:
                 final += running[step.index].backward_s
-    return StageTime(busy, run.peak_bytes, first, final)
+    return StageTime(busy, run.peak_bytes, first, final, alone)
 
 
 class _Run:
@@ -263,20 +269,29 @@ class _Run:
         parallel = self.parallel
         rates = key if isinstance(key, tuple) else (key,) * parallel.num_microbatches
         hides = self.config.overlap != "none"  # all serial: nothing hides the gradient traffic either
-        busy, totals, peaks, oom = [], [], [], False
+        # per stage, each way the policy may run it (the oracle's two): (whole seconds, ramp seconds, peak bytes)
+        ways = []
         for policy, extra in zip(policies, self.overheads):
-            def whole_s(t: StageTime, extra=extra) -> float:
-                return t.busy_s + extra.sync_s(t.last_backward_s * hides, t.first_forward_s * hides)
+            timed = [stage_time(way, rates) for way in policy.alternatives()]
+            ways.append([(t.busy_s + extra.sync_s(t.last_backward_s * hides, t.first_forward_s * hides) + extra.head_s,
+                          t.alone_s + extra.head_s, t.peak_bytes) for t in timed])
 
-            timed = min((stage_time(way, rates) for way in policy.alternatives()), key=whole_s)  # the stage's whole
-            busy.append(timed.busy_s + extra.head_s)
-            totals.append(whole_s(timed) + extra.head_s)
-            peaks.append(timed.peak_bytes)
-            oom = oom or (policy.bounded and timed.peak_bytes > policy.ctx.m_max_bytes)
-        chunk_s = sum(busy) / len(busy) / (parallel.num_microbatches * parallel.vp)
-        time_s = max(totals) + (parallel.pp - 1) * chunk_s  # Megatron's interleaved 1F1B bubble
+        def iteration_s(chosen) -> float:
+            # Megatron's interleaved 1F1B bubble: (pp - 1) chunk forwards and backwards, each alone (the ramp
+            # pairs none)
+            chunk_s = sum(way[1] for way in chosen) / len(chosen) / (parallel.num_microbatches * parallel.vp)
+            return max(way[0] for way in chosen) + (parallel.pp - 1) * chunk_s
+
+        # each stage's fastest way, or one way on every stage (the bubble is every stage's: a stage's fastest may
+        # lengthen it), whichever iteration is the shorter
+        candidates = [[min(options) for options in ways]] + [[options[i] for options in ways]
+                                                             for i in range(len(ways[0]))]
+        chosen = min(candidates, key=iteration_s)
+        time_s = iteration_s(chosen)
+        peaks = tuple(way[2] for way in chosen)
+        oom = any(policy.bounded and peak > policy.ctx.m_max_bytes for policy, peak in zip(policies, peaks))
         found = self._memo[memo_key] = IterationResult(
-            time_s, self.flops / (time_s * self.hardware.peak_flops), tuple(peaks), oom, False, name)
+            time_s, self.flops / (time_s * self.hardware.peak_flops), peaks, oom, False, name)
         return found
 
 
