@@ -3,12 +3,15 @@ returns, the one-chain DP shortcut is the recurrence's order, and a replay is re
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from bagualu2.costmodel import build_graph, evaluate, presets
 from bagualu2.costmodel.evaluate import evaluate_resolved, mitigation_ops, resolve
 from bagualu2.fusion import Chain, Chains, Stage, build_chains, dp, simulate
 from bagualu2.mitigation import greedy
-from bagualu2.runtime import DecisionPath, downgrade_plan, replay_iteration, spike_trace
+from bagualu2.mitigation.space import decision_space
+from bagualu2.runtime import DecisionPath, downgrade_plan, gate_free_tensors, replay_iteration, spike_trace
 
 MODEL, PARALLEL = presets.model("glm-188b-a20b")
 HW = presets.hardware("paper-gpu")
@@ -31,6 +34,38 @@ def test_memoised_mitigation_ops_and_downgrade_match_fresh_graphs():
         assert mitigation_ops(graph, plan) == mitigation_ops(fresh_graph, plan)
         assert downgrade_plan(graph, plan) == downgrade_plan(graph, plan) == downgrade_plan(fresh_graph, plan)
         assert evaluate(graph, plan) == evaluate_resolved(fresh_graph, resolve(fresh_graph, plan))
+
+
+def _first_candidates(graph, fixed, free, window_ns):
+    """The first candidates of the partial solve's start (from the solver's cache), after a solve to the floor. The
+    copies made so far ride along in each of them but are read only under a copy window: left out without one."""
+    config = greedy.GreedyConfig(copy_window_ns=window_ns)
+    greedy.solve(graph, graph.floor_bytes, fixed=fixed, free=free, config=config)
+    space = decision_space(graph)
+    found = greedy._INITIAL[space][greedy._start(space, graph, fixed, free, window_ns).start_key]
+    return found if window_ns else [entry[:7] + entry[8:] for entry in found]
+
+
+def test_partial_solves_sharing_first_candidates_match_fresh_graphs():
+    """The re-plans of one free set under many plans in force share the free tensors' first candidates (cached by
+    what the recompute walks see of the fixed plan): each gets what a fresh graph builds for it, and decides the
+    same."""
+    rng = random.Random(5)
+    graph = build_graph(MODEL, PARALLEL, HW, imbalance=1.6)
+    choices = decision_space(graph).choices
+    layers = sorted({op.layer for op in graph.ops if op.kind == "router"})
+    free_sets = [gate_free_tensors(graph, layers[1:])] + [
+        frozenset(choice.tensor for choice in rng.sample(choices, 6)) for _ in range(3)]
+    for trial in range(60):
+        fixed = decision_space(graph).plan({choice.tensor: rng.choice(choice.strategies)
+                                            for choice in rng.sample(choices, rng.randrange(len(choices)))})
+        free, window_ns = free_sets[trial % len(free_sets)], (0, 2_000_000)[trial // len(free_sets) % 2]
+        fresh_graph = build_graph(MODEL, PARALLEL, HW, imbalance=1.6)
+        assert _first_candidates(graph, fixed, free, window_ns) == _first_candidates(fresh_graph, fixed, free,
+                                                                                       window_ns)
+        budget = (graph.floor_bytes + graph.unmitigated_bytes) // 2
+        shared, fresh = (greedy.solve(g, budget, fixed=fixed, free=free) for g in (graph, fresh_graph))
+        assert (shared.status, shared.plan, shared.cost) == (fresh.status, fresh.plan, fresh.cost)
 
 
 def test_one_chain_dp_order_is_one_stage_per_group():
@@ -58,3 +93,20 @@ def test_replays_are_reproducible_within_a_process():
         return rows, path.hits, path.misses
 
     assert decisions() == decisions()
+
+
+def test_the_solvers_memos_let_a_graph_go():
+    """The greedy keeps its starts and first candidates per decision space in weak memos: once nothing else holds
+    the graph, its space goes too (a memo value that held the space kept every space ever built alive)."""
+    import gc
+    import weakref
+
+    graph = build_graph(MODEL, PARALLEL, HW, imbalance=1.3)
+    space = decision_space(graph)
+    fixed = space.plan({choice.tensor: choice.strategies[0] for choice in space.choices[:5]})
+    greedy.solve(graph, (graph.floor_bytes + graph.unmitigated_bytes) // 2, fixed=fixed,
+                 free=gate_free_tensors(graph))
+    gone = weakref.ref(space)
+    del graph, space
+    gc.collect()
+    assert gone() is None

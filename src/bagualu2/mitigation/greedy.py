@@ -28,7 +28,7 @@ import heapq
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 from ..costmodel import OpGraph, Plan, Strategy, resolve
 from ..costmodel.evaluate import recompute_closure
@@ -94,7 +94,7 @@ class _State:
         self.freed = 0
         self.overhead_ns = 0
         self.copy_ns = 0  # the copies of the offloaded tensors, both directions
-        self.start_key = None  # what identifies the start state (its candidates are cached by it)
+        self.start_key = None  # what identifies the start's candidates (they are cached by it: _candidates_key)
 
     def exposed_ns(self, copy_ns: int) -> int:
         """What ``copy_ns`` of copies add to the point's time."""
@@ -183,13 +183,27 @@ def _start(space: Space, graph: OpGraph, fixed: Plan | None, free, window_ns: in
     memo = _STARTS.setdefault(space, {})
     found = memo.get(key)
     if found is None:
-        found = memo[key] = _fixed_start(space, graph, fixed, movable, window_ns)
-        found.start_key = key
+        built = _fixed_start(space, graph, fixed, movable, window_ns)
+        found = memo[key] = _Start(built.movable, built.chosen, frozenset(built.rerun), built.freed,
+                                   built.overhead_ns, built.copy_ns, _candidates_key(built))
     state = _State(space, found.movable, window_ns)
     state.chosen, state.rerun = dict(found.chosen), set(found.rerun)
-    state.freed, state.overhead_ns, state.start_key = found.freed, found.overhead_ns, key
+    state.freed, state.overhead_ns, state.start_key = found.freed, found.overhead_ns, found.start_key
     state.copy_ns = found.copy_ns
     return state
+
+
+class _Start(NamedTuple):
+    """A start as the memo keeps it: the state's values without its space (a value that held the space would keep
+    the memo's weak key, and every space with it, alive)."""
+
+    movable: frozenset | None
+    chosen: dict
+    rerun: frozenset
+    freed: int
+    overhead_ns: int
+    copy_ns: int
+    start_key: tuple
 
 
 def _fixed_start(space: Space, graph: OpGraph, fixed: Plan | None, movable: frozenset | None,
@@ -211,6 +225,42 @@ def _fixed_start(space: Space, graph: OpGraph, fixed: Plan | None, movable: froz
     if movable is None:
         state.movable = frozenset()  # everything is fixed
     return state
+
+
+def _candidates_key(state: _State) -> tuple:
+    """What the first candidates of a start with a movable set depend on (:func:`_improved` caches them by it):
+    the movable tensors (all at KEEP), the copy window and, under a window, the copies already made (an offload's
+    cost then depends on them; without one they only ride along in the heap entries, never read), and what the
+    recompute walks from the movable tensors can see of the fixed part: which tensors on their way are recomputed
+    (not stored) and which ops on it already re-run (:func:`_walk_reach`). Two starts that agree on these give
+    every movable tensor the same deltas, so the same initial heap."""
+    tensors, ops = _walk_reach(state.space, state.movable)
+    recomputed = frozenset(t for t in tensors if state.chosen.get(t) is RECOMPUTE)
+    return (state.movable, state.window_ns, state.copy_ns if state.window_ns else None, recomputed,
+            frozenset(state.rerun & ops))
+
+
+def _walk_reach(space: Space, movable: frozenset) -> tuple[frozenset, frozenset]:
+    """The tensors outside ``movable`` that a recompute walk from a tensor in ``movable`` may ask whether they are
+    stored, and the ops it may ask whether they re-run already, whatever the other tensors' strategies: the walk of
+    :func:`recompute_closure` with only the pinned tensors stored (built once per space and movable set)."""
+    memo = _STARTS.setdefault(space, {})
+    key = ("reach", movable)
+    found = memo.get(key)
+    if found is None:
+        tensors, ops = set(movable), set()
+        work = list(movable)
+        while work:
+            producer = space.producer[work.pop()]
+            if producer is None or producer in ops:
+                continue
+            ops.add(producer)
+            for source in space.inputs[producer]:
+                if source not in tensors and source not in space.pinned:
+                    tensors.add(source)
+                    work.append(source)
+        found = memo[key] = (frozenset(tensors - movable), frozenset(ops))
+    return found
 
 
 def solve(graph: OpGraph, budget_bytes: int, *, config: GreedyConfig | None = None, fixed: Plan | None = None,
@@ -258,7 +308,7 @@ def solve(graph: OpGraph, budget_bytes: int, *, config: GreedyConfig | None = No
     return make_solution(graph, space.plan(state.chosen), status, name, started, time.perf_counter(), stats)
 
 
-# per space: the candidates of a start, by start (None: all KEEP; else the fixed plan's entries and the free set)
+# per space: the candidates of a start, by start (None: all KEEP; else what they depend on, _candidates_key)
 _INITIAL: "weakref.WeakKeyDictionary[Space, dict]" = weakref.WeakKeyDictionary()
 
 
