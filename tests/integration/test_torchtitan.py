@@ -117,8 +117,10 @@ def assets(tmp_path_factory):
 def _pair(root: Path, assets: Path, data: Path, name: str, nproc: int, layout: tuple[str, ...], cap_mib: int,
           *planned: str):
     """A plain run and a planned one (flexible, exact plans, ``cap_mib``, ``planned`` flags): the gradient digests
-    of both and the planned run's reports, per rank."""
-    launch(root / f"{name}-plain", assets, data, nproc, layout, "--model.converters", "probe")
+    of both and the planned run's reports, per rank. The plain run has the same ``[bagualu2]`` cap, unread: the
+    converter is not listed (torchtitan's log says so)."""
+    launch(root / f"{name}-plain", assets, data, nproc, layout, "--model.converters", "probe",
+           "--bagualu2.memory_cap_mib", str(cap_mib))
     launch(root / f"{name}-planned", assets, data, nproc, layout, "--model.converters", "bagualu2,probe",
          "--bagualu2.memory_cap_mib", str(cap_mib), "--bagualu2.no-quantize", "--bagualu2.report_path",
          str(root / f"{name}-planned" / "report.{rank}.jsonl"), *planned)
@@ -198,6 +200,9 @@ def test_qwen3_moe_without_a_pipeline_under_autocast(assets):
         assert row["kept_bytes"] == row["predicted_bytes"] <= row["budget_bytes"] == QWEN3_CAP_MIB << 20
         assert "RECOMPUTE" in row["plan"] and set(row["received"]) == {"0", "1"}
     assert "bagualu2 step 2 stage 0: kept MiB per micro-batch [" in log
+    unread = ("bagualu2: the [bagualu2] section sets memory_cap_mib, but model.converters (probe) does not list "
+              "bagualu2, so nothing is provisioned; add --model.converters bagualu2")
+    assert unread in (assets[0] / "qwen3-plain" / "log.txt").read_text() and unread not in log
 
 
 FSDP = ("--model.name", "deepseek_v3", "--model.flavor", "debugmodel_4l", "--training.local_batch_size", "2",

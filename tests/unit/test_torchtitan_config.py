@@ -340,3 +340,23 @@ def test_a_scalar_bagualu2_in_the_toml_file_is_refused(tmp_path):
         with pytest.raises(ValueError) as excinfo:
             _converter(config_file=str(path))
         assert one_line(excinfo).startswith(f"{path}: bagualu2 must be a table ([bagualu2] with its fields below it)")
+
+
+def test_a_section_the_converter_list_leaves_unread_is_named():
+    """A ``[bagualu2]`` section provisions nothing unless ``model.converters`` lists ``bagualu2``: a section that
+    sets a field without it is one warning naming the fields (torchtitan's log, when its metrics are built)."""
+    from types import SimpleNamespace
+
+    from bagualu2.integrations.torchtitan import unlisted_section
+
+    def job(section, *converters):
+        return SimpleNamespace(bagualu2=section, model=SimpleNamespace(converters=list(converters)))
+
+    message = unlisted_section(job(Bagualu2Config(memory_cap_mib=96, policy="static-over"), "float8"))
+    assert message == ("bagualu2: the [bagualu2] section sets policy, memory_cap_mib, but model.converters (float8) "
+                       "does not list bagualu2, so nothing is provisioned; add --model.converters bagualu2")
+    assert "model.converters (none)" in unlisted_section(job(Bagualu2Config(quantize=False)))
+    assert "has no field memory_cap" in unlisted_section(job({"memory_cap": 8}))
+    for quiet in (job(Bagualu2Config(memory_cap_mib=96), "bagualu2"), job(Bagualu2Config()),
+                  SimpleNamespace(model=SimpleNamespace(converters=[]))):
+        assert unlisted_section(quiet) is None

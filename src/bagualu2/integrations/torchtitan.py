@@ -255,13 +255,36 @@ class Bagualu2Converter:
         return out
 
 
+def unlisted_section(job_config) -> str | None:
+    """The warning for a job whose ``[bagualu2]`` section sets a field while ``model.converters`` does not list
+    ``bagualu2`` (the section alone provisions nothing), else None."""
+    section = getattr(job_config, "bagualu2", None)
+    converters = getattr(getattr(job_config, "model", None), "converters", None) or ()
+    if section is None or "bagualu2" in converters:
+        return None
+    try:
+        config = _section(section)
+    except ValueError as exc:  # what the converter would refuse: still not listed
+        return f"bagualu2: {exc}; and model.converters does not list bagualu2, so nothing reads the section"
+    changed = [f.name for f in dataclasses.fields(Bagualu2Config) if getattr(config, f.name) != f.default]
+    if not changed:
+        return None
+    listed = ", ".join(map(str, converters)) or "none"
+    return (f"bagualu2: the [bagualu2] section sets {', '.join(changed)}, but model.converters ({listed}) does not "
+            "list bagualu2, so nothing is provisioned; add --model.converters bagualu2")
+
+
 def _metrics_builder(original):
     """torchtitan's metrics processor builder (``original``, or its default), handing what it builds to the live
-    converters, which log each step's memory through its loggers (TensorBoard, W&B)."""
+    converters, which log each step's memory through its loggers (TensorBoard, W&B); it also says when the job's
+    ``[bagualu2]`` section goes unread (:func:`unlisted_section`)."""
 
     def build(job_config, parallel_dims, model_args=None):
         from torchtitan.components.metrics import build_metrics_processor
 
+        unread = unlisted_section(job_config)
+        if unread is not None:
+            _warn(unread)
         processor = (original or build_metrics_processor)(job_config, parallel_dims, model_args)
         for converter in list(_CONVERTERS):
             converter.metrics = processor
@@ -294,4 +317,4 @@ def _register() -> None:
 _register()
 
 __all__ = ["MODELS", "POLICIES", "Bagualu2Config", "Bagualu2Converter", "JobConfig", "StageProvisioner",
-           "gate_report", "op_map", "padded_rows", "read_report"]
+           "gate_report", "op_map", "padded_rows", "read_report", "unlisted_section"]
