@@ -326,6 +326,8 @@ def test_a_checkpoint_directory_is_locked_by_one_process_at_a_time(tmp_path):
     assert first is not None and why is None
     second, why = lock_directory(str(tmp_path / "ckpt"))
     assert second is None and why.startswith(f"it is in use by a launch that is still running (pid {os.getpid()} ")
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # a launch without torchrun names no torchrun agent
+        assert why.endswith(f", not under torchrun (parent {os.getppid()}))")
     first.close()
     again, why = lock_directory(str(tmp_path / "ckpt"))
     assert again is not None and why is None
@@ -408,6 +410,7 @@ def test_the_temp_folder_of_a_launch_that_failed_in_its_set_up_is_swept_by_its_l
     from reference_trainer.restarts import lock_directory, sweep_finished_runs
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")  # a worker of torchrun's (temp folders are only theirs)
     with open("/proc/sys/kernel/pid_max") as limit:
         exited = int(limit.read())
     for name, agent in (("failed", exited), ("running", os.getpid())):
