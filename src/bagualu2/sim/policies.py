@@ -31,7 +31,8 @@ Plans fixed before training are made at ``plan_imbalance`` (default 1.0, balance
 The ablation levels of the paper's Fig. 11 (``ABLATION``), each adding one of bagualu2's components:
 
 * ``L1``  layer-level policy: full recompute of the fewest whole layers of each chunk (Megatron's
-          ``--recompute-granularity full --recompute-num-layers k``) that fits the target, fixed before training.
+          ``--recompute-granularity full --recompute-method block --recompute-num-layers k``, k per chunk where
+          Megatron sets one for every stage) that fits the target, fixed before training.
 * ``L2``  + fine-grained composable mitigation, still static: the greedy per-operator plan fixed before training
           (the same plan as ``static-under``).
 * ``L3``  + dynamic per-micro-batch mitigation: flexible's decisions on Megatron-Core's execution.
