@@ -140,7 +140,7 @@ def lock_directory(directory: str, *, wait_s: float = 0.0) -> tuple[Any, str | N
     handle.seek(0)
     handle.truncate()
     agent = _agent()  # read by sweep_finished_runs where the run's state was never written (a failed set-up)
-    if "TORCHELASTIC_RUN_ID" in os.environ:
+    if _run_id():  # torchrun always sets one ("none" by default)
         handle.write(f"pid {os.getpid()} on {agent['host']}, torchrun agent {agent['pid']}, torchrun run id "
                      f"{_run_id() or 'none'}\n")
     else:  # a launch without torchrun: its parent is whatever started it

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from bagualu2.costmodel import build_graph, evaluate, presets
+from bagualu2.costmodel import Strategy, build_graph, evaluate, presets
 from bagualu2.costmodel.evaluate import evaluate_resolved, mitigation_ops, resolve
 from bagualu2.fusion import Chain, Chains, Stage, build_chains, dp, simulate
 from bagualu2.mitigation import greedy
@@ -65,6 +65,26 @@ def test_partial_solves_sharing_first_candidates_match_fresh_graphs():
                                                                                        window_ns)
         budget = (graph.floor_bytes + graph.unmitigated_bytes) // 2
         shared, fresh = (greedy.solve(g, budget, fixed=fixed, free=free) for g in (graph, fresh_graph))
+        assert (shared.status, shared.plan, shared.cost) == (fresh.status, fresh.plan, fresh.cost)
+        if window_ns:
+            continue
+        # another plan in force that differs only where no recompute walk from the free tensors looks (copies and
+        # casts, out of their reach, of tensors the plan does not recompute): it reuses the first candidates just
+        # cached, and they are still its own
+        reach, _ = greedy._walk_reach(decision_space(graph), frozenset(free))
+        strategies = greedy.tensor_strategies(graph, fixed)
+        outside = [c for c in choices if c.tensor not in free and c.tensor not in reach
+                   and strategies.get(c.tensor) is not Strategy.RECOMPUTE
+                   and {Strategy.OFFLOAD, Strategy.QUANTIZE} & set(c.strategies)]
+        moved = {c.tensor: rng.choice([x for x in c.strategies if x in (Strategy.OFFLOAD, Strategy.QUANTIZE)])
+                 for c in rng.sample(outside, min(4, len(outside)))}
+        other = decision_space(graph).plan({**strategies, **moved})
+        space = decision_space(graph)
+        assert (greedy._start(space, graph, other, free, 0).start_key
+                == greedy._start(space, graph, fixed, free, 0).start_key)
+        fresh_graph = build_graph(MODEL, PARALLEL, HW, imbalance=1.6)
+        assert _first_candidates(graph, other, free, 0) == _first_candidates(fresh_graph, other, free, 0)
+        shared, fresh = (greedy.solve(g, budget, fixed=other, free=free) for g in (graph, fresh_graph))
         assert (shared.status, shared.plan, shared.cost) == (fresh.status, fresh.plan, fresh.cost)
 
 

@@ -356,6 +356,10 @@ def test_a_section_the_converter_list_leaves_unread_is_named():
     assert message == ("bagualu2: the [bagualu2] section sets policy, memory_cap_mib, but model.converters (float8) "
                        "does not list bagualu2, so nothing is provisioned; add --model.converters bagualu2")
     assert "model.converters (none)" in unlisted_section(job(Bagualu2Config(quantize=False)))
+    spelt = SimpleNamespace(bagualu2=Bagualu2Config(memory_cap_mib=8), model=SimpleNamespace(converters="bagualu2x"))
+    assert "model.converters (bagualu2x) does not list" in unlisted_section(spelt)
+    spelt.model.converters = "float8, bagualu2"
+    assert unlisted_section(spelt) is None
     assert "has no field memory_cap" in unlisted_section(job({"memory_cap": 8}))
     for quiet in (job(Bagualu2Config(memory_cap_mib=96), "bagualu2"), job(Bagualu2Config()),
                   SimpleNamespace(model=SimpleNamespace(converters=[]))):

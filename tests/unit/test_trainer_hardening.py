@@ -316,18 +316,23 @@ def test_run_state_files_nested_deeper_than_json_parses_are_no_state(tmp_path):
     (tmp_path / "refused.json").write_text(deep)
     assert read_refusal(str(tmp_path)) is None
 
-def test_a_checkpoint_directory_is_locked_by_one_process_at_a_time(tmp_path):
+def test_a_checkpoint_directory_is_locked_by_one_process_at_a_time(tmp_path, monkeypatch):
     """Two launches in one checkpoint directory would resume from and delete each other's checkpoints: the second
     finds the lock held (a lock is per open file, so a second open in this process meets it as another launch's
     would) and says by whom; closing the first (its process ending) frees it."""
     from reference_trainer.restarts import LOCK, lock_directory
 
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)  # a launch without torchrun
     first, why = lock_directory(str(tmp_path / "ckpt"))
     assert first is not None and why is None
     second, why = lock_directory(str(tmp_path / "ckpt"))
     assert second is None and why.startswith(f"it is in use by a launch that is still running (pid {os.getpid()} ")
-    if "TORCHELASTIC_RUN_ID" not in os.environ:  # a launch without torchrun names no torchrun agent
-        assert why.endswith(f", not under torchrun (parent {os.getppid()}))")
+    assert why.endswith(f", not under torchrun (parent {os.getppid()}))")  # it names no torchrun agent
+    first.close()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run7")  # a torchrun worker: its parent is its agent
+    first, _ = lock_directory(str(tmp_path / "ckpt"))
+    second, why = lock_directory(str(tmp_path / "ckpt"))
+    assert second is None and why.endswith(f", torchrun agent {os.getppid()}, torchrun run id run7)")
     first.close()
     again, why = lock_directory(str(tmp_path / "ckpt"))
     assert again is not None and why is None

@@ -260,6 +260,8 @@ def unlisted_section(job_config) -> str | None:
     ``bagualu2`` (the section alone provisions nothing), else None."""
     section = getattr(job_config, "bagualu2", None)
     converters = getattr(getattr(job_config, "model", None), "converters", None) or ()
+    if isinstance(converters, str):  # torchtitan's is a list; a config built elsewhere may give "a,b"
+        converters = [name.strip() for name in converters.split(",") if name.strip()]
     if section is None or "bagualu2" in converters:
         return None
     try:

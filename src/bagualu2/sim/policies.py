@@ -25,7 +25,8 @@ Plans fixed before training are made at ``plan_imbalance`` (default 1.0, balance
                    throughput).
 * ``oracle``       knows each micro-batch's imbalance before planning: ``greedy.solve`` on the graph at that exact
                    imbalance with Algorithm 1's budget (no deferred decision), or — per stage and iteration —
-                   flexible's decisions where those run faster (it knows all flexible knows); ``fused`` execution.
+                   flexible's decisions where the iteration runs faster (it knows all flexible knows); ``fused``
+                   execution.
                    Simulator only.
 
 The ablation levels of the paper's Fig. 11 (``ABLATION``), each adding one of bagualu2's components:
@@ -101,7 +102,8 @@ class StagePolicy:
         raise NotImplementedError
 
     def alternatives(self) -> tuple["StagePolicy", ...]:
-        """The ways this policy may run a stage's iteration; the simulator takes the fastest (the oracle's)."""
+        """The ways this policy may run a stage's iteration (the oracle's two): the simulator takes each stage's
+        fastest, or one way on every stage, whichever iteration is the shortest."""
         return (self,)
 
     def state(self) -> tuple:
@@ -378,8 +380,9 @@ class OracleExact(StagePolicy):
 
 
 class Oracle(OracleExact):
-    """Knows every micro-batch's imbalance before planning, and so also what flexible would run: per stage and
-    iteration the faster of the exact plans (:class:`OracleExact`) and flexible's decisions (``alternatives``)."""
+    """Knows every micro-batch's imbalance before planning, and so also what flexible would run: per iteration the
+    exact plans (:class:`OracleExact`) or flexible's decisions (``alternatives``), each stage the faster of the two
+    or one of them on every stage, whichever iteration is the shortest."""
 
     def __init__(self, ctx, *, plan_imbalance: float = 1.0, overlap: str = "real"):
         super().__init__(ctx, overlap=overlap)

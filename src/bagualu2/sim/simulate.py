@@ -283,7 +283,7 @@ class _Run:
             return max(way[0] for way in chosen) + (parallel.pp - 1) * chunk_s
 
         # each stage's fastest way, or one way on every stage (the bubble is every stage's: a stage's fastest may
-        # lengthen it), whichever iteration is the shorter
+        # lengthen it), whichever iteration is the shortest
         candidates = [[min(options) for options in ways]] + [[options[i] for options in ways]
                                                              for i in range(len(ways[0]))]
         chosen = min(candidates, key=iteration_s)
