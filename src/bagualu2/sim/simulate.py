@@ -239,6 +239,15 @@ def stage_time(policy: StagePolicy, rates: tuple[float, ...]) -> StageTime:
     return StageTime(busy, run.peak_bytes, first, final, alone)
 
 
+class _Way(NamedTuple):
+    """One way of running a stage's iteration: its whole seconds (steps, exposed gradient traffic, output layer and
+    embedding), its ramp seconds (every chunk's forward and backward alone) and its activation peak."""
+
+    whole_s: float
+    ramp_s: float
+    peak_bytes: int
+
+
 class _Run:
     """The stages of one simulation, with each policy built on first use and whole iterations memoised."""
 
@@ -269,18 +278,17 @@ class _Run:
         parallel = self.parallel
         rates = key if isinstance(key, tuple) else (key,) * parallel.num_microbatches
         hides = self.config.overlap != "none"  # all serial: nothing hides the gradient traffic either
-        # per stage, each way the policy may run it (the oracle's two): (whole seconds, ramp seconds, peak bytes)
-        ways = []
+        ways = []  # per stage, each way the policy may run it (the oracle's two)
         for policy, extra in zip(policies, self.overheads):
             timed = [stage_time(way, rates) for way in policy.alternatives()]
-            ways.append([(t.busy_s + extra.sync_s(t.last_backward_s * hides, t.first_forward_s * hides) + extra.head_s,
-                          t.alone_s + extra.head_s, t.peak_bytes) for t in timed])
+            ways.append([_Way(t.busy_s + extra.sync_s(t.last_backward_s * hides, t.first_forward_s * hides)
+                              + extra.head_s, t.alone_s + extra.head_s, t.peak_bytes) for t in timed])
 
-        def iteration_s(chosen) -> float:
+        def iteration_s(chosen: list[_Way]) -> float:
             # Megatron's interleaved 1F1B bubble: (pp - 1) chunk forwards and backwards, each alone (the ramp
             # pairs none)
-            chunk_s = sum(way[1] for way in chosen) / len(chosen) / (parallel.num_microbatches * parallel.vp)
-            return max(way[0] for way in chosen) + (parallel.pp - 1) * chunk_s
+            chunk_s = sum(way.ramp_s for way in chosen) / len(chosen) / (parallel.num_microbatches * parallel.vp)
+            return max(way.whole_s for way in chosen) + (parallel.pp - 1) * chunk_s
 
         # each stage's fastest way, or one way on every stage (the bubble is every stage's: a stage's fastest may
         # lengthen it), whichever iteration is the shortest
@@ -288,7 +296,7 @@ class _Run:
                                                              for i in range(len(ways[0]))]
         chosen = min(candidates, key=iteration_s)
         time_s = iteration_s(chosen)
-        peaks = tuple(way[2] for way in chosen)
+        peaks = tuple(way.peak_bytes for way in chosen)
         oom = any(policy.bounded and peak > policy.ctx.m_max_bytes for policy, peak in zip(policies, peaks))
         found = self._memo[memo_key] = IterationResult(
             time_s, self.flops / (time_s * self.hardware.peak_flops), peaks, oom, False, name)
