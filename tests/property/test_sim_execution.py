@@ -156,10 +156,13 @@ def test_one_recomputed_dispatch_or_combine_is_enough_to_lose_the_pairing(saving
 def test_without_overlap_an_iteration_is_the_serial_sum_of_all_it_runs(policy, spike_at):
     """``overlap="none"``: every chunk's forward and backward in series, the output layer and embedding, and the
     gradient reduce-scatter, parameter all-gather and optimizer step all exposed (none hides behind a backward
-    or forward), plus the interleaved 1F1B bubble: the simulator's iteration is that sum, stage by stage — each
-    micro-batch's forward and backward at its own rate, wherever a spike falls (first, last or steady: a steady
-    pair runs x's forward beside y's own backward)."""
+    or forward): each stage's steps add up to that serial sum, each micro-batch's forward and backward at its own
+    rate wherever a spike falls (first, last or steady), and the iteration is the pipeline's timeline of those steps
+    — at least the busiest stage's sum and the ramp's pp − 1 chunk forwards and backwards, at most every stage's
+    sum run one after another — plus the exposed traffic."""
     from bagualu2.sim.overheads import stage_overheads
+    from bagualu2.sim.simulate import stage_time
+    from bagualu2.sim.timeline import spans
 
     m = PARALLEL.num_microbatches
     rates = [1.1] * m
@@ -167,43 +170,73 @@ def test_without_overlap_an_iteration_is_the_serial_sum_of_all_it_runs(policy, s
         rates[spike_at] = 2.0
     run = simulate(MODEL, PARALLEL, HW, policy, [tuple(rates)], overlap="none", restart_s=0.0, plan_imbalance=2.0)
     assert run.oom_events == 0
-    busy, totals = [], []
+    totals, steps, syncs, chunk_s = [], [], [], []
     for stage in range(PARALLEL.pp):
         ctx = StageContext(MODEL, PARALLEL, HW, stage)
-        plans = bagualu2.sim.make_policy(policy, ctx, plan_imbalance=2.0).plans
+        policy_ = bagualu2.sim.make_policy(policy, ctx, plan_imbalance=2.0, overlap="none")
+        plans = policy_.plans
         extra = stage_overheads(MODEL, PARALLEL, HW, stage)
-        stage_s = sum(ctx.cost(c, rate, plans[c]).forward_s + ctx.cost(c, rate, plans[c]).backward_s
-                      for c in range(PARALLEL.vp) for rate in rates) + extra.head_s
-        busy.append(stage_s)
-        totals.append(stage_s + extra.reduce_s + extra.gather_s + extra.optimizer_s)
-    bubble_s = (PARALLEL.pp - 1) * sum(busy) / len(busy) / (m * PARALLEL.vp)
+        costs = [ctx.cost(c, rate, plans[c]) for c in range(PARALLEL.vp) for rate in rates]
+        stage_s = sum(cost.forward_s + cost.backward_s for cost in costs) + extra.head_s
+        timed = stage_time(policy_, tuple(rates), extra)
+        assert timed.busy_s == pytest.approx(stage_s, rel=1e-9)
+        steps.append(timed.steps)
+        syncs.append(extra.reduce_s + extra.gather_s + extra.optimizer_s)
+        totals.append(stage_s + syncs[-1])
+        chunk_s.append(min(cost.forward_s + cost.backward_s for cost in costs))
     assert stage_overheads(MODEL, PARALLEL, HW, 0).reduce_s > 0
-    assert run.iterations[0].time_s == pytest.approx(max(totals) + bubble_s, rel=1e-9)
+    timeline = max(span.end_s + sync for span, sync in zip(spans(steps, PARALLEL.vp), syncs))
+    assert run.iterations[0].time_s == pytest.approx(timeline, rel=1e-12)
+    assert max(totals) + (PARALLEL.pp - 1) * min(chunk_s) * (1 - 1e-9) <= run.iterations[0].time_s <= sum(totals)
+
 
 @pytest.mark.parametrize("policy", ["kwai", "flexible"])
-def test_the_bubble_is_the_ramps_forwards_and_backwards_each_run_alone(policy):
+def test_the_pipelines_ramps_run_each_chunks_forward_and_backward_alone(policy):
     """Under ``real`` a steady pair overlaps one micro-batch's all-to-all with the other's compute, but the
-    pipeline's warmup and cooldown ramp runs every chunk's forward and backward alone: the interleaved 1F1B
-    bubble is (pp - 1) chunk forwards and backwards at their alone times (each stage's every chunk-forward,
-    averaged, the output layer and embedding included), longer than the pairs' mean."""
+    pipeline's warmup and cooldown ramp runs every chunk's forward and backward alone: the iteration is longer than
+    the busiest stage's steps by at least (pp − 1) of the shortest chunk forwards and backwards alone."""
     from bagualu2.sim.overheads import stage_overheads
     from bagualu2.sim.simulate import stage_time
 
     m = PARALLEL.num_microbatches
     rates = (1.1,) * m
     run = simulate(MODEL, PARALLEL, HW, policy, [rates], restart_s=0.0, plan_imbalance=1.2)
-    wholes, ramps, busy = [], [], []
+    busy, alone = [], []
     for stage in range(PARALLEL.pp):
         ctx = StageContext(MODEL, PARALLEL, HW, stage)
-        timed = stage_time(bagualu2.sim.make_policy(policy, ctx, plan_imbalance=1.2), rates)
+        timed = stage_time(bagualu2.sim.make_policy(policy, ctx, plan_imbalance=1.2), rates,
+                           stage_overheads(MODEL, PARALLEL, HW, stage))
+        busy.append(timed.busy_s)
+        alone.extend(step.seconds for step in timed.steps if step.forward is None or step.backward is None)
+    ramp = (PARALLEL.pp - 1) * min(alone) * 2
+    assert run.iterations[0].time_s >= max(busy) + ramp * (1 - 1e-9)
+
+
+@pytest.mark.parametrize("policy", ["kwai", "flexible"])
+def test_without_the_timeline_the_iteration_is_the_busiest_stage_and_megatrons_bubble(policy):
+    """``timeline=False`` (the calibration's shared cores): the busiest stage's steps and exposed gradient traffic,
+    plus (pp − 1) chunk forwards and backwards at their alone times (each stage's every chunk-forward, averaged, the
+    output layer and embedding included). On this Table II layout (two chunks per stage) the timeline's waits and
+    its wider windows for the gradient traffic move the iteration by well under 1%."""
+    from bagualu2.sim.overheads import stage_overheads
+    from bagualu2.sim.simulate import stage_time
+
+    m = PARALLEL.num_microbatches
+    rates = (1.1,) * m
+    formula, timeline = (simulate(MODEL, PARALLEL, HW, policy, [rates], restart_s=0.0, plan_imbalance=1.2,
+                                  timeline=t).iterations[0].time_s for t in (False, True))
+    wholes, ramps = [], []
+    for stage in range(PARALLEL.pp):
+        ctx = StageContext(MODEL, PARALLEL, HW, stage)
         extra = stage_overheads(MODEL, PARALLEL, HW, stage)
-        wholes.append(timed.busy_s + extra.sync_s(timed.last_backward_s, timed.first_forward_s) + extra.head_s)
-        ramps.append(timed.alone_s + extra.head_s)
-        busy.append(timed.busy_s + extra.head_s)
-    per_chunk = m * PARALLEL.vp
-    assert run.iterations[0].time_s == pytest.approx(
-        max(wholes) + (PARALLEL.pp - 1) * sum(ramps) / len(ramps) / per_chunk, rel=1e-12)
-    assert sum(ramps) > sum(busy) * 1.01  # the pairs hid part of their steps: the ramp has no pairs to hide them
+        timed = stage_time(bagualu2.sim.make_policy(policy, ctx, plan_imbalance=1.2), rates, extra)
+        wholes.append(timed.busy_s + extra.sync_s(timed.last_backward_s, timed.first_forward_s))
+        ramps.append(timed.alone_s)
+    assert formula == pytest.approx(max(wholes) + (PARALLEL.pp - 1) * sum(ramps) / len(ramps) / (m * PARALLEL.vp),
+                                    rel=1e-12)
+    assert timeline == pytest.approx(formula, rel=0.01)
+    with pytest.raises(ValueError, match="timeline must be true or false, got 1"):
+        simulate(MODEL, PARALLEL, HW, policy, [rates], timeline=1)
 
 
 rates = st.floats(1.0, 2.6, allow_nan=False).map(lambda r: round(r, 1))
@@ -290,11 +323,12 @@ def test_flexible_is_never_behind_a_static_policy_at_the_highest_rates_it_was_pl
     """glm-1041b-a35b at pp = 2, vp = 2 with 2 micro-batches on h100 (every step runs alone), rates 12-16 with
     plans for 16: a budget that would cover balanced load but not the planned 16x has its pre-gate plan made over
     the whole chunk; left to the gate, the MoE module alone paid for the load (flexible 1.048x kwai's iteration).
-    The need grid's steps still leave it up to 1e-4 behind."""
+    The need grid's steps still leave its steps up to 1e-4 behind, and with every step on the pipeline's critical
+    path (two micro-batches: all ramp) the iteration up to 1.6e-3."""
     model, base = presets.model("glm-1041b-a35b")
     parallel = dataclasses.replace(base, pp=2, vp=2, dp=2048, num_microbatches=2)
     assert_flexible_never_behind(model, parallel, presets.hardware("h100"), (16.0, 14.58, 12.0), plan_imbalance=16,
-                                 tolerance=2e-4)
+                                 tolerance=2e-3)
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ import pytest
 
 from bagualu2.costmodel import build_graph, presets, stage_memory
 from bagualu2.sim import load_trace, simulate
-from bagualu2.sim.calibrate import CPU_OVERLAP, Measured, fit_hardware, predict
+from bagualu2.sim.calibrate import CPU_OVERLAP, CPU_TIMELINE, Measured, fit_hardware, predict
 
 MODEL, _TINY = presets.model("tiny-moe")
 PARALLEL = dataclasses.replace(_TINY, dp=2, ep=2, num_microbatches=4)  # ep=2: imbalances up to 2
@@ -25,7 +25,8 @@ COPIES_TRACE = ((1.0,) * 4,) * 3
 
 def _measured(policy: str, hardware, *, trace=TRACE, m_max_bytes=None, **fields) -> Measured:
     parallel = PARALLEL
-    result = simulate(MODEL, parallel, hardware, policy, trace, overlap=CPU_OVERLAP, m_max_bytes=m_max_bytes)
+    result = simulate(MODEL, parallel, hardware, policy, trace, overlap=CPU_OVERLAP, m_max_bytes=m_max_bytes,
+                      timeline=CPU_TIMELINE)
     step = sum(it.time_s for it in result.iterations) / len(result.iterations)
     return Measured(policy=policy, trace=trace, step_s=step, tokens_per_s=result.tokens_per_s,
                     peak_activation_bytes=max(max(it.peak_bytes) for it in result.iterations), **fields)

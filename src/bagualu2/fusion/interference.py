@@ -40,13 +40,18 @@ def slowed_compute(compute: np.ndarray, comm: np.ndarray, share: float) -> np.nd
     return np.where((compute > 0) & (comm > 0), beside, compute)
 
 
-def makespan_ns(order: Order, chains: Chains, share: float) -> int:
-    """Nanoseconds of ``order`` (barrier groups) on ``chains`` with interference ``share`` (0: none)."""
-    total = 0
+def group_times_ns(order: Order, chains: Chains, share: float) -> list[int]:
+    """Nanoseconds of each group of ``order`` (barrier groups) on ``chains`` with interference ``share``."""
+    times = []
     for group in order.groups:
         loads: dict[Resource, int] = {}
         for kind, index in group:
             stage = chains.get(kind).stages[index]
             loads[stage.resource] = loads.get(stage.resource, 0) + stage.duration_ns
-        total += group_ns(loads, share)
-    return total
+        times.append(group_ns(loads, share))
+    return times
+
+
+def makespan_ns(order: Order, chains: Chains, share: float) -> int:
+    """Nanoseconds of ``order`` (barrier groups) on ``chains`` with interference ``share`` (0: none)."""
+    return sum(group_times_ns(order, chains, share))

@@ -10,7 +10,11 @@ value.
 :func:`predict` then simulates a run of any policy on the fitted profile (its own trace, cap and measured restart
 seconds) for comparison with what it measured: tokens/s (effective, restarts included) and the activation peak.
 Both simulate with ``overlap=CPU_OVERLAP`` (``"fused-only"``): on a CPU the copy and communication "streams" share
-the cores, so only the fused steady pairs the trainer's dual-batch executor runs are overlapped.
+the cores, so only the fused steady pairs the trainer's dual-batch executor runs are overlapped; and with
+``timeline=CPU_TIMELINE`` (False: the busiest stage plus the bubble): the calibration runs four ranks, on the
+2-core machines it was made on more ranks than cores, so while a rank waits for its neighbour another one
+computes and a wait costs no time (with a core per rank, the trainer's fused points at one chunk per stage wait as
+the timeline says: docs/trainer.md).
 
 Pure: never imports torch (``reference_trainer.experiments.calibrate`` measures and reports).
 """
@@ -74,13 +78,14 @@ class Measured:
 
 
 CPU_OVERLAP = "fused-only"
+CPU_TIMELINE = False  # more ranks than cores: while one rank waits for a neighbour another computes
 
 
 def _run(model, parallel, hardware, run: Measured, m_max_bytes, *, restart_s: float | None = None,
          plan_hardware: Hardware | None = None, downgrade: str = "graded") -> SimResult:
     return simulate(model, parallel, hardware, run.policy, run.trace, m_max_bytes=m_max_bytes,
                     restart_s=run.restart_s if restart_s is None else restart_s, plan_hardware=plan_hardware,
-                    downgrade=downgrade, overlap=CPU_OVERLAP, hidden_copies=False)
+                    downgrade=downgrade, overlap=CPU_OVERLAP, hidden_copies=False, timeline=CPU_TIMELINE)
 
 
 def _mean_s(result: SimResult) -> float:

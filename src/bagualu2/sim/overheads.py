@@ -33,16 +33,28 @@ GRAD_BYTES = 4                 # fp32 main gradients (Megatron's default gradien
 
 @dataclass(frozen=True)
 class StageOverheads:
-    """Seconds one rank of a stage spends per iteration outside its chunk steps: ``head_s`` (output layer,
-    cross-entropy and embedding, all micro-batches), ``reduce_s`` and ``gather_s`` (the whole gradient
-    reduce-scatter and parameter all-gather, before overlap), ``optimizer_s``; ``head_flops`` the output layer's
-    model FLOPs per iteration (3 x forward)."""
+    """Seconds one rank of a stage spends per iteration outside its chunk steps: per micro-batch the output layer
+    and cross-entropy after the last chunk's forward and before its backward (``head_forward_s``,
+    ``head_backward_s``; the last stage) and the embedding before the first chunk's forward and after its backward
+    (``embed_forward_s``, ``embed_backward_s``; the first stage); ``reduce_s`` and ``gather_s`` (the whole
+    gradient reduce-scatter and parameter all-gather, before overlap), ``optimizer_s``; ``head_flops`` the output
+    layer's model FLOPs per iteration (3 x forward); ``num_microbatches`` per iteration."""
 
-    head_s: float
+    head_forward_s: float
+    head_backward_s: float
+    embed_forward_s: float
+    embed_backward_s: float
     reduce_s: float
     gather_s: float
     optimizer_s: float
     head_flops: int
+    num_microbatches: int
+
+    @property
+    def head_s(self) -> float:
+        """The output layer, cross-entropy and embedding over all micro-batches of an iteration."""
+        return (self.head_forward_s + self.head_backward_s + self.embed_forward_s
+                + self.embed_backward_s) * self.num_microbatches
 
     def sync_s(self, last_backward_s: float, first_forward_s: float) -> float:
         """What the gradient synchronisation and the optimizer step add to the stage's iteration when the
@@ -63,18 +75,19 @@ def stage_overheads(model: ModelConfig, parallel: ParallelConfig, hardware: Hard
     """The :class:`StageOverheads` of one rank of ``stage``."""
     tokens = model.seq_length * model.micro_batch_size // parallel.cp
     width = model.dtype_bytes
-    head_s = 0.0
+    head = [0.0, 0.0]
+    embed = [0.0, 0.0]
     head_flops = 0
     if stage == parallel.pp - 1:
         flops = 2 * tokens * model.hidden_size * model.vocab_size // parallel.tp
         logits = 4 * tokens * model.vocab_size // parallel.tp
         weight = width * model.hidden_size * model.vocab_size // parallel.tp
-        head_s += roofline_s(hardware, flops, 3 * logits + weight) + roofline_s(hardware, 2 * flops,
-                                                                                  2 * logits + 2 * weight)
+        head = [roofline_s(hardware, flops, 3 * logits + weight),
+                roofline_s(hardware, 2 * flops, 2 * logits + 2 * weight)]
         head_flops = 3 * flops * parallel.num_microbatches
     if stage == 0:
         out = width * tokens * model.hidden_size // parallel.tp
-        head_s += roofline_s(hardware, 0, out) + roofline_s(hardware, 0, 2 * out)
+        embed = [roofline_s(hardware, 0, out), roofline_s(hardware, 0, 2 * out)]
     dense, expert = stage_parameters(model, parallel, stage=stage)
     edp = parallel.expert_data_parallel
     reduce_s = _ring_s(hardware, GRAD_BYTES * dense, parallel.dp) + _ring_s(hardware, GRAD_BYTES * expert, edp)
@@ -83,4 +96,4 @@ def stage_overheads(model: ModelConfig, parallel: ParallelConfig, hardware: Hard
         reduce_s, gather_s = 2 * reduce_s, 0.0
     shard = dense / parallel.dp + expert / edp if parallel.distributed_optimizer else dense + expert
     optimizer_s = ADAM_BYTES_PER_PARAMETER * shard / hardware.hbm_bytes_per_s
-    return StageOverheads(head_s * parallel.num_microbatches, reduce_s, gather_s, optimizer_s, head_flops)
+    return StageOverheads(*head, *embed, reduce_s, gather_s, optimizer_s, head_flops, parallel.num_microbatches)

@@ -315,9 +315,9 @@ def _why(report: Report) -> list[str]:
             "(`python benchmarks/accuracy_exec.py`, docs/exec.md; the paper: 1.56% mean error at scale), and the "
             "simulator's activation peak and tokens/s are checked against the trainer's measured runs per policy "
             "(`python -m reference_trainer.experiments.calibrate`, docs/trainer.md \"Calibration\").",
-            "* Not modelled: cross-stage waits beyond the interleaved-1F1B bubble, tensor-parallel communication "
-            "overlap (`--tp-comm-overlap`, for any policy), HBM contention of copies, where in an iteration an "
-            "OOM happens (the whole iteration is lost)."]
+            "* Not modelled: the time of the pipeline's point-to-point transfers (the timeline waits for them, they "
+            "take none), tensor-parallel communication overlap (`--tp-comm-overlap`, for any policy), HBM "
+            "contention of copies, where in an iteration an OOM happens (the whole iteration is lost)."]
 
 
 def command(config) -> str:

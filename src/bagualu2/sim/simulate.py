@@ -7,16 +7,16 @@ runtime's iteration driver (``runtime.run_iteration``): each forward asks the po
 the policy's execution, :mod:`.execution`); in-flight bytes rise at forwards and fall at backwards; the peak
 above the stage's ``M_max`` is an OOM (never for ``ideal``).
 
-Time. A stage is busy for its steps — a warmup forward, a steady F_x B_y pair, a cooldown backward, each in the
-policy's execution — plus the output layer and embedding of every micro-batch (:mod:`.overheads`). With ``T_c``
-the mean over stages and chunk-forwards of a chunk's forward and backward each run alone (as the pipeline's warmup
-and cooldown run them: the steady pairs' overlap does not shorten the ramp), the output layer and embedding
-included::
+Time. A stage runs its steps — a warmup forward, a steady F_x B_y pair, a cooldown backward, each in the
+policy's execution, the output layer and embedding on the steps of their micro-batches (:mod:`.overheads`) — on
+the pipeline's timeline (:mod:`.timeline`): each step starts when its stage is free and its inputs have come
+from the neighbouring stages, so the warmup and cooldown ramps (the interleaved 1F1B bubble) and every wait
+between stages follow from the steps' own times::
 
-    iteration_s = max over stages (busy_s + exposed gradient sync + optimizer_s) + (pp - 1) * T_c
+    iteration_s = max over stages (the stage's last step ends + exposed gradient sync + optimizer_s)
 
-(Megatron's interleaved 1F1B bubble); the gradient reduce-scatter hides behind the last micro-batch's backwards
-and the parameter all-gather behind the first one's forwards, except under ``overlap="none"``. MFU = model FLOPs
+The gradient reduce-scatter hides behind the last micro-batch's backwards and the parameter all-gather behind the
+first one's forwards, except under ``overlap="none"``. MFU = model FLOPs
 per GPU per iteration / (iteration_s * peak_flops), the model FLOPs being the mean over stages of
 :meth:`~.stage.StageContext.model_flops` (3 x forward matrix-product FLOPs at balanced load) plus the output
 layer's; a run's ``mean_mfu`` averages it per iteration (§VI-A).
@@ -46,9 +46,10 @@ from ..costmodel.config import PARALLEL_MAX
 from ..costmodel.validate import require_int, require_number, shown
 from ..runtime import check_downgrade, run_iteration
 from .execution import check_overlap
-from .overheads import stage_overheads
+from .overheads import StageOverheads, stage_overheads
 from .policies import FALLBACKS, StagePolicy, check_policy, make_policy
 from .stage import StageContext
+from .timeline import Step, spans
 
 ON_OOM = ("fallback", "replan")
 MAX_ITERATIONS = 10_000_000  # of a trace: far beyond any training run
@@ -72,7 +73,11 @@ class SimConfig:
     compute (``runtime.DecisionPath``'s ``hidden_copies``; True, as on a GPU whose copy engines run beside compute)
     or, False, in full (Algorithm 2's pricing; the CPU trainer's decisions); None (default): True under
     ``"real"`` and ``"released"``, False under ``"none"`` (nothing runs beside compute) and ``"fused-only"``
-    (warmup forwards and cooldown backwards run serial there, their copies exposed)."""
+    (warmup forwards and cooldown backwards run serial there, their copies exposed).
+    timeline: True (default): the iteration is the pipeline's timeline (:mod:`.timeline`: every stage waits for
+    its neighbours' outputs); False: the busiest stage plus Megatron's interleaved 1F1B bubble, (pp - 1) chunk
+    forwards and backwards each run alone, where no wait costs time — as on the calibration's CPU, whose ranks
+    share cores that another rank keeps busy while one waits."""
 
     restart_s: float = 284.0
     plan_imbalance: float = 1.0
@@ -80,9 +85,12 @@ class SimConfig:
     m_max_bytes: int | None = None
     overlap: str = "real"
     hidden_copies: bool | None = None
+    timeline: bool = True
 
     def __post_init__(self) -> None:
         check_overlap(self.overlap)
+        if not isinstance(self.timeline, bool):
+            raise ValueError(f"timeline must be true or false, got {self.timeline!r}")
         if self.hidden_copies is not None and not isinstance(self.hidden_copies, bool):
             raise ValueError(f"hidden_copies must be true, false or None, got {self.hidden_copies!r}")
         if self.m_max_bytes is not None:
@@ -193,18 +201,21 @@ def check_trace(trace, parallel: ParallelConfig, model: ModelConfig | None = Non
 class StageTime(NamedTuple):
     """One stage over one iteration: seconds busy with chunk steps, the in-flight activation peak, the seconds of
     the first micro-batch's forwards and the last one's backwards (what gradient traffic can hide behind), and
-    ``alone_s``: every chunk-forward's forward and backward each timed alone, as the pipeline's ramp runs them
-    (what the bubble is made of)."""
+    ``steps``, each as the pipeline's timeline runs it (:class:`~.timeline.Step`, the output layer and
+    embedding included); ``alone_s``: every chunk-forward's forward and backward each timed alone, as the
+    pipeline's ramp runs them (the bubble of ``timeline=False``)."""
 
     busy_s: float
     peak_bytes: int
     first_forward_s: float
     last_backward_s: float
+    steps: tuple[Step, ...]
     alone_s: float
 
 
-def stage_time(policy: StagePolicy, rates: tuple[float, ...]) -> StageTime:
-    """One stage over one iteration under ``policy`` (the runtime's iteration driver runs the schedule)."""
+def stage_time(policy: StagePolicy, rates: tuple[float, ...], extra: StageOverheads | None = None) -> StageTime:
+    """One stage over one iteration under ``policy`` (the runtime's iteration driver runs the schedule), its
+    output layer and embedding (``extra``, default none) on the steps of their micro-batches."""
     ctx = policy.ctx
     forward = policy.forward
     run = run_iteration(ctx.engine, lambda step, rate, budget, limit: forward(step.chunk, rate, step.phase, budget,
@@ -212,40 +223,66 @@ def stage_time(policy: StagePolicy, rates: tuple[float, ...]) -> StageTime:
                         rates, m_max_bytes=ctx.plan_m_max_bytes, budgeted=policy.budgeted)
     choices = iter(f.result for f in run.forwards)
     running: dict[int, object] = {}
-    busy = first = final = alone = 0.0
-    paired = False  # the backward after a steady forward ran inside its pair
-    steps = ctx.steps
-    final_mb = len(rates) - 1
-    for i, step in enumerate(steps):
+    first = final = alone = 0.0
+    schedule = ctx.steps
+    final_mb, last_chunk = len(rates) - 1, ctx.parallel.vp - 1
+    head = extra is not None and ctx.stage == ctx.parallel.pp - 1
+    embed = extra is not None and ctx.stage == 0
+
+    def forward_extra(chunk: int) -> tuple[float, float]:  # (seconds, of them before the output leaves)
+        before = extra.embed_forward_s if embed and chunk == 0 else 0.0
+        return before + (extra.head_forward_s if head and chunk == last_chunk else 0.0), before
+
+    def backward_extra(chunk: int) -> float:
+        return ((extra.head_backward_s if head and chunk == last_chunk else 0.0)
+                + (extra.embed_backward_s if embed and chunk == 0 else 0.0))
+
+    steps: list[Step] = []
+    i = 0
+    while i < len(schedule):
+        step = schedule[i]
         if step.forward:
             choice = running[step.index] = next(choices)
-            alone += choice.forward_s + choice.backward_s
-            if (step.microbatch, step.chunk) in ctx.point_leads:  # F_x B_y: the backward is the next step
-                after = steps[i + 1]
-                busy += ctx.pair_s(choice, running[after.index])  # a steady F_x B_y point, each its own plan
-                paired = True
-                if after.microbatch == final_mb:  # the last backward ran inside the pair: sync hides behind it
-                    final += running[after.index].backward_s
-            else:
-                busy += choice.forward_s
+            added, before = forward_extra(step.chunk)
+            alone += choice.forward_s + choice.backward_s + added + backward_extra(step.chunk)
             if step.microbatch == 0:
                 first += choice.forward_s
-        elif paired:
-            paired = False
+            if (step.microbatch, step.chunk) in ctx.point_leads:  # F_x B_y: the backward is the next step
+                after = schedule[i + 1]
+                back = running[after.index]
+                pair = ctx.pair(choice, back)  # a steady F_x B_y point, each its own plan
+                lead, behind = (step.microbatch, step.chunk), (after.microbatch, after.chunk)
+                if pair.forward_out_s < pair.seconds:  # F then B: each its own step, as Megatron runs them
+                    steps.append(Step(lead, None, pair.forward_out_s + added, pair.forward_out_s + before))
+                    steps.append(Step(None, behind, pair.seconds - pair.forward_out_s + backward_extra(after.chunk),
+                                      0.0))
+                else:  # together: the point starts with both inputs and sends after it
+                    seconds = pair.seconds + added + backward_extra(after.chunk)
+                    steps.append(Step(lead, behind, seconds, seconds))
+                if after.microbatch == final_mb:  # the last backward ran inside the pair: sync hides behind it
+                    final += back.backward_s
+                i += 2
+                continue
+            steps.append(Step((step.microbatch, step.chunk), None, choice.forward_s + added,
+                              choice.forward_s + before))
         else:
-            busy += running[step.index].backward_s
+            back = running[step.index]
+            steps.append(Step(None, (step.microbatch, step.chunk), back.backward_s + backward_extra(step.chunk), 0.0))
             if step.microbatch == final_mb:
-                final += running[step.index].backward_s
-    return StageTime(busy, run.peak_bytes, first, final, alone)
+                final += back.backward_s
+        i += 1
+    return StageTime(sum(step.seconds for step in steps), run.peak_bytes, first, final, tuple(steps), alone)
 
 
 class _Way(NamedTuple):
-    """One way of running a stage's iteration: its whole seconds (steps, exposed gradient traffic, output layer and
-    embedding), its ramp seconds (every chunk's forward and backward alone) and its activation peak."""
+    """One way of running a stage's iteration: its whole seconds alone (steps, output layer and embedding, the
+    gradient traffic its own steps leave exposed), its steps, its stage's overheads, and its activation peak."""
 
     whole_s: float
-    ramp_s: float
+    steps: tuple[Step, ...]
+    extra: StageOverheads
     peak_bytes: int
+    alone_s: float
 
 
 class _Run:
@@ -280,18 +317,24 @@ class _Run:
         hides = self.config.overlap != "none"  # all serial: nothing hides the gradient traffic either
         ways = []  # per stage, each way the policy may run it (the oracle's two)
         for policy, extra in zip(policies, self.overheads):
-            timed = [stage_time(way, rates) for way in policy.alternatives()]
-            ways.append([_Way(t.busy_s + extra.sync_s(t.last_backward_s * hides, t.first_forward_s * hides)
-                              + extra.head_s, t.alone_s + extra.head_s, t.peak_bytes) for t in timed])
+            timed = [stage_time(way, rates, extra) for way in policy.alternatives()]
+            ways.append([_Way(t.busy_s + extra.sync_s(t.last_backward_s * hides, t.first_forward_s * hides),
+                              t.steps, extra, t.peak_bytes, t.alone_s) for t in timed])
 
         def iteration_s(chosen: list[_Way]) -> float:
-            # Megatron's interleaved 1F1B bubble: (pp - 1) chunk forwards and backwards, each alone (the ramp
-            # pairs none)
-            chunk_s = sum(way.ramp_s for way in chosen) / len(chosen) / (parallel.num_microbatches * parallel.vp)
-            return max(way.whole_s for way in chosen) + (parallel.pp - 1) * chunk_s
+            if not self.config.timeline:  # the busiest stage and Megatron's bubble: (pp - 1) chunk steps alone
+                chunk_s = sum(way.alone_s for way in chosen) / len(chosen) / (parallel.num_microbatches * parallel.vp)
+                return max(way.whole_s for way in chosen) + (parallel.pp - 1) * chunk_s
+            # every stage's steps on the pipeline's timeline (its ramps and waits), then what its gradient traffic
+            # leaves exposed — the reduction runs from the first backward of the last micro-batch on, the gather
+            # until the first micro-batch's forwards have ended, each beside the stage's steps and waits — and the
+            # optimizer step
+            return max(span.end_s + way.extra.sync_s((span.end_s - span.last_backwards_start_s) * hides,
+                                                     span.first_forwards_end_s * hides)
+                       for span, way in zip(spans([way.steps for way in chosen], parallel.vp), chosen))
 
-        # each stage's fastest way, or one way on every stage (the bubble is every stage's: a stage's fastest may
-        # lengthen it), whichever iteration is the shortest
+        # each stage's fastest way, or one way on every stage (the timeline is every stage's: a stage's fastest
+        # may hold up another), whichever iteration is the shortest
         candidates = [[min(options) for options in ways]] + [[options[i] for options in ways]
                                                              for i in range(len(ways[0]))]
         chosen = min(candidates, key=iteration_s)
@@ -306,15 +349,16 @@ class _Run:
 def simulate(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, policy: str, trace, *,
              restart_s: float = 284.0, plan_imbalance: float = 1.0, on_oom: str = "fallback",
              m_max_bytes: int | None = None, progress=None, plan_hardware: Hardware | None = None,
-             downgrade: str = "graded", overlap: str = "real", hidden_copies: bool | None = None) -> SimResult:
+             downgrade: str = "graded", overlap: str = "real", hidden_copies: bool | None = None,
+             timeline: bool = True) -> SimResult:
     """Simulate ``trace`` (one entry per iteration: a rate, or one rate per micro-batch) under ``policy`` (one of
     ``POLICIES`` or ``ABLATION``); see the module docstring for what is modelled. ``progress``, optional, is
     called with the number of iterations done after each one. ``plan_hardware`` (default ``hardware``): the
     profile the policies plan with, when that is not the profile that times them (a trainer planning with its
     configured profile on a machine ``hardware`` was fitted to). ``downgrade``: the gate of ``flexible``'s decision
     path, ``"graded"`` (default) or ``"paper"`` (keep or full MoE-module downgrade: what the trainer runs under
-    expert parallelism). ``overlap``: the execution model; ``hidden_copies``: flexible's pricing of copies
-    (:class:`SimConfig`)."""
+    expert parallelism). ``overlap``: the execution model; ``hidden_copies``: flexible's pricing of copies;
+    ``timeline``: the pipeline's timeline or the bubble formula (:class:`SimConfig`)."""
     for name, value, kind in (("model", model, ModelConfig), ("parallel", parallel, ParallelConfig),
                               ("hardware", hardware, Hardware)):
         if not isinstance(value, kind):
@@ -324,7 +368,7 @@ def simulate(model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, p
     if progress is not None and not callable(progress):
         raise ValueError(f"progress must be a callable or None, got {type(progress).__name__}")
     config = SimConfig(restart_s=restart_s, plan_imbalance=plan_imbalance, on_oom=on_oom, m_max_bytes=m_max_bytes,
-                       overlap=overlap, hidden_copies=hidden_copies)
+                       overlap=overlap, hidden_copies=hidden_copies, timeline=timeline)
     check_policy(policy)
     if config.plan_imbalance > imbalance_limit(model, parallel):
         raise ValueError(f"plan_imbalance must be in [1, {limit_text(imbalance_limit(model, parallel))}] (one of ep="

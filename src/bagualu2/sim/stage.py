@@ -13,7 +13,7 @@ from ..costmodel.graph import MATMUL_KINDS
 from ..costmodel.validate import require_int
 from ..fusion import build_chains
 from ..runtime import DecisionPath, Stage
-from ..fusion.interference import makespan_ns
+from ..fusion.interference import group_times_ns
 from .execution import order_of
 
 
@@ -31,14 +31,25 @@ class Choice(NamedTuple):
     """What one chunk-forward runs: the bytes it keeps (exact at its imbalance) and the seconds of the three steps
     it can be part of under the policy's execution (:mod:`.execution`): a forward alone (with the offload copies
     of the forward before it), a backward alone (with the recovery of the next one), and a steady F_x B_y pair
-    with its own backward (``pair_s``: y's graph and plan are x's; :meth:`StageContext.pair_s` times a pair with
-    y's own); ``key``: what it was made for."""
+    with its own backward (``pair_s``: y's graph and plan are x's; :meth:`StageContext.pair` times a pair with
+    y's own; ``pair_forward_out_s``: when in that pair x's forward output leaves, :class:`PairTime`); ``key``: what
+    it was made for."""
 
     kept_bytes: int
     forward_s: float
     backward_s: float
     pair_s: float
+    pair_forward_out_s: float
     key: ChoiceKey
+
+
+class PairTime(NamedTuple):
+    """A steady point F_x B_y: its seconds, and when after its start x's forward output leaves for the next stage
+    — at the point's end where F and B run together (Megatron-Core's combined 1F1B step and the fused point send
+    after the whole point), else where the forward part ends (F then B)."""
+
+    seconds: float
+    forward_out_s: float
 
 
 class PairKey(NamedTuple):
@@ -177,33 +188,40 @@ class StageContext:
         found = self._choices.get(key)
         if found is None:
             graph, hardware = self.timing_graph(chunk, imbalance), self.hardware
+            pair = self._timed(build_chains(graph, plan, graph, plan, hardware=hardware), execution, share)
             found = self._choices[key] = Choice(
                 self.cost(chunk, imbalance, plan).activation_bytes,
-                self._seconds(build_chains(graph, plan, None, None, hardware=hardware), execution, share),
-                self._seconds(build_chains(None, None, graph, plan, hardware=hardware), execution, share),
-                self._seconds(build_chains(graph, plan, graph, plan, hardware=hardware), execution, share), key)
+                self._timed(build_chains(graph, plan, None, None, hardware=hardware), execution, share).seconds,
+                self._timed(build_chains(None, None, graph, plan, hardware=hardware), execution, share).seconds,
+                pair.seconds, pair.forward_out_s, key)
         return found
 
-    def pair_s(self, lead: Choice, back: Choice) -> float:
-        """Seconds of the steady point F_x B_y whose forward ran ``lead`` and whose backward is of the forward that
-        ran ``back``: each on its own graph and plan, under ``lead``'s execution (memoised)."""
+    def pair(self, lead: Choice, back: Choice) -> PairTime:
+        """The steady point F_x B_y whose forward ran ``lead`` and whose backward is of the forward that ran
+        ``back``: each on its own graph and plan, under ``lead``'s execution (memoised)."""
         if back.key == lead.key:
-            return lead.pair_s
+            return PairTime(lead.pair_s, lead.pair_forward_out_s)
         key = PairKey(lead.key, back.key)
         found = self._pairs.get(key)
         if found is None:
             x, y = lead.key, back.key
             chains = build_chains(self.timing_graph(x.chunk, x.imbalance), Plan(x.entries),
                                   self.timing_graph(y.chunk, y.imbalance), Plan(y.entries), hardware=self.hardware)
-            found = self._pairs[key] = self._seconds(chains, x.execution, x.share)
+            found = self._pairs[key] = self._timed(chains, x.execution, x.share)
         return found
 
-    def _seconds(self, chains, execution: str, share: float) -> float:
+    def _timed(self, chains, execution: str, share: float) -> PairTime:
         """The makespan of ``chains`` under ``execution`` (the fused one: the DP's order for the slowdown
-        ``share`` it is timed with)."""
+        ``share`` it is timed with), and when its forward's output leaves (:class:`PairTime`)."""
         order = order_of(execution, chains, lambda chains: self.timing.order(chains, share=share),
                          own_copies=self.own_copies)
-        return 1e-9 * makespan_ns(order, chains, share)
+        times = group_times_ns(order, chains, share)
+        total = sum(times)
+        kinds = [{kind for kind, _ in group} for group in order.groups]
+        together = execution in ("fused", "fused-pairs") or any({"F", "B"} <= group for group in kinds)
+        last_forward = max((i for i, group in enumerate(kinds) if "F" in group), default=len(kinds) - 1)
+        out = total if together else sum(times[:last_forward + 1])
+        return PairTime(1e-9 * total, 1e-9 * out)
 
     def model_flops(self) -> int:
         """Model FLOPs of this stage per iteration: 3 x the forward matrix-product FLOPs (``MATMUL_KINDS``) of
