@@ -44,7 +44,7 @@ def test_hand_made_timeline_exact_rows() -> None:
     text = gantt_text(tl, width=10)
     assert rows(text) == {"compute": "FFFFFBBBBB", "comm": ".......BBB", "d2h": "..OO......", "h2d": "R........."}
     assert text.splitlines()[0].startswith("makespan 0.000 ms")  # 100 ns
-    assert "F forward (1 stages), B backward (2 stages), O offload (1 stages), R recovery (1 stages)" in text
+    assert "F forward (1 stage), B backward (2 stages), O offload (1 stage), R recovery (1 stage)" in text
 
 
 @pytest.mark.parametrize("width", [1, 7, 40, 100, 333])
@@ -83,7 +83,7 @@ def test_header_axis_and_legend() -> None:
     assert axis.startswith("ms") and axis.split()[1] == "0" and axis.split()[-1] == f"{tl.makespan_ns * 1e-6:.4g}"
     assert len(axis) <= len(lines[1])  # the axis fits under the rows
     counts = dict(zip("FBOR", chains().counts()))
-    assert all(f"({counts[k]} stages)" in lines[6] for k in "FBOR")
+    assert all(f"({counts[k]} stage{'' if counts[k] == 1 else 's'})" in lines[6] for k in "FBOR")
 
 
 @pytest.mark.parametrize("width", [0, -3, 2.5, True])

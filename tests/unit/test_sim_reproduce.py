@@ -197,6 +197,38 @@ def test_worker_processes_change_nothing_but_the_wall_time():
     assert all(ms > 0 for _, ms, _ in two.overhead)
 
 
+@pytest.mark.launch
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP"])
+def test_a_stopped_reproduce_stops_its_simulation_workers_and_writes_nothing(tmp_path, signame):
+    """SIGTERM or SIGHUP to ``bagualu2 reproduce`` (not its process group) stops its worker processes, as Ctrl-C
+    does: none keeps simulating (and holding the caller's pipes open) after it exited with 128 + the signal."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    docs = tmp_path / "docs"
+    proc = subprocess.Popen([sys.executable, "-m", "bagualu2.cli", "reproduce", "-n", "200000", "--docs", str(docs),
+                             "-j", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def children() -> list[str]:
+        return subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+
+    deadline = time.monotonic() + 120
+    while len(children()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)  # until the pool's workers run
+    started = children()
+    assert len(started) >= 2, started
+    proc.send_signal(getattr(signal, signame))
+    _, stderr = proc.communicate(timeout=60)  # returns: no worker holds the pipes open
+    assert proc.returncode == 128 + getattr(signal, signame) and "Traceback" not in stderr, stderr
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() for pid in started) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in started if Path(f"/proc/{pid}").exists()]
+    assert not docs.exists()
+
+
 def test_cli_reproduce_reports_a_dead_worker_in_one_line(tmp_path, monkeypatch):
     import bagualu2.cli.reproduce_cmd as command
     from bagualu2.sim.reproduce import WorkerDied
@@ -208,6 +240,19 @@ def test_cli_reproduce_reports_a_dead_worker_in_one_line(tmp_path, monkeypatch):
     result = runner.invoke(app, ["reproduce", "--docs", str(tmp_path)])
     assert result.exit_code == 2 and result.output.strip().startswith("error: --jobs: one of 2 simulation worker")
     assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "reproduction.md").exists()
+
+
+def test_numpy_numbers_are_held_as_pythons_so_the_report_writes_as_json():
+    import numpy as np
+
+    config = ReproduceConfig(iterations=np.int64(10), seed=np.int64(3), jobs=np.int32(1),
+                             overhead_iterations=np.int64(2), seq_lengths=(np.int64(4096),),
+                             plan_imbalance=np.float64(1.2), restart_s=np.float32(3.0))
+    fields = {name: getattr(config, name) for name in ("iterations", "seed", "jobs", "overhead_iterations",
+                                                       "plan_imbalance", "restart_s")}
+    assert [type(value) for value in fields.values()] == [int] * 4 + [float] * 2
+    assert type(config.seq_lengths[0]) is int
+    json.dumps(fields)
 
 
 def test_default_workers_are_the_usable_cpus_within_the_available_memory(monkeypatch):

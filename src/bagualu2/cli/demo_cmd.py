@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 from collections import Counter
 from pathlib import Path
 from typing import Annotated, Optional
@@ -29,6 +28,7 @@ from bagualu2.runtime import replay_iteration
 from .common import (GIB, HARDWARE_HELP, JSON_HELP, MIB, MODEL_HELP, CliError, console, echo_json, handle_errors,
                      integer_option, literal, number_in, one_thread_env, progress_bar, require_extra)
 from .iteration import MAX_IMBALANCE_HELP, SEED_HELP, SPIKE_RATE_HELP, prepare
+from .signals import unwinding
 
 PROGRESS_POLL_S = 0.5  # how often the progress bar reads the trainer's metrics file
 
@@ -97,9 +97,7 @@ def _train(steps: int, seed: int, *, quiet: bool = False) -> dict:
     summary record; a progress bar on stderr (not with ``quiet``) follows the steps the trainer's metrics file
     records."""
     require_extra("trainer", "--train-steps")
-    main_thread = threading.current_thread() is threading.main_thread()  # where a handler may be set
-    previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None  # SIGTERM unwinds: the
-    try:  # trainer stops, its folder goes
+    with unwinding(signal.SIGTERM):  # SIGTERM unwinds: the trainer stops, its folder goes
         with tempfile.TemporaryDirectory(prefix="bagualu2-demo-") as folder:
             metrics = Path(folder) / "metrics.jsonl"
             proc = subprocess.Popen([sys.executable, "-m", "reference_trainer.train", "--recipe", "glm_moe_debug",
@@ -112,9 +110,6 @@ def _train(steps: int, seed: int, *, quiet: bool = False) -> dict:
                 proc.kill()
                 proc.communicate()
                 raise
-    finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
     if proc.returncode != 0:
         last = (err.strip().splitlines() or ["the trainer failed"])[-1]
         raise CliError(last.removeprefix("error: "), "--train-steps")
@@ -132,10 +127,6 @@ def _follow(proc: subprocess.Popen, metrics: Path, steps: int, quiet: bool) -> t
                 return proc.communicate(timeout=PROGRESS_POLL_S)
             except subprocess.TimeoutExpired:
                 bar.update(task, completed=_steps_logged(metrics))
-
-
-def _terminated(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)
 
 
 def _steps_logged(metrics: Path) -> int:

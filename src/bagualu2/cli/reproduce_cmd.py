@@ -16,6 +16,7 @@ from bagualu2.sim.reproduce import ReproduceConfig, WorkerDied, reproduce, steps
 from .common import (JSON_HELP, CliError, blame, check_device_room, check_output_path, console, echo_json,
                      handle_errors, integer_option, literal, number_in, progress_bar)
 from .files import atomic_write_many
+from .signals import unwinding
 
 # config field -> option
 OPTIONS = {"iterations": "--iterations", "seed": "--seed", "restart_s": "--restart-s", "models": "--model",
@@ -88,7 +89,8 @@ def reproduce_cmd(
             started.append(label)
 
         try:
-            report = reproduce(config, progress=advance)
+            with unwinding():  # SIGTERM and SIGHUP unwind too: the simulation workers are stopped, as on Ctrl-C
+                report = reproduce(config, progress=advance)
         except WorkerDied as exc:
             raise CliError(str(exc), "--jobs") from None
         progress.update(task, completed=len(started))

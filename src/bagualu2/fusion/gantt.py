@@ -82,7 +82,8 @@ def gantt_text(timeline: Timeline, chains: Chains | None = None, *, width: int =
         counts = dict(zip(CHAIN_KINDS, chains.counts()))
     else:
         counts = {kind: sum(e.chain == kind for e in timeline.events) for kind in CHAIN_KINDS}
-    legend = ", ".join(f"{kind} {CHAIN_NAMES[kind]} ({counts[kind]} stages)" for kind in CHAIN_KINDS)
+    legend = ", ".join(f"{kind} {CHAIN_NAMES[kind]} ({counts[kind]} stage{'' if counts[kind] == 1 else 's'})"
+                       for kind in CHAIN_KINDS)
     lines.append(f"{'':<{_LABEL}} {legend}; {IDLE} idle")
     return "\n".join(lines)
 

@@ -94,7 +94,7 @@ class ReproduceConfig:
     jobs: int | None = None
 
     def __post_init__(self) -> None:
-        require_number("plan_imbalance", self.plan_imbalance, 1)
+        object.__setattr__(self, "plan_imbalance", float(require_number("plan_imbalance", self.plan_imbalance, 1)))
         for name, kind in (("models", str), ("top_ks", int), ("seq_lengths", int)):
             value = getattr(self, name)
             if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)) or not value:
@@ -106,13 +106,16 @@ class ReproduceConfig:
         # preset names are case-insensitive: one spelling each, so that a model is one run and one label
         object.__setattr__(self, "models", tuple(dict.fromkeys(name.lower() for name in self.models)))
         object.__setattr__(self, "focus", self.focus.lower())
+        # integers of another type (numpy's) as Python's: the report and its JSON hold them
         if self.jobs is not None:
-            require_int("jobs", self.jobs, 1, MAX_JOBS, high_open=False)
-        require_int("iterations", self.iterations, 10, MAX_ITERATIONS, high_open=False)
-        require_int("seed", self.seed, 0, 2 ** 63)
+            object.__setattr__(self, "jobs", require_int("jobs", self.jobs, 1, MAX_JOBS, high_open=False))
+        object.__setattr__(self, "iterations", require_int("iterations", self.iterations, 10, MAX_ITERATIONS,
+                                                           high_open=False))
+        object.__setattr__(self, "seed", require_int("seed", self.seed, 0, 2 ** 63))
         PaperTrace(num_iterations=self.iterations, seed=self.seed)
-        require_number("restart_s", self.restart_s, 0, MAX_RESTART_S)
-        require_int("overhead_iterations", self.overhead_iterations, 1)
+        object.__setattr__(self, "restart_s", float(require_number("restart_s", self.restart_s, 0, MAX_RESTART_S)))
+        object.__setattr__(self, "overhead_iterations", require_int("overhead_iterations", self.overhead_iterations,
+                                                                    1))
         object.__setattr__(self, "hardware", self.hardware.lower() if isinstance(self.hardware, str)
                            else self.hardware)  # one spelling, as the report prints it
         for name, values, find in (("hardware", (self.hardware,), presets.hardware),
@@ -137,14 +140,15 @@ class ReproduceConfig:
                                  f"{self.focus}, {experts}, over the paper trace's largest rate {highest:g}: a "
                                  f"token reaches at most top_k experts), got {k!r}")
             limits[f"top-{k}"] = imbalance_limit(dataclasses.replace(model, top_k=k), parallel)
-        object.__setattr__(self, "top_ks", tuple(dict.fromkeys(self.top_ks)))  # one run and one row per value
+        object.__setattr__(self, "top_ks", tuple(dict.fromkeys(int(k) for k in self.top_ks)))  # one run and row each
         lowest = min(limits.values())
         if self.plan_imbalance > lowest:
             raise ValueError(f"plan_imbalance must be in [1, {limit_text(lowest)}] (the smallest imbalance limit of "
                              f"the models: one of ep ranks receives at most min(ep, num_experts / top_k) x the mean "
                              f"tokens), got {self.plan_imbalance!r}")
+        object.__setattr__(self, "seq_lengths", tuple(require_int("seq_lengths", length, 1)
+                                                      for length in self.seq_lengths))
         for length in self.seq_lengths:
-            require_int("seq_lengths", length, 1)
             try:
                 check_compatible(dataclasses.replace(model, seq_length=length), parallel)
             except ValueError as exc:

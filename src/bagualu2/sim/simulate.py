@@ -225,17 +225,17 @@ def stage_time(policy: StagePolicy, rates: tuple[float, ...], extra: StageOverhe
     running: dict[int, object] = {}
     first = final = alone = 0.0
     schedule = ctx.steps
-    final_mb, last_chunk = len(rates) - 1, ctx.parallel.vp - 1
-    head = extra is not None and ctx.stage == ctx.parallel.pp - 1
-    embed = extra is not None and ctx.stage == 0
-
-    def forward_extra(chunk: int) -> tuple[float, float]:  # (seconds, of them before the output leaves)
-        before = extra.embed_forward_s if embed and chunk == 0 else 0.0
-        return before + (extra.head_forward_s if head and chunk == last_chunk else 0.0), before
-
-    def backward_extra(chunk: int) -> float:
-        return ((extra.head_backward_s if head and chunk == last_chunk else 0.0)
-                + (extra.embed_backward_s if embed and chunk == 0 else 0.0))
+    final_mb, vp = len(rates) - 1, ctx.parallel.vp
+    # per chunk: seconds a forward and a backward add (output layer, embedding), and of a forward's the part before
+    # its output leaves (the embedding runs before the chunk, the output layer after it)
+    forward_add, forward_before, backward_add = [0.0] * vp, [0.0] * vp, [0.0] * vp
+    if extra is not None and ctx.stage == ctx.parallel.pp - 1:
+        forward_add[vp - 1] += extra.head_forward_s
+        backward_add[vp - 1] += extra.head_backward_s
+    if extra is not None and ctx.stage == 0:
+        forward_add[0] += extra.embed_forward_s
+        forward_before[0] += extra.embed_forward_s
+        backward_add[0] += extra.embed_backward_s
 
     steps: list[Step] = []
     i = 0
@@ -243,8 +243,8 @@ def stage_time(policy: StagePolicy, rates: tuple[float, ...], extra: StageOverhe
         step = schedule[i]
         if step.forward:
             choice = running[step.index] = next(choices)
-            added, before = forward_extra(step.chunk)
-            alone += choice.forward_s + choice.backward_s + added + backward_extra(step.chunk)
+            added, before = forward_add[step.chunk], forward_before[step.chunk]
+            alone += choice.forward_s + choice.backward_s + added + backward_add[step.chunk]
             if step.microbatch == 0:
                 first += choice.forward_s
             if (step.microbatch, step.chunk) in ctx.point_leads:  # F_x B_y: the backward is the next step
@@ -254,10 +254,10 @@ def stage_time(policy: StagePolicy, rates: tuple[float, ...], extra: StageOverhe
                 lead, behind = (step.microbatch, step.chunk), (after.microbatch, after.chunk)
                 if pair.forward_out_s < pair.seconds:  # F then B: each its own step, as Megatron runs them
                     steps.append(Step(lead, None, pair.forward_out_s + added, pair.forward_out_s + before))
-                    steps.append(Step(None, behind, pair.seconds - pair.forward_out_s + backward_extra(after.chunk),
+                    steps.append(Step(None, behind, pair.seconds - pair.forward_out_s + backward_add[after.chunk],
                                       0.0))
                 else:  # together: the point starts with both inputs and sends after it
-                    seconds = pair.seconds + added + backward_extra(after.chunk)
+                    seconds = pair.seconds + added + backward_add[after.chunk]
                     steps.append(Step(lead, behind, seconds, seconds))
                 if after.microbatch == final_mb:  # the last backward ran inside the pair: sync hides behind it
                     final += back.backward_s
@@ -267,7 +267,7 @@ def stage_time(policy: StagePolicy, rates: tuple[float, ...], extra: StageOverhe
                               choice.forward_s + before))
         else:
             back = running[step.index]
-            steps.append(Step(None, (step.microbatch, step.chunk), back.backward_s + backward_extra(step.chunk), 0.0))
+            steps.append(Step(None, (step.microbatch, step.chunk), back.backward_s + backward_add[step.chunk], 0.0))
             if step.microbatch == final_mb:
                 final += back.backward_s
         i += 1

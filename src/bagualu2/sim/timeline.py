@@ -55,40 +55,46 @@ def spans(stages: Sequence[Sequence[Step]], vp: int) -> list[Span]:
     while remaining:
         moved = False
         for s, steps in enumerate(stages):
-            while position[s] < len(steps):
-                step = steps[position[s]]
-                start = free[s]
-                if step.forward is not None:
-                    microbatch, chunk = step.forward
+            done_forward, done_backward = forwards[s], backwards[s]
+            before = forwards[s - 1] if s > 0 else forwards[pp - 1]  # where a forward's input comes from
+            after = backwards[s + 1] if s < pp - 1 else backwards[0]  # where a backward's gradient comes from
+            at, start_s = position[s], free[s]
+            while at < len(steps):
+                forward, backward, seconds, forward_out_s = steps[at]
+                start = start_s
+                if forward is not None:
                     if s > 0:
-                        arrived = forwards[s - 1].get(step.forward)
+                        arrived = before.get(forward)
                     else:
-                        arrived = forwards[pp - 1].get((microbatch, chunk - 1)) if chunk > 0 else 0.0
+                        arrived = before.get((forward[0], forward[1] - 1)) if forward[1] > 0 else 0.0
                     if arrived is None:
                         break
-                    start = max(start, arrived)
-                if step.backward is not None:
-                    microbatch, chunk = step.backward
+                    if arrived > start:
+                        start = arrived
+                if backward is not None:
                     if s < pp - 1:
-                        arrived = backwards[s + 1].get(step.backward)
-                    elif chunk < vp - 1:
-                        arrived = backwards[0].get((microbatch, chunk + 1))
+                        arrived = after.get(backward)
+                    elif backward[1] < vp - 1:
+                        arrived = after.get((backward[0], backward[1] + 1))
                     else:  # the loss: this stage's own forward, run at an earlier step
-                        arrived = forwards[s].get(step.backward)
+                        arrived = done_forward.get(backward)
                     if arrived is None:
                         break
-                    start = max(start, arrived)
-                free[s] = start + step.seconds
-                if step.forward is not None and step.forward[0] == 0:
-                    first_end[s] = free[s]
-                if step.backward is not None and step.backward[0] == last:
-                    last_start[s] = min(last_start[s], start)
-                if step.forward is not None:
-                    forwards[s][step.forward] = start + step.forward_out_s
-                if step.backward is not None:
-                    backwards[s][step.backward] = free[s]
-                position[s] += 1
-                remaining -= 1
+                    if arrived > start:
+                        start = arrived
+                start_s = start + seconds
+                if forward is not None:
+                    done_forward[forward] = start + forward_out_s
+                    if forward[0] == 0:
+                        first_end[s] = start_s
+                if backward is not None:
+                    done_backward[backward] = start_s
+                    if backward[0] == last and start < last_start[s]:
+                        last_start[s] = start
+                at += 1
+            if at != position[s]:
+                remaining -= at - position[s]
+                position[s], free[s] = at, start_s
                 moved = True
         if not moved:
             stuck = ", ".join(f"stage {s} at step {position[s]}" for s in range(pp) if position[s] < len(stages[s]))
