@@ -11,9 +11,10 @@ output layer — the parts of a training step the op graphs of the transformer l
   ``--overlap-param-gather``; without it an all-reduce of twice the volume): the fp32 gradients are
   reduce-scattered over the data-parallel group (dense
   parameters over ``dp``, experts over ``edp``), ring volume ``(n - 1) / n`` of them, at the inter-node rate times
-  ``link_efficiency``; the reduction starts when the last micro-batch's backward makes the gradients final, so
-  it hides behind that backward and only the rest is exposed. The bf16 parameter all-gather after the step hides
-  behind the first micro-batch's forward the same way.
+  ``link_efficiency``; the reduction starts when the last micro-batch's backwards make the gradients final, so
+  it hides behind them (and, on the pipeline's timeline, the stage's waits after them) and only the rest is
+  exposed (``StageOverheads.sync_s``). The bf16 parameter all-gather after the step hides behind the first
+  micro-batch's forwards (and the waits before them) the same way.
 * **Optimizer step**: Adam over this rank's shard of the fp32 master parameters, memory-bound: per parameter it
   reads the master weight, gradient, momentum and variance (16 bytes), writes the three states back (12) and the
   bf16 weight (2).

@@ -15,8 +15,9 @@ between stages follow from the steps' own times::
 
     iteration_s = max over stages (the stage's last step ends + exposed gradient sync + optimizer_s)
 
-The gradient reduce-scatter hides behind the last micro-batch's backwards and the parameter all-gather behind the
-first one's forwards, except under ``overlap="none"``. MFU = model FLOPs
+The gradient reduce-scatter runs beside the stage's steps and waits from its first step holding a backward of the
+last micro-batch on, the parameter all-gather until the first micro-batch's forwards have ended; what either
+leaves is exposed (all of both under ``overlap="none"``). MFU = model FLOPs
 per GPU per iteration / (iteration_s * peak_flops), the model FLOPs being the mean over stages of
 :meth:`~.stage.StageContext.model_flops` (3 x forward matrix-product FLOPs at balanced load) plus the output
 layer's; a run's ``mean_mfu`` averages it per iteration (§VI-A).
