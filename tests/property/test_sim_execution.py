@@ -120,6 +120,26 @@ def test_megatron_overlapped_unpaired_on_request_and_each_policy_names_its_nativ
         bagualu2.sim.native_execution("fast")
 
 
+@pytest.mark.parametrize("paired", [False, True])
+def test_megatron_runs_f_then_b_at_one_chunk_per_stage(paired):
+    """Megatron-Core's combined 1F1B needs virtual pipeline stages when pp > 1: at vp = 1 a `megatron` policy runs
+    every steady point F then B under `real` as under `released`, and the fused policies' points, run together,
+    make the stages wait for each other (the timeline), so the fused order loses to the serial steps there."""
+    from bagualu2.sim.execution import execution_of
+
+    assert execution_of("megatron", "real", virtual_stages=False) == "megatron-unpaired"
+    assert execution_of("megatron", "real") == "megatron" and execution_of("fused", "real", virtual_stages=False) == "fused"
+    parallel = dataclasses.replace(PARALLEL, vp=1, pp=4, dp=PARALLEL.dp * PARALLEL.pp // 4, num_microbatches=8,
+                                   paired=paired)
+    trace = [(1.1,) * 8]
+    real, released = (simulate(MODEL, parallel, HW, "kwai", trace, plan_imbalance=1.2, overlap=o, restart_s=0.0)
+                      for o in ("real", "released"))
+    assert real.iterations[0].time_s == released.iterations[0].time_s
+    fused, serial = (simulate(MODEL, parallel, HW, "ideal", trace, overlap=o).iterations[0].time_s
+                     for o in ("real", "none"))
+    assert fused > serial
+
+
 def test_released_megatron_never_pairs_f_and_b_but_keeps_its_copies_beside_compute():
     """``megatron-unpaired`` (the baselines' 2024 releases): F then B at every point, the copies still joined to
     compute groups; never faster than the paired order."""

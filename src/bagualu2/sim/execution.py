@@ -22,6 +22,10 @@ between policies is only the order, i.e. the overlap their real systems have:
 * ``fused-pairs``: the DP's order for steady pairs, the other steps serial (the fused policies under
   ``"fused-only"``).
 
+At one chunk per stage with pp > 1 a ``megatron`` policy runs ``megatron-unpaired`` under every model: Megatron-Core
+requires virtual pipeline stages for its combined 1F1B there (a pair that waits for both its inputs would make the
+stages wait for each other, docs/sim.md "Time").
+
 ``OVERLAP`` switches the model for a whole simulation: ``"real"`` (default) as above; ``"released"``: as
 ``"real"`` but every ``megatron`` policy ``megatron-unpaired`` (a bound: the paper does not say which Megatron its
 baselines ran on); ``"fused-only"``: the static
@@ -53,13 +57,16 @@ def check_overlap(overlap: str) -> str:
     return overlap
 
 
-def execution_of(native: str, overlap: str) -> str:
-    """The execution a policy whose real system runs ``native`` gets under ``overlap``."""
+def execution_of(native: str, overlap: str, *, virtual_stages: bool = True) -> str:
+    """The execution a policy whose real system runs ``native`` gets under ``overlap``; ``virtual_stages``: whether
+    the layout has them or needs none (vp > 1 or pp = 1): Megatron-Core's combined 1F1B requires them
+    (``TransformerConfig`` asserts a virtual pipeline size with ``--overlap-moe-expert-parallel-comm`` when
+    pp > 1), so without them a ``megatron`` policy runs F then B."""
     if overlap == "none":
         return "serial"
     if overlap == "fused-only":
         return "fused-pairs" if native == "fused" else "serial"
-    if overlap == "released" and native == "megatron":
+    if native == "megatron" and (overlap == "released" or not virtual_stages):
         return "megatron-unpaired"
     return native
 

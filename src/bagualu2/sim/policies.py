@@ -82,7 +82,9 @@ class StagePolicy:
 
     def __init__(self, ctx: StageContext, *, overlap: str = "real"):
         self.ctx = ctx
-        self.execution = execution_of(self.native, check_overlap(overlap))
+        parallel = ctx.parallel
+        self.execution = execution_of(self.native, check_overlap(overlap),
+                                      virtual_stages=parallel.vp > 1 or parallel.pp == 1)
         self.share = interference_of(overlap)
         self._runs: dict[tuple, tuple[Plan, Choice]] = {}  # (chunk, imbalance, id(plan)) -> (plan, its Choice)
 
