@@ -128,7 +128,8 @@ def test_megatron_runs_f_then_b_at_one_chunk_per_stage(paired):
     from bagualu2.sim.execution import execution_of
 
     assert execution_of("megatron", "real", virtual_stages=False) == "megatron-unpaired"
-    assert execution_of("megatron", "real") == "megatron" and execution_of("fused", "real", virtual_stages=False) == "fused"
+    assert execution_of("megatron", "real") == "megatron"
+    assert execution_of("fused", "real", virtual_stages=False) == "fused"
     parallel = dataclasses.replace(PARALLEL, vp=1, pp=4, dp=PARALLEL.dp * PARALLEL.pp // 4, num_microbatches=8,
                                    paired=paired)
     trace = [(1.1,) * 8]
