@@ -140,7 +140,7 @@ class ReproduceConfig:
                                  f"{self.focus}, {experts}, over the paper trace's largest rate {highest:g}: a "
                                  f"token reaches at most top_k experts), got {k!r}")
             limits[f"top-{k}"] = imbalance_limit(dataclasses.replace(model, top_k=k), parallel)
-        object.__setattr__(self, "top_ks", tuple(dict.fromkeys(int(k) for k in self.top_ks)))  # one run and row each
+        object.__setattr__(self, "top_ks", tuple(dict.fromkeys(self.top_ks)))  # one run and one row per value
         lowest = min(limits.values())
         if self.plan_imbalance > lowest:
             raise ValueError(f"plan_imbalance must be in [1, {limit_text(lowest)}] (the smallest imbalance limit of "

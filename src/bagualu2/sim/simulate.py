@@ -336,8 +336,8 @@ class _Run:
 
         # each stage's fastest way, or one way on every stage (the timeline is every stage's: a stage's fastest
         # may hold up another), whichever iteration is the shortest
-        candidates = [[min(options) for options in ways]] + [[options[i] for options in ways]
-                                                             for i in range(len(ways[0]))]
+        fastest = [min(options, key=lambda way: way.whole_s) for options in ways]  # a way holds steps: no order
+        candidates = [fastest] + [[options[i] for options in ways] for i in range(len(ways[0]))]
         chosen = min(candidates, key=iteration_s)
         time_s = iteration_s(chosen)
         peaks = tuple(way.peak_bytes for way in chosen)
